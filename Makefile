@@ -1,0 +1,37 @@
+# The two quick-start commands are `make demo` and `make test`; each bootstraps .venv.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+FAKE_DEVICES := XLA_FLAGS=--xla_force_host_platform_device_count=8
+# Two pytest workers on CI's two cores; each worker fakes 8 devices.
+WORKERS ?= 2
+
+.PHONY: demo test lint bench format clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(FAKE_DEVICES) $(BIN)/python examples/custom_training_loop.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -n $(WORKERS) -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+bench: $(STAMP)
+	$(FAKE_DEVICES) $(BIN)/python benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

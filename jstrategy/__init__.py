@@ -1,0 +1,41 @@
+"""jstrategy: TensorFlow 2's tf.distribute.Strategy family for JAX and Flax."""
+
+from jstrategy._src.context import ReplicaContext
+from jstrategy._src.context import experimental_set_strategy
+from jstrategy._src.context import get_replica_context
+from jstrategy._src.context import get_strategy
+from jstrategy._src.context import has_strategy
+from jstrategy._src.context import in_cross_replica_context
+from jstrategy._src.cross_device_ops import CrossDeviceOps
+from jstrategy._src.cross_device_ops import HierarchicalCopyAllReduce
+from jstrategy._src.cross_device_ops import NcclAllReduce
+from jstrategy._src.cross_device_ops import ReductionToOneDevice
+from jstrategy._src.mirrored import MirroredStrategy
+from jstrategy._src.one_device import OneDeviceStrategy
+from jstrategy._src.reduce_util import ReduceOp
+from jstrategy._src.strategy import REPLICA_AXIS
+from jstrategy._src.strategy import Strategy
+from jstrategy._src.strategy import ValueContext
+from jstrategy._src.values import PerReplica
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "REPLICA_AXIS",
+    "CrossDeviceOps",
+    "HierarchicalCopyAllReduce",
+    "MirroredStrategy",
+    "NcclAllReduce",
+    "OneDeviceStrategy",
+    "PerReplica",
+    "ReduceOp",
+    "ReductionToOneDevice",
+    "ReplicaContext",
+    "Strategy",
+    "ValueContext",
+    "experimental_set_strategy",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+]

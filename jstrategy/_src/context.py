@@ -1,0 +1,242 @@
+"""The strategy stack: scopes, the default strategy and replica contexts, as in tf.distribute.
+
+The stack is thread-local. Its bottom is the default strategy with a default replica
+context. `Strategy.scope()` pushes a cross-replica entry; `Strategy.run` pushes a replica
+entry while it traces the per-replica function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from jstrategy._src.reduce_util import ReduceOp
+
+if TYPE_CHECKING:
+    from jstrategy._src.strategy import Strategy
+
+__all__ = [
+    "ReplicaContext",
+    "experimental_set_strategy",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+]
+
+
+class ReplicaContext:
+    """What a per-replica function sees of its strategy while `Strategy.run` runs it.
+
+    Obtain it with `jstrategy.get_replica_context()` inside the function passed to
+    `Strategy.run`. Collectives here are traced into the one compiled SPMD program; gradients
+    flow through them as in tf.distribute (the gradient of an all-reduce is the all-reduce of
+    the incoming gradients).
+
+    Example:
+
+    >>> import jax.numpy as jnp
+    >>> import jstrategy
+    >>> strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    >>> def fn():
+    ...     ctx = jstrategy.get_replica_context()
+    ...     x = (ctx.replica_id_in_sync_group + 1).astype(jnp.float32)
+    ...     return ctx.all_reduce("SUM", x)
+    >>> float(strategy.run(fn))
+    3.0
+    """
+
+    def __init__(self, strategy: Strategy, *, in_run: bool = True, row_mask: Any = None):
+        self._strategy = strategy
+        self._in_run = in_run
+        self._row_mask = row_mask
+
+    @property
+    def row_mask(self) -> jax.Array | None:
+        """This replica's real-row mask when `run` got a padded batch, else None.
+
+        Distributed datasets pad a partial last batch to the full static shape so the
+        compiled step is reused; this boolean vector (one entry per local row) tells real
+        rows from padding. `jstrategy.compute_average_loss` uses it.
+        """
+        return self._row_mask
+
+    @property
+    def strategy(self) -> Strategy:
+        """The strategy running this replica."""
+        return self._strategy
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """How many replicas take part in each collective."""
+        return self._strategy.num_replicas_in_sync if self._in_run else 1
+
+    @property
+    def replica_id_in_sync_group(self) -> jax.Array | int:
+        """This replica's index, 0 to `num_replicas_in_sync - 1` (a traced int inside `run`)."""
+        if not self._in_run:
+            return 0
+        return jax.lax.axis_index(self._strategy.axis_name)
+
+    def all_reduce(self, reduce_op: ReduceOp | str, value: Any) -> Any:
+        """Combines `value` (any pytree of arrays) across replicas; every replica gets the result.
+
+        Uses the strategy's cross-device ops, so `HierarchicalCopyAllReduce` changes the
+        communication pattern of the program, not the numbers.
+
+        Args:
+          reduce_op: `ReduceOp.SUM` or `ReduceOp.MEAN` (or their names).
+          value: a pytree of arrays, the same structure and shapes on every replica.
+
+        Returns:
+          The reduced pytree, identical on every replica.
+        """
+        op = ReduceOp.from_value(reduce_op)
+        if not self._in_run:
+            return value
+        strategy = self._strategy
+        return strategy.cross_device_ops.all_reduce(op, value, mesh=strategy.mesh)
+
+    def all_gather(self, value: Any, axis: int) -> Any:
+        """Concatenates each replica's `value` along `axis`, in replica order.
+
+        Args:
+          value: a pytree of arrays of rank at least 1.
+          axis: the axis to concatenate along.
+
+        Returns:
+          The gathered pytree, identical on every replica.
+        """
+        if not self._in_run:
+            return value
+        name = self._strategy.axis_name
+        return jax.tree.map(lambda x: jax.lax.all_gather(x, name, axis=axis, tiled=True), value)
+
+    def __repr__(self) -> str:
+        return f"ReplicaContext(strategy={self._strategy!r})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    strategy: Strategy
+    replica_context: ReplicaContext | None  # None means cross-replica context.
+    scope_owner: bool = False
+
+
+class _Stack(threading.local):
+    def __init__(self) -> None:
+        self.entries: list[_Entry] = []
+        self.set_strategy: Strategy | None = None
+
+
+_STACK = _Stack()
+_DEFAULT: list[Strategy] = []
+_DEFAULT_LOCK = threading.Lock()
+
+
+def _default_strategy() -> Strategy:
+    # Created on first use, not at import: building it starts JAX's backends.
+    with _DEFAULT_LOCK:
+        if not _DEFAULT:
+            from jstrategy._src.one_device import _DefaultStrategy
+
+            _DEFAULT.append(_DefaultStrategy())
+    return _DEFAULT[0]
+
+
+def _top() -> _Entry:
+    if _STACK.entries:
+        return _STACK.entries[-1]
+    default = _default_strategy()
+    return _Entry(default, ReplicaContext(default, in_run=False))
+
+
+def get_strategy() -> Strategy:
+    """The current strategy: the innermost `scope()`, or the default strategy outside any.
+
+    Example:
+
+    >>> import jstrategy
+    >>> strategy = jstrategy.OneDeviceStrategy("cpu:0")
+    >>> with strategy.scope():
+    ...     jstrategy.get_strategy() is strategy
+    True
+    >>> jstrategy.has_strategy()
+    False
+    """
+    return _top().strategy
+
+
+def has_strategy() -> bool:
+    """Whether a non-default strategy is current (inside a `scope()` or `run`)."""
+    return bool(_STACK.entries)
+
+
+def in_cross_replica_context() -> bool:
+    """True inside a `scope()` but outside `run`; False in `run` and outside any scope."""
+    return _top().replica_context is None
+
+
+def get_replica_context() -> ReplicaContext | None:
+    """The current `ReplicaContext`; None in a cross-replica context (a `scope()` outside `run`).
+
+    Outside any scope it is the default strategy's replica context, as in tf.distribute.
+    """
+    return _top().replica_context
+
+
+@contextlib.contextmanager
+def strategy_scope(strategy: Strategy) -> Iterator[Strategy]:
+    """Pushes `strategy` as the current, cross-replica strategy."""
+    for entry in _STACK.entries:
+        if entry.strategy is not strategy:
+            raise ValueError(
+                f"Mixing different strategies is not allowed: entering the scope of "
+                f"{strategy!r} inside the scope of {entry.strategy!r}. Exit the outer scope "
+                "first, or use one strategy for both."
+            )
+    _STACK.entries.append(_Entry(strategy, None, scope_owner=True))
+    try:
+        yield strategy
+    finally:
+        _STACK.entries.pop()
+
+
+@contextlib.contextmanager
+def replica_scope(strategy: Strategy, replica_context: ReplicaContext) -> Iterator[None]:
+    """Pushes a replica context while `run` traces a per-replica function."""
+    _STACK.entries.append(_Entry(strategy, replica_context))
+    try:
+        yield
+    finally:
+        _STACK.entries.pop()
+
+
+def experimental_set_strategy(strategy: Strategy | None) -> None:
+    """Makes `strategy` current without a `with` block; `None` clears it.
+
+    Equivalent to entering `strategy.scope()` and never leaving, as
+    `tf.distribute.experimental_set_strategy`.
+
+    Args:
+      strategy: the strategy to make current, or None.
+
+    Raises:
+      RuntimeError: if called inside some `scope()`.
+    """
+    entries = _STACK.entries
+    own = _STACK.set_strategy
+    if entries and not (len(entries) == 1 and own is not None and entries[0].strategy is own):
+        raise RuntimeError(
+            "experimental_set_strategy must not be called inside a strategy scope; exit "
+            "the `with strategy.scope():` block first."
+        )
+    entries.clear()
+    _STACK.set_strategy = strategy
+    if strategy is not None:
+        entries.append(_Entry(strategy, None, scope_owner=True))

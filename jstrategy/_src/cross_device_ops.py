@@ -1,0 +1,343 @@
+"""Cross-device reduction algorithms: `NcclAllReduce`, `HierarchicalCopyAllReduce`, `ReductionToOneDevice`.
+
+Each is a different communication pattern in the compiled SPMD program, selected by the
+strategy and used for `ReplicaContext.all_reduce`, `Strategy.reduce` and gradient
+aggregation. All three compute the same sums (up to float rounding order).
+
+* `NcclAllReduce`: the tensors are concatenated into `num_packs` buffers and each buffer is
+  one all-reduce (NCCL on GPU); ``num_packs=0`` all-reduces each tensor on its own.
+* `HierarchicalCopyAllReduce`: TF's DGX-1 design. The devices are split into two halves;
+  each half reduces to its first device with a tree of point-to-point copies
+  (collective-permutes), the two half-leaders combine, and the result is broadcast back.
+* `ReductionToOneDevice`: every replica copies its value to one device, which accumulates
+  them with `accumulation_fn`, and the result is broadcast back to all replicas.
+
+The broadcasts back are written as an all-reduce in which only the source contributes
+(JAX's own `broadcast_one_to_all` idiom, and the documented meaning of
+`jax.lax.pbroadcast`, which has no CPU lowering); that keeps the result typed as identical
+on every replica.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jstrategy._src import devices as devices_lib
+from jstrategy._src.reduce_util import ReduceOp
+from jstrategy._src.values import PerReplica, is_per_replica
+
+__all__ = [
+    "CrossDeviceOps",
+    "HierarchicalCopyAllReduce",
+    "NcclAllReduce",
+    "ReductionToOneDevice",
+]
+
+
+class CrossDeviceOps:
+    """Base class of the cross-device reduction algorithms.
+
+    Subclasses implement `_sum_leaves`, the sum across replicas of a list of arrays inside
+    the SPMD program. Everything else (MEAN, pytrees, cross-replica `reduce`) is shared.
+    """
+
+    def __init__(self) -> None:
+        self._programs: dict[Any, Callable[..., Any]] = {}
+
+    # Inside the SPMD program ------------------------------------------------------------
+    def all_reduce(self, reduce_op: ReduceOp | str, value: Any, *, mesh: jax.sharding.Mesh) -> Any:
+        """Reduces a pytree across replicas from inside `Strategy.run` (or a train step).
+
+        Args:
+          reduce_op: `ReduceOp.SUM` or `ReduceOp.MEAN`.
+          value: a pytree of arrays, the same structure and shapes on every replica.
+          mesh: the strategy's mesh; replicas are laid along its first axis.
+
+        Returns:
+          The reduced pytree, identical on every replica.
+        """
+        op = ReduceOp.from_value(reduce_op)
+        leaves, treedef = jax.tree.flatten(value)
+        leaves = [jnp.asarray(x) for x in leaves]
+        summed = self._sum_leaves(leaves, mesh) if leaves else []
+        if op is ReduceOp.MEAN:
+            summed = [s / mesh.size for s in summed]
+        return jax.tree.unflatten(treedef, summed)
+
+    def _sum_leaves(self, leaves: list[jax.Array], mesh: jax.sharding.Mesh) -> list[jax.Array]:
+        """The sums across replicas of `leaves`, traced inside a shard_map over `mesh`."""
+        raise NotImplementedError
+
+    # In the cross-replica context ------------------------------------------------------
+    def reduce(
+        self,
+        reduce_op: ReduceOp | str,
+        per_replica_value: Any,
+        destinations: Any = None,
+        *,
+        axis: int | None = None,
+    ) -> Any:
+        """Reduces per-replica values across replicas, from outside `run`.
+
+        Args:
+          reduce_op: `ReduceOp.SUM` or `ReduceOp.MEAN`.
+          per_replica_value: a pytree whose leaves are `PerReplica` values.
+          destinations: where to put the result: None for replicated over the replicas'
+            devices, or a device (string or `jax.Device`).
+          axis: if given, also reduce along this axis of each replica's value; MEAN then
+            divides by the total number of elements reduced, as in tf.distribute.
+
+        Returns:
+          A pytree of arrays, the reduced values.
+        """
+        op = ReduceOp.from_value(reduce_op)
+        leaves, treedef = jax.tree.flatten(per_replica_value, is_leaf=is_per_replica)
+        for leaf in leaves:
+            if not isinstance(leaf, PerReplica):
+                raise TypeError(
+                    f"`per_replica_value` leaves must be PerReplica values (from "
+                    f"Strategy.run or a distributed dataset); got {type(leaf).__name__}."
+                )
+        if not leaves:
+            return per_replica_value
+        mesh = leaves[0].value.sharding.mesh
+        key = (mesh, op, axis, tuple(leaf.stacked for leaf in leaves), len(leaves))
+        program = self._programs.get(key)
+        if program is None:
+            program = self._build_reduce(mesh, op, axis, [leaf.stacked for leaf in leaves])
+            self._programs[key] = program
+        out = program(*[leaf.value for leaf in leaves])
+        if destinations is not None:
+            out = jax.device_put(out, devices_lib.resolve_device(destinations))
+        return jax.tree.unflatten(treedef, out)
+
+    def batch_reduce(
+        self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple[Any, Any]]
+    ) -> list[Any]:
+        """Reduces several per-replica values in one program (so packing applies).
+
+        Args:
+          reduce_op: `ReduceOp.SUM` or `ReduceOp.MEAN`.
+          value_destination_pairs: ``(per_replica_value, destinations)`` pairs.
+
+        Returns:
+          The reduced values, in order.
+        """
+        values = [v for v, _ in value_destination_pairs]
+        reduced = self.reduce(reduce_op, values)
+        return [
+            r if d is None else jax.device_put(r, devices_lib.resolve_device(d))
+            for r, (_, d) in zip(reduced, value_destination_pairs, strict=True)
+        ]
+
+    def _build_reduce(self, mesh, op: ReduceOp, axis: int | None, stacked: list[bool]):
+        axis_name = mesh.axis_names[0]
+        n = mesh.size
+
+        def body(*xs):
+            xs = [x[0] if s else x for x, s in zip(xs, stacked, strict=True)]
+            counts = [1] * len(xs)
+            if axis is not None:
+                counts = [x.shape[axis] for x in xs]
+                xs = [jnp.sum(x, axis=axis) for x in xs]
+            summed = self._sum_leaves(list(xs), mesh)
+            if op is ReduceOp.MEAN:
+                summed = [s / (n * c) for s, c in zip(summed, counts, strict=True)]
+            return summed
+
+        in_specs = tuple(P(axis_name) for _ in stacked)
+        out_specs = [P() for _ in stacked]
+        return jax.jit(
+            jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs),
+            out_shardings=[NamedSharding(mesh, P()) for _ in stacked],
+        )
+
+    def __repr__(self) -> str:
+        settings = ", ".join(f"{k}={v!r}" for k, v in self._settings().items())
+        return f"{type(self).__name__}({settings})"
+
+    def _settings(self) -> dict[str, Any]:
+        return {}
+
+
+def _check_num_packs(num_packs: int) -> int:
+    if not isinstance(num_packs, int) or isinstance(num_packs, bool) or num_packs < 0:
+        raise ValueError(
+            f"`num_packs` must be a non-negative int; got {num_packs!r}. Use 1 to pack all "
+            "tensors into one buffer, or 0 to reduce each tensor on its own."
+        )
+    return num_packs
+
+
+def _packed(
+    leaves: list[jax.Array], num_packs: int, reduce_buffer: Callable[[jax.Array], jax.Array]
+) -> list[jax.Array]:
+    """Applies `reduce_buffer` to `num_packs` concatenated buffers (per dtype) and unpacks."""
+    if num_packs == 0:
+        return [reduce_buffer(x) for x in leaves]
+    out: list[jax.Array | None] = [None] * len(leaves)
+    by_dtype: dict[Any, list[int]] = {}
+    for i, x in enumerate(leaves):
+        by_dtype.setdefault(x.dtype, []).append(i)
+    for indices in by_dtype.values():
+        flat = jnp.concatenate([leaves[i].reshape(-1) for i in indices])
+        total = flat.shape[0]
+        packs = max(1, min(num_packs, total))
+        bounds = np.linspace(0, total, packs + 1).round().astype(int)
+        reduced = jnp.concatenate(
+            [reduce_buffer(flat[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+        )
+        offset = 0
+        for i in indices:
+            size = leaves[i].size
+            out[i] = reduced[offset : offset + size].reshape(leaves[i].shape)
+            offset += size
+    return out  # type: ignore[return-value]
+
+
+def _broadcast_from(x: jax.Array, axis_name: str, sources: Sequence[int]) -> jax.Array:
+    """Sum of `x` over the `sources` replicas, delivered to every replica."""
+    index = jax.lax.axis_index(axis_name)
+    is_source = functools.reduce(jnp.logical_or, [index == s for s in sources])
+    return jax.lax.psum(jnp.where(is_source, x, jnp.zeros_like(x)), axis_name)
+
+
+class NcclAllReduce(CrossDeviceOps):
+    """All-reduce of packed buffers: one all-reduce per pack (NCCL on GPU).
+
+    Args:
+      num_packs: how many buffers to concatenate the tensors into (per dtype); each is one
+        all-reduce. 0 all-reduces each tensor separately.
+
+    Example:
+
+    >>> import jstrategy
+    >>> strategy = jstrategy.MirroredStrategy(
+    ...     devices=["cpu:0", "cpu:1"], cross_device_ops=NcclAllReduce(num_packs=2))
+    >>> strategy.cross_device_ops
+    NcclAllReduce(num_packs=2)
+    """
+
+    def __init__(self, num_packs: int = 1):
+        super().__init__()
+        self.num_packs = _check_num_packs(num_packs)
+
+    def _settings(self) -> dict[str, Any]:
+        return {"num_packs": self.num_packs}
+
+    def _sum_leaves(self, leaves, mesh):
+        axis_name = mesh.axis_names[0]
+        return _packed(leaves, self.num_packs, lambda x: jax.lax.psum(x, axis_name))
+
+
+class HierarchicalCopyAllReduce(CrossDeviceOps):
+    """Two-level reduction: within each half of the devices, across the halves, then back.
+
+    Within each half, partial sums travel up a binary tree of point-to-point copies
+    (collective-permutes) to the half's first device; the two half-leaders are combined and
+    the total is broadcast back to every device. This is TF's hierarchical copy for DGX-1
+    style machines, where each half is a fast island.
+
+    Args:
+      num_packs: how many buffers to concatenate the tensors into (per dtype). 0 reduces
+        each tensor separately.
+    """
+
+    def __init__(self, num_packs: int = 1):
+        super().__init__()
+        self.num_packs = _check_num_packs(num_packs)
+
+    def _settings(self) -> dict[str, Any]:
+        return {"num_packs": self.num_packs}
+
+    @staticmethod
+    def groups(n: int) -> list[list[int]]:
+        """The replica groups: the first and second half of `n` replicas."""
+        half = (n + 1) // 2
+        return [g for g in (list(range(half)), list(range(half, n))) if g]
+
+    def _sum_leaves(self, leaves, mesh):
+        axis_name = mesh.axis_names[0]
+        groups = self.groups(mesh.size)
+
+        def reduce_buffer(x):
+            step = 1
+            while step < max(len(g) for g in groups):
+                perm = [(g[i], g[i - step]) for g in groups for i in range(step, len(g), 2 * step)]
+                # Replicas that receive nothing get zeros, so adding is safe everywhere.
+                x = x + jax.lax.ppermute(x, axis_name, perm)
+                step *= 2
+            return _broadcast_from(x, axis_name, [g[0] for g in groups])
+
+        return _packed(leaves, self.num_packs, reduce_buffer)
+
+
+def _add_n(values: list[jax.Array]) -> jax.Array:
+    return functools.reduce(jnp.add, values)
+
+
+class ReductionToOneDevice(CrossDeviceOps):
+    """Copies every replica's value to one device, accumulates there, broadcasts back.
+
+    Args:
+      reduce_to_device: the device to reduce on (string or `jax.Device`); it must be one of
+        the strategy's devices. None means the first replica's device.
+      accumulation_fn: a function from a list of arrays (one per replica, in replica order)
+        to their sum; defaults to adding them.
+
+    Raises:
+      ValueError: at first use, if `reduce_to_device` is not one of the strategy's devices.
+    """
+
+    def __init__(
+        self,
+        reduce_to_device: Any = None,
+        accumulation_fn: Callable[[list[jax.Array]], jax.Array] | None = None,
+    ):
+        super().__init__()
+        self.reduce_to_device = (
+            None if reduce_to_device is None else devices_lib.resolve_device(reduce_to_device)
+        )
+        if accumulation_fn is not None and not callable(accumulation_fn):
+            raise TypeError(
+                f"`accumulation_fn` must be callable (list of arrays -> array); got "
+                f"{accumulation_fn!r}."
+            )
+        self.accumulation_fn = accumulation_fn or _add_n
+
+    def _settings(self) -> dict[str, Any]:
+        return {"reduce_to_device": self.reduce_to_device}
+
+    def _destination_index(self, mesh: jax.sharding.Mesh) -> int:
+        if self.reduce_to_device is None:
+            return 0
+        devices = list(mesh.devices.flat)
+        if self.reduce_to_device not in devices:
+            raise ValueError(
+                f"`reduce_to_device` must be one of the strategy's devices "
+                f"{[devices_lib.canonical_name(d) for d in devices]}; got "
+                f"{devices_lib.canonical_name(self.reduce_to_device)}. Pass one of them, or "
+                "None for the first replica's device."
+            )
+        return devices.index(self.reduce_to_device)
+
+    def _sum_leaves(self, leaves, mesh):
+        axis_name, n = mesh.axis_names[0], mesh.size
+        dest = self._destination_index(mesh)
+        out = []
+        for x in leaves:
+            received = {dest: x}
+            for k in range(1, n):
+                src = (dest + k) % n
+                received[src] = jax.lax.ppermute(x, axis_name, [(src, dest)])
+            total = self.accumulation_fn([received[i] for i in range(n)])
+            out.append(_broadcast_from(total, axis_name, [dest]))
+        return out

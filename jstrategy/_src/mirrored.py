@@ -1,0 +1,45 @@
+"""`MirroredStrategy`: synchronous data parallelism over the local devices."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+
+from jstrategy._src import devices as devices_lib
+from jstrategy._src.cross_device_ops import CrossDeviceOps
+from jstrategy._src.strategy import Strategy
+
+__all__ = ["MirroredStrategy"]
+
+
+class MirroredStrategy(Strategy):
+    """One replica per device; parameters replicated; gradients all-reduced each step.
+
+    Args:
+      devices: the devices to replicate over (TF-style strings or `jax.Device`s). None
+        means every local device of JAX's default backend.
+      cross_device_ops: how values are combined across replicas: `NcclAllReduce()` (the
+        default), `HierarchicalCopyAllReduce()` or `ReductionToOneDevice()`.
+
+    Raises:
+      ValueError: if `devices` is empty, names a device twice, mixes platforms, or names a
+        device that does not exist.
+
+    Example:
+
+    >>> import jstrategy
+    >>> strategy = jstrategy.MirroredStrategy(
+    ...     devices=["/cpu:0", "/cpu:1"],
+    ...     cross_device_ops=jstrategy.HierarchicalCopyAllReduce())
+    >>> strategy.num_replicas_in_sync
+    2
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[devices_lib.DeviceSpec] | None = None,
+        cross_device_ops: CrossDeviceOps | None = None,
+    ):
+        resolved = jax.local_devices() if devices is None else devices_lib.resolve_devices(devices)
+        super().__init__(resolved, cross_device_ops=cross_device_ops)

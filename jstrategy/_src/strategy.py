@@ -1,0 +1,434 @@
+"""The core `Strategy`: one implementation that every strategy specializes by policy."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jstrategy._src import context
+from jstrategy._src import dispatch
+from jstrategy._src.cross_device_ops import CrossDeviceOps, NcclAllReduce
+from jstrategy._src.reduce_util import ReduceOp
+from jstrategy._src.values import PerReplica, is_per_replica, local_results, varying_axes
+
+__all__ = ["REPLICA_AXIS", "Strategy", "ValueContext"]
+
+#: The name of the strategy mesh's axis along which replicas are laid. Use it for
+#: collectives in your own code, e.g. ``nn.BatchNorm(axis_name=jstrategy.REPLICA_AXIS)``.
+REPLICA_AXIS = "replica"
+
+_RUN_CACHE_SIZE = 256
+
+# How each leaf of `run`'s arguments reaches the replicas.
+_STACKED = "stacked"  # PerReplica with a replica axis: replica i gets value[i].
+_SPLIT = "split"  # PerReplica of rows: replica i gets the i-th contiguous slice.
+_WHOLE = "whole"  # an array or number: every replica gets all of it.
+_STATIC = "static"  # any other Python object: passed as is, part of the cache key.
+
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, int, float, complex, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueContext:
+    """What `experimental_distribute_values_from_function` tells `value_fn` about a replica.
+
+    Attributes:
+      replica_id_in_sync_group: the replica whose value is being made.
+      num_replicas_in_sync: how many replicas there are.
+    """
+
+    replica_id_in_sync_group: int = 0
+    num_replicas_in_sync: int = 1
+
+
+@dataclasses.dataclass
+class _RunProgram:
+    compiled: Callable[..., Any]
+    out_tree: Any
+    varying: list[bool]
+
+
+class Strategy:
+    """Where parameters and computation live, and how replicas talk.
+
+    A strategy owns a 1-D `jax.sharding.Mesh` whose axis, `REPLICA_AXIS` (``"replica"``),
+    has one entry per replica. Subclasses (`MirroredStrategy`, `OneDeviceStrategy`, ...)
+    only choose the devices and the policies; everything here is shared.
+
+    Args:
+      devices: the replicas' devices, in replica order.
+      cross_device_ops: how replicas' values are combined; defaults to `NcclAllReduce()`.
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[jax.Device],
+        *,
+        cross_device_ops: CrossDeviceOps | None = None,
+    ):
+        if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
+            raise TypeError(
+                f"`cross_device_ops` must be a jstrategy.CrossDeviceOps such as "
+                f"NcclAllReduce(); got {type(cross_device_ops).__name__} {cross_device_ops!r}."
+            )
+        self._devices = tuple(devices)
+        self._mesh = Mesh(
+            np.array(self._devices, dtype=object), (REPLICA_AXIS,), axis_types=(AxisType.Auto,)
+        )
+        self._cross_device_ops = cross_device_ops or NcclAllReduce()
+        self._run_cache: collections.OrderedDict[Any, _RunProgram] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._gather_programs: dict[Any, Callable[..., Any]] = {}
+
+    # Properties -------------------------------------------------------------------------
+    @property
+    def mesh(self) -> Mesh:
+        """The 1-D mesh of replicas; its only axis is named `axis_name` (``"replica"``)."""
+        return self._mesh
+
+    @property
+    def axis_name(self) -> str:
+        """The mesh axis along which replicas are laid: ``"replica"``."""
+        return REPLICA_AXIS
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """How many replicas take part in each step."""
+        return self._mesh.size
+
+    @property
+    def devices(self) -> tuple[jax.Device, ...]:
+        """The replicas' devices, in replica order."""
+        return self._devices
+
+    @property
+    def cross_device_ops(self) -> CrossDeviceOps:
+        """The algorithm that combines values across replicas."""
+        return self._cross_device_ops
+
+    def replicated_sharding(self) -> NamedSharding:
+        """The sharding of a value with one full copy on every replica's device."""
+        return NamedSharding(self._mesh, P())
+
+    def batch_sharding(self) -> NamedSharding:
+        """The sharding of a global batch split by rows across replicas."""
+        return NamedSharding(self._mesh, P(REPLICA_AXIS))
+
+    # Scope ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Strategy]:
+        """Makes this strategy current: `jstrategy.get_strategy()` returns it inside.
+
+        Re-entering the same strategy's scope is allowed; entering another strategy's scope
+        inside it raises `ValueError`.
+        """
+        with context.strategy_scope(self):
+            yield self
+
+    # run --------------------------------------------------------------------------------
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None = None):
+        """Runs `fn` once per replica, as one compiled SPMD program.
+
+        `PerReplica` arguments (from `run`, distributed datasets or
+        `experimental_distribute_values_from_function`) are split across replicas; arrays
+        and numbers reach every replica whole; other Python objects are passed as they are
+        and become part of the compilation cache key. Inside `fn`,
+        `jstrategy.get_replica_context()` gives the `ReplicaContext`.
+
+        The program (a `jax.shard_map` over `mesh`, under `jax.jit`) is cached: calling
+        `run` again with the same `fn` and argument shapes does not trace `fn` again. The
+        first call traces `fn` twice, once to learn which outputs are identical on every
+        replica.
+
+        Args:
+          fn: the per-replica function.
+          args: positional arguments for `fn`.
+          kwargs: keyword arguments for `fn`.
+
+        Returns:
+          `fn`'s outputs: a leaf that is identical on every replica (e.g. after
+          `all_reduce`) is a replicated `jax.Array` (TF's Mirrored value); any other leaf is
+          a `PerReplica`.
+
+        Example:
+
+        >>> import jax.numpy as jnp
+        >>> import jstrategy
+        >>> strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+        >>> def fn():
+        ...     ctx = jstrategy.get_replica_context()
+        ...     return ctx.replica_id_in_sync_group * 10
+        >>> out = strategy.run(fn)
+        >>> [int(v) for v in strategy.experimental_local_results(out)]
+        [0, 10]
+        """
+        if not callable(fn):
+            raise TypeError(f"`fn` must be callable; got {type(fn).__name__} {fn!r}.")
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(
+                f"`args` must be a tuple or list of positional arguments; got "
+                f"{type(args).__name__}. Wrap a single argument: args=(x,)."
+            )
+        kwargs = {} if kwargs is None else kwargs
+        leaves, treedef = jax.tree.flatten((tuple(args), kwargs), is_leaf=is_per_replica)
+        kinds: list[str] = []
+        dynamic: list[Any] = []
+        statics: list[Any] = []
+        mask = None
+        for leaf in leaves:
+            if isinstance(leaf, PerReplica):
+                self._check_per_replica(leaf)
+                kinds.append(_STACKED if leaf.stacked else _SPLIT)
+                dynamic.append(leaf.value)
+                if mask is None:
+                    mask = leaf.mask
+            elif isinstance(leaf, _ARRAY_TYPES):
+                kinds.append(_WHOLE)
+                dynamic.append(leaf)
+            else:
+                kinds.append(_STATIC)
+                statics.append(leaf)
+        has_mask = mask is not None
+        if has_mask:
+            dynamic.append(mask)
+        key = (fn, treedef, tuple(kinds), tuple(statics), has_mask)
+        try:
+            program = self._run_cache.get(key)
+        except TypeError:
+            raise TypeError(
+                "`run` passes arguments that are not arrays as Python objects and compiles "
+                f"one program per value, so they must be hashable; got unhashable "
+                f"{[type(s).__name__ for s in statics]}. Pass arrays instead."
+            ) from None
+        if program is None:
+            program = self._build_run(fn, treedef, kinds, statics, has_mask, dynamic)
+            with self._lock:
+                self._run_cache[key] = program
+                if len(self._run_cache) > _RUN_CACHE_SIZE:
+                    self._run_cache.popitem(last=False)
+        outs = program.compiled(*dynamic)
+        dispatch.track(outs)
+        wrapped = [
+            PerReplica(o, stacked=True) if v else o
+            for o, v in zip(outs, program.varying, strict=True)
+        ]
+        return jax.tree.unflatten(program.out_tree, wrapped)
+
+    def _check_per_replica(self, value: PerReplica) -> None:
+        sharding = getattr(value.value, "sharding", None)
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is not None and mesh.shape_tuple != self._mesh.shape_tuple:
+            raise ValueError(
+                f"A PerReplica argument has {mesh.size} replicas but this strategy has "
+                f"{self.num_replicas_in_sync}. Pass values made by this strategy (its run, "
+                "datasets or experimental_distribute_values_from_function)."
+            )
+
+    def _build_run(self, fn, treedef, kinds, statics, has_mask, example) -> _RunProgram:
+        in_specs = tuple(
+            P(REPLICA_AXIS) if k in (_STACKED, _SPLIT) else P() for k in kinds if k != _STATIC
+        ) + ((P(REPLICA_AXIS),) if has_mask else ())
+
+        def call(*values):
+            row_mask = values[-1] if has_mask else None
+            replica_context = context.ReplicaContext(self, row_mask=row_mask)
+            value_iter, static_iter = iter(values), iter(statics)
+            leaves = []
+            for kind in kinds:
+                if kind == _STATIC:
+                    leaves.append(next(static_iter))
+                else:
+                    value = next(value_iter)
+                    leaves.append(value[0] if kind == _STACKED else value)
+            args, kwargs = jax.tree.unflatten(treedef, leaves)
+            with context.replica_scope(self, replica_context):
+                return jax.tree.flatten(fn(*args, **kwargs))
+
+        info: list[Any] = []
+
+        def probe(*values):
+            flat, out_tree = call(*values)
+            flat = [jnp.asarray(x) for x in flat]
+            info.append((out_tree, [REPLICA_AXIS in varying_axes(x) for x in flat]))
+            return [x[None] for x in flat]
+
+        jax.eval_shape(
+            jax.shard_map(probe, mesh=self._mesh, in_specs=in_specs, out_specs=P(REPLICA_AXIS)),
+            *example,
+        )
+        out_tree, varying = info[0]
+
+        def body(*values):
+            flat, _ = call(*values)
+            return [jnp.asarray(x)[None] if v else x for x, v in zip(flat, varying, strict=True)]
+
+        out_specs = [P(REPLICA_AXIS) if v else P() for v in varying]
+        compiled = jax.jit(
+            jax.shard_map(body, mesh=self._mesh, in_specs=in_specs, out_specs=out_specs)
+        )
+        return _RunProgram(compiled, out_tree, varying)
+
+    # Cross-replica reductions -----------------------------------------------------------
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+        """Combines per-replica values across replicas (and along `axis`), as tf.distribute.
+
+        Args:
+          reduce_op: `ReduceOp.SUM` or `ReduceOp.MEAN` (or ``"SUM"``/``"MEAN"``).
+          value: a pytree of `PerReplica` values or arrays. A plain array counts as the
+            same value on every replica (TF's Mirrored value).
+          axis: if given, also reduce along this axis of each replica's value. MEAN then
+            divides by the total number of elements across all replicas.
+
+        Returns:
+          The reduced pytree; arrays replicated on the strategy's devices.
+
+        Example:
+
+        >>> import jstrategy
+        >>> strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+        >>> per_replica = strategy.experimental_distribute_values_from_function(
+        ...     lambda ctx: float(ctx.replica_id_in_sync_group + 1))
+        >>> float(strategy.reduce("SUM", per_replica, axis=None))
+        3.0
+        """
+        op = ReduceOp.from_value(reduce_op)
+        leaves, treedef = jax.tree.flatten(value, is_leaf=is_per_replica)
+        distributed = [i for i, x in enumerate(leaves) if isinstance(x, PerReplica)]
+        out = list(leaves)
+        if distributed:
+            reduced = self._cross_device_ops.reduce(op, [leaves[i] for i in distributed], axis=axis)
+            for i, r in zip(distributed, reduced, strict=True):
+                out[i] = r
+        n = self.num_replicas_in_sync
+        for i, leaf in enumerate(leaves):
+            if i in distributed:
+                continue
+            x = jnp.asarray(leaf)
+            if axis is not None:
+                x = jnp.sum(x, axis) if op is ReduceOp.SUM else jnp.mean(x, axis)
+            out[i] = x * n if op is ReduceOp.SUM else x
+        return jax.tree.unflatten(treedef, out)
+
+    def gather(self, value: Any, axis: int) -> Any:
+        """Concatenates every replica's value along `axis`, in replica order.
+
+        Args:
+          value: a pytree of `PerReplica` values (or plain arrays, counted once per replica).
+          axis: the axis to concatenate along.
+
+        Returns:
+          A pytree of arrays, replicated on the strategy's devices.
+        """
+        n = self.num_replicas_in_sync
+
+        def one(leaf):
+            if isinstance(leaf, PerReplica):
+                x, stacked = leaf.value, leaf.stacked
+            else:
+                x, stacked = jnp.broadcast_to(leaf, (n, *np.shape(leaf))), True
+            key = (x.shape, x.dtype, stacked, axis)
+            program = self._gather_programs.get(key)
+            if program is None:
+                program = jax.jit(
+                    _gather_fn(n, stacked, axis), out_shardings=self.replicated_sharding()
+                )
+                self._gather_programs[key] = program
+            return program(x)
+
+        return jax.tree.map(one, value, is_leaf=is_per_replica)
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """One value per local replica, in replica order (a 1-tuple for non-distributed values).
+
+        Args:
+          value: a pytree of `PerReplica` values and arrays.
+
+        Returns:
+          A tuple with one pytree per replica of this process.
+        """
+        leaves, treedef = jax.tree.flatten(value, is_leaf=is_per_replica)
+        if not leaves:
+            return (value,)
+        per_leaf = [local_results(x) for x in leaves]
+        count = max(len(r) for r in per_leaf)
+        per_leaf = [r if len(r) == count else r * count for r in per_leaf]
+        return tuple(jax.tree.unflatten(treedef, [r[i] for r in per_leaf]) for i in range(count))
+
+    def experimental_distribute_values_from_function(
+        self, value_fn: Callable[[ValueContext], Any]
+    ) -> Any:
+        """Builds per-replica values by calling `value_fn` once per local replica.
+
+        Args:
+          value_fn: called with a `ValueContext`; returns a pytree of arrays or numbers, the
+            same structure and shapes for every replica.
+
+        Returns:
+          A pytree of `PerReplica` values.
+
+        Raises:
+          ValueError: if replicas' values differ in structure or shape.
+        """
+        n = self.num_replicas_in_sync
+        me = jax.process_index()
+        local = [(i, d) for i, d in enumerate(self._devices) if d.process_index == me]
+        results = [value_fn(ValueContext(i, n)) for i, _ in local]
+        structures = [jax.tree.structure(r) for r in results]
+        if any(s != structures[0] for s in structures):
+            raise ValueError(
+                "`value_fn` must return the same structure for every replica; got "
+                f"{structures}."
+            )
+        sharding = self.batch_sharding()
+        per_leaf = zip(*[jax.tree.leaves(r) for r in results], strict=True)
+        out = []
+        for values in per_leaf:
+            arrays = [np.asarray(v) for v in values]
+            shapes = {a.shape for a in arrays}
+            if len(shapes) != 1 or len({a.dtype for a in arrays}) != 1:
+                raise ValueError(
+                    "`value_fn` must return the same shape and dtype for every replica; got "
+                    f"{[(a.shape, str(a.dtype)) for a in arrays]}."
+                )
+            pieces = [jax.device_put(a[None], d) for a, (_, d) in zip(arrays, local, strict=True)]
+            global_shape = (n, *arrays[0].shape)
+            out.append(
+                PerReplica(
+                    jax.make_array_from_single_device_arrays(global_shape, sharding, pieces),
+                    stacked=True,
+                )
+            )
+        return jax.tree.unflatten(structures[0], out)
+
+    def __repr__(self) -> str:
+        from jstrategy._src.devices import canonical_name
+
+        names = [canonical_name(d) for d in self._devices]
+        shown = names if len(names) <= 4 else [*names[:2], "...", names[-1]]
+        return f"{type(self).__name__}(devices=[{', '.join(shown)}])"
+
+
+def _gather_fn(n: int, stacked: bool, axis: int) -> Callable[[jax.Array], jax.Array]:
+    def gather(x):
+        if not stacked:
+            x = x.reshape(n, x.shape[0] // n, *x.shape[1:])
+        rank = x.ndim - 1
+        if not -rank <= axis < rank:
+            raise ValueError(
+                f"`axis` must index each replica's value of rank {rank}; got axis={axis}."
+            )
+        a = axis % rank
+        x = jnp.moveaxis(x, 0, a)
+        return x.reshape(*x.shape[:a], x.shape[a] * x.shape[a + 1], *x.shape[a + 2 :])
+
+    return gather

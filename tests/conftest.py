@@ -1,0 +1,46 @@
+"""Test setup: 8 fake CPU devices, configured before JAX starts."""
+
+# The root conftest.py sets XLA_FLAGS (8 fake CPU devices) before JAX starts.
+import jax
+import pytest
+
+import jstrategy
+
+
+def _strategies():
+    """Every strategy column of the design table that runs in one process on CPU."""
+    return {
+        "one_device": lambda: jstrategy.OneDeviceStrategy("cpu:0"),
+        "mirrored_1": lambda: jstrategy.MirroredStrategy(devices=["cpu:0"]),
+        "mirrored_2": lambda: jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"]),
+        "mirrored_4": lambda: jstrategy.MirroredStrategy(devices=[f"cpu:{i}" for i in range(4)]),
+        "mirrored_8": lambda: jstrategy.MirroredStrategy(),
+        "mirrored_8_hierarchical": lambda: jstrategy.MirroredStrategy(
+            cross_device_ops=jstrategy.HierarchicalCopyAllReduce()
+        ),
+        "mirrored_8_one_device": lambda: jstrategy.MirroredStrategy(
+            cross_device_ops=jstrategy.ReductionToOneDevice()
+        ),
+        "mirrored_8_nccl_unpacked": lambda: jstrategy.MirroredStrategy(
+            cross_device_ops=jstrategy.NcclAllReduce(num_packs=0)
+        ),
+    }
+
+
+STRATEGIES = _strategies()
+
+
+@pytest.fixture(params=sorted(STRATEGIES))
+def strategy(request):
+    """Each strategy in turn: the one parameterized suite runs over all of them."""
+    return STRATEGIES[request.param]()
+
+
+@pytest.fixture
+def one_device():
+    """The oracle every strategy's trajectory is compared with."""
+    return jstrategy.OneDeviceStrategy("cpu:0")
+
+
+def pytest_report_header(config):
+    return f"jax {jax.__version__}, devices: {jax.device_count()} x {jax.devices()[0].platform}"
