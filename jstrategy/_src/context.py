@@ -14,8 +14,15 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
+from jax._src.lax import parallel
 
 from jstrategy._src.reduce_util import ReduceOp
+from jstrategy._src.values import varying_axes
+
+# The result of an all-gather is the same on every replica; the invariant variant says so
+# to the type system (so `run` returns it as a mirrored value) and its gradient is a slice.
+_all_gather_invariant = getattr(parallel, "all_gather_invariant", jax.lax.all_gather)
 
 if TYPE_CHECKING:
     from jstrategy._src.strategy import Strategy
@@ -115,7 +122,14 @@ class ReplicaContext:
         if not self._in_run:
             return value
         name = self._strategy.axis_name
-        return jax.tree.map(lambda x: jax.lax.all_gather(x, name, axis=axis, tiled=True), value)
+
+        def gather(x):
+            x = jnp.asarray(x)
+            if name not in varying_axes(x):
+                x = jax.lax.pcast(x, name, to="varying")
+            return _all_gather_invariant(x, name, axis=axis, tiled=True)
+
+        return jax.tree.map(gather, value)
 
     def __repr__(self) -> str:
         return f"ReplicaContext(strategy={self._strategy!r})"

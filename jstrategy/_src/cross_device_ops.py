@@ -21,6 +21,7 @@ on every replica.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -193,7 +194,7 @@ def _packed(
         packs = max(1, min(num_packs, total))
         bounds = np.linspace(0, total, packs + 1).round().astype(int)
         reduced = jnp.concatenate(
-            [reduce_buffer(flat[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+            [reduce_buffer(flat[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
         )
         offset = 0
         for i in indices:

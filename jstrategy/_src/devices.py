@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import TypeAlias
 
 import jax
 
 __all__ = ["DeviceSpec", "canonical_name", "resolve_device", "resolve_devices"]
 
-DeviceSpec = str | jax.Device
+DeviceSpec: TypeAlias = str | jax.Device
 
 # TF's device types, in the names JAX's backends use.
 _PLATFORM_ALIASES = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
@@ -54,14 +55,14 @@ def _parse(spec: str) -> tuple[str, int, int | None]:
     index = 0
     task: int | None = None
     for part in text.split("/") if text else []:
-        device_match = _DEVICE_PART.match(part)
         field_match = _FIELD_PART.match(part)
-        if device_match:
-            platform = device_match["type"].lower()
-            index = int(device_match["index"])
-        elif field_match:
+        device_match = _DEVICE_PART.match(part)
+        if field_match:
             if field_match["key"] == "task":
                 task = int(field_match["value"])
+        elif device_match:
+            platform = device_match["type"].lower()
+            index = int(device_match["index"])
         else:
             platform = None
             break

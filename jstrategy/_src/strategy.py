@@ -15,8 +15,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jstrategy._src import context
-from jstrategy._src import dispatch
+from jstrategy._src import context, dispatch
 from jstrategy._src.cross_device_ops import CrossDeviceOps, NcclAllReduce
 from jstrategy._src.reduce_util import ReduceOp
 from jstrategy._src.values import PerReplica, is_per_replica, local_results, varying_axes
@@ -67,7 +66,8 @@ class Strategy:
 
     Args:
       devices: the replicas' devices, in replica order.
-      cross_device_ops: how replicas' values are combined; defaults to `NcclAllReduce()`.
+      cross_device_ops: how replicas' values are combined; defaults to
+        `NcclAllReduce(num_packs=0)` (see `MirroredStrategy`).
     """
 
     def __init__(
@@ -85,7 +85,7 @@ class Strategy:
         self._mesh = Mesh(
             np.array(self._devices, dtype=object), (REPLICA_AXIS,), axis_types=(AxisType.Auto,)
         )
-        self._cross_device_ops = cross_device_ops or NcclAllReduce()
+        self._cross_device_ops = cross_device_ops or NcclAllReduce(num_packs=0)
         self._run_cache: collections.OrderedDict[Any, _RunProgram] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._gather_programs: dict[Any, Callable[..., Any]] = {}
@@ -384,10 +384,9 @@ class Strategy:
         local = [(i, d) for i, d in enumerate(self._devices) if d.process_index == me]
         results = [value_fn(ValueContext(i, n)) for i, _ in local]
         structures = [jax.tree.structure(r) for r in results]
-        if any(s != structures[0] for s in structures):
+        if any(s != structures[0] for s in structures):  # type: ignore[operator]
             raise ValueError(
-                "`value_fn` must return the same structure for every replica; got "
-                f"{structures}."
+                f"`value_fn` must return the same structure for every replica; got {structures}."
             )
         sharding = self.batch_sharding()
         per_leaf = zip(*[jax.tree.leaves(r) for r in results], strict=True)
@@ -409,6 +408,27 @@ class Strategy:
                 )
             )
         return jax.tree.unflatten(structures[0], out)
+
+    # Input ------------------------------------------------------------------------------
+    def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
+        """Distributes an iterable of global batches over the replicas.
+
+        See `jstrategy._src.input.distribute_dataset`, which implements it.
+        """
+        from jstrategy._src import input as input_lib
+
+        return input_lib.distribute_dataset(self, dataset, options)
+
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[[Any], Any], options: Any = None
+    ) -> Any:
+        """Builds one input pipeline per process with `dataset_fn(InputContext)`.
+
+        See `jstrategy._src.input.distribute_datasets_from_function`, which implements it.
+        """
+        from jstrategy._src import input as input_lib
+
+        return input_lib.distribute_datasets_from_function(self, dataset_fn, options)
 
     def __repr__(self) -> str:
         from jstrategy._src.devices import canonical_name

@@ -105,10 +105,13 @@ def local_results(leaf: Any) -> tuple[Any, ...]:
         by_device = {s.device: s.data for s in leaf.value.addressable_shards}
         out = [by_device[d] for d in local_devices_of(leaf.value)]
         return tuple(x[0] for x in out) if leaf.stacked else tuple(out)
-    if isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) > 1:
-        if leaf.sharding.is_fully_replicated:
-            by_device = {s.device: s.data for s in leaf.addressable_shards}
-            return tuple(by_device[d] for d in local_devices_of(leaf))
+    if (
+        isinstance(leaf, jax.Array)
+        and len(leaf.sharding.device_set) > 1
+        and leaf.sharding.is_fully_replicated
+    ):
+        by_device = {s.device: s.data for s in leaf.addressable_shards}
+        return tuple(by_device[d] for d in local_devices_of(leaf))
     return (leaf,)
 
 
@@ -117,5 +120,5 @@ def varying_axes(x: Any) -> frozenset:
     aval = jax.typeof(x)
     vma = getattr(aval, "vma", None)
     if vma is None:
-        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
-    return frozenset(vma)
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+    return frozenset(vma or ())

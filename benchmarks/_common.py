@@ -1,0 +1,34 @@
+"""Helpers shared by the benchmarks: timing with bounded in-flight steps."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+
+# XLA's CPU collectives deadlock when too many steps are queued; wait every few steps.
+WAIT_EVERY = 8
+
+
+def time_loop(step: Callable[[int], object], steps: int) -> float:
+    """Seconds per step of `step(i)` over `steps` calls, waiting on an output every few."""
+    out = step(0)
+    jax.block_until_ready(out)
+    start = time.perf_counter()
+    for i in range(steps):
+        out = step(i)
+        if i % WAIT_EVERY == 0:
+            jax.block_until_ready(out)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / steps
+
+
+def compare(candidates: dict[str, Callable[[int], object]], *, steps: int, repeats: int):
+    """Median seconds per step of each candidate, measured interleaved in one process."""
+    samples: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(repeats):
+        for name, step in candidates.items():
+            samples[name].append(time_loop(step, steps))
+    return {name: statistics.median(s) for name, s in samples.items()}

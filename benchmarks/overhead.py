@@ -1,0 +1,129 @@
+"""Overhead of `strategy.run` against the same step hand-written with `jax.jit`.
+
+Both compute one data-parallel training step of the same MLP with the same layout:
+parameters and optimizer state replicated over the devices, the global batch split by rows.
+The hand-written step is `jax.jit` with `NamedSharding`s (XLA inserts the all-reduce); the
+jstrategy step is a per-replica function given to `MirroredStrategy.run`, which all-reduces
+gradients through the replica context. Timings are interleaved medians from one process.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/overhead.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common
+
+import jstrategy
+
+
+class MLP(nn.Module):
+    width: int
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(self.width)(x))
+        x = nn.relu(nn.Dense(self.width)(x))
+        return nn.Dense(10)(x)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args(argv)
+
+    strategy = jstrategy.MirroredStrategy()  # the default: NcclAllReduce, XLA packs
+    packed = jstrategy.MirroredStrategy(cross_device_ops=jstrategy.NcclAllReduce(num_packs=1))
+    mesh = strategy.mesh
+    model, tx = MLP(args.width), optax.sgd(0.01, momentum=0.9)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(args.batch, 64)).astype(np.float32)
+    y = rng.integers(0, 10, size=(args.batch,)).astype(np.int32)
+
+    replicated = NamedSharding(mesh, P())
+    rows = NamedSharding(mesh, P(jstrategy.REPLICA_AXIS))
+    params = jax.device_put(model.init(jax.random.key(0), x[:1])["params"], replicated)
+    opt_state = jax.device_put(tx.init(params), replicated)
+    x_dev, y_dev = jax.device_put(x, rows), jax.device_put(y, rows)
+
+    def loss_sum(p, xb, yb):
+        logits = model.apply({"params": p}, xb)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, yb).sum()
+
+    # Hand-written: global-view jit; XLA partitions it and inserts the gradient all-reduce.
+    @jax.jit
+    def jit_step(p, s, xb, yb):
+        loss, grads = jax.value_and_grad(lambda p: loss_sum(p, xb, yb) / args.batch)(p)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    # jstrategy: per-replica function, gradients all-reduced through the replica context.
+    def replica_step(p, s, xb, yb):
+        ctx = jstrategy.get_replica_context()
+        loss, grads = jax.value_and_grad(lambda p: loss_sum(p, xb, yb) / args.batch)(p)
+        grads, loss = ctx.all_reduce("SUM", (grads, loss))
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    x_pr = jstrategy.PerReplica(x_dev, stacked=False)
+    y_pr = jstrategy.PerReplica(y_dev, stacked=False)
+    state = {"jit": (params, opt_state), "run": (params, opt_state), "packed": (params, opt_state)}
+
+    def run_jit(_):
+        p, s, loss = jit_step(*state["jit"], x_dev, y_dev)
+        state["jit"] = (p, s)
+        return loss
+
+    def run_strategy(_):
+        p, s, loss = strategy.run(replica_step, (*state["run"], x_pr, y_pr))
+        state["run"] = (p, s)
+        return loss
+
+    def run_packed(_):
+        p, s, loss = packed.run(replica_step, (*state["packed"], x_pr, y_pr))
+        state["packed"] = (p, s)
+        return loss
+
+    # Same numbers first: the comparison is only meaningful between equal programs.
+    la, lb, lc = float(run_jit(0)), float(run_strategy(0)), float(run_packed(0))
+    assert abs(la - lb) <= 1e-5 * max(1.0, abs(la)), (la, lb)
+    assert abs(la - lc) <= 1e-5 * max(1.0, abs(la)), (la, lc)
+
+    medians = _common.compare(
+        {
+            "hand-written jax.jit": run_jit,
+            "strategy.run": run_strategy,
+            "run, num_packs=1": run_packed,
+        },
+        steps=args.steps,
+        repeats=args.repeats,
+    )
+    base = medians["hand-written jax.jit"]
+    print(
+        f"MLP 64-{args.width}-{args.width}-10, global batch {args.batch}, "
+        f"{strategy.num_replicas_in_sync} replicas on {jax.devices()[0].platform}, "
+        f"median of {args.repeats} x {args.steps} steps"
+    )
+    for name, seconds in medians.items():
+        print(f"  {name:<22} {seconds * 1e3:8.3f} ms/step   ratio {seconds / base:5.3f}")
+    print(
+        f"overhead ratio strategy.run / jax.jit: {medians['strategy.run'] / base:.3f} (target <= 1.05)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""The Strategy API, run over every strategy with OneDeviceStrategy's numbers as the oracle."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jstrategy
+
+
+def _per_replica(strategy, fn):
+    return strategy.experimental_distribute_values_from_function(fn)
+
+
+def test_run_once_per_replica_with_replica_ids(strategy):
+    n = strategy.num_replicas_in_sync
+
+    def fn():
+        ctx = jstrategy.get_replica_context()
+        return ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync
+
+    ids, count = strategy.run(fn)
+    assert [int(i) for i in strategy.experimental_local_results(ids)] == list(range(n))
+    assert int(count) == n  # a Python int is the same everywhere: a mirrored value
+
+
+def test_run_splits_per_replica_and_broadcasts_the_rest(strategy):
+    n = strategy.num_replicas_in_sync
+    x = _per_replica(strategy, lambda ctx: np.full((2,), ctx.replica_id_in_sync_group, np.float32))
+    whole = np.arange(3, dtype=np.float32)
+
+    def fn(x, whole, *, scale):
+        return x * scale, whole.sum() + 0 * x[0]
+
+    scaled, summed = strategy.run(fn, args=(x, whole), kwargs={"scale": 10.0})
+    assert isinstance(scaled, jstrategy.PerReplica)
+    results = strategy.experimental_local_results(scaled)
+    np.testing.assert_allclose(np.stack(results), np.repeat(np.arange(n)[:, None] * 10.0, 2, 1))
+    assert [float(s) for s in strategy.experimental_local_results(summed)] == [3.0] * n
+
+
+def test_run_is_cached(strategy):
+    traces = []
+
+    def fn(x):
+        traces.append(1)
+        return jstrategy.get_replica_context().all_reduce("SUM", x)
+
+    x = _per_replica(strategy, lambda ctx: np.ones(4, np.float32))
+    strategy.run(fn, (x,))
+    after_first = len(traces)
+    for _ in range(3):
+        strategy.run(fn, (x,))
+    assert len(traces) == after_first
+    # New shapes trace again; old shapes still hit the cache.
+    strategy.run(fn, (_per_replica(strategy, lambda ctx: np.ones(5, np.float32)),))
+    assert len(traces) > after_first
+
+
+def test_static_python_arguments_are_part_of_the_key(strategy):
+    def fn(x, mode):
+        return x * (2.0 if mode == "double" else 3.0)
+
+    x = jnp.ones(())
+    assert float(strategy.reduce("MEAN", strategy.run(fn, (x, "double")))) == 2.0
+    assert float(strategy.reduce("MEAN", strategy.run(fn, (x, "triple")))) == 3.0
+    with pytest.raises(TypeError, match="must be hashable"):
+        strategy.run(fn, (x, {"unhashable", "set"}))
+
+
+def test_reduce_sum_and_mean(strategy):
+    n = strategy.num_replicas_in_sync
+    v = _per_replica(
+        strategy,
+        lambda ctx: np.arange(6, dtype=np.float32).reshape(2, 3) + ctx.replica_id_in_sync_group,
+    )
+    all_values = np.stack([np.arange(6, dtype=np.float32).reshape(2, 3) + i for i in range(n)])
+    np.testing.assert_allclose(strategy.reduce("SUM", v, axis=None), all_values.sum(0), rtol=1e-6)
+    np.testing.assert_allclose(strategy.reduce("MEAN", v, axis=None), all_values.mean(0), rtol=1e-6)
+    # With an axis, MEAN divides by the element count across all replicas, as TF.
+    np.testing.assert_allclose(
+        strategy.reduce(jstrategy.ReduceOp.MEAN, v, axis=0), all_values.mean((0, 1)), rtol=1e-6
+    )
+    np.testing.assert_allclose(strategy.reduce("SUM", v, axis=1), all_values.sum((0, 2)), rtol=1e-6)
+
+
+def test_reduce_pytree_and_mirrored_values(strategy):
+    n = strategy.num_replicas_in_sync
+    tree = {"a": _per_replica(strategy, lambda ctx: float(ctx.replica_id_in_sync_group)), "b": 2.0}
+    out = strategy.reduce("SUM", tree, axis=None)
+    assert float(out["a"]) == sum(range(n))
+    assert float(out["b"]) == 2.0 * n  # a plain value is the same on every replica
+    assert float(strategy.reduce("MEAN", tree, axis=None)["b"]) == 2.0
+
+
+def test_gather(strategy):
+    n = strategy.num_replicas_in_sync
+    v = _per_replica(strategy, lambda ctx: np.full((2, 3), ctx.replica_id_in_sync_group, np.int32))
+    g0 = strategy.gather(v, axis=0)
+    assert g0.shape == (2 * n, 3)
+    np.testing.assert_array_equal(g0[:, 0], np.repeat(np.arange(n), 2))
+    g1 = strategy.gather(v, axis=1)
+    assert g1.shape == (2, 3 * n)
+    np.testing.assert_array_equal(g1[0], np.repeat(np.arange(n), 3))
+
+    def fn(x):
+        return jstrategy.get_replica_context().all_gather(x, axis=0)
+
+    in_replica = strategy.run(fn, (v,))
+    np.testing.assert_array_equal(in_replica, g0)  # identical on every replica: mirrored
+
+
+def test_all_reduce_gradients_follow_tf(strategy):
+    """TF's _test_all_reduce_*_gradients: inputs c=[1, 3, ...], y = all_reduce(x) * c."""
+    n = strategy.num_replicas_in_sync
+    c = _per_replica(strategy, lambda ctx: float(2 * ctx.replica_id_in_sync_group + 1))
+    x = _per_replica(strategy, lambda ctx: 42.0)
+
+    def fn(c, x, op):
+        ctx = jstrategy.get_replica_context()
+        return ctx.all_reduce(op, x), jax.grad(lambda x: ctx.all_reduce(op, x) * c)(x)
+
+    total, grads = strategy.run(fn, (c, x, "SUM"))
+    assert float(total) == 42.0 * n
+    expected = float(sum(2 * i + 1 for i in range(n)))  # [1, 3] -> 4 on two replicas
+    assert [float(g) for g in strategy.experimental_local_results(grads)] == [expected] * n
+    mean, grads = strategy.run(fn, (c, x, "MEAN"))
+    assert float(mean) == 42.0
+    assert [float(g) for g in strategy.experimental_local_results(grads)] == [expected / n] * n
+
+
+def test_distribute_values_from_function_validates(strategy):
+    if strategy.num_replicas_in_sync == 1:
+        pytest.skip("needs two replicas to disagree")
+    with pytest.raises(ValueError, match="same shape and dtype for every replica"):
+        _per_replica(strategy, lambda ctx: np.zeros(ctx.replica_id_in_sync_group + 1))
+    with pytest.raises(ValueError, match="same structure for every replica"):
+        _per_replica(strategy, lambda ctx: (1.0,) * (ctx.replica_id_in_sync_group + 1))
+
+
+def test_local_results_of_plain_values():
+    strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    assert strategy.experimental_local_results(3.0) == (3.0,)
+    mirrored = strategy.run(lambda: jnp.ones(2))
+    assert len(strategy.experimental_local_results(mirrored)) == 2
+
+
+def test_run_argument_errors():
+    strategy = jstrategy.OneDeviceStrategy("cpu:0")
+    with pytest.raises(TypeError, match="`fn` must be callable"):
+        strategy.run(3)
+    with pytest.raises(TypeError, match="`args` must be a tuple or list"):
+        strategy.run(lambda x: x, args=jnp.ones(2))
+    two = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    with pytest.raises(ValueError, match="has 2 replicas but this strategy has 1"):
+        strategy.run(
+            lambda x: x,
+            (two.run(lambda: jstrategy.get_replica_context().replica_id_in_sync_group),),
+        )
+    with pytest.raises(TypeError, match="`cross_device_ops` must be a jstrategy.CrossDeviceOps"):
+        jstrategy.MirroredStrategy(cross_device_ops="nccl")
