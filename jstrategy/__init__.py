@@ -10,6 +10,10 @@ from jstrategy._src.cross_device_ops import CrossDeviceOps
 from jstrategy._src.cross_device_ops import HierarchicalCopyAllReduce
 from jstrategy._src.cross_device_ops import NcclAllReduce
 from jstrategy._src.cross_device_ops import ReductionToOneDevice
+from jstrategy._src.input import InputContext
+from jstrategy._src.input import InputOptions
+from jstrategy._src.input import InputReplicationMode
+from jstrategy._src.loss_reduction import compute_average_loss
 from jstrategy._src.mirrored import MirroredStrategy
 from jstrategy._src.one_device import OneDeviceStrategy
 from jstrategy._src.reduce_util import ReduceOp
@@ -24,6 +28,9 @@ __all__ = [
     "REPLICA_AXIS",
     "CrossDeviceOps",
     "HierarchicalCopyAllReduce",
+    "InputContext",
+    "InputOptions",
+    "InputReplicationMode",
     "MirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
@@ -33,6 +40,7 @@ __all__ = [
     "ReplicaContext",
     "Strategy",
     "ValueContext",
+    "compute_average_loss",
     "experimental_set_strategy",
     "get_replica_context",
     "get_strategy",

@@ -158,7 +158,8 @@ def test_stress_5000_run_steps_on_8_devices_do_not_hang():
     for _ in range(5000):
         acc = strategy.run(step, (acc, x))
         assert dispatch.get_limiter().in_flight <= dispatch.get_limiter().max_in_flight
-    np.testing.assert_allclose(acc, np.full(4, 5000 * 3.5), rtol=1e-6)
+    for replica in strategy.experimental_local_results(acc):
+        np.testing.assert_allclose(replica, np.full(4, 5000 * 3.5), rtol=1e-6)
 
 
 def test_limiter_validates():

@@ -159,3 +159,23 @@ def test_run_argument_errors():
         )
     with pytest.raises(TypeError, match="`cross_device_ops` must be a jstrategy.CrossDeviceOps"):
         jstrategy.MirroredStrategy(cross_device_ops="nccl")
+
+
+def test_replicated_arguments_are_per_replica_copies_as_in_tf(strategy):
+    """The gradient w.r.t. a replicated argument is the replica's own; all_reduce sums them."""
+    n = strategy.num_replicas_in_sync
+    x = _per_replica(strategy, lambda ctx: float(ctx.replica_id_in_sync_group + 1))
+
+    def fn(w, x):
+        ctx = jstrategy.get_replica_context()
+        local = jax.grad(lambda w: w * x)(w)
+        return local, ctx.all_reduce("SUM", local), w * 1.0
+
+    local, total, same = strategy.run(fn, (jnp.float32(2.0), x))
+    assert [float(g) for g in strategy.experimental_local_results(local)] == [
+        float(i + 1) for i in range(n)
+    ]
+    assert float(total) == n * (n + 1) / 2
+    # Not combined by a collective: one copy per replica, all equal.
+    assert isinstance(same, jstrategy.PerReplica)
+    assert [float(v) for v in strategy.experimental_local_results(same)] == [2.0] * n

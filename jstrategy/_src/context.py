@@ -11,7 +11,8 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+from typing import Any
 
 import jax
 import jax.numpy as jnp

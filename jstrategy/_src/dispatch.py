@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -81,8 +82,28 @@ class InFlightLimiter:
 
 def _wait(marker: jax.Array) -> None:
     # A marker donated to a later step is gone; that later step is tracked and waited on.
-    if not marker.is_deleted():
+    if marker.is_deleted():
+        return
+    try:
         marker.block_until_ready()
+    except jax.errors.JaxRuntimeError as e:
+        for translate in _ERROR_TRANSLATORS:
+            clearer = translate(e)
+            if clearer is not None:
+                raise clearer from e
+        raise
+
+
+_ERROR_TRANSLATORS: list[Callable[[Exception], Exception | None]] = []
+
+
+def add_error_translator(translate: Callable[[Exception], Exception | None]) -> None:
+    """Registers a function that turns a runtime error from a step into a clearer one.
+
+    Multi-worker strategies use it to say that a peer died when a collective fails.
+    """
+    if translate not in _ERROR_TRANSLATORS:
+        _ERROR_TRANSLATORS.append(translate)
 
 
 _LIMITER = InFlightLimiter()

@@ -6,19 +6,28 @@ import collections
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
+from collections.abc import Iterator
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AxisType
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jstrategy._src import context, dispatch
-from jstrategy._src.cross_device_ops import CrossDeviceOps, NcclAllReduce
+from jstrategy._src import context
+from jstrategy._src import dispatch
+from jstrategy._src.cross_device_ops import CrossDeviceOps
+from jstrategy._src.cross_device_ops import NcclAllReduce
 from jstrategy._src.reduce_util import ReduceOp
-from jstrategy._src.values import PerReplica, is_per_replica, local_results, varying_axes
+from jstrategy._src.values import PerReplica
+from jstrategy._src.values import is_per_replica
+from jstrategy._src.values import local_results
+from jstrategy._src.values import varying_axes
 
 __all__ = ["REPLICA_AXIS", "Strategy", "ValueContext"]
 
@@ -141,9 +150,12 @@ class Strategy:
 
         `PerReplica` arguments (from `run`, distributed datasets or
         `experimental_distribute_values_from_function`) are split across replicas; arrays
-        and numbers reach every replica whole; other Python objects are passed as they are
-        and become part of the compilation cache key. Inside `fn`,
-        `jstrategy.get_replica_context()` gives the `ReplicaContext`.
+        and numbers reach every replica whole, as that replica's own copy (TF's mirrored
+        variable components): the gradient with respect to such a copy is the replica's
+        local gradient, which `ReplicaContext.all_reduce` combines, exactly as in TF.
+        Other Python objects are passed as they are and become part of the compilation
+        cache key. Inside `fn`, `jstrategy.get_replica_context()` gives the
+        `ReplicaContext`.
 
         The program (a `jax.shard_map` over `mesh`, under `jax.jit`) is cached: calling
         `run` again with the same `fn` and argument shapes does not trace `fn` again. The
@@ -156,9 +168,11 @@ class Strategy:
           kwargs: keyword arguments for `fn`.
 
         Returns:
-          `fn`'s outputs: a leaf that is identical on every replica (e.g. after
-          `all_reduce`) is a replicated `jax.Array` (TF's Mirrored value); any other leaf is
-          a `PerReplica`.
+          `fn`'s outputs: a leaf computed only from collectives' results (e.g. an
+          `all_reduce`) or constants is identical on every replica and comes back as a
+          replicated `jax.Array` (TF's Mirrored value); any other leaf is a `PerReplica`.
+          Parameters updated from all-reduced gradients are a `PerReplica` whose replicas
+          hold equal values; pass it back to the next `run` as it is.
 
         Example:
 
@@ -249,7 +263,11 @@ class Strategy:
                     leaves.append(next(static_iter))
                 else:
                     value = next(value_iter)
-                    leaves.append(value[0] if kind == _STACKED else value)
+                    if kind == _STACKED:
+                        value = value[0]
+                    elif kind == _WHOLE:
+                        value = _per_replica_copy(value)
+                    leaves.append(value)
             args, kwargs = jax.tree.unflatten(treedef, leaves)
             with context.replica_scope(self, replica_context):
                 return jax.tree.flatten(fn(*args, **kwargs))
@@ -410,17 +428,25 @@ class Strategy:
         return jax.tree.unflatten(structures[0], out)
 
     # Input ------------------------------------------------------------------------------
-    def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
+    def experimental_distribute_dataset(
+        self, dataset: Any, options: Any = None, *, global_batch_size: int | None = None
+    ) -> Any:
         """Distributes an iterable of global batches over the replicas.
 
         See `jstrategy._src.input.distribute_dataset`, which implements it.
         """
         from jstrategy._src import input as input_lib
 
-        return input_lib.distribute_dataset(self, dataset, options)
+        return input_lib.distribute_dataset(
+            self, dataset, options, global_batch_size=global_batch_size
+        )
 
     def distribute_datasets_from_function(
-        self, dataset_fn: Callable[[Any], Any], options: Any = None
+        self,
+        dataset_fn: Callable[[Any], Any],
+        options: Any = None,
+        *,
+        global_batch_size: int | None = None,
     ) -> Any:
         """Builds one input pipeline per process with `dataset_fn(InputContext)`.
 
@@ -428,7 +454,9 @@ class Strategy:
         """
         from jstrategy._src import input as input_lib
 
-        return input_lib.distribute_datasets_from_function(self, dataset_fn, options)
+        return input_lib.distribute_datasets_from_function(
+            self, dataset_fn, options, global_batch_size=global_batch_size
+        )
 
     def __repr__(self) -> str:
         from jstrategy._src.devices import canonical_name
@@ -436,6 +464,20 @@ class Strategy:
         names = [canonical_name(d) for d in self._devices]
         shown = names if len(names) <= 4 else [*names[:2], "...", names[-1]]
         return f"{type(self).__name__}(devices=[{', '.join(shown)}])"
+
+
+def _per_replica_copy(value: Any) -> jax.Array:
+    """Types a replicated argument as this replica's own copy, as TF's mirrored components.
+
+    JAX would otherwise treat it as one value shared by all replicas, and the gradient with
+    respect to it would already be summed over the replicas; as a per-replica copy its
+    gradient is this replica's, and `ReplicaContext.all_reduce` combines them, as in TF.
+    The cast is free: it changes the type, not the data.
+    """
+    value = jnp.asarray(value)
+    if REPLICA_AXIS in varying_axes(value):
+        return value
+    return jax.lax.pcast(value, REPLICA_AXIS, to="varying")
 
 
 def _gather_fn(n: int, stacked: bool, axis: int) -> Callable[[jax.Array], jax.Array]:
