@@ -1,5 +1,12 @@
 """jstrategy: TensorFlow 2's tf.distribute.Strategy family for JAX and Flax."""
 
+from jstrategy import callbacks
+from jstrategy import cluster_resolver
+from jstrategy import config
+from jstrategy import experimental
+from jstrategy import losses
+from jstrategy import metrics
+from jstrategy import tpu
 from jstrategy._src.context import ReplicaContext
 from jstrategy._src.context import experimental_set_strategy
 from jstrategy._src.context import get_replica_context
@@ -15,11 +22,13 @@ from jstrategy._src.input import InputOptions
 from jstrategy._src.input import InputReplicationMode
 from jstrategy._src.loss_reduction import compute_average_loss
 from jstrategy._src.mirrored import MirroredStrategy
+from jstrategy._src.multi_worker import MultiWorkerMirroredStrategy
 from jstrategy._src.one_device import OneDeviceStrategy
 from jstrategy._src.reduce_util import ReduceOp
 from jstrategy._src.strategy import REPLICA_AXIS
 from jstrategy._src.strategy import Strategy
 from jstrategy._src.strategy import ValueContext
+from jstrategy._src.tpu import TPUStrategy
 from jstrategy._src.values import PerReplica
 
 __version__ = "0.1.0.dev0"
@@ -32,6 +41,7 @@ __all__ = [
     "InputOptions",
     "InputReplicationMode",
     "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
     "PerReplica",
@@ -39,11 +49,19 @@ __all__ = [
     "ReductionToOneDevice",
     "ReplicaContext",
     "Strategy",
+    "TPUStrategy",
     "ValueContext",
+    "callbacks",
+    "cluster_resolver",
     "compute_average_loss",
+    "config",
+    "experimental",
     "experimental_set_strategy",
     "get_replica_context",
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "losses",
+    "metrics",
+    "tpu",
 ]

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -32,10 +33,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jstrategy._src import devices as devices_lib
+from jstrategy._src.collective_util import CommunicationImplementation
+from jstrategy._src.context import _all_gather_invariant
 from jstrategy._src.reduce_util import ReduceOp
-from jstrategy._src.values import PerReplica, is_per_replica
+from jstrategy._src.values import PerReplica
+from jstrategy._src.values import is_per_replica
+from jstrategy._src.values import varying_axes
 
 __all__ = [
+    "CollectiveAllReduce",
     "CrossDeviceOps",
     "HierarchicalCopyAllReduce",
     "NcclAllReduce",
@@ -342,3 +348,93 @@ class ReductionToOneDevice(CrossDeviceOps):
             total = self.accumulation_fn([received[i] for i in range(n)])
             out.append(_broadcast_from(total, axis_name, [dest]))
         return out
+
+
+def _packed_by_bytes(
+    leaves: list[jax.Array], bytes_per_pack: int, reduce_buffer: Callable[[jax.Array], jax.Array]
+) -> list[jax.Array]:
+    """Groups consecutive same-dtype tensors into buffers of at most `bytes_per_pack` bytes.
+
+    Each buffer is reduced by one `reduce_buffer` call; a tensor larger than the limit is a
+    buffer of its own. ``bytes_per_pack=0`` reduces each tensor on its own.
+    """
+    if bytes_per_pack == 0:
+        return [reduce_buffer(x) for x in leaves]
+    packs: list[list[int]] = []
+    size = 0
+    for i, x in enumerate(leaves):
+        nbytes = x.size * x.dtype.itemsize
+        same_dtype = bool(packs) and leaves[packs[-1][0]].dtype == x.dtype
+        if packs and same_dtype and size + nbytes <= bytes_per_pack:
+            packs[-1].append(i)
+            size += nbytes
+        else:
+            packs.append([i])
+            size = nbytes
+    out: list[jax.Array | None] = [None] * len(leaves)
+    for pack in packs:
+        flat = jnp.concatenate([leaves[i].reshape(-1) for i in pack])
+        reduced = reduce_buffer(flat)
+        offset = 0
+        for i in pack:
+            out[i] = reduced[offset : offset + leaves[i].size].reshape(leaves[i].shape)
+            offset += leaves[i].size
+    return out  # type: ignore[return-value]
+
+
+def _ring_sum(x: jax.Array, axis_name: str, n: int) -> jax.Array:
+    """Sum across replicas as a reduce-scatter followed by an all-gather (a ring's two phases)."""
+    shape, size = x.shape, x.size
+    flat = x.reshape(-1)
+    padded = -(-size // n) * n
+    if padded != size:
+        flat = jnp.pad(flat, (0, padded - size))
+    if axis_name not in varying_axes(flat):
+        flat = jax.lax.pcast(flat, axis_name, to="varying")
+    shard = jax.lax.psum_scatter(flat, axis_name, scatter_dimension=0, tiled=True)
+    full = _all_gather_invariant(shard, axis_name, axis=0, tiled=True)
+    return full[:size].reshape(shape)
+
+
+class CollectiveAllReduce(CrossDeviceOps):
+    """MultiWorkerMirroredStrategy's collectives: RING, NCCL or AUTO, with byte-sized packs.
+
+    Args:
+      implementation: a `CommunicationImplementation` (or its name). ``RING`` is a
+        reduce-scatter followed by an all-gather in the compiled program (the two phases of
+        a ring all-reduce); ``NCCL`` is the platform all-reduce (NCCL on GPUs, gloo on CPUs);
+        ``AUTO`` leaves the choice to XLA (an all-reduce that XLA may combine or split).
+      bytes_per_pack: if positive, gradients are concatenated into buffers of at most this
+        many bytes, one collective per buffer; 0 leaves packing to XLA.
+
+    Example:
+
+    >>> op = CollectiveAllReduce(implementation="RING", bytes_per_pack=1 << 20)
+    >>> op
+    CollectiveAllReduce(implementation=<CommunicationImplementation.RING: 'RING'>, bytes_per_pack=1048576)
+    """
+
+    def __init__(self, implementation: Any = "AUTO", bytes_per_pack: int = 0):
+        super().__init__()
+        self.implementation = CommunicationImplementation.from_value(implementation)
+        if (
+            not isinstance(bytes_per_pack, int)
+            or isinstance(bytes_per_pack, bool)
+            or bytes_per_pack < 0
+        ):
+            raise ValueError(
+                f"`bytes_per_pack` must be a non-negative int; got {bytes_per_pack!r}. Use 0 "
+                "to let XLA pack, or e.g. 32 << 20 for 32 MiB buffers."
+            )
+        self.bytes_per_pack = bytes_per_pack
+
+    def _settings(self) -> dict[str, Any]:
+        return {"implementation": self.implementation, "bytes_per_pack": self.bytes_per_pack}
+
+    def _sum_leaves(self, leaves, mesh):
+        axis_name, n = mesh.axis_names[0], mesh.size
+        if self.implementation is CommunicationImplementation.RING:
+            return _packed_by_bytes(
+                leaves, self.bytes_per_pack, lambda x: _ring_sum(x, axis_name, n)
+            )
+        return _packed_by_bytes(leaves, self.bytes_per_pack, lambda x: jax.lax.psum(x, axis_name))

@@ -1,0 +1,77 @@
+"""Communication options for multi-worker collectives, as `tf.distribute.experimental`."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+__all__ = ["CollectiveCommunication", "CommunicationImplementation", "CommunicationOptions"]
+
+
+class CommunicationImplementation(enum.Enum):
+    """Which collective implementation multi-worker all-reduces use.
+
+    ``AUTO`` lets XLA choose; ``RING`` is a reduce-scatter followed by an all-gather;
+    ``NCCL`` is the platform's all-reduce (NCCL on GPUs, gloo on CPUs).
+    """
+
+    AUTO = "AUTO"
+    RING = "RING"
+    NCCL = "NCCL"
+
+    @classmethod
+    def from_value(cls, value: CommunicationImplementation | str) -> CommunicationImplementation:
+        """Coerces a member or its name (any case) to a member.
+
+        Raises:
+          ValueError: if `value` names no implementation.
+        """
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str) and value.upper() in cls.__members__:
+            return cls[value.upper()]
+        raise ValueError(
+            f"`implementation` must be a CommunicationImplementation or one of "
+            f"{list(cls.__members__)}; got {value!r}."
+        )
+
+
+#: TF's older name for `CommunicationImplementation`, kept for ported programs.
+CollectiveCommunication = CommunicationImplementation
+
+
+@dataclasses.dataclass(frozen=True)
+class CommunicationOptions:
+    """How multi-worker collectives communicate.
+
+    Args:
+      bytes_per_pack: concatenate gradients into buffers of at most this many bytes, one
+        collective per buffer; 0 lets XLA pack.
+      timeout_seconds: a peer that stops responding for this long turns into an error on
+        every other worker instead of a hang (it sets the distributed runtime's heartbeat
+        timeout). None keeps JAX's default of 100 seconds.
+      implementation: a `CommunicationImplementation` or its name.
+
+    Example:
+
+    >>> CommunicationOptions(implementation="ring").implementation
+    <CommunicationImplementation.RING: 'RING'>
+    """
+
+    bytes_per_pack: int = 0
+    timeout_seconds: float | None = None
+    implementation: CommunicationImplementation | str = CommunicationImplementation.AUTO
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "implementation", CommunicationImplementation.from_value(self.implementation)
+        )
+        if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
+            raise ValueError(
+                f"`bytes_per_pack` must be a non-negative int; got {self.bytes_per_pack!r}."
+            )
+        if self.timeout_seconds is not None and not self.timeout_seconds > 0:
+            raise ValueError(
+                f"`timeout_seconds` must be positive or None; got {self.timeout_seconds!r}. "
+                "Pass None for JAX's default heartbeat timeout (100 s)."
+            )

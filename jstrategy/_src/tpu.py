@@ -1,0 +1,267 @@
+"""`TPUStrategy`, `TPUClusterResolver` and the TPU system setup calls of tf.distribute.
+
+On Cloud TPU VMs (and Colab's TPU runtime) JAX finds the TPU cores itself; the resolver's
+job is to describe them, `experimental_connect_to_cluster` starts JAX's distributed runtime
+on multi-host pods, and `initialize_tpu_system` returns the topology. The strategy lays one
+replica on every TPU core, in an order that follows the physical interconnect
+(`jax.experimental.mesh_utils`), so neighbouring replicas are neighbouring chips and
+collectives travel short links.
+
+Without a TPU, `TPUStrategy()` raises an error naming the devices it found. Setting the
+environment variable ``JSTRATEGY_ALLOW_NON_TPU=1`` (the documented switch for tests and
+notebooks) makes the same code run on whatever devices there are: 8 fake CPU devices with
+``XLA_FLAGS=--xla_force_host_platform_device_count=8``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+
+from jstrategy._src.strategy import Strategy
+
+__all__ = [
+    "ALLOW_NON_TPU_ENV",
+    "TPUClusterResolver",
+    "TPUStrategy",
+    "Topology",
+    "experimental_connect_to_cluster",
+    "initialize_tpu_system",
+    "tpu_device_order",
+]
+
+#: Environment variable that lets TPU code run on other devices (tests, notebooks).
+ALLOW_NON_TPU_ENV = "JSTRATEGY_ALLOW_NON_TPU"
+
+
+def _allow_non_tpu() -> bool:
+    return os.environ.get(ALLOW_NON_TPU_ENV, "").lower() in ("1", "true", "yes")
+
+
+def tpu_device_order(devices: Sequence[Any]) -> list[Any]:
+    """Orders TPU cores so that consecutive replicas are physical neighbours (a ring).
+
+    Uses `jax.experimental.mesh_utils.create_device_mesh`, which knows each TPU
+    generation's interconnect. Non-TPU devices keep their order.
+
+    Args:
+      devices: devices with `platform`, `device_kind`, `coords` and `core_on_chip` (real
+        `jax.Device`s, or descriptions of them).
+
+    Returns:
+      The same devices, in replica order.
+    """
+    devices = list(devices)
+    if not devices or devices[0].platform != "tpu":
+        return devices
+    mesh = mesh_utils.create_device_mesh(
+        (len(devices),), devices=devices, allow_split_physical_axes=True
+    )
+    return list(np.asarray(mesh).flat)
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """The TPU system's shape, as `tf.tpu.experimental.Topology` describes it.
+
+    Attributes:
+      mesh_shape: the physical extent ``(x, y, z, cores_per_chip)``.
+      device_coordinates: per task, per device, ``(x, y, z, core)``.
+      num_tasks: how many hosts (JAX processes).
+      num_tpus_per_task: how many cores each host drives.
+      device_kind: e.g. ``"TPU v4"``; the platform name when not on TPU.
+    """
+
+    mesh_shape: tuple[int, ...]
+    device_coordinates: np.ndarray
+    num_tasks: int
+    num_tpus_per_task: int
+    device_kind: str
+
+    @classmethod
+    def from_devices(cls, devices: Sequence[Any]) -> Topology:
+        """Builds the topology of `devices` (TPU cores, or any devices when not on TPU)."""
+        devices = list(devices)
+        tasks = sorted({d.process_index for d in devices})
+        coords = []
+        for d in devices:
+            xyz = tuple(getattr(d, "coords", (d.id, 0, 0)))
+            coords.append((*xyz, getattr(d, "core_on_chip", 0)))
+        arr = np.array(coords, dtype=np.int32)
+        shape = tuple(int(v) for v in arr.max(0) - arr.min(0) + 1)
+        per_task = len(devices) // max(1, len(tasks))
+        by_task = np.array(
+            [
+                [c for d, c in zip(devices, coords, strict=True) if d.process_index == t]
+                for t in tasks
+            ],
+            dtype=np.int32,
+        )
+        return cls(shape, by_task, len(tasks), per_task, devices[0].device_kind)
+
+
+class TPUClusterResolver:
+    """Finds the TPU cores, as `tf.distribute.cluster_resolver.TPUClusterResolver`.
+
+    Args:
+      tpu: None, ``""`` or ``"local"`` for the TPU attached to this VM (Colab's TPU
+        runtime, Cloud TPU VMs). Remote TPU nodes reached over gRPC (the pre-2022 TPU Node
+        architecture) are not supported by JAX.
+      zone: accepted for compatibility; unused (JAX discovers the slice itself).
+      project: accepted for compatibility; unused.
+
+    Raises:
+      ValueError: for a remote TPU address.
+
+    Example:
+
+    >>> resolver = TPUClusterResolver(tpu="local")
+    >>> resolver.task_type
+    'worker'
+    """
+
+    def __init__(self, tpu: str | None = None, zone: str | None = None, project: str | None = None):
+        if tpu not in (None, "", "local") and (tpu.startswith("grpc://") or ":" in tpu):
+            raise ValueError(
+                f"`tpu` must be None or 'local' (a TPU attached to this VM); got {tpu!r}. "
+                "Remote TPU nodes over gRPC are not supported by JAX: run on the TPU VM "
+                "itself (Colab: Runtime > Change runtime type > TPU)."
+            )
+        self.tpu = tpu or "local"
+        self.zone = zone
+        self.project = project
+        self.task_type = "worker"
+        self.task_id = int(os.environ.get("TPU_WORKER_ID", "0") or 0)
+        self.rpc_layer = None
+        self.environment = ""
+
+    def _hosts(self) -> list[str]:
+        names = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
+        return [f"{h}:8470" for h in names] or ["localhost:8470"]
+
+    def cluster_spec(self) -> Any:
+        """The ``worker`` job: one task per TPU host."""
+        from jstrategy._src.cluster_resolver import ClusterSpec
+
+        return ClusterSpec({"worker": self._hosts()})
+
+    def master(
+        self, task_type: str | None = None, task_id: int | None = None, rpc_layer=None
+    ) -> str:
+        """The session target; empty for the local TPU, as on TPU VMs."""
+        return ""
+
+    def get_master(self) -> str:
+        return self.master()
+
+    def num_hosts(self) -> int:
+        """How many hosts the slice spans."""
+        return len(self._hosts())
+
+    def devices(self) -> list[jax.Device]:
+        """The TPU cores of the whole slice.
+
+        Raises:
+          RuntimeError: when there is no TPU (unless ``JSTRATEGY_ALLOW_NON_TPU=1``, which
+            returns the default backend's devices instead).
+        """
+        try:
+            tpus = jax.devices("tpu")
+        except RuntimeError:
+            tpus = []
+        if tpus:
+            return list(tpus)
+        if _allow_non_tpu():
+            return list(jax.devices())
+        found = ", ".join(f"{d.platform}:{d.id}" for d in jax.devices()) or "none"
+        raise RuntimeError(
+            f"No TPU found: JAX sees {found}. On Colab choose Runtime > Change runtime type "
+            f"> TPU; to run TPU code on these devices instead (tests, notebooks), set "
+            f"{ALLOW_NON_TPU_ENV}=1."
+        )
+
+    def num_accelerators(self, task_type=None, task_id=None, config_proto=None) -> dict[str, int]:
+        local = [d for d in self.devices() if d.process_index == jax.process_index()]
+        return {"TPU": len(local)} if local and local[0].platform == "tpu" else {}
+
+    def __repr__(self) -> str:
+        return f"TPUClusterResolver(tpu={self.tpu!r})"
+
+
+def experimental_connect_to_cluster(cluster_spec_or_resolver: Any = None, **_: Any) -> None:
+    """Connects this host to the rest of its TPU slice.
+
+    The JAX meaning of `tf.config.experimental_connect_to_cluster`: on a multi-host TPU pod
+    slice it starts JAX's distributed runtime (`jax.distributed.initialize()`, which finds
+    the other hosts itself on Cloud TPU); on a single host there is nothing to connect.
+    Call it before any other JAX computation.
+
+    Args:
+      cluster_spec_or_resolver: a `TPUClusterResolver` (or anything with `num_hosts()`).
+    """
+    from jax._src import distributed
+
+    hosts = getattr(cluster_spec_or_resolver, "num_hosts", lambda: 1)()
+    if hosts > 1 and distributed.global_state.client is None:
+        jax.distributed.initialize()
+
+
+def initialize_tpu_system(cluster_resolver: TPUClusterResolver | None = None) -> Topology:
+    """Finds the TPU cores and returns the topology (`tf.tpu.experimental.initialize_tpu_system`).
+
+    JAX initializes TPUs on first use, so this only resolves the devices (raising the
+    resolver's clear error when there is no TPU) and describes them.
+
+    Args:
+      cluster_resolver: the resolver; a default `TPUClusterResolver()` when None.
+
+    Returns:
+      The `Topology` of the slice.
+    """
+    resolver = cluster_resolver or TPUClusterResolver()
+    return Topology.from_devices(resolver.devices())
+
+
+class TPUStrategy(Strategy):
+    """Synchronous data parallelism over TPU cores, one replica per core.
+
+    Args:
+      tpu_cluster_resolver: a `TPUClusterResolver`; a default one when None.
+      experimental_device_assignment: accepted for compatibility; must be None (the
+        replica order always follows the physical topology).
+      cluster_resolver: keyword alias of `tpu_cluster_resolver`.
+
+    Raises:
+      RuntimeError: without a TPU, naming the devices found (see ``JSTRATEGY_ALLOW_NON_TPU``).
+    """
+
+    def __init__(
+        self,
+        tpu_cluster_resolver: TPUClusterResolver | None = None,
+        experimental_device_assignment: Any = None,
+        *,
+        cluster_resolver: TPUClusterResolver | None = None,
+    ):
+        if tpu_cluster_resolver is not None and cluster_resolver is not None:
+            raise ValueError(
+                "Pass the resolver once: `tpu_cluster_resolver` or `cluster_resolver`, not both."
+            )
+        if experimental_device_assignment is not None:
+            raise ValueError(
+                "`experimental_device_assignment` must be None; got "
+                f"{experimental_device_assignment!r}. TPUStrategy always uses every core of "
+                "the slice in topology order; use jax.sharding directly for custom layouts."
+            )
+        resolver = tpu_cluster_resolver or cluster_resolver or TPUClusterResolver()
+        self._cluster_resolver = resolver
+        super().__init__(tpu_device_order(resolver.devices()))
+
+    @property
+    def cluster_resolver(self) -> TPUClusterResolver:
+        return self._cluster_resolver

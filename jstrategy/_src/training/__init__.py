@@ -1,0 +1,1 @@
+"""Keras-like training: `Model`, losses, metrics, callbacks, progress bars and summaries."""

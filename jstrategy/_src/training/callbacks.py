@@ -1,0 +1,753 @@
+"""Keras-compatible callbacks: hooks into `Model.fit`, `evaluate` and `predict`.
+
+The hooks, their arguments and the meaning of `logs` follow Keras: batch logs hold the
+running averages since the epoch (or evaluation) began, epoch logs the epoch's results
+plus ``val_``-prefixed validation results. One `logs` dict is handed to every callback in
+turn, so a key added by one callback (e.g. ``learning_rate``) is seen by those after it,
+`History` included.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import math
+import sys
+import warnings
+from collections.abc import Callable
+from collections.abc import Iterable
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from jstrategy._src.training.progress import Progbar
+from jstrategy._src.training.progress import resolve_verbose
+
+__all__ = [
+    "Callback",
+    "CallbackList",
+    "EarlyStopping",
+    "History",
+    "LambdaCallback",
+    "LearningRateScheduler",
+    "Mode",
+    "ProgbarLogger",
+]
+
+_HOOKS = (
+    "on_train_begin",
+    "on_train_end",
+    "on_epoch_begin",
+    "on_epoch_end",
+    "on_train_batch_begin",
+    "on_train_batch_end",
+    "on_test_begin",
+    "on_test_end",
+    "on_test_batch_begin",
+    "on_test_batch_end",
+    "on_predict_begin",
+    "on_predict_end",
+    "on_predict_batch_begin",
+    "on_predict_batch_end",
+)
+
+
+class Callback:
+    """Base class for callbacks; every hook does nothing unless overridden.
+
+    Attributes:
+      model: the model being trained, set by `set_model`.
+      params: ``{"verbose", "epochs", "steps"}``, set by `set_params`.
+
+    Example:
+
+    >>> class CountEpochs(Callback):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.count = 0
+    ...     def on_epoch_end(self, epoch, logs=None):
+    ...         self.count += 1
+    >>> cb = CountEpochs()
+    >>> for epoch in range(3):
+    ...     cb.on_epoch_end(epoch, {"loss": 1.0})
+    >>> cb.count
+    3
+    """
+
+    def __init__(self) -> None:
+        self.model: Any = None
+        self.params: dict[str, Any] = {}
+
+    def set_model(self, model: Any) -> None:
+        """Sets the model the hooks act on."""
+        self.model = model
+
+    def set_params(self, params: dict[str, Any]) -> None:
+        """Sets the run's parameters (``verbose``, ``epochs``, ``steps``)."""
+        self.params = params
+
+    # Keras calls on_batch_* for training batches; kept so Keras callbacks port unchanged.
+    def on_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        """Alias of `on_train_batch_begin` (Keras's older name)."""
+
+    def on_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        """Alias of `on_train_batch_end` (Keras's older name)."""
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        """Called when `fit` starts."""
+
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        """Called when `fit` ends; `logs` holds the last epoch's results."""
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        """Called at the start of epoch `epoch` (0-based)."""
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        """Called at the end of epoch `epoch`, with its training and validation results."""
+
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        """Called before training batch `batch` (0-based within the epoch)."""
+        self.on_batch_begin(batch, logs)
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        """Called after training batch `batch`, with running averages so far."""
+        self.on_batch_end(batch, logs)
+
+    def on_test_begin(self, logs: dict[str, Any] | None = None) -> None:
+        """Called when evaluation (including validation inside `fit`) starts."""
+
+    def on_test_end(self, logs: dict[str, Any] | None = None) -> None:
+        """Called when evaluation ends, with its results."""
+
+    def on_test_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        """Called before evaluation batch `batch`."""
+
+    def on_test_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        """Called after evaluation batch `batch`, with running averages so far."""
+
+    def on_predict_begin(self, logs: dict[str, Any] | None = None) -> None:
+        """Called when `predict` starts."""
+
+    def on_predict_end(self, logs: dict[str, Any] | None = None) -> None:
+        """Called when `predict` ends."""
+
+    def on_predict_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        """Called before prediction batch `batch`."""
+
+    def on_predict_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        """Called after prediction batch `batch`."""
+
+
+class History(Callback):
+    """Records epoch results; `Model.fit` returns it.
+
+    Attributes:
+      history: metric name to the list of its per-epoch values.
+      epoch: the epochs recorded.
+
+    Example:
+
+    >>> h = History()
+    >>> h.on_train_begin()
+    >>> h.on_epoch_end(0, {"loss": 0.5})
+    >>> h.on_epoch_end(1, {"loss": 0.25})
+    >>> h.history, h.epoch
+    ({'loss': [0.5, 0.25]}, [0, 1])
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.history: dict[str, list[Any]] = {}
+        self.epoch: list[int] = []
+
+    def on_train_begin(self, logs=None):
+        self.epoch = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epoch.append(epoch)
+        for name, value in (logs or {}).items():
+            self.history.setdefault(name, []).append(value)
+        if self.model is not None:
+            # Keras exposes the latest History as `model.history`.
+            self.model.history = self
+
+
+class ProgbarLogger(Callback):
+    """Prints Keras's ``Epoch i/N`` headers and a `Progbar` per epoch, evaluation or predict.
+
+    Reads ``verbose``, ``epochs`` and ``steps`` from `params`. Batch logs are shown as
+    given, since by Keras's convention they are already running averages; they are
+    converted to numbers only when drawn. Inside `fit`, validation draws no bar: its
+    results appear on the epoch's final line.
+
+    Args:
+      file: the stream to write to; None means `sys.stdout` at the time of writing.
+
+    Example:
+
+    >>> import io
+    >>> out = io.StringIO()
+    >>> logger = ProgbarLogger(file=out)
+    >>> logger.set_params({"verbose": 2, "epochs": 2, "steps": 4})
+    >>> logger.on_train_begin()
+    >>> logger.on_epoch_begin(0)
+    >>> for batch in range(4):
+    ...     logger.on_train_batch_end(batch, {"loss": 0.5})
+    >>> logger.on_epoch_end(0, {"loss": 0.5, "val_loss": 0.75})
+    >>> print(out.getvalue().splitlines()[0])
+    Epoch 1/2
+    >>> out.getvalue().splitlines()[1].endswith("loss: 0.5000 - val_loss: 0.7500")
+    True
+    """
+
+    def __init__(self, *, file: Any = None) -> None:
+        super().__init__()
+        self.file = file
+        self.verbose = 1
+        self.epochs = 1
+        self.target: int | None = None
+        self.seen = 0
+        self.progbar: Progbar | None = None
+        self._called_in_fit = False
+
+    def set_params(self, params):
+        super().set_params(params)
+        self.verbose = resolve_verbose(params.get("verbose", 1), self.file)
+        self.epochs = params.get("epochs") or 1
+        self.target = params.get("steps")
+
+    def _print(self, text: str) -> None:
+        file = sys.stdout if self.file is None else self.file
+        print(text, file=file, flush=True)
+
+    def on_train_begin(self, logs=None):
+        self._called_in_fit = True
+
+    def on_train_end(self, logs=None):
+        self._called_in_fit = False
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._reset_progbar()
+        if self.verbose and self.epochs > 1:
+            self._print(f"Epoch {epoch + 1}/{self.epochs}")
+        self._maybe_init_progbar()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._update_progbar(batch, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._finalize_progbar(logs)
+
+    def on_test_begin(self, logs=None):
+        if not self._called_in_fit:
+            self._reset_progbar()
+            self._maybe_init_progbar()
+
+    def on_test_batch_end(self, batch, logs=None):
+        if not self._called_in_fit:
+            self._update_progbar(batch, logs)
+
+    def on_test_end(self, logs=None):
+        if not self._called_in_fit:
+            self._finalize_progbar(logs)
+
+    def on_predict_begin(self, logs=None):
+        self._reset_progbar()
+        self._maybe_init_progbar()
+
+    def on_predict_batch_end(self, batch, logs=None):
+        # Prediction outputs are not metrics; only progress is shown.
+        self._update_progbar(batch, None)
+
+    def on_predict_end(self, logs=None):
+        self._finalize_progbar(None)
+
+    def _reset_progbar(self) -> None:
+        self.seen = 0
+        self.progbar = None
+
+    def _maybe_init_progbar(self) -> Progbar:
+        if self.progbar is None:
+            self.progbar = Progbar(
+                self.target, verbose=self.verbose, unit_name="step", file=self.file
+            )
+        return self.progbar
+
+    def _update_progbar(self, batch: int, logs: dict[str, Any] | None) -> None:
+        progbar = self._maybe_init_progbar()
+        logs = logs or {}
+        progbar.stateful_metrics.update(logs)
+        self.seen = batch + 1
+        if self.verbose == 1:
+            progbar.update(self.seen, logs, finalize=False)
+
+    def _finalize_progbar(self, logs: dict[str, Any] | None) -> None:
+        progbar = self._maybe_init_progbar()
+        logs = logs or {}
+        progbar.stateful_metrics.update(logs)
+        if progbar.target is None:
+            # The step count is known only now: show it as the target on the final line.
+            progbar.target = self.seen
+        progbar.update(progbar.target, logs, finalize=True)
+
+
+class Mode(enum.Enum):
+    """Whether a monitored quantity should go down (MIN), up (MAX), or be inferred (AUTO)."""
+
+    AUTO = "auto"
+    MIN = "min"
+    MAX = "max"
+
+
+# Names (after stripping "val_") that are known to improve upward; anything ending in one
+# of the downward suffixes improves downward.
+_UPWARD = ("acc", "accuracy", "auc", "precision", "recall", "f1", "iou", "r2")
+_DOWNWARD = ("loss", "error", "crossentropy", "mse", "mae", "mape", "msle", "hinge", "huber")
+
+
+def _to_float(value: Any) -> float:
+    return float(np.asarray(value, dtype=np.float64))
+
+
+class EarlyStopping(Callback):
+    """Stops training when a monitored quantity has stopped improving, as in Keras.
+
+    Sets ``model.stop_training = True``. With `restore_best_weights`, the model's weights
+    from the best epoch (``model.get_weights()``) are restored at the end of training
+    (``model.set_weights(w)``), whether or not training stopped early.
+
+    Args:
+      monitor: the log key to watch, e.g. ``"val_loss"`` or ``"val_accuracy"``.
+      min_delta: changes smaller than this do not count as improvement.
+      patience: epochs without improvement before stopping.
+      verbose: 1 prints when stopping and restoring.
+      mode: ``"min"``, ``"max"`` or ``"auto"`` (a `Mode`, or its value); ``"auto"``
+        infers the direction from the metric's ``direction`` attribute when the model
+        lists it in ``model.metrics``, else from its name (``loss``/errors go down,
+        accuracies go up).
+      baseline: a value to beat; until the monitored quantity beats it, patience keeps
+        running even if it improves.
+      restore_best_weights: whether to restore the best epoch's weights at the end.
+      start_from_epoch: epochs to wait before monitoring starts (warm-up).
+
+    Raises:
+      ValueError: for an invalid argument, or with ``mode="auto"`` for a metric whose
+        direction cannot be inferred.
+
+    Example:
+
+    >>> class FakeModel:
+    ...     stop_training = False
+    >>> stopper = EarlyStopping(monitor="loss", patience=1)
+    >>> stopper.set_model(FakeModel())
+    >>> stopper.on_train_begin()
+    >>> for epoch, loss in enumerate([1.0, 0.5, 0.6, 0.7]):
+    ...     stopper.on_epoch_end(epoch, {"loss": loss})
+    ...     if stopper.model.stop_training:
+    ...         break
+    >>> epoch, stopper.best
+    (2, 0.5)
+    """
+
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        min_delta: float = 0,
+        patience: int = 0,
+        verbose: int = 0,
+        mode: Mode | str = "auto",
+        baseline: float | None = None,
+        restore_best_weights: bool = False,
+        start_from_epoch: int = 0,
+    ):
+        super().__init__()
+        if not isinstance(monitor, str) or not monitor:
+            raise ValueError(f"`monitor` must be a log key such as 'val_loss'; got {monitor!r}.")
+        if isinstance(min_delta, bool) or not isinstance(min_delta, (int, float)):
+            raise ValueError(f"`min_delta` must be a number; got {min_delta!r}. E.g. 1e-3.")
+        for arg, value in (("patience", patience), ("start_from_epoch", start_from_epoch)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"`{arg}` must be a non-negative int; got {value!r}.")
+        try:
+            self.mode = Mode(mode)
+        except ValueError:
+            raise ValueError(
+                f"`mode` must be one of {[m.value for m in Mode]}; got {mode!r}. Use 'min' "
+                "for losses and errors, 'max' for accuracies, 'auto' to infer."
+            ) from None
+        if baseline is not None and (
+            isinstance(baseline, bool) or not isinstance(baseline, (int, float))
+        ):
+            raise ValueError(f"`baseline` must be a number or None; got {baseline!r}.")
+        self.monitor = monitor
+        self.min_delta = abs(float(min_delta))
+        self.patience = patience
+        self.verbose = verbose
+        self.baseline = None if baseline is None else float(baseline)
+        self.restore_best_weights = bool(restore_best_weights)
+        self.start_from_epoch = start_from_epoch
+        self._lower_is_better: bool | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.wait = 0
+        self.stopped_epoch = 0
+        self.best: float | None = None
+        self.best_weights: Any = None
+        self.best_epoch = 0
+
+    def _infer_lower_is_better(self) -> bool:
+        if self.mode is not Mode.AUTO:
+            return self.mode is Mode.MIN
+        name = self.monitor.removeprefix("val_")
+        for metric in getattr(self.model, "metrics", None) or ():
+            if getattr(metric, "name", None) == name:
+                direction = getattr(metric, "direction", None)
+                if direction in ("up", "down"):
+                    return direction == "down"
+        if name in _UPWARD or name.endswith(tuple(f"_{n}" for n in _UPWARD)):
+            return False
+        if name.endswith(_DOWNWARD):
+            return True
+        raise ValueError(
+            f"EarlyStopping(monitor={self.monitor!r}, mode='auto') cannot tell whether "
+            f"{name!r} should go up or down. Pass mode='max' to stop on the highest value "
+            "or mode='min' for the lowest."
+        )
+
+    def on_train_begin(self, logs=None):
+        self._reset()
+
+    def _is_improvement(self, value: float, reference: float | None) -> bool:
+        if reference is None:
+            return True
+        if self._lower_is_better:
+            return value + self.min_delta < reference
+        return value - self.min_delta > reference
+
+    def get_monitor_value(self, logs: dict[str, Any] | None) -> float | None:
+        """The monitored value in `logs`, or None (with a warning) if it is missing."""
+        logs = logs or {}
+        value = logs.get(self.monitor)
+        if value is None:
+            warnings.warn(
+                f"EarlyStopping is conditioned on {self.monitor!r}, which is not in the logs "
+                f"(available: {sorted(logs)}). Pass validation data for 'val_' keys or pick "
+                "one of the available keys.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return None
+        return _to_float(value)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._lower_is_better is None:
+            self._lower_is_better = self._infer_lower_is_better()
+        current = self.get_monitor_value(logs)
+        if current is None or epoch < self.start_from_epoch:
+            return
+        if self.restore_best_weights and self.best_weights is None:
+            # Until something improves, the first monitored epoch's weights are the best.
+            self.best_weights = self.model.get_weights()
+            self.best_epoch = epoch
+        self.wait += 1
+        if self._is_improvement(current, self.best):
+            self.best = current
+            self.best_epoch = epoch
+            if self.restore_best_weights:
+                self.best_weights = self.model.get_weights()
+            # Patience restarts only once the baseline is beaten too.
+            if self.baseline is None or self._is_improvement(current, self.baseline):
+                self.wait = 0
+            return
+        if self.wait >= self.patience and epoch > 0:
+            self.stopped_epoch = epoch
+            self.model.stop_training = True
+
+    def on_train_end(self, logs=None):
+        if self.stopped_epoch > 0 and self.verbose > 0:
+            print(f"Epoch {self.stopped_epoch + 1}: early stopping", flush=True)
+        if self.restore_best_weights and self.best_weights is not None:
+            if self.verbose > 0:
+                print(
+                    "Restoring model weights from the end of the best epoch: "
+                    f"{self.best_epoch + 1}.",
+                    flush=True,
+                )
+            self.model.set_weights(self.best_weights)
+
+
+def _takes_two_positional(fn: Callable[..., Any]) -> bool:
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return True
+    positional = 0
+    for param in signature.parameters.values():
+        if param.kind is inspect.Parameter.VAR_POSITIONAL:
+            return True
+        if param.kind in (
+            inspect.Parameter.POSITIONAL_ONLY,
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        ):
+            positional += 1
+    return positional >= 2
+
+
+class LearningRateScheduler(Callback):
+    """Sets the learning rate at the start of each epoch from ``schedule``.
+
+    The rate is read and written through ``model.learning_rate`` (a float property) and
+    recorded as ``logs["learning_rate"]`` at the end of each epoch.
+
+    Args:
+      schedule: ``schedule(epoch)`` or ``schedule(epoch, lr)`` (epoch 0-based, `lr` the
+        current rate) returning the new rate as a float.
+      verbose: 1 prints each update.
+
+    Raises:
+      ValueError: if `schedule` is not callable.
+
+    Example:
+
+    >>> class FakeModel:
+    ...     learning_rate = 0.1
+    >>> sched = LearningRateScheduler(lambda epoch, lr: lr * 0.5 if epoch > 0 else lr)
+    >>> sched.set_model(FakeModel())
+    >>> logs = {}
+    >>> for epoch in range(3):
+    ...     sched.on_epoch_begin(epoch)
+    ...     sched.on_epoch_end(epoch, logs)
+    >>> logs["learning_rate"]
+    0.025
+    """
+
+    def __init__(self, schedule: Callable[..., Any], verbose: int = 0):
+        super().__init__()
+        if not callable(schedule):
+            raise ValueError(
+                f"`schedule` must be callable as schedule(epoch) or schedule(epoch, lr); got "
+                f"{schedule!r}."
+            )
+        self.schedule = schedule
+        self.verbose = verbose
+        self._pass_lr = _takes_two_positional(schedule)
+
+    def _current_rate(self) -> float:
+        if not hasattr(self.model, "learning_rate"):
+            raise ValueError(
+                "LearningRateScheduler needs `model.learning_rate` (a float property the "
+                f"model reads and sets); {type(self.model).__name__} has none. Compile the "
+                "model with an optimizer whose learning rate can be changed."
+            )
+        return _to_float(self.model.learning_rate)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self._pass_lr:
+            rate = self.schedule(epoch, self._current_rate())
+        else:
+            self._current_rate()
+            rate = self.schedule(epoch)
+        try:
+            value = _to_float(rate)
+        except (TypeError, ValueError):
+            value = math.nan
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(
+                f"The `schedule` must return a non-negative finite float; at epoch {epoch} it "
+                f"returned {rate!r}."
+            )
+        rate = value
+        self.model.learning_rate = rate
+        if self.verbose > 0:
+            print(
+                f"\nEpoch {epoch + 1}: LearningRateScheduler setting learning rate to {rate}.",
+                flush=True,
+            )
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs["learning_rate"] = self._current_rate()
+
+
+class LambdaCallback(Callback):
+    """A callback built from plain functions, one per hook.
+
+    Args:
+      **hooks: hook name to function, e.g.
+        ``on_epoch_end=lambda epoch, logs: print(epoch)``. Valid names are the `Callback`
+        hooks, including ``on_batch_begin``/``on_batch_end``.
+
+    Raises:
+      ValueError: for an unknown hook name or a non-callable value.
+
+    Example:
+
+    >>> seen = []
+    >>> cb = LambdaCallback(on_epoch_end=lambda epoch, logs: seen.append((epoch, logs["loss"])))
+    >>> cb.on_epoch_end(0, {"loss": 0.5})
+    >>> seen
+    [(0, 0.5)]
+    """
+
+    def __init__(self, **hooks: Callable[..., Any]):
+        super().__init__()
+        valid = (*_HOOKS, "on_batch_begin", "on_batch_end")
+        for name, fn in hooks.items():
+            if name not in valid:
+                raise ValueError(f"Unknown hook {name!r} for LambdaCallback. Valid: {list(valid)}.")
+            if not callable(fn):
+                raise ValueError(f"`{name}` must be callable; got {fn!r}.")
+            # Instance attributes shadow the no-op methods of Callback.
+            setattr(self, name, fn)
+
+
+class CallbackList(Callback):
+    """Dispatches each hook to a list of callbacks, in order.
+
+    Args:
+      callbacks: the callbacks (None for none).
+      model: if given, set on every callback.
+      add_history: append a `History` unless one is present.
+      add_progbar: append a `ProgbarLogger` unless one is present.
+      verbose: recorded in `params` (0, 1, 2 or ``"auto"``).
+      epochs: recorded in `params`.
+      steps: steps per epoch (or of the evaluation/prediction), recorded in `params`.
+
+    Raises:
+      ValueError: if an item is not a `Callback`.
+
+    Example:
+
+    >>> cbs = CallbackList([], add_history=True, epochs=2, steps=1)
+    >>> cbs.on_train_begin()
+    >>> for epoch in range(2):
+    ...     cbs.on_epoch_end(epoch, {"loss": 1.0 / (epoch + 1)})
+    >>> cbs.history.history
+    {'loss': [1.0, 0.5]}
+    """
+
+    def __init__(
+        self,
+        callbacks: Iterable[Callback] | None = None,
+        *,
+        model: Any = None,
+        add_history: bool = False,
+        add_progbar: bool = False,
+        verbose: int | str = 1,
+        epochs: int | None = None,
+        steps: int | None = None,
+    ):
+        super().__init__()
+        self.callbacks: list[Callback] = list(callbacks or [])
+        for cb in self.callbacks:
+            _check_callback(cb)
+        self._history = next((cb for cb in self.callbacks if isinstance(cb, History)), None)
+        self._progbar = next((cb for cb in self.callbacks if isinstance(cb, ProgbarLogger)), None)
+        # History and the progress bar go last so that keys other callbacks add to the
+        # epoch logs (e.g. learning_rate) are recorded and printed.
+        if add_history and self._history is None:
+            self._history = History()
+            self.callbacks.append(self._history)
+        if add_progbar and self._progbar is None:
+            self._progbar = ProgbarLogger()
+            self.callbacks.append(self._progbar)
+        self.set_params({"verbose": verbose, "epochs": epochs, "steps": steps})
+        if model is not None:
+            self.set_model(model)
+
+    @property
+    def history(self) -> History | None:
+        """The `History` among the callbacks, if any."""
+        return self._history
+
+    def append(self, callback: Callback) -> None:
+        """Adds a callback, giving it the list's model and params."""
+        _check_callback(callback)
+        callback.set_params(self.params)
+        if self.model is not None:
+            callback.set_model(self.model)
+        self.callbacks.append(callback)
+        if isinstance(callback, History) and self._history is None:
+            self._history = callback
+
+    def __iter__(self) -> Iterator[Callback]:
+        return iter(self.callbacks)
+
+    def __len__(self) -> int:
+        return len(self.callbacks)
+
+    def set_model(self, model):
+        super().set_model(model)
+        for cb in self.callbacks:
+            cb.set_model(model)
+
+    def set_params(self, params):
+        super().set_params(params)
+        for cb in self.callbacks:
+            cb.set_params(params)
+
+    def _call(self, hook: str, *args: Any, logs: dict[str, Any] | None) -> None:
+        # One dict for all, so keys added by one callback reach the later ones.
+        logs = {} if logs is None else logs
+        for cb in self.callbacks:
+            # Positional, as Keras calls hooks, so LambdaCallback functions may name the
+            # parameters freely.
+            getattr(cb, hook)(*args, logs)
+
+    def on_batch_begin(self, batch, logs=None):
+        self._call("on_train_batch_begin", batch, logs=logs)
+
+    def on_batch_end(self, batch, logs=None):
+        self._call("on_train_batch_end", batch, logs=logs)
+
+    def on_train_begin(self, logs=None):
+        self._call("on_train_begin", logs=logs)
+
+    def on_train_end(self, logs=None):
+        self._call("on_train_end", logs=logs)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._call("on_epoch_begin", epoch, logs=logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._call("on_epoch_end", epoch, logs=logs)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._call("on_train_batch_begin", batch, logs=logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._call("on_train_batch_end", batch, logs=logs)
+
+    def on_test_begin(self, logs=None):
+        self._call("on_test_begin", logs=logs)
+
+    def on_test_end(self, logs=None):
+        self._call("on_test_end", logs=logs)
+
+    def on_test_batch_begin(self, batch, logs=None):
+        self._call("on_test_batch_begin", batch, logs=logs)
+
+    def on_test_batch_end(self, batch, logs=None):
+        self._call("on_test_batch_end", batch, logs=logs)
+
+    def on_predict_begin(self, logs=None):
+        self._call("on_predict_begin", logs=logs)
+
+    def on_predict_end(self, logs=None):
+        self._call("on_predict_end", logs=logs)
+
+    def on_predict_batch_begin(self, batch, logs=None):
+        self._call("on_predict_batch_begin", batch, logs=logs)
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self._call("on_predict_batch_end", batch, logs=logs)
+
+
+def _check_callback(cb: Any) -> None:
+    if not isinstance(cb, Callback):
+        raise ValueError(
+            f"Each callback must be a jstrategy.callbacks.Callback; got {cb!r}. Subclass "
+            "Callback, or wrap functions in jstrategy.callbacks.LambdaCallback."
+        )

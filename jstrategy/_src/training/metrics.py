@@ -1,0 +1,456 @@
+"""Keras-compatible metrics as per-example values.
+
+A metric maps ``(y_true, y_pred)`` to a ``(batch,)`` array whose mean over the real rows
+of every replica is the metric. That form makes aggregation exact across replicas and
+across padded partial batches: the train step sums ``value * mask`` and ``mask`` with one
+all-reduce and divides at the end of the epoch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jstrategy._src.training import losses as losses_lib
+from jstrategy._src.training.losses import _align_ranks
+from jstrategy._src.training.losses import _callable_name
+from jstrategy._src.training.losses import _check_bool
+from jstrategy._src.training.losses import _check_name
+from jstrategy._src.training.losses import _compute_dtype
+from jstrategy._src.training.losses import _per_example
+from jstrategy._src.training.losses import _prepare
+from jstrategy._src.training.losses import _require_class_axis
+from jstrategy._src.training.losses import _require_same_shape
+from jstrategy._src.training.losses import _sparse_labels
+
+__all__ = [
+    "Accuracy",
+    "BinaryAccuracy",
+    "CategoricalAccuracy",
+    "MeanAbsoluteError",
+    "MeanMetricWrapper",
+    "MeanSquaredError",
+    "Metric",
+    "SparseCategoricalAccuracy",
+    "get",
+]
+
+
+class Metric:
+    """Base class: per-example metric values whose masked mean is the metric.
+
+    Subclasses implement `call`, which may return any shape with the batch axis first;
+    `__call__` checks the inputs and averages the non-batch axes.
+
+    Attributes:
+      name: the key under which the metric appears in logs and History.
+      direction: ``"up"`` if larger is better, ``"down"`` if smaller is, ``None`` if
+        unknown; `EarlyStopping(mode="auto")` reads it.
+
+    Args:
+      name: the metric's name; defaults to the class name in snake case, as in Keras.
+
+    Example:
+
+    >>> import jax.numpy as jnp
+    >>> class WithinOne(Metric):
+    ...     direction = "up"
+    ...     def call(self, y_true, y_pred):
+    ...         return (jnp.abs(y_pred - y_true) <= 1).astype(jnp.float32)
+    >>> m = WithinOne()
+    >>> m.name, m(jnp.zeros(3), jnp.array([0.5, 2.0, -1.0])).tolist()
+    ('within_one', [1.0, 0.0, 1.0])
+    """
+
+    direction: str | None = None
+
+    def __init__(self, *, name: str | None = None):
+        self.name = _check_name(name, self)
+
+    def __call__(self, y_true: Any, y_pred: Any) -> jax.Array:
+        """Returns per-example metric values, shape ``(batch,)``.
+
+        Args:
+          y_true: labels, batch axis first.
+          y_pred: predictions, batch axis first.
+
+        Returns:
+          A float ``(batch,)`` array; non-batch axes are averaged.
+
+        Raises:
+          ValueError: if the shapes do not fit the metric.
+        """
+        what = f"{type(self).__name__} ({self.name!r})"
+        y_true, y_pred = _prepare(y_true, y_pred, what)
+        values = jnp.asarray(self.call(y_true, y_pred))
+        if not jnp.issubdtype(values.dtype, jnp.floating):
+            values = values.astype(jnp.float32)
+        return _per_example(values, y_pred.shape[0], what)
+
+    def call(self, y_true: jax.Array, y_pred: jax.Array) -> jax.Array:
+        """Computes unreduced metric values; the batch axis must stay first.
+
+        Args:
+          y_true: labels, an array with a batch axis first.
+          y_pred: predictions, an array with the same batch size.
+
+        Returns:
+          Metric values with the batch axis first.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement `call(y_true, y_pred)`.")
+
+    def get_config(self) -> dict[str, Any]:
+        """The constructor arguments, as in Keras."""
+        return {"name": self.name}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        return f"{type(self).__name__}({args})"
+
+
+class Accuracy(Metric):
+    """How often predictions equal labels exactly (Keras's `Accuracy`).
+
+    Args:
+      name: the metric's name.
+
+    Example:
+
+    >>> import numpy as np
+    >>> Accuracy()(np.array([1, 2, 3]), np.array([1, 0, 3])).tolist()
+    [1.0, 0.0, 1.0]
+    """
+
+    direction = "up"
+
+    def __init__(self, *, name: str = "accuracy"):
+        super().__init__(name=name)
+
+    def call(self, y_true, y_pred):
+        y_true, y_pred = _align_ranks(y_true, y_pred)
+        _require_same_shape(y_true, y_pred, "Accuracy")
+        return (y_true.astype(y_pred.dtype) == y_pred).astype(jnp.float32)
+
+
+def _logit(p: float) -> float:
+    if p <= 0.0:
+        return -math.inf
+    if p >= 1.0:
+        return math.inf
+    return math.log(p / (1.0 - p))
+
+
+class BinaryAccuracy(Metric):
+    """How often thresholded predictions match 0/1 labels.
+
+    Args:
+      threshold: a prediction counts as 1 when it is above this probability.
+      from_logits: whether `y_pred` holds logits; the threshold then applies to
+        ``sigmoid(y_pred)``, i.e. ``y_pred > log(t / (1 - t))`` (``> 0`` for 0.5), which
+        stays exact where the sigmoid saturates.
+      name: the metric's name.
+
+    Example:
+
+    >>> import numpy as np
+    >>> BinaryAccuracy()(np.array([1, 0, 1]), np.array([[0.7], [0.6], [0.2]])).tolist()
+    [1.0, 0.0, 0.0]
+    >>> BinaryAccuracy(from_logits=True)(np.array([1, 0]), np.array([[2.0], [-3.0]])).tolist()
+    [1.0, 1.0]
+    """
+
+    direction = "up"
+
+    def __init__(
+        self, threshold: float = 0.5, *, from_logits: bool = False, name: str = "binary_accuracy"
+    ):
+        super().__init__(name=name)
+        if (
+            isinstance(threshold, bool)
+            or not isinstance(threshold, (int, float))
+            or not math.isfinite(threshold)
+        ):
+            raise ValueError(f"`threshold` must be a finite float; got {threshold!r}. E.g. 0.5.")
+        self.from_logits = _check_bool(from_logits, "from_logits")
+        if self.from_logits and not 0.0 < threshold < 1.0:
+            raise ValueError(
+                f"`threshold` must be a probability in (0, 1) with from_logits=True; got "
+                f"{threshold!r}. It applies to sigmoid(logits); pass e.g. 0.5."
+            )
+        self.threshold = float(threshold)
+
+    def call(self, y_true, y_pred):
+        y_true, y_pred = _align_ranks(y_true, y_pred)
+        _require_same_shape(y_true, y_pred, "BinaryAccuracy")
+        cut = _logit(self.threshold) if self.from_logits else self.threshold
+        predicted = (y_pred.astype(_compute_dtype(y_pred)) > cut).astype(y_true.dtype)
+        return (y_true == predicted).astype(jnp.float32)
+
+    def get_config(self):
+        return {
+            "threshold": self.threshold,
+            "from_logits": self.from_logits,
+            **super().get_config(),
+        }
+
+
+class CategoricalAccuracy(Metric):
+    """How often the arg-max of the predictions matches the arg-max of one-hot labels.
+
+    Args:
+      name: the metric's name.
+
+    Example:
+
+    >>> import numpy as np
+    >>> CategoricalAccuracy()(np.eye(2), np.array([[0.9, 0.1], [0.8, 0.2]])).tolist()
+    [1.0, 0.0]
+    """
+
+    direction = "up"
+
+    def __init__(self, *, name: str = "categorical_accuracy"):
+        super().__init__(name=name)
+
+    def call(self, y_true, y_pred):
+        _require_class_axis(y_pred, "CategoricalAccuracy")
+        _require_same_shape(
+            y_true,
+            y_pred,
+            "CategoricalAccuracy",
+            " For integer class labels use SparseCategoricalAccuracy.",
+        )
+        return (jnp.argmax(y_true, axis=-1) == jnp.argmax(y_pred, axis=-1)).astype(jnp.float32)
+
+
+class SparseCategoricalAccuracy(Metric):
+    """How often the arg-max of the predictions equals integer labels ``(b,)`` or ``(b, 1)``.
+
+    Args:
+      name: the metric's name.
+
+    Example:
+
+    >>> import numpy as np
+    >>> m = SparseCategoricalAccuracy()
+    >>> m(np.array([[0], [1]]), np.array([[0.9, 0.1], [0.8, 0.2]])).tolist()
+    [1.0, 0.0]
+    """
+
+    direction = "up"
+
+    def __init__(self, *, name: str = "sparse_categorical_accuracy"):
+        super().__init__(name=name)
+
+    def call(self, y_true, y_pred):
+        _require_class_axis(y_pred, "SparseCategoricalAccuracy")
+        labels = _sparse_labels(y_true, y_pred, "SparseCategoricalAccuracy")
+        return (jnp.argmax(y_pred, axis=-1) == labels).astype(jnp.float32)
+
+
+class MeanSquaredError(Metric):
+    """Mean squared error per example.
+
+    Args:
+      name: the metric's name.
+
+    Example:
+
+    >>> import numpy as np
+    >>> MeanSquaredError()(np.array([0.0, 1.0]), np.array([[2.0], [1.0]])).tolist()
+    [4.0, 0.0]
+    """
+
+    direction = "down"
+
+    def __init__(self, *, name: str = "mean_squared_error"):
+        super().__init__(name=name)
+        self._loss = losses_lib.MeanSquaredError()
+
+    def call(self, y_true, y_pred):
+        return self._loss.call(y_true, y_pred)
+
+
+class MeanAbsoluteError(Metric):
+    """Mean absolute error per example.
+
+    Args:
+      name: the metric's name.
+
+    Example:
+
+    >>> import numpy as np
+    >>> MeanAbsoluteError()(np.array([0.0, 1.0]), np.array([[2.0], [1.5]])).tolist()
+    [2.0, 0.5]
+    """
+
+    direction = "down"
+
+    def __init__(self, *, name: str = "mean_absolute_error"):
+        super().__init__(name=name)
+        self._loss = losses_lib.MeanAbsoluteError()
+
+    def call(self, y_true, y_pred):
+        return self._loss.call(y_true, y_pred)
+
+
+class MeanMetricWrapper(Metric):
+    """Wraps a function ``fn(y_true, y_pred) -> per-example values`` as a `Metric`.
+
+    A `jstrategy.losses.Loss` works too, which is how a loss is tracked as a metric.
+
+    Args:
+      fn: returns values with the batch axis first; other axes are averaged.
+      name: defaults to ``fn.name`` or ``fn.__name__``.
+      direction: ``"up"``, ``"down"`` or ``None`` (see `Metric`).
+
+    Example:
+
+    >>> import jax.numpy as jnp
+    >>> def max_error(y_true, y_pred):
+    ...     return jnp.max(jnp.abs(y_pred - y_true), axis=-1)
+    >>> m = MeanMetricWrapper(max_error)
+    >>> m.name, m(jnp.zeros((2, 3)), jnp.array([[1.0, 2, 3], [0, 0, 1]])).tolist()
+    ('max_error', [3.0, 1.0])
+    """
+
+    def __init__(
+        self,
+        fn: Callable[[Any, Any], Any],
+        *,
+        name: str | None = None,
+        direction: str | None = None,
+    ):
+        if not callable(fn):
+            raise ValueError(
+                f"`fn` must be callable as fn(y_true, y_pred); got {fn!r}. Pass a function."
+            )
+        if direction not in ("up", "down", None):
+            raise ValueError(f"`direction` must be 'up', 'down' or None; got {direction!r}.")
+        super().__init__(name=_callable_name(fn) if name is None else name)
+        self.fn = fn
+        # A wrapped loss is something to minimize.
+        if direction is None and isinstance(fn, losses_lib.Loss):
+            direction = "down"
+        self.direction = direction
+
+    def call(self, y_true, y_pred):
+        return self.fn(y_true, y_pred)
+
+    def get_config(self):
+        return {"fn": self.fn, "direction": self.direction, **super().get_config()}
+
+
+class _ShapeResolvedAccuracy(Metric):
+    """``"accuracy"`` when the loss does not say which: decided from static shapes.
+
+    As Keras 3 does: one output per example means binary, labels without a class axis
+    (or with a trailing axis of size 1) mean sparse, otherwise categorical.
+    """
+
+    direction = "up"
+
+    def __init__(self, *, name: str = "accuracy"):
+        super().__init__(name=name)
+
+    def call(self, y_true, y_pred):
+        if y_pred.ndim == 1 or y_pred.shape[-1] == 1:
+            return BinaryAccuracy().call(y_true, y_pred)
+        if y_true.ndim == y_pred.ndim - 1 or (y_true.ndim == y_pred.ndim and y_true.shape[-1] == 1):
+            return SparseCategoricalAccuracy().call(y_true, y_pred)
+        return CategoricalAccuracy().call(y_true, y_pred)
+
+
+def _accuracy_for(loss: Any, name: str) -> Metric:
+    """The accuracy Keras picks for `loss`."""
+    if isinstance(loss, str):
+        loss = losses_lib.get(loss)
+    if isinstance(loss, losses_lib.BinaryCrossentropy):
+        return BinaryAccuracy(from_logits=loss.from_logits, name=name)
+    if isinstance(loss, losses_lib.SparseCategoricalCrossentropy):
+        return SparseCategoricalAccuracy(name=name)
+    if isinstance(loss, losses_lib.CategoricalCrossentropy):
+        return CategoricalAccuracy(name=name)
+    return _ShapeResolvedAccuracy(name=name)
+
+
+_REGISTRY: dict[str, type[Metric]] = {
+    "binary_accuracy": BinaryAccuracy,
+    "categorical_accuracy": CategoricalAccuracy,
+    "sparse_categorical_accuracy": SparseCategoricalAccuracy,
+    "mean_absolute_error": MeanAbsoluteError,
+    "mae": MeanAbsoluteError,
+    "mean_squared_error": MeanSquaredError,
+    "mse": MeanSquaredError,
+}
+_CLASSES: tuple[type[Metric], ...] = (
+    Accuracy,
+    BinaryAccuracy,
+    CategoricalAccuracy,
+    SparseCategoricalAccuracy,
+    MeanAbsoluteError,
+    MeanSquaredError,
+)
+
+
+def get(identifier: Metric | str | Callable[[Any, Any], Any], *, loss: Any = None) -> Metric:
+    """Resolves a metric given as an instance, a Keras name, a `Metric` class or a function.
+
+    Named metrics keep the name they were given, as in Keras, so ``"acc"`` is logged as
+    ``acc`` and ``"mae"`` as ``mae``.
+
+    Args:
+      identifier: a `Metric` (returned as is); ``"accuracy"``/``"acc"`` (resolved from
+        `loss`: binary cross-entropy gives `BinaryAccuracy`, thresholding logits at 0 when
+        the loss is ``from_logits``; sparse categorical cross-entropy gives
+        `SparseCategoricalAccuracy`; categorical cross-entropy gives `CategoricalAccuracy`;
+        any other loss decides from the shapes at trace time); ``"binary_accuracy"``,
+        ``"categorical_accuracy"``, ``"sparse_categorical_accuracy"``,
+        ``"mae"``/``"mean_absolute_error"``, ``"mse"``/``"mean_squared_error"``; a class
+        name such as ``"BinaryAccuracy"`` or a `Metric` subclass (instantiated with
+        defaults); or a function ``fn(y_true, y_pred)`` returning per-example values
+        (wrapped in `MeanMetricWrapper`).
+      loss: the compiled loss (a `jstrategy.losses.Loss`, a loss name, or None), used only
+        to resolve ``"accuracy"``.
+
+    Returns:
+      A `Metric`.
+
+    Raises:
+      ValueError: for an unknown name or an identifier of another type.
+
+    Example:
+
+    >>> m = get("accuracy", loss="binary_crossentropy")
+    >>> type(m).__name__, m.name
+    ('BinaryAccuracy', 'accuracy')
+    >>> get("mae").name
+    'mae'
+    """
+    if isinstance(identifier, Metric):
+        return identifier
+    if isinstance(identifier, str):
+        if identifier in ("accuracy", "acc"):
+            return _accuracy_for(loss, identifier)
+        if identifier in _REGISTRY:
+            return _REGISTRY[identifier](name=identifier)
+        by_class = {cls.__name__: cls for cls in _CLASSES}
+        if identifier in by_class:
+            return by_class[identifier]()
+        valid = sorted({"accuracy", "acc", *_REGISTRY, *by_class})
+        raise ValueError(
+            f"Unknown metric {identifier!r}. Valid names: {valid}; or pass a "
+            "jstrategy.metrics.Metric, or a function fn(y_true, y_pred) -> per-example values."
+        )
+    if isinstance(identifier, type) and issubclass(identifier, Metric):
+        return identifier()
+    if callable(identifier):
+        return MeanMetricWrapper(identifier)
+    raise ValueError(
+        f"A metric must be a jstrategy.metrics.Metric, a metric name or a function "
+        f"fn(y_true, y_pred); got {identifier!r}. E.g. metrics=['accuracy']."
+    )

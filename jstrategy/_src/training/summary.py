@@ -1,0 +1,393 @@
+"""Keras-like ``model.summary()`` tables for Flax linen and NNX modules.
+
+The forward pass runs under `jax.eval_shape`, so summarizing costs a trace, no compute.
+Submodule calls are observed with `flax.linen.intercept_methods` (linen) or by giving each
+submodule of a private clone a recording subclass (NNX, which has no interceptors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jstrategy._src.strategy import REPLICA_AXIS
+
+__all__ = ["summarize"]
+
+
+@dataclasses.dataclass
+class _Row:
+    order: int
+    path: tuple[str, ...]
+    type_name: str
+    method: str
+    output: str = "?"
+
+
+@dataclasses.dataclass
+class _Count:
+    size: int = 0
+    nbytes: int = 0
+
+    def add(self, leaf: Any) -> None:
+        shape = getattr(leaf, "shape", None)
+        dtype = getattr(leaf, "dtype", None)
+        if shape is None or dtype is None:
+            return
+        size = int(np.prod(shape, dtype=np.int64))
+        self.size += size
+        self.nbytes += size * np.dtype(dtype).itemsize
+
+    def __add__(self, other: _Count) -> _Count:
+        return _Count(self.size + other.size, self.nbytes + other.nbytes)
+
+
+def _snake_case(name: str) -> str:
+    return re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", name).lower()
+
+
+def _readable_size(nbytes: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if nbytes < 1024:
+            return f"{nbytes:.2f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.2f} PB"
+
+
+def _shape_repr(output: Any) -> str:
+    shapes = [tuple(leaf.shape) for leaf in jax.tree.leaves(output) if hasattr(leaf, "shape")]
+    if len(shapes) == 1:
+        return str(shapes[0])
+    if not shapes:
+        return "?"
+    return "[" + ", ".join(str(s) for s in shapes) + "]"
+
+
+def _record_call(rows: dict, counter: Any, path: tuple[str, ...], type_name: str, method: str):
+    """Adds a row at call entry (pre-order, as Keras lists layers); None if already seen.
+
+    Only a path's first call counts: a shared module, or a method calling another method
+    of the same module, keeps one row with the outermost call's output.
+    """
+    if path in rows:
+        return None
+    row = _Row(next(counter), path, type_name, method)
+    rows[path] = row
+    return row
+
+
+def _render(
+    name: str,
+    rows: list[tuple[str, str, int]],
+    total: _Count,
+    trainable: _Count,
+    non_trainable: _Count,
+) -> str:
+    headers = ("Layer (type)", "Output Shape", "Param #")
+    cells = [(layer, shape, f"{count:,}") for layer, shape, count in rows]
+    widths = [
+        max(28, *(len(c[0]) + 2 for c in cells)) if cells else 28,
+        max(26, *(len(c[1]) + 2 for c in cells)) if cells else 26,
+        max(10, *(len(c[2]) + 1 for c in cells)) if cells else 10,
+    ]
+    width = 1 + sum(widths)
+
+    def line(values: tuple[str, str, str]) -> str:
+        return (" " + "".join(v.ljust(w) for v, w in zip(values, widths, strict=True))).rstrip()
+
+    out = [f'Model: "{name}"', "_" * width, line(headers), "=" * width]
+    out += [line(c) for c in cells]
+    out += [
+        "=" * width,
+        f"Total params: {total.size:,} ({_readable_size(total.nbytes)})",
+        f"Trainable params: {trainable.size:,} ({_readable_size(trainable.nbytes)})",
+        f"Non-trainable params: {non_trainable.size:,} ({_readable_size(non_trainable.nbytes)})",
+        "_" * width,
+    ]
+    return "\n".join(out)
+
+
+def _layer_label(path: tuple[str, ...], type_name: str, method: str) -> str:
+    suffix = "" if method == "__call__" else f".{method}"
+    return "  " * (len(path) - 1) + f"{path[-1]} ({type_name}{suffix})"
+
+
+def _is_array_like(leaf: Any) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+
+
+def _trace(fn: Any, state: Any, args: tuple, kwargs: dict) -> None:
+    """Traces ``fn(state, args, kwargs)`` for shapes only, computing nothing.
+
+    Only array inputs are traced; others (``train=True``, strings, ...) stay Python
+    values, as the module expects. The trace runs inside a one-device `jax.shard_map`
+    over jstrategy's replica axis, so modules written for a strategy (e.g. BatchNorm
+    with ``axis_name="replica"`` in training mode) trace as they would in a train step.
+    """
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    traced = [i for i, leaf in enumerate(leaves) if _is_array_like(leaf)]
+
+    def body(state, traced_leaves):
+        full = list(leaves)
+        for i, leaf in zip(traced, traced_leaves, strict=True):
+            full[i] = leaf
+        call_args, call_kwargs = jax.tree.unflatten(treedef, full)
+        fn(state, call_args, call_kwargs)
+        # Shapes were recorded during the trace; the outputs themselves are not needed.
+        return jnp.zeros(())
+
+    mesh = Mesh(np.array(jax.local_devices()[:1]), (REPLICA_AXIS,))
+    sharded = jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+    jax.eval_shape(sharded, state, [leaves[i] for i in traced])
+
+
+# Collections that are bookkeeping of one forward pass, not model state.
+_NOT_WEIGHTS = ("intermediates",)
+
+
+def _linen_count(tree: Any) -> _Count:
+    count = _Count()
+    for leaf in jax.tree.leaves(tree):
+        count.add(leaf)
+    return count
+
+
+def _subtree(collection: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        if not isinstance(collection, Mapping) or key not in collection:
+            return None
+        collection = collection[key]
+    return collection
+
+
+def _summarize_linen(module: nn.Module, variables: Any, args: tuple, kwargs: dict) -> str:
+    if not isinstance(variables, Mapping):
+        raise ValueError(
+            f"`variables` must be the collections dict from module.init (e.g. "
+            f"{{'params': ...}}); got {type(variables).__name__}."
+        )
+    weights = {col: tree for col, tree in variables.items() if col not in _NOT_WEIGHTS}
+    rows: dict[tuple[str, ...], _Row] = {}
+    counter = itertools.count()
+
+    def interceptor(next_fun, call_args, call_kwargs, context):
+        if context.method_name == "setup":
+            return next_fun(*call_args, **call_kwargs)
+        mod = context.module
+        row = _record_call(rows, counter, tuple(mod.path), type(mod).__name__, context.method_name)
+        out = next_fun(*call_args, **call_kwargs)
+        if row is not None:
+            row.output = _shape_repr(out)
+        return out
+
+    def forward(variables, args, kwargs):
+        with nn.intercept_methods(interceptor):
+            # Everything but params may change (batch statistics in training mode, sown
+            # values); params may not, so missing params fail instead of being created.
+            # The "params" stream doubles as every other stream (dropout, ...).
+            return module.apply(
+                variables,
+                *args,
+                rngs={"params": jax.random.key(0)},
+                mutable=nn.DenyList("params"),
+                **kwargs,
+            )
+
+    _trace(forward, variables, args, kwargs)
+
+    table = []
+    called_tops = set()
+    for row in sorted(rows.values(), key=lambda r: r.order):
+        if not row.path:
+            continue
+        called_tops.add(row.path[0])
+        count = sum((_linen_count(_subtree(tree, row.path)) for tree in weights.values()), _Count())
+        table.append((_layer_label(row.path, row.type_name, row.method), row.output, count.size))
+    # Variables no call accounts for: the root's own (self.param in a compact root) and
+    # submodules that exist but were not called with these inputs.
+    own = _Count()
+    for tree in weights.values():
+        for key, value in tree.items():
+            if key in called_tops:
+                continue
+            if isinstance(value, Mapping):
+                table.append((f"{key} (not called)", "-", _linen_count(value).size))
+            else:
+                own += _linen_count(value)
+    if own.size:
+        root_output = rows[()].output if () in rows else "?"
+        table.append((f"(own variables) ({type(module).__name__})", root_output, own.size))
+
+    trainable = _linen_count(weights.get("params", {}))
+    total = _linen_count(weights)
+    name = module.name or _snake_case(type(module).__name__)
+    return _render(
+        name,
+        table,
+        total,
+        trainable,
+        _Count(total.size - trainable.size, total.nbytes - trainable.nbytes),
+    )
+
+
+_nnx_recorder = threading.local()
+_nnx_recording_classes: dict[type, type] = {}
+
+
+def _recording_class(cls: type) -> type:
+    """A subclass of `cls` whose ``__call__`` reports to the active recorder."""
+    if cls not in _nnx_recording_classes:
+        original = cls.__call__
+
+        def __call__(self, *args, **kwargs):
+            record = getattr(_nnx_recorder, "record", None)
+            path = self.__dict__.get("_jstrategy_summary_path")
+            row = None if record is None or path is None else record(path, cls.__name__)
+            out = original(self, *args, **kwargs)
+            if row is not None:
+                row.output = _shape_repr(out)
+            return out
+
+        _nnx_recording_classes[cls] = type(
+            cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__}
+        )
+    return _nnx_recording_classes[cls]
+
+
+def _nnx_value(variable: Any) -> Any:
+    get_value = getattr(variable, "get_value", None)
+    return get_value() if get_value is not None else variable.value
+
+
+def _summarize_nnx(module: nnx.Module, state: Any, args: tuple, kwargs: dict) -> str:
+    clone = nnx.clone(module)
+    if state is not None:
+        nnx.update(clone, state)
+    # RNG stream state is bookkeeping, not weights (as Keras does not count seeds).
+    flat = []
+    for path, variable in nnx.to_flat_state(nnx.state(clone)):
+        if isinstance(variable, (nnx.RngState, nnx.Intermediate)):
+            continue
+        flat.append(
+            (tuple(str(p) for p in path), isinstance(variable, nnx.Param), _nnx_value(variable))
+        )
+    # Path tuples are static attributes, so they survive the split and the merge inside
+    # the trace, where new module objects are built from the clone's graph.
+    # nnx.iter_modules replaced the Module.iter_modules method in flax 0.12.
+    iter_modules = getattr(nnx, "iter_modules", None)
+    modules = iter_modules(clone) if iter_modules is not None else clone.iter_modules()
+    for path, sub in modules:
+        path = tuple(str(p) for p in path)
+        object.__setattr__(sub, "_jstrategy_summary_path", path)
+        sub.__class__ = _recording_class(type(sub))
+
+    rows: dict[tuple[str, ...], _Row] = {}
+    counter = itertools.count()
+    _nnx_recorder.record = lambda path, type_name: _record_call(
+        rows, counter, path, type_name, "__call__"
+    )
+    try:
+        graphdef, graph_state = nnx.split(clone)
+        _trace(lambda st, a, k: nnx.merge(graphdef, st)(*a, **k), graph_state, args, kwargs)
+    finally:
+        _nnx_recorder.record = None
+
+    def count_under(prefix: tuple[str, ...]) -> _Count:
+        count = _Count()
+        for path, _, value in flat:
+            if path[: len(prefix)] == prefix:
+                count.add(value)
+        return count
+
+    table = []
+    for row in sorted(rows.values(), key=lambda r: r.order):
+        if row.path:
+            label = _layer_label(row.path, row.type_name, row.method)
+            table.append((label, row.output, count_under(row.path).size))
+    called = {row.path for row in rows.values()}
+    own = _Count()
+    for path, _, value in flat:
+        if not any(path[: len(p)] == p for p in called if p):
+            own.add(value)
+    if own.size:
+        table.append((f"(other variables) ({type(module).__name__})", "-", own.size))
+
+    total, trainable = _Count(), _Count()
+    for _, is_param, value in flat:
+        total.add(value)
+        if is_param:
+            trainable.add(value)
+    name = _snake_case(type(module).__name__)
+    return _render(
+        name,
+        table,
+        total,
+        trainable,
+        _Count(total.size - trainable.size, total.nbytes - trainable.nbytes),
+    )
+
+
+def summarize(module: Any, variables: Any, *sample_args: Any, **sample_kwargs: Any) -> str:
+    """Returns a Keras-like summary table of `module` called on sample inputs.
+
+    One row per submodule in call order (nested ones indented), with its output shape
+    on the sample inputs and its parameter count (all collections, submodules included,
+    as Keras counts a layer's weights), then totals: trainable parameters are the
+    ``params`` collection (NNX: `nnx.Param`), non-trainable ones every other collection
+    such as ``batch_stats``. Output shapes are those of the sample batch.
+
+    The forward pass is traced with `jax.eval_shape`, so nothing is computed and the
+    sample inputs may be `jax.ShapeDtypeStruct`s.
+
+    Args:
+      module: a `flax.linen.Module` or a `flax.nnx.Module`.
+      variables: for linen, the collections from ``module.init`` (arrays or
+        `jax.ShapeDtypeStruct`s); for NNX, None (the module's own state) or an
+        `nnx.State` to summarize instead.
+      *sample_args: positional inputs for one forward call.
+      **sample_kwargs: keyword inputs for it (e.g. ``train=False``).
+
+    Returns:
+      The table as a string.
+
+    Raises:
+      ValueError: if `module` is neither kind of Flax module, or `variables` does not fit.
+
+    Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> import flax.linen as nn
+    >>> mlp = nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(1)])
+    >>> x = jnp.ones((4, 10))
+    >>> print(summarize(mlp, mlp.init(jax.random.key(0), x), x))
+    Model: "sequential"
+    _________________________________________________________________
+     Layer (type)                Output Shape              Param #
+    =================================================================
+     layers_0 (Dense)            (4, 16)                   176
+     layers_2 (Dense)            (4, 1)                    17
+    =================================================================
+    Total params: 193 (772.00 B)
+    Trainable params: 193 (772.00 B)
+    Non-trainable params: 0 (0.00 B)
+    _________________________________________________________________
+    """
+    if isinstance(module, nnx.Module):
+        return _summarize_nnx(module, variables, sample_args, sample_kwargs)
+    if isinstance(module, nn.Module):
+        return _summarize_linen(module, variables, sample_args, sample_kwargs)
+    raise ValueError(
+        f"`module` must be a flax.linen.Module or a flax.nnx.Module; got {type(module).__name__}."
+    )

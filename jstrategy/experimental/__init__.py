@@ -1,0 +1,19 @@
+"""`jstrategy.experimental`: mirrors `tf.distribute.experimental`."""
+
+from jstrategy._src.collective_util import CollectiveCommunication
+from jstrategy._src.collective_util import CommunicationImplementation
+from jstrategy._src.collective_util import CommunicationOptions
+from jstrategy._src.multi_worker import (
+    _DeprecatedMultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
+)
+from jstrategy._src.strategy import ValueContext
+from jstrategy._src.tpu import TPUStrategy
+
+__all__ = [
+    "CollectiveCommunication",
+    "CommunicationImplementation",
+    "CommunicationOptions",
+    "MultiWorkerMirroredStrategy",
+    "TPUStrategy",
+    "ValueContext",
+]

@@ -1,0 +1,30 @@
+"""Keras-compatible losses returning one value per example (see `jstrategy.Model.compile`).
+
+Example:
+
+>>> import jstrategy.losses as losses
+>>> losses.get("sparse_categorical_crossentropy").name
+'sparse_categorical_crossentropy'
+"""
+
+from jstrategy._src.training.losses import BinaryCrossentropy
+from jstrategy._src.training.losses import CategoricalCrossentropy
+from jstrategy._src.training.losses import Huber
+from jstrategy._src.training.losses import Loss
+from jstrategy._src.training.losses import LossFunctionWrapper
+from jstrategy._src.training.losses import MeanAbsoluteError
+from jstrategy._src.training.losses import MeanSquaredError
+from jstrategy._src.training.losses import SparseCategoricalCrossentropy
+from jstrategy._src.training.losses import get
+
+__all__ = [
+    "BinaryCrossentropy",
+    "CategoricalCrossentropy",
+    "Huber",
+    "Loss",
+    "LossFunctionWrapper",
+    "MeanAbsoluteError",
+    "MeanSquaredError",
+    "SparseCategoricalCrossentropy",
+    "get",
+]

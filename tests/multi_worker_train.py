@@ -1,0 +1,73 @@
+"""A worker of the multi-worker tests: trains under MultiWorkerMirroredStrategy from TF_CONFIG.
+
+Run by tests/test_multi_worker.py through the launcher (or directly with TF_CONFIG set). It
+trains the custom-loop example's MLP and, on every worker, writes the final parameters and
+losses to ``OUT/worker-<index>.npz``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--implementation", default="AUTO")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--timeout", type=float, default=None)
+    parser.add_argument("--forever", action="store_true", help="train until killed")
+    args = parser.parse_args()
+
+    import jstrategy
+
+    options = jstrategy.experimental.CommunicationOptions(
+        implementation=args.implementation, timeout_seconds=args.timeout
+    )
+    start = time.perf_counter()
+    strategy = jstrategy.MultiWorkerMirroredStrategy(communication_options=options)
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    print(
+        f"worker {task['index']}: {strategy.num_replicas_in_sync} replicas over "
+        f"{strategy.num_workers} workers, chief={strategy.is_chief}",
+        flush=True,
+    )
+    import custom_training_loop
+
+    if args.forever:
+        step = 0
+        while True:
+            custom_training_loop.train(strategy, 5)
+            step += 5
+            print(f"worker {task['index']}: step {step}", flush=True)
+    losses, params = custom_training_loop.train(strategy, args.steps)
+    import numpy as np
+
+    flat = {"/".join(k): v for k, v in _flatten(params)}
+    np.savez(
+        Path(args.out) / f"worker-{task['index']}.npz",
+        losses=np.array(losses),
+        seconds=time.perf_counter() - start,
+        **flat,
+    )
+    print(f"worker {task['index']}: final loss {losses[-1]:.6f}", flush=True)
+    return 0
+
+
+def _flatten(tree, prefix=()):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _flatten(v, (*prefix, str(k)))
+    else:
+        yield prefix, tree
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

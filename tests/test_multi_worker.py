@@ -1,0 +1,225 @@
+"""MultiWorkerMirroredStrategy with real processes on 127.0.0.1 (2 workers x 2 fake CPU devices)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import jstrategy
+from jstrategy._src.cross_device_ops import CollectiveAllReduce
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "multi_worker_train.py"
+sys.path.insert(0, str(ROOT / "examples"))
+import custom_training_loop  # noqa: E402
+
+STEPS = 12
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "TF_CONFIG")}
+    env.update(PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu", **extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One process, MirroredStrategy over 4 devices: what 2 workers x 2 devices must match."""
+    strategy = jstrategy.MirroredStrategy(devices=[f"cpu:{i}" for i in range(4)])
+    return custom_training_loop.train(strategy, STEPS)
+
+
+def _launch(tmp_path: Path, implementation: str) -> list[dict]:
+    cmd = [
+        sys.executable, "-m", "jstrategy.launch", "--num_workers", "2",
+        "--devices_per_worker", "2", "--timeout", "240", str(WORKER),
+        "--out", str(tmp_path), "--implementation", implementation, "--steps", str(STEPS),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "[worker-0]" in done.stdout and "[worker-1]" in done.stdout
+    assert "4 replicas over 2 workers, chief=True" in done.stdout
+    assert "4 replicas over 2 workers, chief=False" in done.stdout
+    return [dict(np.load(tmp_path / f"worker-{i}.npz")) for i in range(2)]
+
+
+@pytest.mark.timeout(320)
+@pytest.mark.parametrize("implementation", ["AUTO", "RING", "NCCL"])
+def test_two_workers_match_one_process_over_four_devices(tmp_path, reference, implementation):
+    workers = _launch(tmp_path, implementation)
+    ref_losses, ref_params = reference
+    keys = [k for k in workers[0] if k not in ("losses", "seconds")]
+    assert keys, "no parameters were saved"
+    for k in keys:
+        np.testing.assert_array_equal(workers[0][k], workers[1][k])  # identical on both
+    flat_ref = {"/".join(p): v for p, v in _flatten(ref_params)}
+    assert sorted(flat_ref) == sorted(keys)
+    for k in keys:
+        np.testing.assert_allclose(workers[0][k], flat_ref[k], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(workers[0]["losses"], ref_losses, rtol=1e-5)
+
+
+def _flatten(tree, prefix=()):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _flatten(v, (*prefix, str(k)))
+    else:
+        yield prefix, tree
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(180)
+def test_killed_peer_is_a_clear_error_within_60_seconds(tmp_path):
+    ports = [_free_port(), _free_port()]
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+    procs, lines = [], [[], []]
+    for i in range(2):
+        tf_config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(WORKER),
+                    "--out",
+                    str(tmp_path),
+                    "--forever",
+                    "--timeout",
+                    "10",
+                ],
+                env=_env(TF_CONFIG=tf_config, XLA_FLAGS="--xla_force_host_platform_device_count=2"),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                cwd=ROOT,
+            )
+        )
+    readers = [
+        threading.Thread(target=lambda p=p, i=i: lines[i].extend(p.stdout), daemon=True)
+        for i, p in enumerate(procs)
+    ]
+    for reader in readers:
+        reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not all(any("step" in line for line in out) for out in lines):
+            assert time.monotonic() < deadline, f"workers never trained: {lines}"
+            assert all(p.poll() is None for p in procs), f"a worker exited early: {lines}"
+            time.sleep(0.2)
+        procs[1].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        rc = procs[0].wait(timeout=90)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=30)
+        for reader in readers:
+            reader.join(timeout=30)
+        for p in procs:
+            p.stdout.close()
+    output = "".join(lines[0])
+    print(f"survivor exited with {rc} {elapsed:.1f}s after its peer was killed")
+    assert rc != 0
+    assert elapsed < 60, f"survivor took {elapsed:.0f}s to exit"
+    # jstrategy's message when the failure surfaces in a step; the runtime's own otherwise.
+    assert "another worker most likely died" in output or "another task died" in output, output[
+        -3000:
+    ]
+
+
+def test_without_tf_config_it_is_local(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    strategy = jstrategy.MultiWorkerMirroredStrategy()
+    assert strategy.num_replicas_in_sync == 8 and strategy.num_workers == 1 and strategy.is_chief
+    assert isinstance(strategy.cross_device_ops, CollectiveAllReduce)
+
+
+def test_evaluator_stays_out_of_training_collectives(monkeypatch):
+    cluster = {"worker": ["127.0.0.1:1", "127.0.0.1:2"], "evaluator": ["127.0.0.1:3"]}
+    monkeypatch.setenv(
+        "TF_CONFIG", json.dumps({"cluster": cluster, "task": {"type": "evaluator", "index": 0}})
+    )
+    strategy = jstrategy.MultiWorkerMirroredStrategy()  # would block on init if it joined
+    assert strategy.num_replicas_in_sync == 8 and not strategy.is_chief
+
+
+def test_deprecated_experimental_form(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.warns(
+        DeprecationWarning, match="experimental.MultiWorkerMirroredStrategy is deprecated"
+    ):
+        strategy = jstrategy.experimental.MultiWorkerMirroredStrategy(
+            jstrategy.experimental.CollectiveCommunication.NCCL
+        )
+    assert strategy.communication_options.implementation.name == "NCCL"
+    assert strategy.cross_device_ops.implementation.name == "NCCL"
+
+
+@pytest.mark.parametrize("implementation", ["RING", "NCCL", "AUTO"])
+@pytest.mark.parametrize("bytes_per_pack", [0, 128])
+def test_collectives_agree_and_differ_in_the_program(implementation, bytes_per_pack):
+    op = CollectiveAllReduce(implementation, bytes_per_pack)
+    strategy = jstrategy.MirroredStrategy(
+        devices=[f"cpu:{i}" for i in range(4)], cross_device_ops=op
+    )
+    tree = strategy.experimental_distribute_values_from_function(
+        lambda ctx: {"a": np.arange(7.0, dtype=np.float32) * ctx.replica_id_in_sync_group,
+                     "b": np.ones((3, 5), np.float32), "c": np.ones(2, np.float32)}
+    )  # fmt: skip
+
+    def fn(t):
+        return jstrategy.get_replica_context().all_reduce("SUM", t)
+
+    out = strategy.run(fn, (tree,))
+    np.testing.assert_allclose(out["a"], np.arange(7.0) * 6)
+    np.testing.assert_allclose(out["b"], np.full((3, 5), 4.0))
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    text = (
+        jax.jit(
+            jax.shard_map(
+                lambda t: op.all_reduce("SUM", t, mesh=strategy.mesh),
+                mesh=strategy.mesh,
+                in_specs=P(jstrategy.REPLICA_AXIS),
+                out_specs=P(),
+            )
+        )
+        .lower({k: v.value for k, v in tree.items()})
+        .as_text()
+    )
+    tensors = 3 if bytes_per_pack == 0 else 1  # 128 bytes hold all three (96 B) in one pack
+
+    def count(op):
+        return text.count(f"stablehlo.{op}")
+
+    if implementation == "RING":
+        assert count("reduce_scatter") == tensors and count("all_gather") == tensors
+        assert count("all_reduce") == 0
+    else:
+        assert count("all_reduce") == tensors and count("reduce_scatter") == 0
+
+
+def test_communication_options_validate():
+    with pytest.raises(ValueError, match="`implementation` must be a CommunicationImplementation"):
+        jstrategy.experimental.CommunicationOptions(implementation="carrier-pigeon")
+    with pytest.raises(ValueError, match="`timeout_seconds` must be positive or None; got 0"):
+        jstrategy.experimental.CommunicationOptions(timeout_seconds=0)
+    with pytest.raises(ValueError, match="`bytes_per_pack` must be a non-negative int"):
+        CollectiveAllReduce("RING", -5)
