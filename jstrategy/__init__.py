@@ -7,6 +7,10 @@ from jstrategy import experimental
 from jstrategy import losses
 from jstrategy import metrics
 from jstrategy import tpu
+from jstrategy._src.checkpoint import CheckpointError
+from jstrategy._src.checkpoint import CheckpointManager
+from jstrategy._src.checkpoint import load_weights
+from jstrategy._src.checkpoint import save_weights
 from jstrategy._src.context import ReplicaContext
 from jstrategy._src.context import experimental_set_strategy
 from jstrategy._src.context import get_replica_context
@@ -29,18 +33,22 @@ from jstrategy._src.strategy import REPLICA_AXIS
 from jstrategy._src.strategy import Strategy
 from jstrategy._src.strategy import ValueContext
 from jstrategy._src.tpu import TPUStrategy
+from jstrategy._src.training.model import Model
 from jstrategy._src.values import PerReplica
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
     "REPLICA_AXIS",
+    "CheckpointError",
+    "CheckpointManager",
     "CrossDeviceOps",
     "HierarchicalCopyAllReduce",
     "InputContext",
     "InputOptions",
     "InputReplicationMode",
     "MirroredStrategy",
+    "Model",
     "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
@@ -61,6 +69,8 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "load_weights",
+    "save_weights",
     "losses",
     "metrics",
     "tpu",

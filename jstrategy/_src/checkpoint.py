@@ -1,0 +1,1114 @@
+"""Checkpoints that restore under any strategy, built on orbax-checkpoint.
+
+Every checkpoint (a step of a `CheckpointManager`, or a `save_weights` directory) holds two
+orbax items:
+
+* ``state``: the pytree, written by orbax's array handlers. Each process writes the shards it
+  holds (replicated shards once), so a sharded state is never gathered on one host.
+* ``jstrategy``: a small JSON record with one entry per leaf (path, dtype, shape and a
+  32-bit fingerprint of its bits), the user's metadata and the metrics.
+
+Restoring reads the record first, restores every leaf straight into the layout the target
+strategy wants (`_target_sharding`), then recomputes the fingerprints on the devices and
+compares them, so a damaged file gives `CheckpointError` rather than wrong weights: orbax
+and tensorstore read a checkpoint whose data bytes were overwritten without any error.
+
+Writes are atomic: orbax writes a step into ``<step>.orbax-checkpoint-tmp`` and renames it
+when every item is complete, so a process killed mid-write leaves the previous step as the
+latest; the next `CheckpointManager` on the directory removes the leftover.
+"""
+
+from __future__ import annotations
+
+import atexit
+import enum
+import json
+import os
+import shutil
+import threading
+from collections.abc import Callable
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jstrategy._src import context
+from jstrategy._src import dispatch
+
+if TYPE_CHECKING:
+    from jstrategy._src.strategy import Strategy
+
+__all__ = ["BestMode", "CheckpointError", "CheckpointManager", "load_weights", "save_weights"]
+
+_STATE_ITEM = "state"
+_RECORD_ITEM = "jstrategy"
+_FORMAT = "jstrategy.checkpoint/1"
+# Left by an interrupted `save_weights(..., overwrite=True)` next to the weights directory.
+_NEW_SUFFIX = ".jstrategy-new"
+_OLD_SUFFIX = ".jstrategy-old"
+
+_HOST_SCALARS = (bool, int, float)
+_SAVABLE = (jax.Array, np.ndarray, np.generic, *_HOST_SCALARS)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, damaged or incomplete; the message names it and says what to do.
+
+    Attributes:
+      path: the checkpoint directory concerned.
+    """
+
+    def __init__(self, message: str, *, path: os.PathLike | str):
+        super().__init__(message)
+        self.path = os.fspath(path)
+
+
+class BestMode(enum.Enum):
+    """Whether a lower (``MIN``, e.g. a loss) or higher (``MAX``) metric is better."""
+
+    MIN = "min"
+    MAX = "max"
+
+
+# Where restored leaves live -----------------------------------------------------------------
+def _target_sharding(
+    strategy: Strategy, leaf: jax.ShapeDtypeStruct, *, path: tuple[str, ...] = ()
+) -> jax.sharding.Sharding:
+    """The sharding a restored leaf gets under `strategy`: the one place that decides it.
+
+    OneDevice and Mirrored strategies keep one full copy per replica, so every leaf is
+    restored replicated over the strategy's mesh (`strategy.replicated_sharding()`).
+
+    Strategies with another layout plug in here by defining
+    ``_checkpoint_sharding(self, leaf, path) -> jax.sharding.Sharding``, where `leaf` is a
+    `jax.ShapeDtypeStruct` (shape and dtype, no sharding) and `path` the leaf's keys in the
+    state as strings (e.g. ``("params", "dense", "kernel")``). For example CentralStorage
+    returns one copy in host memory
+    (``NamedSharding(Mesh([device], ...), P(), memory_kind="pinned_host")``);
+    MultiWorkerMirrored needs nothing (its replicated sharding spans every worker's devices
+    and orbax reads on each process only the shards that process holds); a partitioned
+    ParameterServer returns e.g. ``NamedSharding(mesh, P("ps"))`` for the variables it
+    shards. Orbax then reads each shard straight into place, never the whole array.
+
+    Args:
+      strategy: the strategy the state is restored into.
+      leaf: the leaf's shape and dtype.
+      path: the leaf's path in the state.
+
+    Returns:
+      A `jax.sharding.Sharding` for the leaf.
+
+    Raises:
+      TypeError: if the strategy's hook returns something that is not a Sharding.
+    """
+    hook = getattr(strategy, "_checkpoint_sharding", None)
+    if hook is None:
+        return strategy.replicated_sharding()
+    sharding = hook(leaf, path)
+    if not isinstance(sharding, jax.sharding.Sharding):
+        raise TypeError(
+            f"{type(strategy).__name__}._checkpoint_sharding must return a "
+            f"jax.sharding.Sharding for leaf {'/'.join(path)}; got {type(sharding).__name__}."
+        )
+    return sharding
+
+
+# Paths and fingerprints ---------------------------------------------------------------------
+def _key_name(key: Any) -> str:
+    # Orbax names leaves by these same strings, so a TrainState's `.params` and the dict
+    # key 'params' of a target-less restore are the same leaf.
+    for attr in ("name", "key", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _path_of(keypath: tuple[Any, ...]) -> tuple[str, ...]:
+    return tuple(_key_name(k) for k in keypath)
+
+
+def _show(path: tuple[str, ...]) -> str:
+    return "/".join(path) or "<root>"
+
+
+def _numeric(dtype: np.dtype) -> bool:
+    # ml_dtypes' types (bfloat16, float8_*, int4) have NumPy kind "V", like raw bytes.
+    return dtype.kind in "biufc" or dtype.type.__module__.startswith("ml_dtypes")
+
+
+# Sub-byte types pack several elements per byte on devices: not bitcast per element.
+_SUB_BYTE = frozenset({"int2", "uint2", "int4", "uint4", "float4_e2m1fn"})
+
+
+def _hashable_dtype(dtype: np.dtype) -> bool:
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) or dtype.name in _SUB_BYTE:
+        return False
+    if np.issubdtype(dtype, np.complexfloating):
+        return dtype.itemsize in (8, 16)
+    return dtype.itemsize in (1, 2, 4, 8) and dtype.kind in "biufV"
+
+
+def _mix(u: Any, xp: Any) -> Any:
+    # A position-dependent 32-bit mix (murmur3's finalizer), summed with wraparound: a
+    # changed, moved or truncated element changes the sum, except with chance 2**-32.
+    i = xp.arange(u.shape[0], dtype=xp.uint32)
+    h = u * xp.uint32(0x9E3779B1) + i * xp.uint32(0x85EBCA77) + xp.uint32(1)
+    h = h ^ (h >> 16)
+    h = h * xp.uint32(0x7FEB352D)
+    h = h ^ (h >> 15)
+    h = h * xp.uint32(0x846CA68B)
+    h = h ^ (h >> 16)
+    return xp.sum(h, dtype=xp.uint32)
+
+
+def _words_np(x: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(x).reshape(-1)
+    if x.dtype == np.bool_:
+        x = x.view(np.uint8)
+    if np.issubdtype(x.dtype, np.complexfloating):
+        x = x.view(np.float32 if x.dtype.itemsize == 8 else np.float64)
+    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}[x.dtype.itemsize]
+    return x.view(unsigned).astype(np.uint32)
+
+
+def _words_jax(x: jax.Array) -> jax.Array:
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
+    size = x.dtype.itemsize
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[size]
+    # An 8-byte element becomes two words, low word first, as NumPy's view on little-endian.
+    return jax.lax.bitcast_convert_type(x, unsigned).reshape(-1).astype(jnp.uint32)
+
+
+def _fingerprint_np(x: np.ndarray) -> int:
+    return int(_mix(_words_np(x), np))
+
+
+@jax.jit
+def _fingerprint_jax(x: jax.Array) -> jax.Array:
+    return _mix(_words_jax(x), jnp)
+
+
+def _in_device_memory(x: jax.Array) -> jax.Array:
+    # XLA computes on device memory only; a host-memory (e.g. CentralStorage) leaf is hashed
+    # from a temporary device copy.
+    if x.sharding.memory_kind not in ("pinned_host", "unpinned_host"):
+        return x
+    return jax.device_put(x, x.sharding.with_memory_kind("device"))
+
+
+def _fingerprints(leaves: list[Any]) -> list[int | None]:
+    """One fingerprint per leaf (None where the dtype has no fixed-width bits)."""
+    out: list[Any] = [None] * len(leaves)
+    for i, x in enumerate(leaves):
+        if isinstance(x, jax.Array):
+            if _hashable_dtype(np.dtype(x.dtype)):
+                # One small program per leaf rather than one for the whole state: it compiles
+                # once per distinct shape, dtype and sharding (a model repeats a few), where a
+                # program over hundreds of leaves took seconds to compile.
+                out[i] = _fingerprint_jax(_in_device_memory(x))
+                # Sharded leaves all-reduce their partial sums: keep the queue short.
+                dispatch.track(out[i])
+        else:
+            a = np.asarray(x)
+            if _hashable_dtype(a.dtype):
+                out[i] = _fingerprint_np(a)
+    return [None if v is None else int(v) for v in jax.device_get(out)]
+
+
+# Saving ---------------------------------------------------------------------------------------
+def _flatten_state(state: Any, argname: str) -> list[tuple[tuple[str, ...], Any]]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(state)
+    if not flat:
+        raise ValueError(
+            f"`{argname}` must contain at least one array; got {type(state).__name__} with no "
+            "leaves."
+        )
+    out = []
+    for keypath, leaf in flat:
+        path = _path_of(keypath)
+        if not isinstance(leaf, _SAVABLE) or (
+            isinstance(leaf, (np.ndarray, np.generic)) and not _numeric(leaf.dtype)
+        ):
+            raise TypeError(
+                f"`{argname}` leaf {_show(path)} is a {type(leaf).__name__}"
+                f"{f' of {leaf.dtype}' if hasattr(leaf, 'dtype') else ''}; checkpoints hold "
+                "numeric jax.Arrays and NumPy arrays and Python numbers. Keep other values "
+                "out of the pytree (e.g. a flax.struct field with pytree_node=False) or put "
+                "JSON-able values in `metadata`."
+            )
+        if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            raise TypeError(
+                f"`{argname}` leaf {_show(path)} is a typed PRNG key array; save "
+                "jax.random.key_data(key) and rebuild it with jax.random.wrap_key_data."
+            )
+        out.append((path, leaf))
+    return out
+
+
+def _record(
+    flat: list[tuple[tuple[str, ...], Any]],
+    metadata: Mapping[str, Any] | None,
+    metrics: dict[str, float] | None,
+) -> dict[str, Any]:
+    fingerprints = _fingerprints([leaf for _, leaf in flat])
+    leaves = []
+    for (path, leaf), fp in zip(flat, fingerprints, strict=True):
+        dtype = leaf.dtype if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) else None
+        dtype = np.dtype(dtype) if dtype is not None else np.asarray(leaf).dtype
+        leaves.append([list(path), str(dtype), list(np.shape(leaf)), fp])
+    return {
+        "format": _FORMAT,
+        "leaves": leaves,
+        "metadata": None if metadata is None else dict(metadata),
+        "metrics": metrics,
+    }
+
+
+def _check_metadata(metadata: Any) -> None:
+    if metadata is None:
+        return
+    if not isinstance(metadata, Mapping):
+        raise TypeError(
+            f"`metadata` must be a dict of JSON-able values; got {type(metadata).__name__}."
+        )
+    try:
+        json.dumps(dict(metadata), allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"`metadata` must be JSON-able (str keys; str, numbers, bools, None, lists, "
+            f"dicts); {e}. Convert arrays with .tolist() or int()/float()."
+        ) from None
+
+
+def _save_args(flat, state, metadata, metrics):
+    import orbax.checkpoint as ocp
+
+    return ocp.args.Composite(
+        **{
+            _STATE_ITEM: ocp.args.StandardSave(state),
+            _RECORD_ITEM: ocp.args.JsonSave(_record(flat, metadata, metrics)),
+        }
+    )
+
+
+# Restoring -------------------------------------------------------------------------------------
+_JAX, _NUMPY, _PYTHON = "jax", "numpy", "python"
+
+
+class _Plan:
+    """How one leaf is read (`read`, a spec orbax understands) and what it becomes."""
+
+    __slots__ = ("dtype", "kind", "path", "read", "record", "sharding", "target")
+
+    def __init__(self, path, record, kind, dtype, sharding, target):
+        self.path, self.record, self.kind = path, record, kind
+        self.dtype, self.sharding, self.target = dtype, sharding, target
+        saved = _dtype(record["dtype"])
+        shape = tuple(record["shape"])
+        if kind == _JAX and jax.dtypes.canonicalize_dtype(saved) == saved:
+            # Straight into the target layout: orbax reads each shard where it belongs.
+            self.read = jax.ShapeDtypeStruct(shape, saved, sharding=sharding)
+        else:
+            # A 64-bit value JAX cannot hold (or a host value): read it as NumPy in the saved
+            # dtype, check it, then convert.
+            self.read = jax.ShapeDtypeStruct(shape, saved)
+
+
+def _dtype(name: str) -> np.dtype:
+    # jnp.dtype also knows the ml_dtypes names NumPy lacks ("bfloat16", "float8_e4m3fn").
+    return np.dtype(jnp.dtype(name))
+
+
+def _leaf_records(record: dict, location: str) -> dict[tuple[str, ...], dict]:
+    try:
+        records = {
+            tuple(path): {"dtype": dtype, "shape": shape, "fingerprint": fp}
+            for path, dtype, shape, fp in record["leaves"]
+        }
+        for rec in records.values():
+            _dtype(rec["dtype"])
+        return records
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(
+            f"The checkpoint record in {location} is malformed. {_ADVICE}", path=location
+        ) from None
+
+
+_ADVICE = "Restore another step (restore(step=...)), or delete this directory and save again."
+
+
+def _plan_restore(
+    records: dict[tuple[str, ...], dict],
+    target: Any,
+    strategy: Strategy | None,
+    location: str,
+    abstract_from_orbax: Callable[[], Any],
+):
+    """Decides how each leaf is read and placed; returns (plans, treedef of the result)."""
+    if target is None:
+        strategy_ = strategy if strategy is not None else context.get_strategy()
+        target = abstract_from_orbax()
+        flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+        plans = []
+        for keypath, meta in flat:
+            path = _path_of(keypath)
+            rec = _record_for(records, path, location)
+            dtype = jax.dtypes.canonicalize_dtype(_dtype(rec["dtype"]))
+            leaf = jax.ShapeDtypeStruct(tuple(rec["shape"]), dtype)
+            plans.append(
+                _Plan(path, rec, _JAX, dtype, _target_sharding(strategy_, leaf, path=path), meta)
+            )
+        if len(plans) != len(records):
+            raise CheckpointError(
+                f"The checkpoint in {location} has {len(plans)} arrays but its record lists "
+                f"{len(records)}; the directory is damaged. {_ADVICE}",
+                path=location,
+            )
+        return plans, treedef
+
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+    if not flat:
+        raise ValueError("`target` must contain at least one array leaf; got none.")
+    paths = [_path_of(k) for k, _ in flat]
+    _check_same_leaves(records, paths, location)
+    plans = []
+    for path, (_, leaf) in zip(paths, flat, strict=True):
+        rec = records[path]
+        shape = tuple(rec["shape"])
+        if not isinstance(leaf, (*_SAVABLE, jax.ShapeDtypeStruct)) or isinstance(leaf, str):
+            raise TypeError(
+                f"`target` leaf {_show(path)} is a {type(leaf).__name__}; pass arrays, "
+                "jax.ShapeDtypeStruct (e.g. jax.eval_shape output) or Python numbers."
+            )
+        if tuple(np.shape(leaf)) != shape:
+            raise ValueError(
+                f"`target` leaf {_show(path)} has shape {tuple(np.shape(leaf))} but the "
+                f"checkpoint in {location} holds shape {shape}. Pass a target built for the "
+                "same model as the checkpoint."
+            )
+        if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
+            dtype = np.dtype(leaf.dtype)
+        else:
+            dtype = np.asarray(leaf).dtype
+        is_device = isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct))
+        if strategy is not None or is_device:
+            dtype = jax.dtypes.canonicalize_dtype(dtype)
+            abstract = jax.ShapeDtypeStruct(shape, dtype)
+            own = getattr(leaf, "sharding", None)
+            if strategy is not None:
+                sharding = _target_sharding(strategy, abstract, path=path)
+            elif own is not None:
+                sharding = own
+            else:
+                sharding = _target_sharding(context.get_strategy(), abstract, path=path)
+            plans.append(_Plan(path, rec, _JAX, dtype, sharding, leaf))
+        else:
+            kind = _NUMPY if isinstance(leaf, (np.ndarray, np.generic)) else _PYTHON
+            plans.append(_Plan(path, rec, kind, dtype, None, leaf))
+    return plans, treedef
+
+
+def _record_for(records, path, location):
+    rec = records.get(path)
+    if rec is None:
+        raise CheckpointError(
+            f"The checkpoint in {location} has a leaf {_show(path)} that its record does not "
+            f"list; the directory is damaged or not a jstrategy checkpoint. {_ADVICE}",
+            path=location,
+        )
+    return rec
+
+
+def _check_same_leaves(records, paths, location) -> None:
+    wanted, saved = set(paths), set(records)
+    if wanted == saved:
+        return
+    missing = sorted(_show(p) for p in wanted - saved)
+    extra = sorted(_show(p) for p in saved - wanted)
+    raise ValueError(
+        f"`target` does not match the checkpoint in {location}: leaves missing from the "
+        f"checkpoint: {missing[:5]}{' ...' if len(missing) > 5 else ''}; leaves in the "
+        f"checkpoint but not in `target`: {extra[:5]}{' ...' if len(extra) > 5 else ''}. "
+        "Pass a target with the structure of the saved state (or target=None to get the "
+        "saved structure as nested dicts)."
+    )
+
+
+def _finish(plans: list[_Plan], values: list[Any], location: str) -> list[Any]:
+    """Verifies fingerprints, then converts each leaf to what its plan wants."""
+    fingerprints = _fingerprints(values)
+    bad = [
+        p.path
+        for p, fp in zip(plans, fingerprints, strict=True)
+        if p.record["fingerprint"] is not None and fp != p.record["fingerprint"]
+    ]
+    if bad:
+        shown = ", ".join(_show(p) for p in bad[:5]) + (" ..." if len(bad) > 5 else "")
+        raise CheckpointError(
+            f"The checkpoint in {location} is corrupt: the data read for {len(bad)} "
+            f"leaves ({shown}) differs from what was saved. {_ADVICE}",
+            path=location,
+        )
+    out = []
+    for plan, value in zip(plans, values, strict=True):
+        if plan.kind == _JAX:
+            if not isinstance(value, jax.Array):
+                value = jax.device_put(np.asarray(value, plan.dtype), plan.sharding)
+            elif value.dtype != plan.dtype:
+                # Elementwise, so the cast keeps the layout the value was read into.
+                value = jax.device_put(value.astype(plan.dtype), plan.sharding)
+        elif plan.kind == _NUMPY:
+            value = np.asarray(value).astype(plan.dtype, copy=False)
+            if isinstance(plan.target, np.generic):
+                value = value[()]
+        else:
+            value = type(plan.target)(np.asarray(value).item())
+        out.append(value)
+    return out
+
+
+def _wrap_read_error(e: Exception, location: str, what: str) -> CheckpointError:
+    text = str(e).split("[tensorstore_spec", 1)[0].strip()
+    if len(text) > 400:
+        text = text[:400] + " ..."
+    return CheckpointError(
+        f"Cannot read {what} of the checkpoint in {location}: it is damaged or incomplete "
+        f"({type(e).__name__}: {text}). {_ADVICE}",
+        path=location,
+    )
+
+
+_READ_ERRORS = (OSError, ValueError, KeyError, TypeError, IndexError, RuntimeError)
+
+
+def _restore(
+    read: Callable[[Any], Any],
+    location: str,
+    target: Any,
+    strategy: Strategy | None,
+) -> tuple[Any, dict]:
+    """Shared by `CheckpointManager.restore` and `load_weights`.
+
+    Args:
+      read: calls orbax's restore with a `Composite` of args and returns the Composite.
+      location: the checkpoint directory, for messages.
+      target: as in `CheckpointManager.restore`.
+      strategy: as in `CheckpointManager.restore`.
+
+    Returns:
+      (state, record).
+    """
+    import orbax.checkpoint as ocp
+
+    record = _read_record(read, location)
+    records = _leaf_records(record, location)
+
+    def abstract_from_orbax():
+        try:
+            metadata = read(None, metadata=True)
+        except _READ_ERRORS as e:
+            raise _wrap_read_error(e, location, "the state's structure") from e
+        tree = getattr(metadata, "tree", None)
+        if tree is None:
+            raise CheckpointError(
+                f"Cannot read the state's structure of the checkpoint in {location}: its "
+                "metadata (state/_METADATA) is missing or damaged. Pass `target=` (e.g. "
+                f"jax.eval_shape of the state's initializer) to restore without it. {_ADVICE}",
+                path=location,
+            )
+        # Orbax's metadata leaves are objects with shape and dtype; containers are dicts
+        # and lists.
+        return jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), tree)
+
+    plans, treedef = _plan_restore(records, target, strategy, location, abstract_from_orbax)
+    specs = jax.tree.unflatten(treedef, [p.read for p in plans])
+    try:
+        restored = read(ocp.args.StandardRestore(specs))
+    except _READ_ERRORS as e:
+        raise _wrap_read_error(e, location, "the arrays") from e
+    values = jax.tree.leaves(restored)
+    if len(values) != len(plans):
+        raise CheckpointError(
+            f"The checkpoint in {location} returned {len(values)} leaves for {len(plans)} "
+            f"expected. {_ADVICE}",
+            path=location,
+        )
+    return jax.tree.unflatten(treedef, _finish(plans, values, location)), record
+
+
+def _read_record(read, location: str) -> dict:
+    import orbax.checkpoint as ocp
+
+    try:
+        record = read(ocp.args.JsonRestore(), item=_RECORD_ITEM)
+    except _READ_ERRORS as e:
+        raise CheckpointError(
+            f"The checkpoint in {location} has no readable jstrategy record (the "
+            f"'{_RECORD_ITEM}' item): it is damaged, incomplete, or was not written by "
+            f"jstrategy ({type(e).__name__}: {str(e)[:300]}). {_ADVICE}",
+            path=location,
+        ) from e
+    if not isinstance(record, dict) or record.get("format") != _FORMAT:
+        raise CheckpointError(
+            f"The checkpoint record in {location} is not a {_FORMAT} record; got "
+            f"{str(record)[:200]}. {_ADVICE}",
+            path=location,
+        )
+    return record
+
+
+def _metrics_dict(metrics: Any, keep_best: str | None) -> dict[str, float] | None:
+    if metrics is None:
+        if keep_best is not None:
+            raise ValueError(
+                f"`metrics` must include {keep_best!r} because the manager keeps the best "
+                f"checkpoints by it (keep_best={keep_best!r}); got metrics=None. Pass "
+                f"metrics={{{keep_best!r}: value}}."
+            )
+        return None
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"`metrics` must be a dict of numbers; got {type(metrics).__name__}.")
+    out = {}
+    for k, v in metrics.items():
+        try:
+            out[str(k)] = float(np.asarray(v))
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"`metrics[{k!r}]` must be a number or a scalar array; got {type(v).__name__}."
+            ) from None
+    if keep_best is not None and keep_best not in out:
+        raise ValueError(
+            f"`metrics` must include {keep_best!r} because the manager keeps the best "
+            f"checkpoints by it (keep_best={keep_best!r}); got keys {sorted(out)}."
+        )
+    return out
+
+
+# Orbax managers whose last save may still be writing, held until it is committed.
+_IN_FLIGHT: dict[int, Any] = {}
+_IN_FLIGHT_LOCK = threading.Lock()
+_EXIT_HOOK: list[bool] = []
+
+
+def _finish_in_flight() -> None:
+    with _IN_FLIGHT_LOCK:
+        managers = list(_IN_FLIGHT.values())
+        _IN_FLIGHT.clear()
+    for manager in managers:
+        try:
+            manager.wait_until_finished()
+        finally:
+            manager.close()
+
+
+def _hold_until_committed(manager: Any) -> None:
+    """Makes a program that ends with a save in flight finish it instead of losing it.
+
+    Orbax writes in background threads that use `concurrent.futures` executors, which stop
+    accepting work when the interpreter starts to shut down, before `atexit` handlers run:
+    the pending step would be left uncommitted (and the previous one stays the latest).
+    `threading._register_atexit` callbacks run in reverse order of registration, so ours
+    runs before the executors shut down. The orbax manager is held here, not the
+    `CheckpointManager`, so the save completes even if the program dropped the latter.
+    """
+    with _IN_FLIGHT_LOCK:
+        _IN_FLIGHT[id(manager)] = manager
+        if _EXIT_HOOK:
+            return
+        _EXIT_HOOK.append(True)
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is None:
+            raise RuntimeError("threading._register_atexit is not available")
+        register(_finish_in_flight)
+    except RuntimeError:
+        atexit.register(_finish_in_flight)
+
+
+def _committed(manager: Any) -> None:
+    with _IN_FLIGHT_LOCK:
+        _IN_FLIGHT.pop(id(manager), None)
+
+
+# CheckpointManager -------------------------------------------------------------------------------
+class CheckpointManager:
+    """Numbered checkpoints of a training state in one directory, on orbax's CheckpointManager.
+
+    Saves are asynchronous by default: `save` returns once the state is copied off the
+    devices, and the files are written while training goes on (`wait_until_finished` waits
+    for them). Each step is written to a temporary directory and renamed when complete, so
+    the latest step is always a whole checkpoint, even if the process is killed mid-write.
+
+    A checkpoint saved under any strategy restores under any other: `restore(strategy=...)`
+    reads every leaf straight into that strategy's layout (see `_target_sharding`). Each
+    restore checks every leaf against a fingerprint saved with it, and a damaged or partial
+    checkpoint raises `CheckpointError` naming the directory.
+
+    Args:
+      directory: where the step directories (``<directory>/<step>``) go; created if absent.
+      max_to_keep: keep at most this many checkpoints (the most recent, or the best with
+        `keep_best`); None keeps all.
+      keep_best: a metric name; `max_to_keep` then keeps the best checkpoints by it (every
+        `save` must pass it in `metrics`), and the latest one as well, so training can
+        always resume.
+      best_mode: ``"min"`` if a lower `keep_best` metric is better (a loss), ``"max"`` if
+        higher is (an accuracy); or a `BestMode`.
+      save_interval_steps: `save` writes only steps that are multiples of this (unless
+        ``force=True``).
+      async_save: write in the background. False makes `save` return after the commit.
+
+    Raises:
+      ValueError: for an invalid setting, or if `directory` is a file.
+      TypeError: if `directory` is not a path.
+      CheckpointError: if orbax cannot list the existing steps.
+
+    Example:
+
+    >>> import tempfile, jax.numpy as jnp, jstrategy
+    >>> state = {"w": jnp.ones((2, 3)), "step": 0}
+    >>> with jstrategy.CheckpointManager(tempfile.mkdtemp(), max_to_keep=2) as manager:
+    ...     for step in range(1, 4):
+    ...         _ = manager.save(step, state, metadata={"epoch": step})
+    ...     restored = manager.restore(target=state, strategy=jstrategy.MirroredStrategy())
+    ...     print(manager.all_steps(), manager.restore_metadata())
+    [2, 3] {'epoch': 3}
+    >>> restored["w"].sharding.num_devices, int(restored["step"])
+    (8, 0)
+    """
+
+    def __init__(
+        self,
+        directory: os.PathLike | str,
+        *,
+        max_to_keep: int | None = None,
+        keep_best: str | None = None,
+        best_mode: BestMode | str = BestMode.MIN,
+        save_interval_steps: int = 1,
+        async_save: bool = True,
+    ):
+        if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
+            raise TypeError(
+                f"`directory` must be a non-empty path (str or os.PathLike); got {directory!r}."
+            )
+        directory = os.path.abspath(os.fspath(directory))
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            raise ValueError(
+                f"`directory` must be a directory; {directory} is a file. Pass another path."
+            )
+        if max_to_keep is not None and (
+            not isinstance(max_to_keep, int) or isinstance(max_to_keep, bool) or max_to_keep < 1
+        ):
+            raise ValueError(
+                f"`max_to_keep` must be a positive int or None (keep all); got {max_to_keep!r}."
+            )
+        if keep_best is not None and (not isinstance(keep_best, str) or not keep_best):
+            raise ValueError(f"`keep_best` must be a metric name (str) or None; got {keep_best!r}.")
+        try:
+            mode = BestMode(best_mode.value if isinstance(best_mode, BestMode) else best_mode)
+        except ValueError:
+            raise ValueError(
+                f"`best_mode` must be 'min' or 'max' (or jstrategy BestMode); got {best_mode!r}."
+            ) from None
+        if (
+            not isinstance(save_interval_steps, int)
+            or isinstance(save_interval_steps, bool)
+            or save_interval_steps < 1
+        ):
+            raise ValueError(
+                f"`save_interval_steps` must be a positive int; got {save_interval_steps!r}."
+            )
+        if not isinstance(async_save, bool):
+            raise TypeError(f"`async_save` must be a bool; got {async_save!r}.")
+        self._directory = directory
+        self._keep_best = keep_best
+        self._best_mode = mode
+        self._max_to_keep = max_to_keep
+        self._closed = False
+        self._manager = self._open(
+            directory, max_to_keep, keep_best, mode, save_interval_steps, async_save
+        )
+
+    @staticmethod
+    def _open(directory, max_to_keep, keep_best, mode, save_interval_steps, async_save):
+        import orbax.checkpoint as ocp
+        from orbax.checkpoint import checkpoint_managers as cm
+
+        def metric(metrics):
+            return metrics[keep_best]
+
+        if keep_best is None:
+            preservation = cm.LatestN(n=max_to_keep)
+        else:
+            preservation = cm.AnyPreservationPolicy(
+                [
+                    cm.BestN(get_metric_fn=metric, reverse=mode is BestMode.MIN, n=max_to_keep),
+                    # The latest is kept too: resuming after a crash must not go back.
+                    cm.LatestN(n=1),
+                ]
+            )
+        options = ocp.CheckpointManagerOptions(
+            save_decision_policy=cm.AnySavePolicy(
+                [cm.FixedIntervalPolicy(save_interval_steps), cm.PreemptionCheckpointingPolicy()]
+            ),
+            preservation_policy=preservation,
+            best_fn=metric if keep_best is not None else None,
+            best_mode=mode.value,
+            enable_async_checkpointing=async_save,
+            # Removes what a process killed mid-write left behind; never a committed step.
+            cleanup_tmp_directories=True,
+            create=True,
+        )
+        # Registered up front so that a new process can read a step's metadata before any
+        # save or restore told orbax which handler each item uses.
+        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        state_handler, record_handler = ocp.StandardCheckpointHandler(), ocp.JsonCheckpointHandler()
+        registry.add(_STATE_ITEM, ocp.args.StandardSave, state_handler)
+        registry.add(_STATE_ITEM, ocp.args.StandardRestore, state_handler)
+        registry.add(_RECORD_ITEM, ocp.args.JsonSave, record_handler)
+        registry.add(_RECORD_ITEM, ocp.args.JsonRestore, record_handler)
+        try:
+            return ocp.CheckpointManager(directory, options=options, handler_registry=registry)
+        except _READ_ERRORS as e:
+            raise _wrap_read_error(e, directory, "the step list") from e
+
+    # Properties --------------------------------------------------------------------------
+    @property
+    def directory(self) -> str:
+        """The absolute path of the checkpoint directory."""
+        return self._directory
+
+    def _step_dir(self, step: int) -> str:
+        return os.path.join(self._directory, str(step))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(
+                f"This CheckpointManager for {self._directory} is closed. Create a new one."
+            )
+
+    # Saving ------------------------------------------------------------------------------
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        metrics: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        force: bool = False,
+    ) -> bool:
+        """Saves `state` as checkpoint `step`, in the background unless `async_save=False`.
+
+        Returns once the state's arrays are copied to host memory, so the caller may then
+        update or donate them. A previous save still being written is waited for first.
+
+        Args:
+          step: the step number (a non-negative int, larger than any saved before).
+          state: a pytree of jax.Arrays (any sharding), NumPy arrays and Python numbers,
+            e.g. a `flax.training.train_state.TrainState` with its optax state.
+          metrics: numbers saved with the step; required to hold `keep_best` if set.
+          metadata: JSON-able values saved with the step (e.g. the epoch and the data
+            iterator's position), read back with `restore_metadata`.
+          force: save even if `step` is not a multiple of `save_interval_steps`.
+
+        Returns:
+          True if a checkpoint was written; False if `step` was skipped by the interval or
+          is not after the latest step.
+
+        Raises:
+          ValueError: if the step is invalid or already saved, or `metrics` lacks `keep_best`.
+          TypeError: if `state` holds something that is not an array or number, or
+            `metadata` is not JSON-able.
+        """
+        self._check_open()
+        if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"`step` must be a non-negative int; got {step!r}.")
+        step = int(step)
+        metrics_ = _metrics_dict(metrics, self._keep_best)
+        _check_metadata(metadata)
+        flat = _flatten_state(state, "state")
+        if not force and not self._manager.should_save(step):
+            return False
+        if step in self._manager.all_steps():
+            raise ValueError(
+                f"Step {step} is already saved in {self._directory}. Save a later step, or "
+                "delete that step's directory first."
+            )
+        args = _save_args(flat, state, metadata, metrics_)
+        _hold_until_committed(self._manager)
+        return bool(self._manager.save(step, args=args, metrics=metrics_, force=True))
+
+    def wait_until_finished(self) -> None:
+        """Blocks until every save started so far is written and committed.
+
+        Raises:
+          Exception: the error of a background write that failed.
+        """
+        self._manager.wait_until_finished()
+        _committed(self._manager)
+
+    # Steps -------------------------------------------------------------------------------
+    def all_steps(self) -> list[int]:
+        """The saved steps, ascending (including one whose background write is in flight)."""
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest saved step, or None if there is none."""
+        return self._manager.latest_step()
+
+    def best_step(self) -> int | None:
+        """The step with the best `keep_best` metric, or None if there is none.
+
+        Raises:
+          ValueError: if the manager was created without `keep_best`.
+        """
+        if self._keep_best is None:
+            raise ValueError(
+                "`best_step` needs a metric to compare; create the CheckpointManager with "
+                "keep_best='<metric name>' and pass metrics to save()."
+            )
+        return self._manager.best_step()
+
+    def _resolve_step(self, step: int | None) -> int:
+        self._check_open()
+        # A step still being written is listed; wait for it rather than read half of it.
+        self.wait_until_finished()
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise FileNotFoundError(
+                    f"No checkpoint in {self._directory}. Save one first, or check the path."
+                )
+            return steps[-1]
+        if not isinstance(step, (int, np.integer)) or isinstance(step, bool):
+            raise TypeError(f"`step` must be an int or None; got {step!r}.")
+        if int(step) not in steps:
+            raise FileNotFoundError(
+                f"No checkpoint for step {step} in {self._directory}; saved steps: {steps}."
+            )
+        return int(step)
+
+    def _reader(self, step: int):
+        import orbax.checkpoint as ocp
+
+        def read(args, *, item=_STATE_ITEM, metadata=False):
+            if metadata:
+                return self._manager.item_metadata(step)[_STATE_ITEM]
+            return self._manager.restore(step, args=ocp.args.Composite(**{item: args}))[item]
+
+        return read
+
+    # Restoring ---------------------------------------------------------------------------
+    def restore(
+        self,
+        step: int | None = None,
+        *,
+        target: Any = None,
+        strategy: Strategy | None = None,
+    ) -> Any:
+        """Restores checkpoint `step` (default: the latest) into a strategy's layout.
+
+        Where each leaf goes:
+
+        * ``strategy`` given: every leaf becomes a jax.Array in that strategy's layout
+          (replicated over its mesh for OneDevice/Mirrored).
+        * else a `target` leaf with a sharding (a jax.Array, or a `jax.ShapeDtypeStruct`
+          with ``sharding=``) keeps it; a NumPy array or Python number stays one; a
+          `jax.ShapeDtypeStruct` without sharding goes to the current strategy
+          (`jstrategy.get_strategy()`).
+        * without `target`, every leaf goes to `strategy` (or the current strategy), in the
+          saved structure as nested dicts and lists.
+
+        Args:
+          step: the step to restore; None means the latest.
+          target: a pytree like the saved state (concrete, or abstract such as
+            `jax.eval_shape` output); the result has its structure and dtypes. None
+            restores the saved structure.
+          strategy: the strategy to place the state in.
+
+        Returns:
+          The restored state.
+
+        Raises:
+          FileNotFoundError: if there is no such step.
+          CheckpointError: if the checkpoint is damaged or incomplete.
+          ValueError: if `target` does not match the checkpoint's leaves or shapes.
+        """
+        step = self._resolve_step(step)
+        state, _ = _restore(self._reader(step), self._step_dir(step), target, strategy)
+        return state
+
+    def restore_metadata(self, step: int | None = None) -> dict[str, Any]:
+        """The `metadata` saved with `step` (default: the latest); {} if none was.
+
+        Raises:
+          FileNotFoundError: if there is no such step.
+          CheckpointError: if the checkpoint is damaged or incomplete.
+        """
+        step = self._resolve_step(step)
+        record = _read_record(self._reader(step), self._step_dir(step))
+        return dict(record.get("metadata") or {})
+
+    def metrics(self, step: int | None = None) -> dict[str, float] | None:
+        """The `metrics` saved with `step` (default: the latest), or None if none were.
+
+        Raises:
+          FileNotFoundError: if there is no such step.
+          CheckpointError: if the checkpoint is damaged or incomplete.
+        """
+        step = self._resolve_step(step)
+        record = _read_record(self._reader(step), self._step_dir(step))
+        return record.get("metrics")
+
+    # Lifetime ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Waits for pending saves and releases the manager. Calling it again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._manager.wait_until_finished()
+        finally:
+            _committed(self._manager)
+            self._manager.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"CheckpointManager({self._directory!r}, max_to_keep={self._max_to_keep}, "
+            f"keep_best={self._keep_best!r})"
+        )
+
+
+# Weights files ------------------------------------------------------------------------------------
+def _weights_checkpointer():
+    import orbax.checkpoint as ocp
+
+    # The same two items as a manager's step, declared so that metadata() can describe them.
+    return ocp.Checkpointer(
+        ocp.CompositeCheckpointHandler(
+            **{
+                _STATE_ITEM: ocp.StandardCheckpointHandler(),
+                _RECORD_ITEM: ocp.JsonCheckpointHandler(),
+            }
+        )
+    )
+
+
+def save_weights(path: os.PathLike | str, variables: Any, *, overwrite: bool = True) -> None:
+    """Writes `variables` (e.g. a model's params) as one checkpoint directory at `path`.
+
+    The write is synchronous and atomic: the weights are written beside `path` and moved
+    into place when complete, so an interrupted save leaves the previous weights readable.
+
+    Args:
+      path: the directory to write.
+      variables: a pytree of arrays and numbers, under any strategy's sharding.
+      overwrite: replace existing weights at `path`; if False, an existing `path` raises.
+
+    Raises:
+      FileExistsError: if `path` exists and `overwrite` is False.
+      TypeError: if `variables` holds something that is not an array or number.
+
+    Example:
+
+    >>> import os, tempfile, jax.numpy as jnp, jstrategy
+    >>> path = os.path.join(tempfile.mkdtemp(), "weights")
+    >>> jstrategy.save_weights(path, {"kernel": jnp.eye(2)})
+    >>> jstrategy.load_weights(path)["kernel"].tolist()
+    [[1.0, 0.0], [0.0, 1.0]]
+    """
+    from orbax.checkpoint import multihost
+
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise TypeError(f"`path` must be a non-empty path (str or os.PathLike); got {path!r}.")
+    path = os.path.abspath(os.fspath(path))
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"`overwrite` must be a bool; got {overwrite!r}.")
+    flat = _flatten_state(variables, "variables")
+    exists = os.path.exists(path)
+    if exists and not overwrite:
+        raise FileExistsError(
+            f"{path} already exists. Pass overwrite=True to replace it, or another path."
+        )
+    if exists and not os.path.isdir(path):
+        raise FileExistsError(f"{path} is a file, not a weights directory. Pass another path.")
+    primary = multihost.is_primary_host(0)
+    new = path + _NEW_SUFFIX if exists else path
+    if primary and os.path.exists(path + _NEW_SUFFIX):
+        shutil.rmtree(path + _NEW_SUFFIX)  # from an earlier interrupted overwrite
+    checkpointer = _weights_checkpointer()
+    try:
+        checkpointer.save(new, args=_save_args(flat, variables, None, None))
+    finally:
+        checkpointer.close()
+    if exists:
+        if primary:
+            old = path + _OLD_SUFFIX
+            if os.path.exists(old):
+                shutil.rmtree(old)
+            os.rename(path, old)
+            os.rename(new, path)
+            shutil.rmtree(old)
+        multihost.sync_global_processes("jstrategy_save_weights_swap")
+
+
+def load_weights(
+    path: os.PathLike | str, *, target: Any = None, strategy: Strategy | None = None
+) -> Any:
+    """Reads weights written by `save_weights` into a strategy's layout.
+
+    Leaves are placed as by `CheckpointManager.restore` (`strategy` first, then the
+    shardings in `target`, then the current strategy) and checked against the fingerprints
+    saved with them.
+
+    Args:
+      path: the directory `save_weights` wrote.
+      target: a pytree like the saved variables (concrete or `jax.eval_shape` output); None
+        restores the saved structure as nested dicts.
+      strategy: the strategy to place the weights in.
+
+    Returns:
+      The restored variables.
+
+    Raises:
+      FileNotFoundError: if `path` does not exist.
+      CheckpointError: if the weights are damaged or incomplete.
+      ValueError: if `target` does not match the saved leaves or shapes.
+    """
+    import orbax.checkpoint as ocp
+
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise TypeError(f"`path` must be a non-empty path (str or os.PathLike); got {path!r}.")
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        left = [p for p in (path + _NEW_SUFFIX, path + _OLD_SUFFIX) if os.path.isdir(p)]
+        if left:
+            raise CheckpointError(
+                f"No weights at {path}, but an interrupted save_weights left {left}. "
+                f"{left[0]} holds complete weights: rename it to {path} to use it.",
+                path=path,
+            )
+        raise FileNotFoundError(f"No weights at {path}. Check the path or save_weights first.")
+    checkpointer = _weights_checkpointer()
+
+    def read(args, *, item=_STATE_ITEM, metadata=False):
+        if metadata:
+            return checkpointer.metadata(path).item_metadata[_STATE_ITEM]
+        return checkpointer.restore(path, args=ocp.args.Composite(**{item: args}))[item]
+
+    try:
+        state, _ = _restore(read, path, target, strategy)
+    finally:
+        checkpointer.close()
+    return state

@@ -1,0 +1,36 @@
+"""Train steps and train states for Flax linen and NNX, and the Keras-like `Model`.
+
+Example:
+
+>>> import jstrategy.training as training
+>>> callable(training.make_train_step)
+True
+"""
+
+from jstrategy._src.training.model import Model
+from jstrategy._src.training.nnx import NNXTrainState
+from jstrategy._src.training.nnx import create_nnx_train_state
+from jstrategy._src.training.train_step import EvalStep
+from jstrategy._src.training.train_step import PredictStep
+from jstrategy._src.training.train_step import TrainState
+from jstrategy._src.training.train_step import TrainStep
+from jstrategy._src.training.train_step import create_train_state
+from jstrategy._src.training.train_step import make_eval_step
+from jstrategy._src.training.train_step import make_predict_step
+from jstrategy._src.training.train_step import make_train_step
+from jstrategy._src.training.train_step import place_state
+
+__all__ = [
+    "EvalStep",
+    "Model",
+    "NNXTrainState",
+    "PredictStep",
+    "TrainState",
+    "TrainStep",
+    "create_nnx_train_state",
+    "create_train_state",
+    "make_eval_step",
+    "make_predict_step",
+    "make_train_step",
+    "place_state",
+]
