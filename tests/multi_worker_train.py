@@ -24,6 +24,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--timeout", type=float, default=None)
     parser.add_argument("--forever", action="store_true", help="train until killed")
+    parser.add_argument("--fit", action="store_true", help="train with Model.fit instead")
     args = parser.parse_args()
 
     import jstrategy
@@ -41,6 +42,16 @@ def main() -> int:
     )
     import custom_training_loop
 
+    if args.fit:
+        import numpy as np  # noqa: PLC0415
+
+        weights = fit_model(strategy)
+        np.savez(
+            Path(args.out) / f"worker-{task['index']}.npz",
+            **{f"w{i}": w for i, w in enumerate(weights)},
+        )
+        print(f"worker {task['index']}: fit done", flush=True)
+        return 0
     if args.forever:
         step = 0
         while True:
@@ -59,6 +70,29 @@ def main() -> int:
     )
     print(f"worker {task['index']}: final loss {losses[-1]:.6f}", flush=True)
     return 0
+
+
+def fit_model(strategy):
+    """`Model.fit` on data every worker generates alike; returns the final weights."""
+    import flax.linen as nn  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    import optax  # noqa: PLC0415
+
+    import jstrategy  # noqa: PLC0415
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 10)).astype(np.float32)
+    y = (x[:, :1] + 0.5 * x[:, 1:2] > 0).astype(np.float32)
+    with strategy.scope():
+        model = jstrategy.Model(
+            nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(1)]), input_shape=(10,), seed=0
+        )
+        model.compile(
+            optax.sgd(0.2), jstrategy.losses.BinaryCrossentropy(from_logits=True), ["accuracy"]
+        )
+    # 200 rows at batch 32: the last batch of each epoch is partial (8 rows).
+    model.fit(x, y, batch_size=32, epochs=3, shuffle=True, verbose=0)
+    return model.get_weights()
 
 
 def _flatten(tree, prefix=()):

@@ -121,6 +121,12 @@ class Strategy:
         return self._devices
 
     @property
+    def local_devices(self) -> tuple[jax.Device, ...]:
+        """This process's replicas' devices, in replica order (all of them in one process)."""
+        me = jax.process_index()
+        return tuple(d for d in self._devices if d.process_index == me)
+
+    @property
     def cross_device_ops(self) -> CrossDeviceOps:
         """The algorithm that combines values across replicas."""
         return self._cross_device_ops

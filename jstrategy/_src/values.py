@@ -122,3 +122,24 @@ def varying_axes(x: Any) -> frozenset:
     if vma is None:
         vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
     return frozenset(vma or ())
+
+
+def device_put_global(tree: Any, sharding: jax.sharding.Sharding) -> Any:
+    """`jax.device_put` that also works when `sharding` spans other processes' devices.
+
+    Every process passes the same (global) values; each places the pieces its own devices
+    hold. In one process this is exactly `jax.device_put`.
+    """
+    if sharding.is_fully_addressable:
+        return jax.device_put(tree, sharding)
+
+    def put(leaf: Any) -> jax.Array:
+        if isinstance(leaf, jax.Array) and leaf.sharding == sharding:
+            return leaf
+        if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            data = put(jax.random.key_data(leaf))
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(leaf))
+        host = np.asarray(leaf)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(put, tree)

@@ -38,6 +38,7 @@ from jstrategy._src.reduce_util import ReduceOp
 from jstrategy._src.training import losses as losses_lib
 from jstrategy._src.training import metrics as metrics_lib
 from jstrategy._src.values import PerReplica
+from jstrategy._src.values import device_put_global
 from jstrategy._src.values import is_per_replica
 from jstrategy._src.values import varying_axes
 
@@ -117,7 +118,7 @@ def place_state(tree: Any, strategy: Any = None) -> Any:
     """
     strategy = strategy if strategy is not None else context.get_strategy()
     sharding = strategy.replicated_sharding()
-    return jax.device_put(tree, sharding)
+    return device_put_global(tree, sharding)
 
 
 def _resolve_train_arg(module: Any, train_arg: str | None) -> str | None:
@@ -203,7 +204,9 @@ def create_train_state(
 
     # Eagerly, op by op: each op's kernel is cached across models, while a jitted init
     # would compile a new program for every model (seconds, for nothing reused).
-    with jax.default_device(strategy.devices[0]):
+    # This process's first replica device: under a multi-worker strategy the mesh's first
+    # device may belong to another process.
+    with jax.default_device(strategy.local_devices[0]):
         variables = dict(
             module.init({"params": params_key, "dropout": dropout_key}, *sample_args, **kwargs)
         )
