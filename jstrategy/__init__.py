@@ -28,6 +28,7 @@ from jstrategy._src.loss_reduction import compute_average_loss
 from jstrategy._src.mirrored import MirroredStrategy
 from jstrategy._src.multi_worker import MultiWorkerMirroredStrategy
 from jstrategy._src.one_device import OneDeviceStrategy
+from jstrategy._src.parameter_server.strategy import ParameterServerStrategy
 from jstrategy._src.reduce_util import ReduceOp
 from jstrategy._src.strategy import REPLICA_AXIS
 from jstrategy._src.strategy import Strategy
@@ -52,6 +53,7 @@ __all__ = [
     "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
+    "ParameterServerStrategy",
     "PerReplica",
     "ReduceOp",
     "ReductionToOneDevice",

@@ -6,14 +6,18 @@ from jstrategy._src.collective_util import CommunicationOptions
 from jstrategy._src.multi_worker import (
     _DeprecatedMultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
 )
+from jstrategy._src.parameter_server.strategy import ParameterServerStrategy
 from jstrategy._src.strategy import ValueContext
 from jstrategy._src.tpu import TPUStrategy
+from jstrategy.experimental import partitioners
 
 __all__ = [
     "CollectiveCommunication",
     "CommunicationImplementation",
     "CommunicationOptions",
     "MultiWorkerMirroredStrategy",
+    "ParameterServerStrategy",
     "TPUStrategy",
     "ValueContext",
+    "partitioners",
 ]

@@ -991,6 +991,11 @@ class Model:
         self, data: Any, cbs: Any, steps_per_epoch: int | None
     ) -> dict[str, Any] | None:
         """Runs one epoch; returns its logs, or None if the data gave no batches."""
+        # ParameterServerStrategy runs the epoch asynchronously on its workers
+        # (jstrategy/_src/parameter_server/model_fit.py).
+        train_model_epoch = getattr(self._strategy, "_train_model_epoch", None)
+        if train_model_epoch is not None:
+            return train_model_epoch(self, data, cbs, steps_per_epoch)
         acc = self._zero_sums()
         logs: dict[str, Any] = {}
         epoch_seed = (self._seed, self._epochs_run)

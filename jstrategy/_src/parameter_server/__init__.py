@@ -1,0 +1,1 @@
+"""ParameterServerStrategy: variables on parameter servers, asynchronous workers."""

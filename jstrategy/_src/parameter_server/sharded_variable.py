@@ -1,0 +1,495 @@
+"""Variables that live on parameter servers: `Variable`, `ShardedVariable` and `VariableTree`.
+
+`ParameterServerStrategy.create_variables(tree, optimizer=...)` turns each leaf of a pytree
+(parameters, counters, ...) into a `Variable` on one parameter server, round-robin, or,
+with a `variable_partitioner`, into a `ShardedVariable` whose row blocks sit on successive
+parameter servers. It returns a `VariableTree`, the handle training code uses:
+
+* ``read()`` pulls the current values onto the device of the worker running the code
+  (the coordinator's device elsewhere): a pytree of arrays shaped like the original;
+* ``apply_gradients(grads)`` pushes a gradient pytree; each parameter server applies the
+  optimizer to its variables at once, atomically per variable, without waiting for other
+  workers (asynchronous training);
+* ``assign``, ``assign_add``, ``assign_sub`` and ``numpy()`` do what they say.
+
+The optimizer runs per variable, as TF's optimizers do with slot variables: its state for
+a variable (or shard) lives on that variable's parameter server. Element-wise optimizers
+(SGD, momentum, Adam, RMSProp, Adagrad, ...) give exactly the updates of the same optimizer
+over the whole tree; transformations that couple variables (``clip_by_global_norm``) act
+per variable, so clip gradients on the worker instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import uuid
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jstrategy._src.parameter_server import backend as backend_lib
+from jstrategy._src.parameter_server.partitioners import shard_offsets
+
+__all__ = ["ShardedVariable", "Variable", "VariableTree"]
+
+_TREE_IDS = itertools.count()
+
+
+def _default_device(fallback: jax.Device | None) -> jax.Device:
+    worker = backend_lib.current_worker()
+    if worker is not None:
+        return worker.device
+    return fallback if fallback is not None else jax.devices()[0]
+
+
+class Variable:
+    """One array on one parameter server (TF's variable placed on a ``ps`` task).
+
+    Created by `ParameterServerStrategy.create_variables`; not constructed directly.
+
+    Attributes:
+      name: the variable's name: its path in the tree, e.g. ``"params/Dense_0/kernel"``
+        (``".../part_1"`` for a shard).
+      shape: its shape.
+      dtype: its dtype.
+      ps_task: the index of the parameter server that holds it.
+    """
+
+    def __init__(self, store: Any, var_id: int, name: str, shape, dtype, tree: VariableTree):
+        self._store = store
+        self._id = var_id
+        self.name = name
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+        self._tree = tree
+
+    @property
+    def ps_task(self) -> int:
+        return self._store.ps_index
+
+    @property
+    def device(self) -> str:
+        """TF's name of the device holding it: ``/job:ps/replica:0/task:<i>/device:CPU:0``."""
+        return f"/job:ps/replica:0/task:{self.ps_task}/device:CPU:0"
+
+    def read_value(self, device: jax.Device | None = None) -> jax.Array:
+        """The current value, on `device` (default: this worker's, or the coordinator's)."""
+        target = _default_device(device or self._tree._coordinator_device)
+        (values,) = type(self._store).read_groups({self._store: [self._id]}, target).values()
+        return values[0]
+
+    def numpy(self) -> np.ndarray:
+        """The current value as a NumPy array."""
+        return np.asarray(jax.device_get(self.read_value()))
+
+    def __array__(self, dtype=None, copy=None):
+        value = self.numpy()
+        return value if dtype is None else value.astype(dtype)
+
+    def _apply(self, kind: str, value: Any) -> None:
+        type(self._store).apply_groups({self._store: ([self._id], [jnp.asarray(value)])}, kind)
+
+    def assign(self, value: Any) -> None:
+        """Sets the value (cast to the variable's dtype)."""
+        self._apply(backend_lib.ASSIGN, value)
+
+    def assign_add(self, delta: Any) -> None:
+        """Adds `delta` atomically on the parameter server."""
+        self._apply(backend_lib.ASSIGN_ADD, delta)
+
+    def assign_sub(self, delta: Any) -> None:
+        """Subtracts `delta` atomically on the parameter server."""
+        self._apply(backend_lib.ASSIGN_SUB, delta)
+
+    def __repr__(self) -> str:
+        return (
+            f"Variable(name={self.name!r}, shape={self.shape}, dtype={self.dtype}, "
+            f"device={self.device!r})"
+        )
+
+
+class ShardedVariable:
+    """A variable split along its first axis into `Variable` shards on several servers.
+
+    Shard ``i`` holds rows ``offsets[i]:offsets[i+1]`` (TF's layout: the first
+    ``rows % num_shards`` shards get one extra row). The full value is assembled on demand.
+
+    Attributes:
+      name: the variable's name; shard ``i`` is named ``"<name>/part_<i>"``.
+      shards: the `Variable` shards, in row order (also ``variables``, as in TF).
+      shape: the full shape.
+      dtype: the dtype.
+      offsets: the row offsets of the shards (``len(shards) + 1`` of them).
+    """
+
+    def __init__(self, shards: Sequence[Variable], name: str):
+        shards = list(shards)
+        if not shards or any(not isinstance(s, Variable) for s in shards):
+            raise TypeError(f"`shards` must be a non-empty list of Variables; got {shards!r}.")
+        if len({s.dtype for s in shards}) > 1 or len({s.shape[1:] for s in shards}) > 1:
+            raise ValueError(
+                "All shards must share a dtype and all axes but the first; got "
+                f"{[(s.shape, str(s.dtype)) for s in shards]}."
+            )
+        self.name = name
+        self._shards = shards
+        self.offsets = [0, *itertools.accumulate(s.shape[0] for s in shards)]
+        self.shape = (self.offsets[-1], *shards[0].shape[1:])
+        self.dtype = shards[0].dtype
+
+    @property
+    def shards(self) -> list[Variable]:
+        return list(self._shards)
+
+    @property
+    def variables(self) -> list[Variable]:
+        """The shards (TF's name)."""
+        return list(self._shards)
+
+    def __iter__(self):
+        return iter(self._shards)
+
+    def __len__(self) -> int:
+        return len(self._shards)
+
+    def read_value(self, device: jax.Device | None = None) -> jax.Array:
+        """The full value: the shards concatenated, on `device` (default as `Variable`)."""
+        tree = self._shards[0]._tree
+        target = _default_device(device or tree._coordinator_device)
+        parts = tree._read_flat(self._shards, target)
+        return jnp.concatenate(parts, axis=0)
+
+    def numpy(self) -> np.ndarray:
+        """The full value as a NumPy array."""
+        return np.asarray(jax.device_get(self.read_value()))
+
+    def __array__(self, dtype=None, copy=None):
+        value = self.numpy()
+        return value if dtype is None else value.astype(dtype)
+
+    def _apply(self, kind: str, value: Any) -> None:
+        value = jnp.asarray(value)
+        if value.ndim == 0:
+            parts = [value] * len(self._shards)
+        else:
+            parts = [value[a:b] for a, b in itertools.pairwise(self.offsets)]
+        self._shards[0]._tree._apply_flat(self._shards, parts, kind)
+
+    def assign(self, value: Any) -> None:
+        """Sets the full value; each shard takes its rows."""
+        self._apply(backend_lib.ASSIGN, value)
+
+    def assign_add(self, delta: Any) -> None:
+        """Adds `delta` (full shape, or a scalar) atomically per shard."""
+        self._apply(backend_lib.ASSIGN_ADD, delta)
+
+    def assign_sub(self, delta: Any) -> None:
+        """Subtracts `delta` (full shape, or a scalar) atomically per shard."""
+        self._apply(backend_lib.ASSIGN_SUB, delta)
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedVariable(name={self.name!r}, shape={self.shape}, dtype={self.dtype}, "
+            f"shards={[s.shape[0] for s in self._shards]})"
+        )
+
+
+def _is_var(x: Any) -> bool:
+    return isinstance(x, (Variable, ShardedVariable))
+
+
+def _path_name(path: Sequence[Any]) -> str:
+    parts = []
+    for entry in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(entry, attr):
+                parts.append(str(getattr(entry, attr)))
+                break
+        else:
+            parts.append(str(entry))
+    return "/".join(parts) or "variable"
+
+
+class VariableTree:
+    """A pytree of parameter-server variables: pull values, push gradients and updates.
+
+    Created by `ParameterServerStrategy.create_variables`. It can be used on the coordinator
+    and inside functions scheduled with `ClusterCoordinator.schedule` (with the Ray backend
+    it travels to the worker processes and talks to the parameter servers directly).
+
+    Attributes:
+      variables: the pytree, with a `Variable` or `ShardedVariable` per original leaf.
+      optimizer: the optax transformation `apply_gradients` runs, or None.
+    """
+
+    def __init__(self, treedef: Any, leaves: list[Variable | ShardedVariable], optimizer: Any):
+        self._treedef = treedef
+        self._leaves = leaves
+        self.optimizer = optimizer
+        self._coordinator_device: jax.Device | None = None
+        # The flat list of parameter-server variables (shards unrolled), in leaf order.
+        flat: list[Variable] = []
+        for leaf in leaves:
+            flat.extend(leaf.shards if isinstance(leaf, ShardedVariable) else [leaf])
+        self._flat = flat
+        self._assemble: Any = None
+        self._split: Any = None
+        self._lock = threading.Lock()
+        self._token = uuid.uuid4().hex
+        _TREES[self._token] = self
+
+    def __reduce__(self):
+        # A tree sent to a worker process again (with every scheduled function) becomes the
+        # copy that process already has, whose compiled programs are reused.
+        state = dict(self.__dict__)
+        # Devices and compiled programs belong to this process.
+        state.update(_coordinator_device=None, _assemble=None, _split=None, _lock=None)
+        return (_restore_tree, (self._token,), state)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if "_token" in self.__dict__:
+            return  # an existing copy, returned by _restore_tree
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        _TREES[self._token] = self
+
+    @property
+    def variables(self) -> Any:
+        return jax.tree.unflatten(self._treedef, self._leaves)
+
+    def __len__(self) -> int:
+        return len(self._leaves)
+
+    # Internals --------------------------------------------------------------------------
+    def _groups(self, flat: Sequence[Variable]) -> dict[Any, list[int]]:
+        groups: dict[Any, list[int]] = {}
+        for var in flat:
+            groups.setdefault(var._store, []).append(var._id)
+        return groups
+
+    def _read_flat(self, flat: Sequence[Variable], device: jax.Device) -> list[jax.Array]:
+        groups = self._groups(flat)
+        client_type = type(next(iter(groups)))
+        values = client_type.read_groups(groups, device)
+        cursors = {store: iter(vals) for store, vals in values.items()}
+        return [next(cursors[var._store]) for var in flat]
+
+    def _apply_flat(self, flat: Sequence[Variable], args: Sequence[Any], kind: str) -> None:
+        worker = backend_lib.current_worker()
+        if worker is not None:
+            # A worker that dies before its push leaves the variables untouched.
+            worker.check_alive()
+        groups: dict[Any, tuple[list[int], list[Any]]] = {}
+        for var, arg in zip(flat, args, strict=True):
+            ids, values = groups.setdefault(var._store, ([], []))
+            ids.append(var._id)
+            values.append(arg)
+        client_type = type(next(iter(groups)))
+        client_type.apply_groups(groups, kind)
+
+    def _programs(self) -> tuple[Any, Any]:
+        with self._lock:
+            if self._assemble is None:
+                sharded = [
+                    (leaf.offsets if isinstance(leaf, ShardedVariable) else None)
+                    for leaf in self._leaves
+                ]
+
+                def assemble(flat):
+                    it = iter(flat)
+                    out = []
+                    for offsets in sharded:
+                        if offsets is None:
+                            out.append(next(it))
+                        else:
+                            parts = [next(it) for _ in range(len(offsets) - 1)]
+                            out.append(jnp.concatenate(parts, axis=0))
+                    return out
+
+                def split(leaves):
+                    out = []
+                    for offsets, leaf in zip(sharded, leaves, strict=True):
+                        if offsets is None:
+                            out.append(leaf)
+                        else:
+                            out.extend(leaf[a:b] for a, b in itertools.pairwise(offsets))
+                    return out
+
+                has_shards = any(s is not None for s in sharded)
+                self._assemble = jax.jit(assemble) if has_shards else list
+                self._split = jax.jit(split) if has_shards else list
+            return self._assemble, self._split
+
+    def _flatten_like(self, tree: Any, what: str) -> list[Any]:
+        leaves, treedef = jax.tree.flatten(tree)
+        if treedef != self._treedef:
+            raise ValueError(
+                f"`{what}` must have the structure of the variables, {self._treedef}; got "
+                f"{treedef}. Pass a pytree shaped like the tree given to create_variables."
+            )
+        for leaf, var in zip(leaves, self._leaves, strict=True):
+            if np.shape(leaf) not in (var.shape, ()):
+                raise ValueError(
+                    f"`{what}` for variable {var.name!r} must have shape {var.shape}; got "
+                    f"{np.shape(leaf)}."
+                )
+        return leaves
+
+    def _push(self, tree: Any, kind: str, what: str) -> None:
+        leaves = self._flatten_like(tree, what)
+        _, split = self._programs()
+        full = [
+            jnp.broadcast_to(jnp.asarray(x), v.shape) if np.shape(x) != v.shape else x
+            for x, v in zip(leaves, self._leaves, strict=True)
+        ]
+        self._apply_flat(self._flat, split(full), kind)
+
+    # Public -----------------------------------------------------------------------------
+    def read(self, device: jax.Device | None = None) -> Any:
+        """Pulls the current values: a pytree of arrays shaped like the original tree.
+
+        Args:
+          device: where to put them; default: the device of the worker running the
+            current scheduled function, or the coordinator's device outside one.
+
+        Returns:
+          The values, sharded variables assembled to their full shape.
+
+        Raises:
+          ParameterServerFailureError: if a parameter server is unavailable.
+        """
+        target = _default_device(device or self._coordinator_device)
+        assemble, _ = self._programs()
+        flat = self._read_flat(self._flat, target)
+        return jax.tree.unflatten(self._treedef, assemble(flat))
+
+    def numpy(self) -> Any:
+        """The current values as NumPy arrays (a pytree shaped like the original)."""
+        return backend_lib.to_numpy(self.read())
+
+    def apply_gradients(self, grads: Any) -> None:
+        """Pushes gradients: each parameter server applies the optimizer to its variables.
+
+        Updates are applied as they arrive, atomically per variable, with no barrier
+        between workers: a worker's gradient may have been computed from values that
+        other workers have updated since (asynchronous training, as in TF).
+
+        Args:
+          grads: a pytree shaped like the variables (e.g. from ``jax.grad`` of a function
+            of `read()`'s values).
+
+        Raises:
+          ValueError: if the tree has no optimizer, or `grads` does not match.
+          ParameterServerFailureError: if a parameter server is unavailable.
+        """
+        if self.optimizer is None:
+            raise ValueError(
+                "apply_gradients needs an optimizer; these variables were created without "
+                "one. Pass optimizer=optax.sgd(...) to strategy.create_variables."
+            )
+        self._push(grads, backend_lib.GRADIENTS, "grads")
+
+    def assign(self, tree: Any) -> None:
+        """Sets every variable from a pytree of values (scalars broadcast)."""
+        self._push(tree, backend_lib.ASSIGN, "tree")
+
+    def assign_add(self, tree: Any) -> None:
+        """Adds a pytree of deltas, atomically per variable."""
+        self._push(tree, backend_lib.ASSIGN_ADD, "tree")
+
+    def assign_sub(self, tree: Any) -> None:
+        """Subtracts a pytree of deltas, atomically per variable."""
+        self._push(tree, backend_lib.ASSIGN_SUB, "tree")
+
+    def opt_state(self) -> Any:
+        """The optimizer state of each variable (a list per shard for sharded ones), on host."""
+        out = []
+        for leaf in self._leaves:
+            shards = leaf.shards if isinstance(leaf, ShardedVariable) else [leaf]
+            states = [s._store.read_opt_states([s._id])[0] for s in shards]
+            states = backend_lib.to_numpy(states)
+            out.append(states if isinstance(leaf, ShardedVariable) else states[0])
+        return jax.tree.unflatten(self._treedef, out)
+
+    def __repr__(self) -> str:
+        shards = sum(isinstance(v, ShardedVariable) for v in self._leaves)
+        return (
+            f"VariableTree({len(self._leaves)} variables, {shards} sharded, "
+            f"{len(self._flat)} on parameter servers)"
+        )
+
+
+def build_variable_tree(
+    tree: Any,
+    *,
+    stores: Sequence[Any],
+    next_ps: Any,
+    partitioner: Any,
+    optimizer: Any,
+    coordinator_device: jax.Device | None,
+) -> VariableTree:
+    """Places each leaf of `tree` on the parameter servers; see `create_variables`."""
+    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    if not path_leaves:
+        raise ValueError("`tree` must have at least one array leaf; got an empty pytree.")
+    var_tree = VariableTree.__new__(VariableTree)
+    leaves: list[Variable | ShardedVariable] = []
+    tx_key = ("tree", next(_TREE_IDS))
+    pending: dict[Any, tuple[list[int], list[Any]]] = {}
+
+    def new_var(value: np.ndarray, name: str) -> Variable:
+        store = stores[next_ps()]
+        var_id = next(_VAR_IDS)
+        group = pending.setdefault(store, ([], []))
+        group[0].append(var_id)
+        group[1].append(value)
+        return Variable(store, var_id, name, value.shape, value.dtype, var_tree)
+
+    for path, leaf in path_leaves:
+        name = _path_name(path)
+        if isinstance(leaf, jax.Array):
+            value = np.asarray(jax.device_get(leaf))
+        else:
+            value = np.asarray(leaf)
+        if value.dtype == object or value.dtype.kind in ("U", "S"):
+            raise TypeError(f"Variable {name!r} must be a numeric array; got dtype {value.dtype}.")
+        num = 1
+        if partitioner is not None and value.ndim > 0:
+            partitions = list(partitioner(shape=value.shape, dtype=value.dtype))
+            if not partitions or partitions[0] == 0 or any(p != 1 for p in partitions[1:]):
+                raise ValueError(
+                    "variable_partitioner must return a list whose elements are 1 besides "
+                    f"the first (non-zero), as only the first axis is split; got {partitions} "
+                    f"for variable {name!r} of shape {value.shape}."
+                )
+            num = min(int(partitions[0]), value.shape[0])
+        if num <= 1:
+            leaves.append(new_var(value, name))
+        else:
+            offsets = shard_offsets(value.shape[0], num)
+            shards = [
+                new_var(value[a:b], f"{name}/part_{i}")
+                for i, (a, b) in enumerate(itertools.pairwise(offsets))
+            ]
+            leaves.append(ShardedVariable(shards, name))
+    VariableTree.__init__(var_tree, treedef, leaves, optimizer)
+    var_tree._coordinator_device = coordinator_device
+    for store, (var_ids, values) in pending.items():
+        store.create(var_ids, values, tx_key, optimizer)
+    return var_tree
+
+
+_VAR_IDS = itertools.count()
+_TREES: weakref.WeakValueDictionary[str, VariableTree] = weakref.WeakValueDictionary()
+
+
+def _restore_tree(token: str) -> VariableTree:
+    existing = _TREES.get(token)
+    if existing is not None:
+        return existing
+    return VariableTree.__new__(VariableTree)

@@ -1,0 +1,337 @@
+"""`ParameterServerStrategy`: variables on parameter servers, workers training asynchronously."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import threading
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+from typing import Any
+
+import jax
+import optax
+
+from jstrategy._src.parameter_server import backend as backend_lib
+from jstrategy._src.parameter_server import sharded_variable
+from jstrategy._src.parameter_server.partitioners import Partitioner
+from jstrategy._src.strategy import Strategy
+
+if TYPE_CHECKING:
+    from jstrategy._src.cluster_resolver import ClusterResolver
+
+__all__ = ["Backend", "ParameterServerStrategy", "local_cluster_resolver"]
+
+
+class Backend(enum.Enum):
+    """Where the parameter servers and workers of a `ParameterServerStrategy` run.
+
+    * ``LOCAL``: devices and threads of this process (the default).
+    * ``RAY``: Ray actors, on one machine or a Ray cluster (``pip install 'jstrategy[ray]'``).
+    """
+
+    LOCAL = "local"
+    RAY = "ray"
+
+
+def local_cluster_resolver(num_workers: int = 2, num_ps: int = 1) -> Any:
+    """A cluster resolver for a parameter-server cluster started by this process.
+
+    The addresses are placeholders on localhost: the tasks are started by the strategy
+    (threads, or Ray actors), not by you. This process is the ``"chief"`` (coordinator).
+
+    Args:
+      num_workers: how many workers.
+      num_ps: how many parameter servers.
+
+    Returns:
+      A `SimpleClusterResolver` with jobs ``chief``, ``worker`` and ``ps``.
+
+    Example:
+
+    >>> resolver = local_cluster_resolver(num_workers=3, num_ps=2)
+    >>> resolver.cluster_spec().num_tasks("worker"), resolver.task_type
+    (3, 'chief')
+    """
+    from jstrategy._src.cluster_resolver import SimpleClusterResolver
+
+    for name, value in (("num_workers", num_workers), ("num_ps", num_ps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{name}` must be a positive int; got {value!r}.")
+    ports = itertools.count(20000)
+    cluster = {
+        "chief": [f"localhost:{next(ports)}"],
+        "worker": [f"localhost:{next(ports)}" for _ in range(num_workers)],
+        "ps": [f"localhost:{next(ports)}" for _ in range(num_ps)],
+    }
+    return SimpleClusterResolver(cluster, task_type="chief", task_id=0)
+
+
+def _resolve_backend(backend: Backend | str) -> Backend:
+    if isinstance(backend, Backend):
+        return backend
+    try:
+        return Backend(str(backend).lower())
+    except ValueError:
+        raise ValueError(
+            f"`backend` must be 'local' or 'ray' (or a jstrategy.coordinator.Backend); got "
+            f"{backend!r}."
+        ) from None
+
+
+class ParameterServerStrategy(Strategy):
+    """Asynchronous data parallelism with variables on parameter servers, as TF's.
+
+    The cluster (from `cluster_resolver`, e.g. ``TF_CONFIG``) has ``worker`` and ``ps``
+    tasks; this process is the coordinator (the ``chief``). Variables created with
+    `create_variables` are placed on the parameter servers round-robin (split into shards
+    by `variable_partitioner`); a `ClusterCoordinator` schedules training functions on the
+    workers, each of which pulls the current variables, computes an update on its own
+    device and pushes it to the parameter servers, which apply it at once, without any
+    barrier between workers.
+
+    With ``backend="local"`` (the default) the tasks are devices and threads of this
+    process: parameter server ``i`` is local device ``i`` and worker ``j`` is device
+    ``num_ps + j`` (wrapping around when there are fewer devices), so with
+    ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` every task has its own CPU
+    device. With ``backend="ray"`` every parameter server and worker is a Ray actor, in
+    the Ray cluster at `ray_address` (or the one this process already joined, or a new
+    local one); a task whose ``TF_CONFIG`` host is a Ray node's address is placed there.
+
+    Inside a scheduled function, `run` runs on the executing worker's device and
+    `num_replicas_in_sync` is 1 (one replica per worker, as TF's CPU workers). Outside,
+    the strategy behaves as a one-device strategy on the coordinator's device (worker 0's
+    device locally), which is where `jstrategy.Model` evaluates and predicts.
+
+    Args:
+      cluster_resolver: describes the cluster; it needs at least one ``worker`` and one
+        ``ps`` task, and this process must be the ``chief`` (or have no task type). None
+        reads ``TF_CONFIG``. For a cluster started here, `local_cluster_resolver`.
+      variable_partitioner: a `jstrategy.experimental.partitioners.Partitioner` (or any
+        callable ``(shape, dtype) -> [num_shards, 1, ...]``) that splits variables along
+        their first axis; None keeps every variable whole.
+      backend: ``"local"`` or ``"ray"`` (see `Backend`).
+      ray_address: the Ray cluster to join with the Ray backend (``"auto"``, or
+        ``"ray://host:10001"``); None joins the running one or starts a local one.
+
+    Raises:
+      ValueError: if the cluster has no worker or no ps task, or this process is a
+        worker or ps task (those are started by the coordinator here).
+      ImportError: with ``backend="ray"`` when Ray is not installed.
+
+    Example:
+
+    >>> import jax.numpy as jnp
+    >>> import jstrategy
+    >>> from jstrategy.coordinator import local_cluster_resolver
+    >>> from jstrategy.experimental.partitioners import FixedShardsPartitioner
+    >>> strategy = jstrategy.ParameterServerStrategy(
+    ...     local_cluster_resolver(num_workers=2, num_ps=2),
+    ...     variable_partitioner=FixedShardsPartitioner(2))
+    >>> variables = strategy.create_variables({"w": jnp.zeros((5, 3)), "b": jnp.zeros(3)})
+    >>> w = variables.variables["w"]
+    >>> [s.shape for s in w.shards], [s.ps_task for s in w.shards]
+    ([(3, 3), (2, 3)], [0, 1])
+    """
+
+    def __init__(
+        self,
+        cluster_resolver: ClusterResolver | None = None,
+        variable_partitioner: Partitioner | Callable[..., Sequence[int]] | None = None,
+        *,
+        backend: Backend | str = Backend.LOCAL,
+        ray_address: str | None = None,
+    ):
+        from jstrategy._src.cluster_resolver import ClusterResolver
+        from jstrategy._src.cluster_resolver import TFConfigClusterResolver
+
+        resolver = cluster_resolver if cluster_resolver is not None else TFConfigClusterResolver()
+        if not isinstance(resolver, ClusterResolver):
+            raise TypeError(
+                "`cluster_resolver` must be a jstrategy.cluster_resolver.ClusterResolver "
+                f"(e.g. TFConfigClusterResolver()); got {type(resolver).__name__}."
+            )
+        if variable_partitioner is not None and not callable(variable_partitioner):
+            raise TypeError(
+                "`variable_partitioner` must be a Partitioner such as "
+                "FixedShardsPartitioner(2), or None; got "
+                f"{type(variable_partitioner).__name__}."
+            )
+        spec = resolver.cluster_spec()
+        jobs = spec.jobs
+        num_workers = spec.num_tasks("worker") if "worker" in jobs else 0
+        num_ps = spec.num_tasks("ps") if "ps" in jobs else 0
+        if num_workers < 1 or num_ps < 1:
+            raise ValueError(
+                "ParameterServerStrategy needs at least one worker and one ps task; the "
+                f"cluster has {num_workers} worker and {num_ps} ps tasks ({spec.as_dict()}). "
+                "Set TF_CONFIG's cluster, or pass "
+                "jstrategy.coordinator.local_cluster_resolver(num_workers=2, num_ps=1)."
+            )
+        task_type = resolver.task_type
+        if task_type not in (None, "chief", "master"):
+            raise ValueError(
+                f"ParameterServerStrategy runs on the coordinator (the 'chief' task); this "
+                f"process is task {task_type!r}:{resolver.task_id}. The worker and ps tasks "
+                "are started by the coordinator (as threads, or Ray actors): run the training "
+                "program only as the chief."
+            )
+        self._backend_kind = _resolve_backend(backend)
+        self._cluster_resolver = resolver
+        self._variable_partitioner = variable_partitioner
+        self._num_workers = num_workers
+        self._num_ps = num_ps
+        self._variable_count = 0
+        self._count_lock = threading.Lock()
+        self._coordinator: Any = None
+        self._worker_strategies: dict[Any, Strategy] = {}
+        self._remote = False
+        if self._backend_kind is Backend.LOCAL:
+            self._backend: backend_lib.Backend = backend_lib.LocalBackend(num_workers, num_ps, self)
+            coordinator_device = self._backend.worker_devices[0]
+        else:
+            from jstrategy._src.parameter_server import ray_backend
+
+            self._backend = ray_backend.RayBackend(
+                num_workers, num_ps, address=ray_address, cluster_spec=spec
+            )
+            coordinator_device = jax.local_devices()[0]
+        super().__init__([coordinator_device])
+
+    # Properties -------------------------------------------------------------------------
+    @property
+    def cluster_resolver(self) -> ClusterResolver:
+        """The resolver this strategy was built from."""
+        return self._cluster_resolver
+
+    @property
+    def variable_partitioner(self) -> Any:
+        return self._variable_partitioner
+
+    @property
+    def backend(self) -> Backend:
+        return self._backend_kind
+
+    @property
+    def num_workers(self) -> int:
+        """How many worker tasks the cluster has."""
+        return self._num_workers
+
+    @property
+    def num_ps(self) -> int:
+        """How many parameter-server tasks the cluster has."""
+        return self._num_ps
+
+    @property
+    def worker_devices(self) -> tuple[jax.Device, ...]:
+        """The local backend's worker devices, in worker order (empty with Ray)."""
+        return tuple(getattr(self._backend, "worker_devices", ()))
+
+    @property
+    def parameter_devices(self) -> tuple[jax.Device, ...]:
+        """The local backend's parameter-server devices, in task order (empty with Ray)."""
+        return tuple(getattr(self._backend, "ps_devices", ()))
+
+    def _require_backend(self) -> backend_lib.Backend:
+        if self._remote:
+            raise RuntimeError(
+                "This is a worker's copy of the ParameterServerStrategy; variables and "
+                "coordinators are created on the coordinator only."
+            )
+        return self._backend
+
+    # Variables ----------------------------------------------------------------------------
+    def _next_ps(self) -> int:
+        with self._count_lock:
+            index = self._variable_count % self._num_ps
+            self._variable_count += 1
+        return index
+
+    def create_variables(
+        self, tree: Any, *, optimizer: optax.GradientTransformation | None = None
+    ) -> sharded_variable.VariableTree:
+        """Places every leaf of `tree` on the parameter servers.
+
+        Leaves go to the parameter servers round-robin, in the tree's flattening order,
+        continuing from the previous call (as TF creates variables). With a
+        `variable_partitioner`, a leaf of rank >= 1 that it splits becomes a
+        `ShardedVariable` whose shards go round-robin too. With `optimizer`, each variable
+        (or shard) gets its optimizer state, kept beside it on its parameter server.
+
+        Args:
+          tree: a pytree of arrays (e.g. Flax params, or ``{"params": ..., "step": ...}``).
+          optimizer: an optax transformation for `VariableTree.apply_gradients`; it runs
+            per variable on the parameter servers (see `VariableTree`).
+
+        Returns:
+          A `VariableTree`: `read` pulls values, `apply_gradients` pushes gradients.
+
+        Raises:
+          TypeError: if a leaf is not numeric or `optimizer` is not an optax transformation.
+          ValueError: if the partitioner returns an invalid result.
+        """
+        backend = self._require_backend()
+        if optimizer is not None and not isinstance(optimizer, optax.GradientTransformation):
+            raise TypeError(
+                "`optimizer` must be an optax.GradientTransformation such as optax.adam(1e-3), "
+                f"or None; got {type(optimizer).__name__}."
+            )
+        stores = [backend.store(i) for i in range(self._num_ps)]
+        return sharded_variable.build_variable_tree(
+            tree,
+            stores=stores,
+            next_ps=self._next_ps,
+            partitioner=self._variable_partitioner,
+            optimizer=optimizer,
+            coordinator_device=self.devices[0],
+        )
+
+    # Running on workers -------------------------------------------------------------------
+    def _worker_strategy(self, device: jax.Device) -> Strategy:
+        strategy = self._worker_strategies.get(device)
+        if strategy is None:
+            strategy = self._worker_strategies.setdefault(device, Strategy([device]))
+        return strategy
+
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None = None):
+        """Runs `fn` on the executing worker's device (inside a scheduled function).
+
+        Outside a scheduled function it runs on the coordinator's device. See
+        `Strategy.run`.
+        """
+        worker = backend_lib.current_worker()
+        if worker is None:
+            return super().run(fn, args, kwargs)
+        return self._worker_strategy(worker.device).run(fn, args, kwargs)
+
+    def _train_model_epoch(self, model: Any, data: Any, cbs: Any, steps_per_epoch: Any) -> Any:
+        """`jstrategy.Model`'s epoch under this strategy (see `model_fit.py`)."""
+        from jstrategy._src.parameter_server import model_fit
+
+        return model_fit.train_model_epoch(self, model, data, cbs, steps_per_epoch)
+
+    def __reduce__(self):
+        # Scheduled functions that use the strategy travel to Ray workers; there it is a
+        # copy that runs `run` on the worker's device.
+        return (_worker_copy, (self._num_workers, self._num_ps, self._backend_kind.value))
+
+    def __repr__(self) -> str:
+        return (
+            f"ParameterServerStrategy(num_workers={self._num_workers}, num_ps={self._num_ps}, "
+            f"backend={self._backend_kind.value!r})"
+        )
+
+
+def _worker_copy(num_workers: int, num_ps: int, backend: str) -> ParameterServerStrategy:
+    strategy = ParameterServerStrategy.__new__(ParameterServerStrategy)
+    strategy._backend_kind = Backend(backend)
+    strategy._num_workers = num_workers
+    strategy._num_ps = num_ps
+    strategy._cluster_resolver = None  # type: ignore[assignment]
+    strategy._variable_partitioner = None
+    strategy._coordinator = None
+    strategy._worker_strategies = {}
+    strategy._remote = True
+    Strategy.__init__(strategy, [jax.local_devices()[0]])
+    return strategy
