@@ -15,7 +15,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# Uses every device; without an accelerator, 8 fake CPU devices (XLA_FLAGS is only read on CPU).
 demo: $(STAMP)
+	$(FAKE_DEVICES) $(BIN)/python examples/digits.py
 	$(FAKE_DEVICES) $(BIN)/python examples/custom_training_loop.py
 
 test: $(STAMP)
@@ -32,6 +34,9 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(FAKE_DEVICES) $(BIN)/python benchmarks/overhead.py
+	$(FAKE_DEVICES) $(BIN)/python benchmarks/input_pipeline.py
+	$(FAKE_DEVICES) $(BIN)/python benchmarks/fit_throughput.py
+	$(BIN)/python benchmarks/multi_worker.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from jstrategy._src.reduce_util import enum_from_value
+
 __all__ = ["CollectiveCommunication", "CommunicationImplementation", "CommunicationOptions"]
 
 
@@ -26,14 +28,7 @@ class CommunicationImplementation(enum.Enum):
         Raises:
           ValueError: if `value` names no implementation.
         """
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str) and value.upper() in cls.__members__:
-            return cls[value.upper()]
-        raise ValueError(
-            f"`implementation` must be a CommunicationImplementation or one of "
-            f"{list(cls.__members__)}; got {value!r}."
-        )
+        return enum_from_value(cls, value, argument="implementation")
 
 
 #: TF's older name for `CommunicationImplementation`, kept for ported programs.

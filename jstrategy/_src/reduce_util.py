@@ -3,8 +3,27 @@
 from __future__ import annotations
 
 import enum
+from typing import TypeVar
 
-__all__ = ["ReduceOp"]
+__all__ = ["ReduceOp", "enum_from_value"]
+
+_E = TypeVar("_E", bound=enum.Enum)
+
+
+def enum_from_value(cls: type[_E], value: _E | str, *, argument: str, fix: str = "") -> _E:
+    """Coerces a member of `cls` or its name (any case) to the member, as TF accepts strings.
+
+    Raises:
+      ValueError: naming `argument`, the valid names and what was given.
+    """
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str) and value.upper() in cls.__members__:
+        return cls[value.upper()]
+    raise ValueError(
+        f"`{argument}` must be a jstrategy.{cls.__name__} or one of "
+        f"{list(cls.__members__)}; got {value!r}.{' ' + fix if fix else ''}"
+    )
 
 
 class ReduceOp(enum.Enum):
@@ -34,11 +53,9 @@ class ReduceOp(enum.Enum):
         Raises:
           ValueError: if `value` names no `ReduceOp`.
         """
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str) and value.upper() in cls.__members__:
-            return cls[value.upper()]
-        raise ValueError(
-            f"`reduce_op` must be a jstrategy.ReduceOp or one of {list(cls.__members__)}; "
-            f"got {value!r}. Pass jstrategy.ReduceOp.SUM or jstrategy.ReduceOp.MEAN."
+        return enum_from_value(
+            cls,
+            value,
+            argument="reduce_op",
+            fix="Pass jstrategy.ReduceOp.SUM or jstrategy.ReduceOp.MEAN.",
         )
