@@ -116,7 +116,9 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("run", "packed"):
         params_run = strategy.experimental_local_results(state[name][0])[0]
         for a, b in zip(jax.tree.leaves(state["jit"][0]), jax.tree.leaves(params_run), strict=True):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-4)  # float reduction order
+            np.testing.assert_allclose(
+                np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-4
+            )  # float reduction order
     base = medians["hand-written jax.jit"]
     print(
         f"MLP 64-{args.width}-{args.width}-10, global batch {args.batch}, "

@@ -43,7 +43,7 @@ def main() -> int:
     import custom_training_loop
 
     if args.fit:
-        import numpy as np  # noqa: PLC0415
+        import numpy as np
 
         weights = fit_model(strategy)
         np.savez(
@@ -74,11 +74,11 @@ def main() -> int:
 
 def fit_model(strategy):
     """`Model.fit` on data every worker generates alike; returns the final weights."""
-    import flax.linen as nn  # noqa: PLC0415
-    import numpy as np  # noqa: PLC0415
-    import optax  # noqa: PLC0415
+    import flax.linen as nn
+    import numpy as np
+    import optax
 
-    import jstrategy  # noqa: PLC0415
+    import jstrategy
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(200, 10)).astype(np.float32)

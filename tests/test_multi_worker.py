@@ -240,7 +240,9 @@ def test_collectives_agree_and_differ_in_the_program(implementation, bytes_per_p
 
 
 def test_communication_options_validate():
-    with pytest.raises(ValueError, match="`implementation` must be a jstrategy.CommunicationImplementation"):
+    with pytest.raises(
+        ValueError, match="`implementation` must be a jstrategy.CommunicationImplementation"
+    ):
         jstrategy.experimental.CommunicationOptions(implementation="carrier-pigeon")
     with pytest.raises(ValueError, match="`timeout_seconds` must be positive or None; got 0"):
         jstrategy.experimental.CommunicationOptions(timeout_seconds=0)
