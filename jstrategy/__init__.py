@@ -7,6 +7,7 @@ from jstrategy import experimental
 from jstrategy import losses
 from jstrategy import metrics
 from jstrategy import tpu
+from jstrategy._src.central_storage import CentralStorageStrategy
 from jstrategy._src.checkpoint import CheckpointError
 from jstrategy._src.checkpoint import CheckpointManager
 from jstrategy._src.checkpoint import load_weights
@@ -41,6 +42,7 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "REPLICA_AXIS",
+    "CentralStorageStrategy",
     "CheckpointError",
     "CheckpointManager",
     "CrossDeviceOps",

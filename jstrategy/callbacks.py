@@ -7,6 +7,7 @@ Example:
 2
 """
 
+from jstrategy._src.training.callbacks import BackupAndRestore
 from jstrategy._src.training.callbacks import Callback
 from jstrategy._src.training.callbacks import CallbackList
 from jstrategy._src.training.callbacks import EarlyStopping
@@ -14,10 +15,12 @@ from jstrategy._src.training.callbacks import History
 from jstrategy._src.training.callbacks import LambdaCallback
 from jstrategy._src.training.callbacks import LearningRateScheduler
 from jstrategy._src.training.callbacks import Mode
+from jstrategy._src.training.callbacks import ModelCheckpoint
 from jstrategy._src.training.callbacks import ProgbarLogger
 from jstrategy._src.training.progress import Progbar
 
 __all__ = [
+    "BackupAndRestore",
     "Callback",
     "CallbackList",
     "EarlyStopping",
@@ -25,6 +28,7 @@ __all__ = [
     "LambdaCallback",
     "LearningRateScheduler",
     "Mode",
+    "ModelCheckpoint",
     "Progbar",
     "ProgbarLogger",
 ]

@@ -24,6 +24,8 @@ def _strategies():
         "mirrored_8_nccl_unpacked": lambda: jstrategy.MirroredStrategy(
             cross_device_ops=jstrategy.NcclAllReduce(num_packs=0)
         ),
+        "central_storage_1": lambda: jstrategy.CentralStorageStrategy(compute_devices=["cpu:0"]),
+        "central_storage_8": lambda: jstrategy.CentralStorageStrategy(),
     }
 
 

@@ -106,9 +106,9 @@ def test_restore_into_host_memory(tmp_path):
 
 
 class _HostMemoryStrategy(jstrategy.MirroredStrategy):
-    """Keeps variables in host memory through the checkpoint hook, as CentralStorage will."""
+    """Keeps variables in host memory through `variable_sharding`, as CentralStorage does."""
 
-    def _checkpoint_sharding(self, leaf, path):
+    def variable_sharding(self, leaf, path=()):
         assert isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is None
         assert all(isinstance(k, str) for k in path)
         return NamedSharding(self.mesh, P(), memory_kind="pinned_host")

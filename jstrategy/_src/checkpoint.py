@@ -77,40 +77,32 @@ class BestMode(enum.Enum):
 def _target_sharding(
     strategy: Strategy, leaf: jax.ShapeDtypeStruct, *, path: tuple[str, ...] = ()
 ) -> jax.sharding.Sharding:
-    """The sharding a restored leaf gets under `strategy`: the one place that decides it.
+    """The sharding a restored leaf gets under `strategy`: `Strategy.variable_sharding`.
 
-    OneDevice and Mirrored strategies keep one full copy per replica, so every leaf is
-    restored replicated over the strategy's mesh (`strategy.replicated_sharding()`).
-
-    Strategies with another layout plug in here by defining
-    ``_checkpoint_sharding(self, leaf, path) -> jax.sharding.Sharding``, where `leaf` is a
-    `jax.ShapeDtypeStruct` (shape and dtype, no sharding) and `path` the leaf's keys in the
-    state as strings (e.g. ``("params", "dense", "kernel")``). For example CentralStorage
-    returns one copy in host memory
-    (``NamedSharding(Mesh([device], ...), P(), memory_kind="pinned_host")``);
-    MultiWorkerMirrored needs nothing (its replicated sharding spans every worker's devices
-    and orbax reads on each process only the shards that process holds); a partitioned
-    ParameterServer returns e.g. ``NamedSharding(mesh, P("ps"))`` for the variables it
-    shards. Orbax then reads each shard straight into place, never the whole array.
+    A strategy decides where its variables live in that one method, for checkpoints as for
+    training: OneDevice and Mirrored strategies keep one full copy per replica
+    (`strategy.replicated_sharding()`); CentralStorage keeps one copy in host memory;
+    MultiWorkerMirrored's replicated sharding spans every worker's devices (orbax reads on
+    each process only the shards that process holds); a partitioned strategy returns e.g.
+    ``NamedSharding(mesh, P("ps"))`` for the variables it shards. Orbax then reads each
+    shard straight into place, never the whole array.
 
     Args:
       strategy: the strategy the state is restored into.
-      leaf: the leaf's shape and dtype.
-      path: the leaf's path in the state.
+      leaf: the leaf's shape and dtype (no sharding).
+      path: the leaf's keys in the state, as strings (e.g. ``("params", "dense", "kernel")``).
 
     Returns:
       A `jax.sharding.Sharding` for the leaf.
 
     Raises:
-      TypeError: if the strategy's hook returns something that is not a Sharding.
+      TypeError: if the strategy's `variable_sharding` returns something that is not a
+        Sharding.
     """
-    hook = getattr(strategy, "_checkpoint_sharding", None)
-    if hook is None:
-        return strategy.replicated_sharding()
-    sharding = hook(leaf, path)
+    sharding = strategy.variable_sharding(leaf, path)
     if not isinstance(sharding, jax.sharding.Sharding):
         raise TypeError(
-            f"{type(strategy).__name__}._checkpoint_sharding must return a "
+            f"{type(strategy).__name__}.variable_sharding must return a "
             f"jax.sharding.Sharding for leaf {'/'.join(path)}; got {type(sharding).__name__}."
         )
     return sharding

@@ -139,6 +139,43 @@ class Strategy:
         """The sharding of a global batch split by rows across replicas."""
         return NamedSharding(self._mesh, P(REPLICA_AXIS))
 
+    def variable_sharding(
+        self, leaf: jax.ShapeDtypeStruct | jax.Array, path: tuple[str, ...] = ()
+    ) -> jax.sharding.Sharding:
+        """Where a variable lives between steps: the one place that decides it.
+
+        Train states are placed with it (`jstrategy.training.place_state`, hence
+        `create_train_state` and `Model`), checkpoints are restored straight into it, and
+        the compiled steps write updated variables back to it. The default is one full
+        copy per replica, in device memory (`replicated_sharding`). A strategy that keeps
+        variables elsewhere overrides this method and nothing else: `CentralStorageStrategy`
+        returns one copy in host memory; a partitioned strategy could return
+        ``NamedSharding(mesh, P("ps"))`` for the variables it shards.
+
+        The compiled steps compute on `replicated_sharding`: when this method places a
+        variable anywhere else, a step copies it to the replicas' device memory for the
+        computation and applies the update where the variable lives.
+
+        Args:
+          leaf: the variable's shape and dtype (its own sharding, if any, is ignored).
+          path: the variable's keys in the state, as strings, e.g.
+            ``("params", "Dense_0", "kernel")``; empty when unknown.
+
+        Returns:
+          A `jax.sharding.Sharding` for the variable.
+
+        Example:
+
+        >>> import jax, jax.numpy as jnp
+        >>> import jstrategy
+        >>> strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+        >>> leaf = jax.ShapeDtypeStruct((3,), jnp.float32)
+        >>> strategy.variable_sharding(leaf, ("params", "bias")) == strategy.replicated_sharding()
+        True
+        """
+        del leaf, path  # every leaf is replicated alike
+        return self.replicated_sharding()
+
     # Scope ------------------------------------------------------------------------------
     @contextlib.contextmanager
     def scope(self) -> Iterator[Strategy]:

@@ -1,8 +1,11 @@
 """`jstrategy.experimental`: mirrors `tf.distribute.experimental`."""
 
+from jstrategy._src.central_storage import CentralStorageStrategy
 from jstrategy._src.collective_util import CollectiveCommunication
 from jstrategy._src.collective_util import CommunicationImplementation
 from jstrategy._src.collective_util import CommunicationOptions
+from jstrategy._src.fault_tolerance import PREEMPTION_EXIT_CODE
+from jstrategy._src.fault_tolerance import PreemptionCheckpointHandler
 from jstrategy._src.multi_worker import (
     _DeprecatedMultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
 )
@@ -12,11 +15,14 @@ from jstrategy._src.tpu import TPUStrategy
 from jstrategy.experimental import partitioners
 
 __all__ = [
+    "PREEMPTION_EXIT_CODE",
+    "CentralStorageStrategy",
     "CollectiveCommunication",
     "CommunicationImplementation",
     "CommunicationOptions",
     "MultiWorkerMirroredStrategy",
     "ParameterServerStrategy",
+    "PreemptionCheckpointHandler",
     "TPUStrategy",
     "ValueContext",
     "partitioners",

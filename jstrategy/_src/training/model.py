@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
+import os
 import warnings
 from collections.abc import Callable
 from collections.abc import Iterator
@@ -28,8 +30,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jstrategy._src import checkpoint as checkpoint_lib
 from jstrategy._src import context
 from jstrategy._src import dispatch
+from jstrategy._src import fault_tolerance
 from jstrategy._src.training import callbacks as callbacks_lib
 from jstrategy._src.training import nnx as nnx_lib
 from jstrategy._src.training import summary as summary_lib
@@ -224,12 +228,17 @@ class _ArrayData:
             return np.arange(self.rows)
         return np.random.default_rng(epoch_seed).permutation(self.rows)
 
-    def train_executions(self, epoch_seed: Any, steps_per_execution: int, limit: int | None):
+    def train_executions(
+        self, epoch_seed: Any, steps_per_execution: int, limit: int | None, skip: int = 0
+    ):
+        """The epoch's executions, after its first `skip` steps (done before a resume)."""
         order = self.order(epoch_seed)
         steps = self.steps if limit is None else min(limit, self.steps)
         bs = self.batch_size
         full = min(steps, self.rows // bs)  # batches with batch_size real rows
-        step = 0
+        # Backups are taken between executions, so `skip` is where one ended: starting
+        # there, the executions are the ones the uninterrupted epoch runs.
+        step = skip
         n = steps_per_execution
         while step + n <= full and n > 1:
             index = order[step * bs : (step + n) * bs].reshape(n, bs)
@@ -272,23 +281,43 @@ class _DatasetData:
         except TypeError:
             self.steps = steps
         self.exhausted = False
+        # Elements drawn from the persistent iterator (with `steps`), across restarts.
+        self.taken = 0
 
-    def _elements(self) -> Iterator[tuple[Any, Any]]:
-        """One epoch's elements: all of them, or `limit` from a persistent iterator."""
+    def seek(self, position: int) -> None:
+        """Draws and drops elements until `position` were drawn: a new process resumes the
+        persistent iterator where a backup says the previous one was (the source must give
+        the same elements in the same order)."""
+        while self.taken < position:
+            if self._next() is None:
+                return
+
+    def _elements(self, skip: int = 0) -> Iterator[tuple[Any, Any]]:
+        """One epoch's elements: all of them, or `limit` from a persistent iterator.
+
+        `skip` elements of the epoch were consumed before a resume: of a full pass they are
+        drawn again and dropped; a persistent iterator was moved past them by `seek`.
+        """
         if self.limit is None:
             if self.one_shot and self._passes:
                 return
             self._passes += 1
-            for element in self.dataset:
+            for element in itertools.islice(self.dataset, skip, None):
                 yield steps_lib.split_batch(element, self.strategy)
             return
-        for _ in range(self.limit):
+        for _ in range(self.limit - skip):
             element = self._next()
             if element is None:
                 return
             yield steps_lib.split_batch(element, self.strategy)
 
     def _next(self) -> Any:
+        element = self._draw()
+        if element is not None:
+            self.taken += 1
+        return element
+
+    def _draw(self) -> Any:
         if self._iterator is None:
             self._iterator = iter(self.dataset)
         try:
@@ -313,11 +342,13 @@ class _DatasetData:
             mask = steps_lib.ones_mask(rows, self.strategy.batch_sharding())
         return batch, mask
 
-    def train_executions(self, epoch_seed: Any, steps_per_execution: int, limit: int | None):
+    def train_executions(
+        self, epoch_seed: Any, steps_per_execution: int, limit: int | None, skip: int = 0
+    ):
         del epoch_seed, limit  # the dataset decides its order and length
         group: list[tuple[Any, Any]] = []
         n = steps_per_execution
-        for values, mask in self._elements():
+        for values, mask in self._elements(skip):
             batch, mask = self._with_mask(values, mask)
             if n == 1:
                 yield _Execution(1, (0, True), batch, mask)
@@ -371,6 +402,102 @@ def _prefetch(iterator: Iterator[Any], depth: int = _PREFETCH) -> Iterator[Any]:
             yield buffer.popleft()
     while buffer:
         yield buffer.popleft()
+
+
+# ---------------------------------------------------------------------------------------
+# Where fit is, for backups
+# ---------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _FitProgress:
+    """Where `fit` is: enough to start a new process at the same step with the same data.
+
+    Attributes:
+      epoch: the epoch being trained (as `fit` numbers them).
+      step: the steps done in it.
+      order_index: the model's epoch counter that seeded this epoch's shuffling order.
+      position_base: for a dataset read through one persistent iterator
+        (``steps_per_epoch``), the elements drawn from it before this epoch; else None.
+    """
+
+    epoch: int = 0
+    step: int = 0
+    order_index: int = 0
+    position_base: int | None = None
+
+    def metadata(self, *, epoch_end: bool) -> dict[str, Any]:
+        """The JSON-able position saved with a backup: at this step, or after the epoch."""
+        position = None if self.position_base is None else self.position_base + self.step
+        if epoch_end:
+            return {
+                "epoch": self.epoch + 1,
+                "step": 0,
+                "order_index": self.order_index + 1,
+                "position": position,
+            }
+        return {
+            "epoch": self.epoch,
+            "step": self.step,
+            "order_index": self.order_index,
+            "position": position,
+        }
+
+
+@dataclasses.dataclass
+class _Resume:
+    """A restored position that the next `fit` starts from (set by `BackupAndRestore`)."""
+
+    epoch: int
+    step: int
+    order_index: int
+    position: int | None
+    sums: Any
+
+
+_FIT_KEYS = ("epoch", "step", "order_index", "position")
+
+
+def _lookup(tree: Any, path: tuple[str, ...], location: str) -> Any:
+    node = tree
+    for name in path:
+        try:
+            node = node[int(name)] if isinstance(node, (list, tuple)) else node[name]
+        except (KeyError, IndexError, ValueError, TypeError):
+            raise ValueError(
+                f"The checkpoint in {location} has no variable {'/'.join(path)}: it was "
+                "saved from a different model. Load it into a model built like the one "
+                "that saved it."
+            ) from None
+    return node
+
+
+def _pick(saved: Any, like: Any, location: str) -> Any:
+    """The leaves of `like`'s structure, found by path in a target-less restore `saved`."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(like)
+    leaves = []
+    for keypath, leaf in flat:
+        value = _lookup(saved, checkpoint_lib._path_of(keypath), location)
+        if np.shape(value) != np.shape(leaf):
+            raise ValueError(
+                f"Variable {'/'.join(checkpoint_lib._path_of(keypath))} in {location} has "
+                f"shape {np.shape(value)}; the model's has {np.shape(leaf)}. Load it into a "
+                "model built like the one that saved it."
+            )
+        if value.dtype != leaf.dtype:
+            value = value.astype(leaf.dtype)
+        leaves.append(value)
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _latest_step_dir(path: str) -> str | None:
+    """The newest committed step of a `CheckpointManager` directory, or None if it is none.
+
+    Read from the directory listing rather than by opening a manager, which would remove
+    the temporary directory of a save that another process is writing there now.
+    """
+    if not os.path.isdir(path) or os.path.isdir(os.path.join(path, "state")):
+        return None
+    steps = [int(name) for name in os.listdir(path) if name.isdigit()]
+    return os.path.join(path, str(max(steps))) if steps else None
 
 
 # ---------------------------------------------------------------------------------------
@@ -451,6 +578,10 @@ class Model:
         self._rate_leaf: tuple[int, str] | None = None
         self._raw_tx: optax.GradientTransformation | None = None
         self._epochs_run = 0
+        # Set by BackupAndRestore before fit's first epoch; where fit is during it.
+        self._resume: _Resume | None = None
+        self._fit_progress: _FitProgress | None = None
+        self._epoch_sums: Any = None
         self.stop_training = False
         self.history: callbacks_lib.History | None = None
         if self._is_nnx:
@@ -659,12 +790,15 @@ class Model:
             self._set_optimizer(tx)
 
     def _set_optimizer(self, tx: optax.GradientTransformation) -> None:
-        params = self._state.params
+        # Optimizer state is created in device memory (JAX cannot build arrays "like" a
+        # host-memory array outside a program); place_state then puts it where it lives.
+        state = steps_lib.in_device_memory(self._state)
+        params = state.params
         if not _has_absolute_rate(tx, params):
             tx = optax.chain(tx, scale_by_learning_rate_scale())
         self._tx = tx
         if self._is_nnx:
-            module = self._state.model
+            module = state.model
             self._state = nnx_lib.create_nnx_train_state(
                 module, tx, wrt=self._state.wrt, strategy=self._strategy
             )
@@ -719,13 +853,14 @@ class Model:
         (print_fn or print)(table)
 
     def _summary_table(self, sample: Any) -> str:
+        state = steps_lib.in_device_memory(self._state)
         if self._is_nnx:
-            return summary_lib.summarize(self._state.model, None, sample)
+            return summary_lib.summarize(state.model, None, sample)
         kwargs = {}
         train_arg = self._state.train_arg
         if train_arg is not None:
             kwargs[train_arg] = train_arg == "deterministic"
-        return summary_lib.summarize(self.module, self._state.variables, sample, **kwargs)
+        return summary_lib.summarize(self.module, state.variables, sample, **kwargs)
 
     # Weights ----------------------------------------------------------------------------
     def _weight_paths(self) -> tuple[Any, list[int]]:
@@ -773,6 +908,166 @@ class Model:
             self._state = self._state.replace(
                 params=new["params"], batch_stats=new.get("batch_stats")
             )
+
+    # Weights and training state on disk ------------------------------------------------
+    def _weights_tree(self) -> dict[str, Any]:
+        """The variables as saved: fields of the train state, so a full state holds them."""
+        if self._is_nnx:
+            return {"params": self._state.params, "model_state": self._state.model_state}
+        tree = {"params": self._state.params}
+        if self._state.batch_stats is not None:
+            tree["batch_stats"] = self._state.batch_stats
+        return tree
+
+    def save_weights(self, filepath: os.PathLike | str, overwrite: bool = True) -> None:
+        """Writes the model's variables to the directory `filepath` (`jstrategy.save_weights`).
+
+        Parameters and other variables (BatchNorm statistics, NNX random streams) are saved
+        from wherever the strategy keeps them; the write is atomic. Every process of a
+        multi-worker job must call it.
+
+        Args:
+          filepath: the directory to write.
+          overwrite: replace existing weights at `filepath`; if False, they raise.
+
+        Raises:
+          ValueError: if the model has no variables yet.
+          FileExistsError: if `filepath` exists and `overwrite` is False.
+
+        Example:
+
+        >>> import os, tempfile, flax.linen as nn, jstrategy
+        >>> path = os.path.join(tempfile.mkdtemp(), "weights")
+        >>> model = jstrategy.Model(nn.Dense(2), input_shape=(3,), seed=1)
+        >>> model.save_weights(path)
+        >>> other = jstrategy.Model(nn.Dense(2), input_shape=(3,), seed=2)
+        >>> other.load_weights(path)
+        >>> bool((other.get_weights()[1] == model.get_weights()[1]).all())
+        True
+        """
+        self._require_built("save_weights")
+        tree = fault_tolerance.to_savable(self._weights_tree())
+        checkpoint_lib.save_weights(filepath, tree, overwrite=overwrite)
+
+    def load_weights(self, filepath: os.PathLike | str) -> None:
+        """Loads variables saved by `save_weights`, `ModelCheckpoint` or `BackupAndRestore`.
+
+        `filepath` is a `save_weights` directory, or a checkpoint directory of
+        `jstrategy.callbacks.ModelCheckpoint` (weights only or the full training state) or
+        `BackupAndRestore`, whose latest step is read. The variables are placed as this
+        model's strategy keeps them, whatever strategy saved them; the optimizer state is
+        left as it is. Every process of a multi-worker job must call it.
+
+        Args:
+          filepath: the weights or checkpoint directory.
+
+        Raises:
+          ValueError: if the model has no variables yet, or the saved variables are not
+            this model's.
+          FileNotFoundError: if there is nothing at `filepath`.
+          CheckpointError: if the checkpoint is damaged.
+        """
+        self._require_built("load_weights")
+        like = self._weights_tree()
+        path = os.path.abspath(os.fspath(filepath))
+        step_dir = _latest_step_dir(path)
+        if step_dir is None:
+            target = fault_tolerance.to_savable(like)
+            saved = checkpoint_lib.load_weights(path, target=target, strategy=self._strategy)
+        else:
+            saved = self._read_checkpoint(step_dir, like, ("weights", "train_state"))
+        saved = fault_tolerance.from_savable(saved, like)
+        self._state = self._state.replace(**steps_lib.place_state(saved, self._strategy))
+
+    def restore_checkpoint(self, directory: os.PathLike | str) -> None:
+        """Restores the training state (variables, optimizer state, step) of a checkpoint.
+
+        Reads the latest step of a `ModelCheckpoint(save_weights_only=False)` or
+        `BackupAndRestore` directory into this model, compiled with the same optimizer.
+        Every process of a multi-worker job must call it.
+
+        Args:
+          directory: the checkpoint directory.
+
+        Raises:
+          FileNotFoundError: if `directory` holds no checkpoint.
+          ValueError: if the model is not compiled, or the checkpoint holds weights only
+            or another model's state.
+          CheckpointError: if the checkpoint is damaged.
+        """
+        self._ensure_ready(training=True)
+        path = os.path.abspath(os.fspath(directory))
+        step_dir = _latest_step_dir(path)
+        if step_dir is None:
+            raise FileNotFoundError(
+                f"No checkpoint in {path}. Pass a directory written by ModelCheckpoint or "
+                "BackupAndRestore (for save_weights directories use load_weights)."
+            )
+        saved = self._read_checkpoint(step_dir, self._state)
+        saved = fault_tolerance.from_savable(saved, self._state)
+        self._state = steps_lib.place_state(saved, self._strategy)
+
+    def _read_checkpoint(
+        self, step_dir: str, like: Any, roots: Sequence[str] = ("train_state",)
+    ) -> Any:
+        """``to_savable(like)``'s leaves, read by path from the first of `roots` found in a
+        checkpoint step (a full state holds the weights as fields of its train state)."""
+        saved = checkpoint_lib.load_weights(step_dir, strategy=self._strategy)
+        root = next((r for r in roots if isinstance(saved, dict) and r in saved), None)
+        if root is None:
+            raise ValueError(
+                f"The checkpoint in {step_dir} holds none of {list(roots)}; it was not "
+                "written by a jstrategy Model callback, or holds weights only (use "
+                "load_weights)."
+            )
+        return _pick(saved[root], fault_tolerance.to_savable(like), step_dir)
+
+    def _checkpoint_tree(self, *, weights_only: bool = False, epoch_sums: bool = False) -> Any:
+        """What the callbacks save: ``{"weights": ...}`` or ``{"train_state": ...}``, and
+        the epoch's running loss and metric sums for a backup taken mid-epoch."""
+        self._require_built("checkpoints")
+        if weights_only:
+            return {"weights": fault_tolerance.to_savable(self._weights_tree())}
+        tree: dict[str, Any] = {"train_state": fault_tolerance.to_savable(self._state)}
+        if epoch_sums:
+            sums = self._epoch_sums
+            tree["epoch_sums"] = sums if sums is not None else self._zero_sums()
+        return tree
+
+    def _fit_metadata(self, *, epoch_end: bool) -> dict[str, Any]:
+        """Where `fit` is now, as JSON-able values for a backup."""
+        if self._fit_progress is None:
+            raise RuntimeError("BackupAndRestore saves only while Model.fit runs.")
+        return self._fit_progress.metadata(epoch_end=epoch_end)
+
+    def _restore_for_fit(self, manager: checkpoint_lib.CheckpointManager) -> dict[str, Any]:
+        """Restores a backup (state and epoch sums); the next epochs of `fit` resume it.
+
+        Returns:
+          The backup's metadata.
+        """
+        self._ensure_ready(training=True)
+        target = self._checkpoint_tree(epoch_sums=True)
+        restored = manager.restore(target=target, strategy=self._strategy)
+        metadata = manager.restore_metadata()
+        state = fault_tolerance.from_savable(restored["train_state"], self._state)
+        self._state = steps_lib.place_state(state, self._strategy)
+        missing = [k for k in _FIT_KEYS if k not in metadata]
+        if missing:
+            raise checkpoint_lib.CheckpointError(
+                f"The backup in {manager.directory} lacks {missing} in its metadata: it was "
+                "not written by BackupAndRestore. Pass an empty or BackupAndRestore "
+                "directory as backup_dir.",
+                path=manager.directory,
+            )
+        self._resume = _Resume(
+            epoch=int(metadata["epoch"]),
+            step=int(metadata["step"]),
+            order_index=int(metadata["order_index"]),
+            position=metadata["position"],
+            sums=restored["epoch_sums"],
+        )
+        return metadata
 
     # Programs -----------------------------------------------------------------------------
     @property
@@ -871,7 +1166,9 @@ class Model:
           validation_data: ``(x_val, y_val)`` arrays or a dataset, evaluated after each
             epoch (``val_``-prefixed logs).
           shuffle: whether to shuffle array data each epoch (seeded by the model's seed).
-          initial_epoch: the epoch to start at (to resume training).
+          initial_epoch: the epoch to start at (to resume training). A
+            `jstrategy.callbacks.BackupAndRestore` backup overrides it: training resumes
+            at the backup's epoch and step, with the same data order.
           steps_per_epoch: steps per epoch; for datasets, batches are drawn from one
             iterator that continues across epochs (restarted when exhausted).
           sample_weight: per-example weights for array inputs.
@@ -938,23 +1235,48 @@ class Model:
             steps=steps,
         )
         self.stop_training = False
-        cbs.on_train_begin()
+        self._fit_progress = _FitProgress()
+        self._epoch_sums = None
         logs: dict[str, Any] = {}
-        for epoch in range(initial_epoch, epochs):
-            cbs.on_epoch_begin(epoch)
-            epoch_logs = self._train_epoch(data, cbs, steps_per_epoch)
-            if epoch_logs is None:
-                break
-            logs = epoch_logs
-            if isinstance(data, _DatasetData) and data.exhausted:
-                self.stop_training = True
-            if val_data is not None:
-                val_logs = self._evaluate_data(val_data, cbs)
-                logs.update({f"val_{k}": v for k, v in val_logs.items()})
-            cbs.on_epoch_end(epoch, logs)
-            if self.stop_training:
-                break
+        try:
+            cbs.on_train_begin()
+            # A backup restored by BackupAndRestore.on_train_begin: start at its step, with
+            # the shuffling order and dataset position the interrupted run had there.
+            resume, self._resume = self._resume, None
+            start, skip, sums = initial_epoch, 0, None
+            if resume is not None:
+                start, skip, sums = resume.epoch, resume.step, resume.sums
+                self._epochs_run = resume.order_index
+                if isinstance(data, _DatasetData) and data.limit is not None:
+                    data.seek(int(resume.position or 0))
+            for epoch in range(start, epochs):
+                self._fit_progress.epoch = epoch
+                self._fit_progress.step = skip
+                cbs.on_epoch_begin(epoch)
+                epoch_logs = self._train_epoch(data, cbs, steps_per_epoch, skip=skip, sums=sums)
+                skip, sums = 0, None
+                if epoch_logs is None:
+                    break
+                logs = epoch_logs
+                if isinstance(data, _DatasetData) and data.exhausted:
+                    self.stop_training = True
+                if val_data is not None:
+                    val_logs = self._evaluate_data(val_data, cbs)
+                    logs.update({f"val_{k}": v for k, v in val_logs.items()})
+                cbs.on_epoch_end(epoch, logs)
+                if self.stop_training:
+                    break
+        except BaseException:
+            # on_train_end is not called (so backups stay), but callbacks holding
+            # resources (BackupAndRestore's SIGTERM handler) release them.
+            for cb in cbs:
+                abort = getattr(cb, "_on_train_abort", None)
+                if abort is not None:
+                    abort()
+            self._fit_progress = None
+            raise
         cbs.on_train_end(logs)
+        self._fit_progress = None
         if self._is_nnx:
             nnx.update(self.module, self._state.params, self._state.model_state)
         assert cbs.history is not None
@@ -988,20 +1310,41 @@ class Model:
         )
 
     def _train_epoch(
-        self, data: Any, cbs: Any, steps_per_epoch: int | None
+        self,
+        data: Any,
+        cbs: Any,
+        steps_per_epoch: int | None,
+        *,
+        skip: int = 0,
+        sums: Any = None,
     ) -> dict[str, Any] | None:
-        """Runs one epoch; returns its logs, or None if the data gave no batches."""
+        """Runs one epoch; returns its logs, or None if the data gave no batches.
+
+        A resumed epoch starts after its first `skip` steps, with the running `sums` the
+        interrupted run had there, so it ends with the same state and logs.
+        """
         # ParameterServerStrategy runs the epoch asynchronously on its workers
         # (jstrategy/_src/parameter_server/model_fit.py).
         train_model_epoch = getattr(self._strategy, "_train_model_epoch", None)
         if train_model_epoch is not None:
             return train_model_epoch(self, data, cbs, steps_per_epoch)
-        acc = self._zero_sums()
+        acc = self._zero_sums() if sums is None else sums
         logs: dict[str, Any] = {}
+        # The epoch's shuffling order is a function of (seed, this counter) only, so a new
+        # process given the counter by a backup redoes it.
         epoch_seed = (self._seed, self._epochs_run)
+        progress = self._fit_progress if self._fit_progress is not None else _FitProgress()
+        progress.order_index = self._epochs_run
+        progress.step = skip
+        progress.position_base = None
+        if isinstance(data, _DatasetData) and data.limit is not None:
+            progress.position_base = data.taken - skip
         self._epochs_run += 1
-        step = 0
-        executions = data.train_executions(epoch_seed, self._steps_per_execution, steps_per_epoch)
+        self._epoch_sums = acc
+        step = skip
+        executions = data.train_executions(
+            epoch_seed, self._steps_per_execution, steps_per_epoch, skip=skip
+        )
         # As Keras, skip the per-batch hooks when no callback implements them.
         batch_hooks = _implements(cbs, "train_batch")
         for execution in _prefetch(executions):
@@ -1009,8 +1352,10 @@ class Model:
                 cbs.on_train_batch_begin(step)
             program = self._program(("train", *execution.key))
             self._state, acc, logs = program(self._state, acc, execution.batch, execution.mask)
+            self._epoch_sums = acc
             dispatch.track(logs)
             step += execution.steps
+            progress.step = step
             if batch_hooks:
                 cbs.on_train_batch_end(step - 1, self._ordered(logs))
             if self.stop_training:
@@ -1025,6 +1370,8 @@ class Model:
             )
             self.stop_training = True
             return None
+        if not logs:  # resumed after the epoch's last step: its sums are all there is
+            logs = steps_lib.means(acc)
         # The one host synchronization of the epoch.
         return {k: float(v) for k, v in self._ordered(jax.device_get(logs)).items()}
 

@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jstrategy._src import context
+from jstrategy._src import dispatch
 from jstrategy._src.reduce_util import ReduceOp
 from jstrategy._src.training import losses as losses_lib
 from jstrategy._src.training import metrics as metrics_lib
@@ -93,19 +94,18 @@ class TrainState(flax_train_state.TrainState):
 
 
 def place_state(tree: Any, strategy: Any = None) -> Any:
-    """Places a train state (or any pytree of variables) as `strategy` keeps variables.
+    """Places a train state (or any pytree of variables) where `strategy` keeps variables.
 
-    Every strategy here keeps one full copy per replica (`Strategy.replicated_sharding`;
-    for `OneDeviceStrategy`, its device). This is the one function that decides variable
-    placement, so a strategy that keeps variables elsewhere (e.g. central storage in host
-    memory) changes only this.
+    Each leaf goes to ``strategy.variable_sharding(leaf, path)``: one full copy per replica
+    for OneDevice, Mirrored and TPU strategies, one copy in host memory for
+    `CentralStorageStrategy` with several compute devices.
 
     Args:
       tree: a pytree of arrays (NumPy or JAX).
       strategy: the strategy; None means `jstrategy.get_strategy()`.
 
     Returns:
-      The same pytree, its arrays placed on the strategy's devices.
+      The same pytree, its arrays placed as the strategy says.
 
     Example:
 
@@ -117,8 +117,71 @@ def place_state(tree: Any, strategy: Any = None) -> Any:
     2
     """
     strategy = strategy if strategy is not None else context.get_strategy()
-    sharding = strategy.replicated_sharding()
-    return device_put_global(tree, sharding)
+    shardings = variable_shardings(tree, strategy)
+    if all(s.is_fully_addressable for s in jax.tree.leaves(shardings)):
+        return jax.device_put(tree, shardings)  # one batched transfer
+    # Shardings spanning other processes' devices (MultiWorkerMirrored): each process
+    # places the pieces its own devices hold.
+    return jax.tree.map(device_put_global, tree, shardings)
+
+
+def in_device_memory(tree: Any) -> Any:
+    """`tree` with every array held in host memory copied to device memory, same devices.
+
+    Eager JAX operations that create an array "like" another (``jnp.zeros_like``, hence
+    optax's ``tx.init``) fail on host-memory arrays such as `CentralStorageStrategy`'s
+    ("Memory kind mismatch with xla::PjRtBuffers"). Run them on this copy and put the
+    results back with `place_state`. Arrays in device memory are returned as they are.
+
+    Args:
+      tree: a pytree of arrays.
+
+    Returns:
+      The same pytree, every array in device memory.
+
+    Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    >>> w = in_device_memory({"w": jax.device_put(jnp.ones(2), host)})["w"]
+    >>> w.sharding.memory_kind
+    'device'
+    """
+
+    def move(x: Any) -> Any:
+        if isinstance(x, jax.Array) and x.sharding.memory_kind in _HOST_MEMORY:
+            return jax.device_put(x, x.sharding.with_memory_kind("device"))
+        return x
+
+    return jax.tree.map(move, tree)
+
+
+_HOST_MEMORY = ("pinned_host", "unpinned_host")
+
+
+def _key_name(key: Any) -> str:
+    # The names checkpoints use, so `variable_sharding` sees the same paths in both.
+    for attr in ("name", "key", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    a = np.asarray(x)
+    return jax.ShapeDtypeStruct(a.shape, jax.dtypes.canonicalize_dtype(a.dtype))
+
+
+def variable_shardings(tree: Any, strategy: Any) -> Any:
+    """``strategy.variable_sharding`` of every leaf of `tree`, as a pytree of shardings."""
+    return jax.tree_util.tree_map_with_path(
+        lambda keypath, x: strategy.variable_sharding(
+            _abstract(x), tuple(_key_name(k) for k in keypath)
+        ),
+        tree,
+    )
 
 
 def _resolve_train_arg(module: Any, train_arg: str | None) -> str | None:
@@ -449,8 +512,13 @@ def _weights(maskf, w):
     return maskf * w.reshape(w.shape[0], -1).mean(axis=1)
 
 
-def train_body(spec: StepSpec, state, batch, mask):
-    """One training step on one replica; returns the new state and all-reduced sums."""
+def grad_body(spec: StepSpec, state, batch, mask):
+    """One replica's gradients; returns ``(grads, new mutable state, sums)``, all-reduced.
+
+    The gradients are those of the mean loss over the global batch's real rows; the
+    mutable state (e.g. BatchNorm statistics) is averaged over replicas. Everything it
+    returns is identical on every replica.
+    """
     strategy = spec.strategy
     axis = strategy.axis_name
     adapter = _adapter_for(state)
@@ -482,7 +550,13 @@ def train_body(spec: StepSpec, state, batch, mask):
     aux = jax.tree.unflatten(aux_tree, aux_leaves)
     denom = jnp.maximum(sums[_COUNT], 1.0)
     grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
-    return adapter.apply(state, grads, aux), sums
+    return grads, aux, sums
+
+
+def train_body(spec: StepSpec, state, batch, mask):
+    """One training step on one replica; returns the new state and all-reduced sums."""
+    grads, aux, sums = grad_body(spec, state, batch, mask)
+    return _adapter_for(state).apply(state, grads, aux), sums
 
 
 def eval_body(spec: StepSpec, state, batch, mask):
@@ -517,6 +591,131 @@ def _row_spec(strategy, lead: int) -> P:
     return P(*([None] * lead), strategy.axis_name)
 
 
+_PROBE = jax.ShapeDtypeStruct((), jnp.float32)
+
+
+def _staged(strategy) -> bool:
+    """Whether `strategy` keeps variables off the replicas' device memory (CentralStorage).
+
+    The compiled programs compute on one copy per replica (`replicated_sharding`); when
+    `Strategy.variable_sharding` says variables live elsewhere, the steps are staged: see
+    `_StagedTrain`.
+    """
+    return strategy.variable_sharding(_PROBE) != strategy.replicated_sharding()
+
+
+def _compute_view(state: Any, strategy: Any) -> Any:
+    """What the replicas compute with: the state minus its optimizer state, on each replica.
+
+    The optimizer state is only needed where the update is applied, so it never leaves
+    the variables' home.
+    """
+    if hasattr(state, "opt_state"):
+        state = state.replace(opt_state=None)
+    return jax.device_put(state, strategy.replicated_sharding())
+
+
+def _move(x: Any, sharding: jax.sharding.Sharding) -> Any:
+    """A value replicated over the replicas, on `sharding`: one of its shards when it can."""
+    if isinstance(x, jax.Array) and len(sharding.device_set) == 1:
+        (device,) = sharding.device_set
+        for shard in x.addressable_shards:
+            if shard.device == device:
+                return shard.data  # no copy: the replica on that device holds it already
+    return jax.device_put(x, sharding)
+
+
+class _StagedTrain:
+    """A training step for strategies that keep variables where the replicas do not compute.
+
+    As TF's CentralStorageStrategy, each step is two compiled programs:
+
+    1. On the replicas, ``jax.jit(jax.shard_map(grad_body))``: the parameters, copied from
+       their home to every replica's device memory, give the all-reduced gradients (and
+       the averaged mutable state) of the global batch. The copies are donated to the
+       gradients, which reuse their buffers.
+    2. On the variables' home, the update, applied once: the program takes the state as it
+       lives (e.g. in host memory), moves it to device memory inside
+       (``jax.device_put(..., memory_kind="device")``), applies the gradients and writes
+       the new state back home through ``out_shardings``. The state is donated, so the
+       update overwrites it in place.
+
+    One program cannot do both: a jitted program's arguments must all live on its devices,
+    and one central copy lives on one device while the batch is split over all of them.
+    """
+
+    def __init__(self, spec: StepSpec, *, lead: int):
+        strategy = spec.strategy
+        self._strategy = strategy
+        self._home = strategy.variable_sharding(_PROBE).with_memory_kind("device")
+        self._updates: dict[Any, Any] = {}
+        rows = _row_spec(strategy, lead)
+
+        def grads_program(params, rest, acc, batch, mask, index):
+            if lead:
+                batch, mask = jax.tree.map(lambda v: v[index], (batch, mask))
+            grads, aux, sums = grad_body(spec, rest.replace(params=params), batch, mask)
+            acc = sums if acc is None else jax.tree.map(jnp.add, acc, sums)
+            return grads, aux, acc, means(acc)
+
+        self._grads = jax.jit(
+            jax.shard_map(
+                grads_program,
+                mesh=strategy.mesh,
+                in_specs=(P(), P(), P(), rows, rows, P()),
+                out_specs=(P(), P(), P(), P()),
+            ),
+            donate_argnums=(0, 2),
+        )
+
+    def _grad_args(self, state, acc, batch, mask, index):
+        view = _compute_view(state, self._strategy)
+        return view.params, view.replace(params=None), acc, batch, mask, index
+
+    def _update(self, state: Any) -> Any:
+        key = jax.tree.structure(state)
+        program = self._updates.get(key)
+        if program is None:
+            shardings = variable_shardings(state, self._strategy)
+            on_device = jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
+
+            def update(state, grads, aux):
+                state = jax.device_put(state, on_device)
+                return _adapter_for(state).apply(state, grads, aux)
+
+            program = jax.jit(update, out_shardings=shardings, donate_argnums=(0,))
+            self._updates[key] = program
+        return program
+
+    def __call__(self, state, acc, batch, mask, index=None):
+        """One step: ``(state, acc, logs)``; `acc` None starts the sums afresh."""
+        grads, aux, acc, logs = self._grads(*self._grad_args(state, acc, batch, mask, index))
+        grads, aux = jax.tree.map(lambda x: _move(x, self._home), (grads, aux))
+        return self._update(state)(state, grads, aux), acc, logs
+
+    def lower(self, state, batch, mask) -> Any:
+        """The lowered gradient program (the one with the cross-device communication)."""
+        return self._grads.lower(*self._grad_args(state, None, batch, mask, None))
+
+
+def _staged_train_program(spec: StepSpec, *, steps: int, stacked: bool):
+    staged = _StagedTrain(spec, lead=1 if steps and stacked else 0)
+    indices = [np.int32(i) for i in range(steps)]
+
+    def train_program(state, acc, batch, mask):
+        if not steps:
+            return staged(state, acc, batch, mask)
+        for i in range(steps):
+            if stacked:
+                state, acc, logs = staged(state, acc, batch, mask, indices[i])
+            else:
+                state, acc, logs = staged(state, acc, batch[i], mask[i])
+            dispatch.track(logs)
+        return state, acc, logs
+
+    return train_program
+
+
 def build_train_program(spec: StepSpec, *, steps: int = 0, stacked: bool = True):
     """A jitted ``(state, acc, batch, mask) -> (state, acc, logs)`` running ``steps`` steps.
 
@@ -524,8 +723,13 @@ def build_train_program(spec: StepSpec, *, steps: int = 0, stacked: bool = True)
     are their means. With ``steps=0`` the batch is a single batch (leaves ``(B, ...)``);
     otherwise ``stacked`` batches have leaves ``(steps, B, ...)`` and mask
     ``(steps, B)``, while unstacked ones are tuples of ``steps`` batches and masks.
+
+    For a strategy that keeps variables off the replicas (`_staged`), a callable with the
+    same signature that runs the steps one by one, each as `_StagedTrain`.
     """
     strategy = spec.strategy
+    if _staged(strategy):
+        return _staged_train_program(spec, steps=steps, stacked=stacked)
     lead = 1 if steps and stacked else 0
 
     def train_program(state, acc, batch, mask):
@@ -557,6 +761,18 @@ def build_train_program(spec: StepSpec, *, steps: int = 0, stacked: bool = True)
     )
 
 
+def _reading_the_state(program: Callable[..., Any], strategy: Any) -> Callable[..., Any]:
+    """`program(state, ...)` taking the state from where the strategy keeps it."""
+    if not _staged(strategy):
+        return program
+
+    def staged(state, *args):
+        return program(_compute_view(state, strategy), *args)
+
+    staged.lower = lambda state, *args: program.lower(_compute_view(state, strategy), *args)  # type: ignore[attr-defined]
+    return staged
+
+
 def build_eval_program(spec: StepSpec):
     """A jitted ``(state, acc, batch, mask) -> (acc, logs)`` for one evaluation batch."""
     strategy = spec.strategy
@@ -566,33 +782,44 @@ def build_eval_program(spec: StepSpec):
         return acc, means(acc)
 
     rows = _row_spec(strategy, 0)
-    return jax.jit(
+    program = jax.jit(
         jax.shard_map(
             eval_program, mesh=strategy.mesh, in_specs=(P(), P(), rows, rows), out_specs=(P(), P())
         ),
         donate_argnums=(1,),
     )
+    return _reading_the_state(program, strategy)
 
 
 def build_predict_program(strategy):
     """A jitted ``(state, x) -> y_pred`` with outputs split by rows like the inputs."""
     rows = _row_spec(strategy, 0)
-    return jax.jit(
+    program = jax.jit(
         jax.shard_map(predict_body, mesh=strategy.mesh, in_specs=(P(), rows), out_specs=rows)
     )
+    return _reading_the_state(program, strategy)
+
+
+def _placement(sharding: jax.sharding.Sharding) -> tuple[Any, ...]:
+    mesh = getattr(sharding, "mesh", None)
+    devices = tuple(mesh.devices.flat) if mesh is not None else tuple(sharding.device_set)
+    return devices, sharding.memory_kind or "device"
 
 
 def _check_state_on(state: Any, strategy: Any) -> None:
-    leaf = next((x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)), None)
-    if leaf is None:
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    found = next(((k, x) for k, x in flat if isinstance(x, jax.Array)), None)
+    if found is None:
         return
-    mesh = getattr(leaf.sharding, "mesh", None)
-    devices = tuple(mesh.devices.flat) if mesh is not None else tuple(leaf.sharding.device_set)
-    if devices != tuple(strategy.mesh.devices.flat):
+    keypath, leaf = found
+    expected = strategy.variable_sharding(_abstract(leaf), tuple(_key_name(k) for k in keypath))
+    (devices, memory), (want, want_memory) = _placement(leaf.sharding), _placement(expected)
+    if set(devices) != set(want) or (len(want) > 1 and devices != want) or memory != want_memory:
         raise ValueError(
-            f"The train state is not placed on the step's strategy {strategy!r} (a leaf is on "
-            f"{[str(d) for d in devices]}). Create the state inside the same "
-            "strategy.scope(), or call place_state(state, strategy)."
+            f"The train state is not placed on the step's strategy {strategy!r} (a leaf is "
+            f"in {memory} memory of {[str(d) for d in devices]}; the strategy keeps it in "
+            f"{want_memory} memory of {[str(d) for d in want]}). Create the state inside the "
+            "same strategy.scope(), or call place_state(state, strategy)."
         )
 
 
@@ -625,6 +852,7 @@ class TrainStep(_Step):
     def __init__(self, spec: StepSpec):
         super().__init__(spec)
         strategy = spec.strategy
+        self._staged = _StagedTrain(spec, lead=0) if _staged(strategy) else None
         rows = _row_spec(strategy, 0)
 
         def train_step(state, batch, mask):
@@ -644,11 +872,19 @@ class TrainStep(_Step):
         The input state is donated: do not use it afterwards.
         """
         values, mask = self._inputs(state, batch)
+        if self._staged is not None:
+            state, _, logs = self._staged(state, None, values, mask)
+            return state, logs
         return self._program(state, values, mask)
 
     def lower(self, state: Any, batch: Any) -> Any:
-        """The lowered program (``jax.stages.Lowered``) for inspecting its HLO."""
+        """The lowered program (``jax.stages.Lowered``) for inspecting its HLO.
+
+        For a strategy that keeps variables off the replicas, the gradient program.
+        """
         values, mask = self._inputs(state, batch)
+        if self._staged is not None:
+            return self._staged.lower(state, values, mask)
         return self._program.lower(state, values, mask)
 
 
@@ -663,8 +899,13 @@ class EvalStep(_Step):
         def eval_step(state, batch, mask):
             return means(eval_body(spec, state, batch, mask))
 
-        self._program = jax.jit(
-            jax.shard_map(eval_step, mesh=strategy.mesh, in_specs=(P(), rows, rows), out_specs=P())
+        self._program = _reading_the_state(
+            jax.jit(
+                jax.shard_map(
+                    eval_step, mesh=strategy.mesh, in_specs=(P(), rows, rows), out_specs=P()
+                )
+            ),
+            strategy,
         )
 
     def __call__(self, state: Any, batch: Any) -> dict[str, jax.Array]:

@@ -1,0 +1,159 @@
+"""Where parameters and optimizer state live between steps, by strategy.
+
+Trains the same MLP (64-256-256-10, Adam, so the optimizer state is twice the parameters)
+for a few steps with `OneDeviceStrategy`, `MirroredStrategy` (8 replicas) and
+`CentralStorageStrategy` (8 compute devices), then reads, from the live arrays of the
+train state, how many bytes sit in device memory and in host memory: every shard's
+``shard.data.sharding.memory_kind`` and ``shard.data.nbytes``. "Copies" divides by the
+bytes of one copy of the state. The last column sums every other live array in device
+memory (the batch, metrics; any leftover copy of the parameters would show there).
+
+Expected: OneDevice keeps one copy in device memory, Mirrored eight, CentralStorage none
+in device memory and one in host memory.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/memory.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jstrategy
+from jstrategy import training
+from jstrategy._src import dispatch
+from jstrategy._src.input import distribute_batch
+
+FEATURES, CLASSES, BATCH = 64, 10, 64
+HOST_KINDS = ("pinned_host", "unpinned_host")
+
+STRATEGIES: dict[str, Callable[[], jstrategy.Strategy]] = {
+    "OneDevice": lambda: jstrategy.OneDeviceStrategy("cpu:0"),
+    "Mirrored (8)": lambda: jstrategy.MirroredStrategy(),
+    "CentralStorage (8)": lambda: jstrategy.CentralStorageStrategy(),
+}
+
+
+class MLP(nn.Module):
+    hidden: int = 256
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(self.hidden)(x))
+        x = nn.relu(nn.Dense(self.hidden)(x))
+        return nn.Dense(CLASSES)(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Figures:
+    """Bytes of parameters and optimizer state resident between steps."""
+
+    strategy: str
+    replicas: int
+    one_copy: int  # the logical size of the parameters and optimizer state
+    device: int  # bytes in device memory, over every shard on every device
+    host: int  # bytes in host memory
+    other_device: int  # every other live array's bytes in device memory
+
+    @property
+    def device_copies(self) -> float:
+        return self.device / self.one_copy
+
+    @property
+    def host_copies(self) -> float:
+        return self.host / self.one_copy
+
+
+def _buffers(arrays: list[jax.Array]) -> dict[tuple[int, int], tuple[str, int]]:
+    """``{(device id, buffer address): (memory kind, bytes)}`` over the arrays' shards.
+
+    Keyed by buffer, so a buffer seen through two array objects (an array and the
+    single-device arrays of its shards, which `jax.live_arrays` also lists) counts once.
+    """
+    out = {}
+    for x in arrays:
+        for shard in x.addressable_shards:
+            data = shard.data
+            kind = data.sharding.memory_kind or "device"
+            out[(shard.device.id, data.unsafe_buffer_pointer())] = (kind, data.nbytes)
+    return out
+
+
+def resident_bytes(arrays: list[jax.Array]) -> dict[str, int]:
+    """Bytes held by the arrays' shards, by memory kind (``"device"``, ``"pinned_host"``)."""
+    out: dict[str, int] = {}
+    for kind, nbytes in _buffers(arrays).values():
+        out[kind] = out.get(kind, 0) + nbytes
+    return out
+
+
+def _loss(y, logits):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y)
+
+
+def measure(
+    name: str,
+    make_strategy: Callable[[], jstrategy.Strategy],
+    *,
+    steps: int = 3,
+    hidden: int = 256,
+) -> Figures:
+    """Trains `steps` steps under the strategy and reads where the state lives."""
+    strategy = make_strategy()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH, FEATURES)).astype(np.float32)
+    y = rng.integers(0, CLASSES, size=BATCH).astype(np.int32)
+    with strategy.scope():
+        state = training.create_train_state(
+            MLP(hidden), optax.adam(1e-3), jnp.ones((1, FEATURES)), rng=0
+        )
+        step = training.make_train_step(_loss)
+    batch = distribute_batch(strategy, (x, y))
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+        dispatch.track(metrics)
+    jax.block_until_ready((state, metrics))
+    del batch
+    gc.collect()
+    arrays = [a for a in jax.tree.leaves((state.params, state.opt_state)) if a.size]
+    one_copy = sum(a.nbytes for a in arrays)  # the global (logical) size
+    resident = resident_bytes(arrays)
+    device = resident.get("device", 0)
+    host = sum(resident.get(k, 0) for k in HOST_KINDS)
+    mine = _buffers(jax.tree.leaves(state))
+    live = _buffers([a for a in jax.live_arrays() if not a.is_deleted()])
+    other_device = sum(n for key, (kind, n) in live.items() if key not in mine and kind == "device")
+    return Figures(name, strategy.num_replicas_in_sync, one_copy, device, host, other_device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=3, help="training steps before reading")
+    args = parser.parse_args()
+    print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].platform}")
+    print("MLP 64-256-256-10 with Adam: parameters and optimizer state resident between steps")
+    header = (
+        f"{'strategy':<20}{'replicas':>9}{'one copy':>12}{'device mem':>13}{'host mem':>12}"
+        f"{'copies dev':>12}{'copies host':>13}{'other dev':>11}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, make in STRATEGIES.items():
+        f = measure(name, make, steps=args.steps)
+        print(
+            f"{f.strategy:<20}{f.replicas:>9}{f.one_copy:>12,}{f.device:>13,}{f.host:>12,}"
+            f"{f.device_copies:>12.2f}{f.host_copies:>13.2f}{f.other_device:>11,}"
+        )
+        gc.collect()
+
+
+if __name__ == "__main__":
+    main()
