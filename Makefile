@@ -36,6 +36,8 @@ bench: $(STAMP)
 	$(FAKE_DEVICES) $(BIN)/python benchmarks/overhead.py
 	$(FAKE_DEVICES) $(BIN)/python benchmarks/input_pipeline.py
 	$(FAKE_DEVICES) $(BIN)/python benchmarks/fit_throughput.py
+	$(FAKE_DEVICES) $(BIN)/python benchmarks/memory.py
+	$(FAKE_DEVICES) $(BIN)/python benchmarks/parameter_server.py
 	$(BIN)/python benchmarks/multi_worker.py
 
 clean:
