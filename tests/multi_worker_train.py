@@ -25,6 +25,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=None)
     parser.add_argument("--forever", action="store_true", help="train until killed")
     parser.add_argument("--fit", action="store_true", help="train with Model.fit instead")
+    parser.add_argument("--restore", help="restore this checkpoint directory instead")
     args = parser.parse_args()
 
     import jstrategy
@@ -42,6 +43,21 @@ def main() -> int:
     )
     import custom_training_loop
 
+    if args.restore:
+        import jax
+        import numpy as np
+
+        with jstrategy.CheckpointManager(args.restore) as manager:
+            restored = manager.restore(strategy=strategy)
+        leaves = jax.tree.leaves(restored)
+        assert all(leaf.sharding == strategy.replicated_sharding() for leaf in leaves)
+        assert all(len(leaf.sharding.device_set) == 4 for leaf in leaves)
+        np.savez(
+            Path(args.out) / f"worker-{task['index']}.npz",
+            **{f"w{i}": np.asarray(leaf) for i, leaf in enumerate(leaves)},
+        )
+        print(f"worker {task['index']}: restored", flush=True)
+        return 0
     if args.fit:
         import numpy as np
 

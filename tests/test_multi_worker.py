@@ -91,6 +91,28 @@ def test_model_fit_on_two_workers_matches_one_process(tmp_path):
         np.testing.assert_allclose(workers[0][f"w{i}"], w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.timeout(320)
+def test_checkpoint_saved_under_mirrored_8_restores_on_two_workers(tmp_path):
+    import jax
+
+    mirrored = jstrategy.MirroredStrategy()
+    params = {"w": np.arange(24.0, dtype=np.float32).reshape(4, 6), "b": np.ones(6, np.float32)}
+    with jstrategy.CheckpointManager(tmp_path / "ckpt", async_save=False) as manager:
+        manager.save(3, jax.device_put(params, mirrored.replicated_sharding()))
+    cmd = [
+        sys.executable, "-m", "jstrategy.launch", "--num_workers", "2",
+        "--devices_per_worker", "2", "--timeout", "240", str(WORKER),
+        "--out", str(tmp_path), "--restore", str(tmp_path / "ckpt"),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    expected = jax.tree.leaves(params)
+    for i in range(2):
+        restored = np.load(tmp_path / f"worker-{i}.npz")
+        for j, leaf in enumerate(expected):
+            np.testing.assert_array_equal(restored[f"w{j}"], leaf)
+
+
 def _flatten(tree, prefix=()):
     if isinstance(tree, dict):
         for k, v in tree.items():

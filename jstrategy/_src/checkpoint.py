@@ -479,6 +479,28 @@ def _wrap_read_error(e: Exception, location: str, what: str) -> CheckpointError:
 _READ_ERRORS = (OSError, ValueError, KeyError, TypeError, IndexError, RuntimeError)
 
 
+def _restore_into(
+    read: Callable[[Any], Any], location: str, target: Any, strategy: Strategy | None
+) -> Any:
+    """Restores a state, handing it to a strategy that keeps variables in containers.
+
+    A strategy whose variables are not arrays (`ParameterServerStrategy`: variables on
+    parameter servers, partitioned) defines ``_variables_from_checkpoint(host_tree)``; the
+    state is read to the host and handed to it, which places it in its own layout.
+    """
+    build = getattr(strategy, "_variables_from_checkpoint", None)
+    if build is None:
+        return _restore(read, location, target, strategy)[0]
+    state, _ = _restore(read, location, target, None)
+    return build(jax.tree.map(np.asarray, state))
+
+
+def _as_saveable(state: Any) -> Any:
+    """A state as a pytree of arrays: containers of variables say how (`_checkpoint_value`)."""
+    value = getattr(state, "_checkpoint_value", None)
+    return value() if callable(value) else state
+
+
 def _restore(
     read: Callable[[Any], Any],
     location: str,
@@ -823,6 +845,7 @@ class CheckpointManager:
         step = int(step)
         metrics_ = _metrics_dict(metrics, self._keep_best)
         _check_metadata(metadata)
+        state = _as_saveable(state)
         flat = _flatten_state(state, "state")
         if not force and not self._manager.should_save(step):
             return False
@@ -932,8 +955,7 @@ class CheckpointManager:
           ValueError: if `target` does not match the checkpoint's leaves or shapes.
         """
         step = self._resolve_step(step)
-        state, _ = _restore(self._reader(step), self._step_dir(step), target, strategy)
-        return state
+        return _restore_into(self._reader(step), self._step_dir(step), target, strategy)
 
     def restore_metadata(self, step: int | None = None) -> dict[str, Any]:
         """The `metadata` saved with `step` (default: the latest); {} if none was.
@@ -1027,6 +1049,7 @@ def save_weights(path: os.PathLike | str, variables: Any, *, overwrite: bool = T
     path = os.path.abspath(os.fspath(path))
     if not isinstance(overwrite, bool):
         raise TypeError(f"`overwrite` must be a bool; got {overwrite!r}.")
+    variables = _as_saveable(variables)
     flat = _flatten_state(variables, "variables")
     exists = os.path.exists(path)
     if exists and not overwrite:
@@ -1100,7 +1123,7 @@ def load_weights(
         return checkpointer.restore(path, args=ocp.args.Composite(**{item: args}))[item]
 
     try:
-        state, _ = _restore(read, path, target, strategy)
+        state = _restore_into(read, path, target, strategy)
     finally:
         checkpointer.close()
     return state

@@ -372,6 +372,12 @@ class VariableTree:
         """The current values as NumPy arrays (a pytree shaped like the original)."""
         return backend_lib.to_numpy(self.read())
 
+    def _checkpoint_value(self) -> Any:
+        # What `CheckpointManager.save` and `save_weights` write: the variables' values,
+        # whole (shards assembled), so any strategy can restore them. The per-variable
+        # optimizer state stays on the parameter servers.
+        return self.numpy()
+
     def apply_gradients(self, grads: Any) -> None:
         """Pushes gradients: each parameter server applies the optimizer to its variables.
 

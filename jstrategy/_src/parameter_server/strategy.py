@@ -248,6 +248,11 @@ class ParameterServerStrategy(Strategy):
             self._variable_count += 1
         return index
 
+    def _variables_from_checkpoint(self, tree: Any) -> sharded_variable.VariableTree:
+        # `CheckpointManager.restore(strategy=self)` / `load_weights`: a checkpoint saved under
+        # any strategy lands on the parameter servers, round-robin and partitioned.
+        return self.create_variables(tree)
+
     def create_variables(
         self, tree: Any, *, optimizer: optax.GradientTransformation | None = None
     ) -> sharded_variable.VariableTree:
