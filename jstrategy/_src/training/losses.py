@@ -131,7 +131,65 @@ def _check_label_smoothing(value: Any) -> float:
     return float(value)
 
 
-class Loss:
+class PerExampleFunction:
+    """What losses and metrics share: ``(y_true, y_pred)`` to per-example values ``(batch,)``.
+
+    Subclasses implement `call`, which may return any shape with the batch axis first;
+    `__call__` checks the inputs and averages the non-batch axes. The train step then takes
+    the mask-weighted mean over real rows across replicas.
+
+    Args:
+      name: the function's name; defaults to the class name in snake case, as in Keras.
+    """
+
+    _kind = "function"
+
+    def __init__(self, *, name: str | None = None):
+        self.name = _check_name(name, self)
+
+    def __call__(self, y_true: Any, y_pred: Any) -> jax.Array:
+        """Returns the per-example values, shape ``(batch,)``.
+
+        Args:
+          y_true: labels, batch axis first.
+          y_pred: predictions, batch axis first.
+
+        Returns:
+          A ``(batch,)`` array; non-batch axes are averaged.
+
+        Raises:
+          ValueError: if the shapes do not fit.
+        """
+        what = f"{type(self).__name__} ({self.name!r})"
+        y_true, y_pred = _prepare(y_true, y_pred, what)
+        values = self._as_values(self.call(y_true, y_pred))
+        return _per_example(values, y_pred.shape[0], what)
+
+    def _as_values(self, values: Any) -> Any:
+        return values
+
+    def call(self, y_true: jax.Array, y_pred: jax.Array) -> jax.Array:
+        """Computes the unreduced values; the batch axis must stay first.
+
+        Args:
+          y_true: labels, an array with a batch axis first.
+          y_pred: predictions, an array with the same batch size.
+
+        Returns:
+          Values with the batch axis first.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement `call(y_true, y_pred)`.")
+
+    def get_config(self) -> dict[str, Any]:
+        """The constructor arguments, as in Keras."""
+        return {"name": self.name}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        return f"{type(self).__name__}({args})"
+
+
+class Loss(PerExampleFunction):
     """Base class: a loss mapping ``(y_true, y_pred)`` to per-example values ``(batch,)``.
 
     Subclasses implement `call`, which may return any shape with the batch axis first;
@@ -150,46 +208,6 @@ class Loss:
     >>> loss.name, loss(jnp.zeros((2, 3)), jnp.ones((2, 3))).tolist()
     ('abs_cube', [1.0, 1.0])
     """
-
-    def __init__(self, *, name: str | None = None):
-        self.name = _check_name(name, self)
-
-    def __call__(self, y_true: Any, y_pred: Any) -> jax.Array:
-        """Returns the per-example loss, shape ``(batch,)``.
-
-        Args:
-          y_true: labels, batch axis first.
-          y_pred: predictions, batch axis first.
-
-        Returns:
-          A ``(batch,)`` array; non-batch axes are averaged.
-
-        Raises:
-          ValueError: if the shapes do not fit the loss.
-        """
-        what = f"{type(self).__name__} ({self.name!r})"
-        y_true, y_pred = _prepare(y_true, y_pred, what)
-        return _per_example(self.call(y_true, y_pred), y_pred.shape[0], what)
-
-    def call(self, y_true: jax.Array, y_pred: jax.Array) -> jax.Array:
-        """Computes the unreduced loss; the batch axis must stay first.
-
-        Args:
-          y_true: labels, an array with a batch axis first.
-          y_pred: predictions, an array with the same batch size.
-
-        Returns:
-          Loss values with the batch axis first.
-        """
-        raise NotImplementedError(f"{type(self).__name__} must implement `call(y_true, y_pred)`.")
-
-    def get_config(self) -> dict[str, Any]:
-        """The constructor arguments, as in Keras."""
-        return {"name": self.name}
-
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
-        return f"{type(self).__name__}({args})"
 
 
 class BinaryCrossentropy(Loss):

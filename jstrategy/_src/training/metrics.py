@@ -12,17 +12,13 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 
 from jstrategy._src.training import losses as losses_lib
 from jstrategy._src.training.losses import _align_ranks
 from jstrategy._src.training.losses import _callable_name
 from jstrategy._src.training.losses import _check_bool
-from jstrategy._src.training.losses import _check_name
 from jstrategy._src.training.losses import _compute_dtype
-from jstrategy._src.training.losses import _per_example
-from jstrategy._src.training.losses import _prepare
 from jstrategy._src.training.losses import _require_class_axis
 from jstrategy._src.training.losses import _require_same_shape
 from jstrategy._src.training.losses import _sparse_labels
@@ -40,7 +36,7 @@ __all__ = [
 ]
 
 
-class Metric:
+class Metric(losses_lib.PerExampleFunction):
     """Base class: per-example metric values whose masked mean is the metric.
 
     Subclasses implement `call`, which may return any shape with the batch axis first;
@@ -68,48 +64,11 @@ class Metric:
 
     direction: str | None = None
 
-    def __init__(self, *, name: str | None = None):
-        self.name = _check_name(name, self)
-
-    def __call__(self, y_true: Any, y_pred: Any) -> jax.Array:
-        """Returns per-example metric values, shape ``(batch,)``.
-
-        Args:
-          y_true: labels, batch axis first.
-          y_pred: predictions, batch axis first.
-
-        Returns:
-          A float ``(batch,)`` array; non-batch axes are averaged.
-
-        Raises:
-          ValueError: if the shapes do not fit the metric.
-        """
-        what = f"{type(self).__name__} ({self.name!r})"
-        y_true, y_pred = _prepare(y_true, y_pred, what)
-        values = jnp.asarray(self.call(y_true, y_pred))
+    def _as_values(self, values: Any) -> Any:
+        values = jnp.asarray(values)
         if not jnp.issubdtype(values.dtype, jnp.floating):
             values = values.astype(jnp.float32)
-        return _per_example(values, y_pred.shape[0], what)
-
-    def call(self, y_true: jax.Array, y_pred: jax.Array) -> jax.Array:
-        """Computes unreduced metric values; the batch axis must stay first.
-
-        Args:
-          y_true: labels, an array with a batch axis first.
-          y_pred: predictions, an array with the same batch size.
-
-        Returns:
-          Metric values with the batch axis first.
-        """
-        raise NotImplementedError(f"{type(self).__name__} must implement `call(y_true, y_pred)`.")
-
-    def get_config(self) -> dict[str, Any]:
-        """The constructor arguments, as in Keras."""
-        return {"name": self.name}
-
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
-        return f"{type(self).__name__}({args})"
+        return values
 
 
 class Accuracy(Metric):
