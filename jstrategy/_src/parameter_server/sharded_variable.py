@@ -47,7 +47,29 @@ def _default_device(fallback: jax.Device | None) -> jax.Device:
     return fallback if fallback is not None else jax.devices()[0]
 
 
-class Variable:
+class _Assignable:
+    """`assign`, `assign_add` and `assign_sub`, through the class's `_apply(kind, value)`.
+
+    A `ShardedVariable` takes full-shape values (or scalars) and splits them by rows.
+    """
+
+    def _apply(self, kind: str, value: Any) -> None:
+        raise NotImplementedError
+
+    def assign(self, value: Any) -> None:
+        """Sets the value (cast to the variable's dtype)."""
+        self._apply(backend_lib.ASSIGN, value)
+
+    def assign_add(self, delta: Any) -> None:
+        """Adds `delta` atomically on the parameter server(s)."""
+        self._apply(backend_lib.ASSIGN_ADD, delta)
+
+    def assign_sub(self, delta: Any) -> None:
+        """Subtracts `delta` atomically on the parameter server(s)."""
+        self._apply(backend_lib.ASSIGN_SUB, delta)
+
+
+class Variable(_Assignable):
     """One array on one parameter server (TF's variable placed on a ``ps`` task).
 
     Created by `ParameterServerStrategy.create_variables`; not constructed directly.
@@ -94,18 +116,6 @@ class Variable:
     def _apply(self, kind: str, value: Any) -> None:
         type(self._store).apply_groups({self._store: ([self._id], [jnp.asarray(value)])}, kind)
 
-    def assign(self, value: Any) -> None:
-        """Sets the value (cast to the variable's dtype)."""
-        self._apply(backend_lib.ASSIGN, value)
-
-    def assign_add(self, delta: Any) -> None:
-        """Adds `delta` atomically on the parameter server."""
-        self._apply(backend_lib.ASSIGN_ADD, delta)
-
-    def assign_sub(self, delta: Any) -> None:
-        """Subtracts `delta` atomically on the parameter server."""
-        self._apply(backend_lib.ASSIGN_SUB, delta)
-
     def __repr__(self) -> str:
         return (
             f"Variable(name={self.name!r}, shape={self.shape}, dtype={self.dtype}, "
@@ -113,7 +123,7 @@ class Variable:
         )
 
 
-class ShardedVariable:
+class ShardedVariable(_Assignable):
     """A variable split along its first axis into `Variable` shards on several servers.
 
     Shard ``i`` holds rows ``offsets[i]:offsets[i+1]`` (TF's layout: the first
@@ -179,18 +189,6 @@ class ShardedVariable:
         else:
             parts = [value[a:b] for a, b in itertools.pairwise(self.offsets)]
         self._shards[0]._tree._apply_flat(self._shards, parts, kind)
-
-    def assign(self, value: Any) -> None:
-        """Sets the full value; each shard takes its rows."""
-        self._apply(backend_lib.ASSIGN, value)
-
-    def assign_add(self, delta: Any) -> None:
-        """Adds `delta` (full shape, or a scalar) atomically per shard."""
-        self._apply(backend_lib.ASSIGN_ADD, delta)
-
-    def assign_sub(self, delta: Any) -> None:
-        """Subtracts `delta` (full shape, or a scalar) atomically per shard."""
-        self._apply(backend_lib.ASSIGN_SUB, delta)
 
     def __repr__(self) -> str:
         return (
