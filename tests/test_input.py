@@ -333,15 +333,44 @@ def test_dataset_fn_is_called_once_with_the_input_context(strategy):
 
     def dataset_fn(ctx):
         contexts.append(ctx)
-        return _batches([2 * n, n - 1 if n > 1 else 1])
+        # Per-replica batches, as TF's tutorials batch them: n + 1 of them, so the second
+        # step gets one batch and n - 1 replicas of padding.
+        return _batches([2] * n + [1])
 
     dist = strategy.distribute_datasets_from_function(dataset_fn)
     for _ in range(2):
         elements = list(dist)
         assert [e["x"].value.shape[0] for e in elements] == [2 * n, 2 * n]
+        assert [int(np.asarray(e["x"].mask).sum()) for e in elements] == [2 * n, 1]
     assert len(contexts) == 1
     ctx = contexts[0]
     assert (ctx.num_input_pipelines, ctx.input_pipeline_id, ctx.num_replicas_in_sync) == (1, 0, n)
+
+
+def test_per_worker_pipeline_gives_each_replica_its_own_batch_as_tf():
+    # TF's distribute_datasets_from_function tutorial: the dataset is batched with
+    # ctx.get_per_replica_batch_size(GLOBAL) and each local replica takes its own element,
+    # so a step trains on GLOBAL rows (it used to take one element and split it, i.e.
+    # GLOBAL / num_replicas rows, silently).
+    strategy = jstrategy.MirroredStrategy(devices=[f"cpu:{i}" for i in range(4)])
+    global_batch = 16
+
+    def dataset_fn(ctx):
+        per = ctx.get_per_replica_batch_size(global_batch)
+        rows = np.arange(64, dtype=np.float32).reshape(64, 1)
+        return [rows[i : i + per] for i in range(0, 64, per)]
+
+    dist = strategy.distribute_datasets_from_function(dataset_fn)
+    elements = list(dist)
+    assert len(elements) == 4
+    for step, element in enumerate(elements):
+        assert element.value.shape == (global_batch, 1)
+        np.testing.assert_array_equal(
+            np.asarray(element.value)[:, 0], np.arange(16 * step, 16 * step + 16)
+        )
+    assert dist.element_spec.shape == (global_batch, 1)
+    per_replica = strategy.experimental_local_results(elements[1])
+    assert [float(v[0, 0]) for v in per_replica] == [16.0, 20.0, 24.0, 28.0]
 
 
 @pytest.mark.parametrize("placement", ["fetch", "host", "place_on_device"])
@@ -616,8 +645,10 @@ for element, rows in zip(strategy.experimental_distribute_dataset([x, x[:3]]), [
 contexts = []
 
 def dataset_fn(ctx):
+    # One batch per local replica, as TF: rows [0:2], [2:3] for process 0; [3:5], [5:6] for 1.
     contexts.append(ctx)
-    return [x[3 * ctx.input_pipeline_id : 3 * ctx.input_pipeline_id + 3]]
+    start = 3 * ctx.input_pipeline_id
+    return [x[start : start + 2], x[start + 2 : start + 3]]
 
 for element in strategy.distribute_datasets_from_function(dataset_fn):
     check(element, 6)

@@ -807,12 +807,16 @@ class DistributedDataset:
         options: InputOptions,
         *,
         per_replica: bool = False,
+        shared_pipeline: bool = False,
     ):
         self._strategy = strategy
         self._sources = sources
         self._placer = placer
         self._options = options
-        self._per_replica = per_replica
+        # Elements are made of per-replica batches (from one pipeline per replica, or from
+        # one pipeline per process whose consecutive batches go to its replicas).
+        self._per_replica = per_replica or shared_pipeline
+        self._shared_pipeline = shared_pipeline
 
     @property
     def options(self) -> InputOptions:
@@ -949,21 +953,34 @@ def _init_per_pipeline(
         placer.init(leaves, treedef, rows, where)
 
 
-def _place_per_replica(iterator: DistributedIterator, placer: _Placer, where: str) -> Any:
-    """One element from one batch per local replica (`InputReplicationMode.PER_REPLICA`).
+def _next_or_none(iterator: DistributedIterator, pipeline: int) -> Any:
+    """The next batch of one pipeline, or None once it has ended."""
+    if iterator._finished[pipeline]:
+        return None
+    try:
+        return next(iterator._iterators[pipeline])
+    except StopIteration:
+        iterator._finished[pipeline] = True
+        return None
 
-    A pipeline that ends before the others gives empty (all-padding) batches until every
+
+def _place_per_replica(iterator: DistributedIterator, placer: _Placer, where: str) -> Any:
+    """One element made of one per-replica batch for each local replica.
+
+    With one pipeline per replica (`InputReplicationMode.PER_REPLICA`) each replica takes
+    the next batch of its own pipeline; with one pipeline per process (``PER_WORKER``) the
+    replicas take its next consecutive batches, in replica order, as in TF. A pipeline that
+    ends before the others (or mid-step) gives empty (all-padding) batches until every
     pipeline has ended, so uneven pipelines still step in lockstep.
     """
     batches: list[Any] = []
-    for r, it in enumerate(iterator._iterators):
-        batch = None
-        if not iterator._finished[r]:
-            try:
-                batch = next(it)
-            except StopIteration:
-                iterator._finished[r] = True
-        batches.append(batch)
+    if iterator._dataset._shared_pipeline:
+        # TF's per-worker pipeline: its consecutive elements go to this process's replicas.
+        for _ in range(placer.local_replicas):
+            batches.append(_next_or_none(iterator, 0))
+    else:
+        for r in range(len(iterator._iterators)):
+            batches.append(_next_or_none(iterator, r))
     if all(b is None for b in batches):
         return None
     flat: list[tuple[list[Any], Any, int] | None] = [
@@ -1118,10 +1135,11 @@ def distribute_datasets_from_function(
     input pipeline, now:
 
     * ``PER_WORKER`` (default): once per process, with ``input_pipeline_id`` the process's
-      index. Each element it yields is this process's share of the global batch,
-      ``global_batch_size // num_input_pipelines`` rows (the whole global batch with one
-      process). Unlike TF, whose per-worker dataset yields per-replica batches and hands one
-      to each local replica, the element is split across the process's replicas.
+      index. As in TF, each element it yields is ONE REPLICA's batch
+      (``ctx.get_per_replica_batch_size(global_batch_size)`` rows): every step takes the
+      pipeline's next ``num_replicas_in_sync // num_input_pipelines`` elements, one for
+      each of the process's replicas in replica order, so a step trains on
+      ``per_replica_batch * num_replicas_in_sync`` rows.
     * ``PER_REPLICA``: once per local replica, with ``input_pipeline_id`` the replica id;
       each element is that replica's batch
       (``ctx.get_per_replica_batch_size(global_batch_size)`` rows).
@@ -1134,8 +1152,9 @@ def distribute_datasets_from_function(
       dataset_fn: called with an `InputContext`; returns a dataset in any form
         `distribute_dataset` accepts.
       options: an `InputOptions`; None for the defaults.
-      global_batch_size: the static global rows of every element; None: from the first
-        batch (rounded up so each local replica gets the same rows).
+      global_batch_size: the static global rows of every element (per-replica batch
+        times `num_replicas_in_sync`); None: the first per-replica batch's rows times
+        `num_replicas_in_sync`.
 
     Returns:
       A `DistributedDataset`.
@@ -1150,10 +1169,11 @@ def distribute_datasets_from_function(
     >>> import jstrategy
     >>> strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     >>> def dataset_fn(ctx):
-    ...     return [np.full((4, 1), ctx.input_pipeline_id, np.float32)]
+    ...     per_replica = ctx.get_per_replica_batch_size(4)  # 2 rows for each replica
+    ...     return [np.full((per_replica, 1), i, np.float32) for i in range(4)]
     >>> dist = strategy.distribute_datasets_from_function(dataset_fn)
-    >>> next(iter(dist)).value.shape
-    (4, 1)
+    >>> [np.asarray(element.value)[:, 0].tolist() for element in dist]
+    [[0.0, 0.0, 1.0, 1.0], [2.0, 2.0, 3.0, 3.0]]
     """
     if not callable(dataset_fn):
         raise TypeError(
@@ -1185,4 +1205,6 @@ def distribute_datasets_from_function(
                 "iterable of batches, a generator function, a tf.data.Dataset, ...)."
             )
         sources.append(_Source(dataset, "dataset_fn"))
-    return DistributedDataset(strategy, sources, placer, options, per_replica=per_replica)
+    return DistributedDataset(
+        strategy, sources, placer, options, per_replica=per_replica, shared_pipeline=not per_replica
+    )
