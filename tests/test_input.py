@@ -344,9 +344,25 @@ def test_dataset_fn_is_called_once_with_the_input_context(strategy):
     assert (ctx.num_input_pipelines, ctx.input_pipeline_id, ctx.num_replicas_in_sync) == (1, 0, n)
 
 
+def _model_parallel_4x2():
+    """Four replicas of two devices each: every device of a replica gets its rows."""
+    layout_map = jstrategy.experimental.LayoutMap(
+        jstrategy.experimental.DeviceMesh((4, 2), ("batch", "model"))
+    )
+    return jstrategy.experimental.ModelParallelStrategy(layout_map)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jstrategy.MirroredStrategy(devices=[f"cpu:{i}" for i in range(4)]),
+        _model_parallel_4x2,
+    ],
+    ids=["mirrored_4", "model_parallel_4x2"],
+)
 @pytest.mark.parametrize("placement", ["fetch", "host", "place_on_device"])
-def test_per_replica_pipelines_feed_their_replica_and_pad_uneven_ends(placement):
-    strategy = jstrategy.MirroredStrategy(devices=[f"cpu:{i}" for i in range(4)])
+def test_per_replica_pipelines_feed_their_replica_and_pad_uneven_ends(placement, make):
+    strategy = make()
     ids = []
 
     def dataset_fn(ctx):
@@ -371,6 +387,8 @@ def test_per_replica_pipelines_feed_their_replica_and_pad_uneven_ends(placement)
         assert isinstance(elements[2].value, np.ndarray)
     else:
         assert elements[2].value.sharding == strategy.batch_sharding()
+        seen = strategy.experimental_local_results(strategy.run(lambda x: x, (elements[0],)))
+        assert [v[:, 0].tolist() for v in seen] == [[i, i] for i in range(4)]
     assert dist.element_spec.shape == (8, 1)
 
 
