@@ -22,8 +22,8 @@ __all__ = [
 class PerReplica:
     """One value per replica, stored as a single global `jax.Array` sharded over the mesh.
 
-    Two layouts exist, both with the replica axis first and split across the strategy's
-    devices:
+    Two layouts exist, both with the replica axis first and split over the strategy's data
+    axis (on a multi-axis mesh, every device of replica *i* holds replica *i*'s part):
 
     * ``stacked`` (what `Strategy.run` returns): global shape ``(num_replicas, *shape)``;
       replica *i* owns ``value[i]``.
