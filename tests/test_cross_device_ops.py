@@ -10,6 +10,9 @@ from jax.sharding import PartitionSpec as P
 
 import jstrategy
 from jstrategy._src import dispatch
+from jstrategy.experimental import DeviceMesh
+from jstrategy.experimental import LayoutMap
+from jstrategy.experimental import ModelParallelStrategy
 
 OPS = {
     "nccl": lambda: jstrategy.NcclAllReduce(),
@@ -40,6 +43,20 @@ def test_all_ops_agree(op_name, n):
     strategy = jstrategy.MirroredStrategy(
         devices=[f"cpu:{i}" for i in range(n)], cross_device_ops=OPS[op_name]()
     )
+    _check_ops_agree(strategy)
+
+
+@pytest.mark.parametrize("op_name", sorted(OPS))
+def test_all_ops_agree_over_the_data_axis_of_a_2d_mesh(op_name):
+    """On a (4, 2) mesh the replicas are the 4 entries of the data axis, not the 8 devices."""
+    layout_map = LayoutMap(DeviceMesh((4, 2), ("batch", "model")))
+    strategy = ModelParallelStrategy(layout_map, cross_device_ops=OPS[op_name]())
+    assert strategy.num_replicas_in_sync == 4
+    _check_ops_agree(strategy)
+
+
+def _check_ops_agree(strategy):
+    n = strategy.num_replicas_in_sync
     tree = _tree(strategy)
     expected_sum = {
         "w": np.arange(12, dtype=np.float32).reshape(3, 4) * sum(range(1, n + 1)),

@@ -65,6 +65,13 @@ def test_mirrored_device_validation():
         jstrategy.MirroredStrategy(devices=["/cpu:1", "CPU:1"])
     with pytest.raises(ValueError, match="does not exist"):
         jstrategy.MirroredStrategy(devices=["cpu:0", "gpu:0"])
+    # TF habit: a device count is not a device list.
+    with pytest.raises(
+        TypeError,
+        match=r"`devices` must be a list of devices .* got int 3\. .* "
+        r"devices=jax\.local_devices\(\)\[:3\]",
+    ):
+        jstrategy.MirroredStrategy(devices=3)
 
 
 def test_mirrored_defaults_to_all_local_devices():

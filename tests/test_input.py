@@ -373,9 +373,25 @@ def test_per_worker_pipeline_gives_each_replica_its_own_batch_as_tf():
     assert [float(v[0, 0]) for v in per_replica] == [16.0, 20.0, 24.0, 28.0]
 
 
+def _model_parallel_4x2():
+    """Four replicas of two devices each: every device of a replica gets its rows."""
+    layout_map = jstrategy.experimental.LayoutMap(
+        jstrategy.experimental.DeviceMesh((4, 2), ("batch", "model"))
+    )
+    return jstrategy.experimental.ModelParallelStrategy(layout_map)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jstrategy.MirroredStrategy(devices=[f"cpu:{i}" for i in range(4)]),
+        _model_parallel_4x2,
+    ],
+    ids=["mirrored_4", "model_parallel_4x2"],
+)
 @pytest.mark.parametrize("placement", ["fetch", "host", "place_on_device"])
-def test_per_replica_pipelines_feed_their_replica_and_pad_uneven_ends(placement):
-    strategy = jstrategy.MirroredStrategy(devices=[f"cpu:{i}" for i in range(4)])
+def test_per_replica_pipelines_feed_their_replica_and_pad_uneven_ends(placement, make):
+    strategy = make()
     ids = []
 
     def dataset_fn(ctx):
@@ -400,6 +416,8 @@ def test_per_replica_pipelines_feed_their_replica_and_pad_uneven_ends(placement)
         assert isinstance(elements[2].value, np.ndarray)
     else:
         assert elements[2].value.sharding == strategy.batch_sharding()
+        seen = strategy.experimental_local_results(strategy.run(lambda x: x, (elements[0],)))
+        assert [v[:, 0].tolist() for v in seen] == [[i, i] for i in range(4)]
     assert dist.element_spec.shape == (8, 1)
 
 

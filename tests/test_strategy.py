@@ -151,6 +151,12 @@ def test_run_argument_errors():
         strategy.run(3)
     with pytest.raises(TypeError, match="`args` must be a tuple or list"):
         strategy.run(lambda x: x, args=jnp.ones(2))
+    with pytest.raises(
+        TypeError,
+        match=r"`kwargs` must be a dict of keyword arguments for `fn`; got list \[1, 2\]\. "
+        r"Pass kwargs=\{'name': value\}",
+    ):
+        strategy.run(lambda *a: a, kwargs=[1, 2])
     two = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     with pytest.raises(ValueError, match="has 2 replicas but this strategy has 1"):
         strategy.run(

@@ -44,7 +44,9 @@ class ReplicaContext:
     Obtain it with `jstrategy.get_replica_context()` inside the function passed to
     `Strategy.run`. Collectives here are traced into the one compiled SPMD program; gradients
     flow through them as in tf.distribute (the gradient of an all-reduce is the all-reduce of
-    the incoming gradients).
+    the incoming gradients). They run over the strategy's data axis (`Strategy.axis_name`):
+    on a multi-axis mesh a replica is one data-parallel group of devices, and the other
+    axes are left to XLA.
 
     Example:
 
@@ -81,7 +83,7 @@ class ReplicaContext:
 
     @property
     def num_replicas_in_sync(self) -> int:
-        """How many replicas take part in each collective."""
+        """How many replicas take part in each collective (the size of the data axis)."""
         return self._strategy.num_replicas_in_sync if self._in_run else 1
 
     @property
@@ -108,7 +110,9 @@ class ReplicaContext:
         if not self._in_run:
             return value
         strategy = self._strategy
-        return strategy.cross_device_ops.all_reduce(op, value, mesh=strategy.mesh)
+        return strategy.cross_device_ops.all_reduce(
+            op, value, mesh=strategy.mesh, axis_name=strategy.axis_name
+        )
 
     def all_gather(self, value: Any, axis: int) -> Any:
         """Concatenates each replica's `value` along `axis`, in replica order.

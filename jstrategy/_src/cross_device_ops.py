@@ -38,6 +38,7 @@ from jstrategy._src.context import _all_gather_invariant
 from jstrategy._src.reduce_util import ReduceOp
 from jstrategy._src.values import PerReplica
 from jstrategy._src.values import is_per_replica
+from jstrategy._src.values import replica_axis_of
 from jstrategy._src.values import varying_axes
 
 __all__ = [
@@ -60,27 +61,43 @@ class CrossDeviceOps:
         self._programs: dict[Any, Callable[..., Any]] = {}
 
     # Inside the SPMD program ------------------------------------------------------------
-    def all_reduce(self, reduce_op: ReduceOp | str, value: Any, *, mesh: jax.sharding.Mesh) -> Any:
+    def all_reduce(
+        self,
+        reduce_op: ReduceOp | str,
+        value: Any,
+        *,
+        mesh: jax.sharding.Mesh,
+        axis_name: str | None = None,
+    ) -> Any:
         """Reduces a pytree across replicas from inside `Strategy.run` (or a train step).
 
         Args:
           reduce_op: `ReduceOp.SUM` or `ReduceOp.MEAN`.
           value: a pytree of arrays, the same structure and shapes on every replica.
-          mesh: the strategy's mesh; replicas are laid along its first axis.
+          mesh: the strategy's mesh.
+          axis_name: the mesh axis along which replicas are laid (`Strategy.axis_name`);
+            None for a 1-D mesh's only axis.
 
         Returns:
           The reduced pytree, identical on every replica.
+
+        Raises:
+          ValueError: if `axis_name` is None and the mesh has several axes.
         """
         op = ReduceOp.from_value(reduce_op)
+        axis_name = _data_axis(mesh, axis_name)
         leaves, treedef = jax.tree.flatten(value)
         leaves = [jnp.asarray(x) for x in leaves]
-        summed = self._sum_leaves(leaves, mesh) if leaves else []
+        summed = self._sum_leaves(leaves, mesh, axis_name) if leaves else []
         if op is ReduceOp.MEAN:
-            summed = [s / mesh.size for s in summed]
+            summed = [s / mesh.shape[axis_name] for s in summed]
         return jax.tree.unflatten(treedef, summed)
 
-    def _sum_leaves(self, leaves: list[jax.Array], mesh: jax.sharding.Mesh) -> list[jax.Array]:
-        """The sums across replicas of `leaves`, traced inside a shard_map over `mesh`."""
+    def _sum_leaves(
+        self, leaves: list[jax.Array], mesh: jax.sharding.Mesh, axis_name: str
+    ) -> list[jax.Array]:
+        """The sums across replicas of `leaves`, traced inside a shard_map manual over
+        `axis_name`, the mesh axis along which replicas are laid."""
         raise NotImplementedError
 
     # In the cross-replica context ------------------------------------------------------
@@ -115,11 +132,15 @@ class CrossDeviceOps:
                 )
         if not leaves:
             return per_replica_value
-        mesh = leaves[0].value.sharding.mesh
-        key = (mesh, op, axis, tuple(leaf.stacked for leaf in leaves), len(leaves))
+        sharding = leaves[0].value.sharding
+        mesh = sharding.mesh
+        axis_name = replica_axis_of(sharding) or _data_axis(mesh, None)
+        key = (mesh, axis_name, op, axis, tuple(leaf.stacked for leaf in leaves), len(leaves))
         program = self._programs.get(key)
         if program is None:
-            program = self._build_reduce(mesh, op, axis, [leaf.stacked for leaf in leaves])
+            program = self._build_reduce(
+                mesh, axis_name, op, axis, [leaf.stacked for leaf in leaves]
+            )
             self._programs[key] = program
         out = program(*[leaf.value for leaf in leaves])
         if destinations is not None:
@@ -145,17 +166,18 @@ class CrossDeviceOps:
             for r, (_, d) in zip(reduced, value_destination_pairs, strict=True)
         ]
 
-    def _build_reduce(self, mesh, op: ReduceOp, axis: int | None, stacked: list[bool]):
-        axis_name = mesh.axis_names[0]
-        n = mesh.size
+    def _build_reduce(
+        self, mesh, axis_name: str, op: ReduceOp, axis: int | None, stacked: list[bool]
+    ):
+        n = mesh.shape[axis_name]
 
-        def body(*xs):
-            xs = [x[0] if s else x for x, s in zip(xs, stacked, strict=True)]
+        def body(*values: jax.Array) -> list[jax.Array]:
+            xs = [x[0] if s else x for x, s in zip(values, stacked, strict=True)]
             counts = [1] * len(xs)
             if axis is not None:
                 counts = [x.shape[axis] for x in xs]
                 xs = [jnp.sum(x, axis=axis) for x in xs]
-            summed = self._sum_leaves(list(xs), mesh)
+            summed = self._sum_leaves(xs, mesh, axis_name)
             if op is ReduceOp.MEAN:
                 summed = [s / (n * c) for s, c in zip(summed, counts, strict=True)]
             return summed
@@ -163,7 +185,13 @@ class CrossDeviceOps:
         in_specs = tuple(P(axis_name) for _ in stacked)
         out_specs = [P() for _ in stacked]
         return jax.jit(
-            jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs),
+            jax.shard_map(
+                body,
+                mesh=mesh,
+                in_specs=in_specs,
+                out_specs=out_specs,
+                axis_names=frozenset({axis_name}),
+            ),
             out_shardings=[NamedSharding(mesh, P()) for _ in stacked],
         )
 
@@ -173,6 +201,23 @@ class CrossDeviceOps:
 
     def _settings(self) -> dict[str, Any]:
         return {}
+
+
+def _data_axis(mesh: jax.sharding.Mesh, axis_name: str | None) -> str:
+    if axis_name is None:
+        if len(mesh.axis_names) != 1:
+            raise ValueError(
+                f"`axis_name` must name the mesh axis along which replicas are laid when the "
+                f"mesh has several axes {tuple(mesh.axis_names)}; got None. Pass "
+                "axis_name=strategy.axis_name."
+            )
+        return mesh.axis_names[0]
+    if axis_name not in mesh.axis_names:
+        raise ValueError(
+            f"`axis_name` must be one of the mesh's axes {tuple(mesh.axis_names)}; got "
+            f"{axis_name!r}. Pass axis_name=strategy.axis_name."
+        )
+    return axis_name
 
 
 def _check_num_packs(num_packs: int) -> int:
@@ -240,8 +285,7 @@ class NcclAllReduce(CrossDeviceOps):
     def _settings(self) -> dict[str, Any]:
         return {"num_packs": self.num_packs}
 
-    def _sum_leaves(self, leaves, mesh):
-        axis_name = mesh.axis_names[0]
+    def _sum_leaves(self, leaves, mesh, axis_name):
         return _packed(leaves, self.num_packs, lambda x: jax.lax.psum(x, axis_name))
 
 
@@ -271,9 +315,8 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
         half = (n + 1) // 2
         return [g for g in (list(range(half)), list(range(half, n))) if g]
 
-    def _sum_leaves(self, leaves, mesh):
-        axis_name = mesh.axis_names[0]
-        groups = self.groups(mesh.size)
+    def _sum_leaves(self, leaves, mesh, axis_name):
+        groups = self.groups(mesh.shape[axis_name])
 
         def reduce_buffer(x):
             step = 1
@@ -323,7 +366,8 @@ class ReductionToOneDevice(CrossDeviceOps):
     def _settings(self) -> dict[str, Any]:
         return {"reduce_to_device": self.reduce_to_device}
 
-    def _destination_index(self, mesh: jax.sharding.Mesh) -> int:
+    def _destination_index(self, mesh: jax.sharding.Mesh, axis_name: str) -> int:
+        """The replica (position along `axis_name`) whose devices include the destination."""
         if self.reduce_to_device is None:
             return 0
         devices = list(mesh.devices.flat)
@@ -334,11 +378,12 @@ class ReductionToOneDevice(CrossDeviceOps):
                 f"{devices_lib.canonical_name(self.reduce_to_device)}. Pass one of them, or "
                 "None for the first replica's device."
             )
-        return devices.index(self.reduce_to_device)
+        position = np.argwhere(mesh.devices == self.reduce_to_device)[0]
+        return int(position[mesh.axis_names.index(axis_name)])
 
-    def _sum_leaves(self, leaves, mesh):
-        axis_name, n = mesh.axis_names[0], mesh.size
-        dest = self._destination_index(mesh)
+    def _sum_leaves(self, leaves, mesh, axis_name):
+        n = mesh.shape[axis_name]
+        dest = self._destination_index(mesh, axis_name)
         out = []
         for x in leaves:
             received = {dest: x}
@@ -431,8 +476,8 @@ class CollectiveAllReduce(CrossDeviceOps):
     def _settings(self) -> dict[str, Any]:
         return {"implementation": self.implementation, "bytes_per_pack": self.bytes_per_pack}
 
-    def _sum_leaves(self, leaves, mesh):
-        axis_name, n = mesh.axis_names[0], mesh.size
+    def _sum_leaves(self, leaves, mesh, axis_name):
+        n = mesh.shape[axis_name]
         if self.implementation is CommunicationImplementation.RING:
             return _packed_by_bytes(
                 leaves, self.bytes_per_pack, lambda x: _ring_sum(x, axis_name, n)

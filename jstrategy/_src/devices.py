@@ -125,12 +125,23 @@ def resolve_devices(specs: Sequence[DeviceSpec], *, argument: str = "devices") -
       The devices, in the given order.
 
     Raises:
+      TypeError: if `specs` is not a sequence (e.g. a device count).
       ValueError: if `specs` is empty, names a device twice, mixes platforms, or names a
         device that does not exist.
     """
     if isinstance(specs, (str, jax.Device)):
         specs = [specs]
-    specs = list(specs)
+    try:
+        specs = list(specs)
+    except TypeError:
+        hint = ""
+        if isinstance(specs, int) and not isinstance(specs, bool):
+            hint = f" To use {specs} devices, pass {argument}=jax.local_devices()[:{specs}]."
+        raise TypeError(
+            f"`{argument}` must be a list of devices (TF-style strings such as '/gpu:0', or "
+            f"jax.Device objects); got {type(specs).__name__} {specs!r}. Pass e.g. "
+            f"{argument}=['/gpu:0', '/gpu:1'], or {argument}=None for all local devices.{hint}"
+        ) from None
     if not specs:
         raise ValueError(
             f"`{argument}` must be non-empty; got []. Pass {argument}=None to use all local "

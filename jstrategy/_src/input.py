@@ -26,6 +26,7 @@ import enum
 import itertools
 import weakref
 from collections.abc import Callable
+from collections.abc import Collection
 from collections.abc import Iterable
 from collections.abc import Iterator
 from collections.abc import Sequence
@@ -36,6 +37,8 @@ import jax
 import numpy as np
 
 from jstrategy._src.values import PerReplica
+from jstrategy._src.values import local_replica_devices
+from jstrategy._src.values import replica_devices
 
 if TYPE_CHECKING:
     from jstrategy._src.strategy import Strategy
@@ -274,7 +277,9 @@ def replica_row_slices(global_batch_size: int, num_replicas: int) -> tuple[slice
 
 
 def process_row_slices(
-    global_batch_size: int, device_process_indices: Sequence[int], process_index: int
+    global_batch_size: int,
+    device_process_indices: Sequence[int | Collection[int]],
+    process_index: int,
 ) -> tuple[slice, ...]:
     """The rows of a global batch that one process feeds, given which process owns each replica.
 
@@ -286,7 +291,8 @@ def process_row_slices(
 
     Args:
       global_batch_size: rows in the (padded) global batch.
-      device_process_indices: the process index of each replica's device, in mesh order.
+      device_process_indices: the process index of each replica's device, in replica order
+        (a collection of indices for a replica whose devices span several processes).
       process_index: the process asking.
 
     Returns:
@@ -305,7 +311,7 @@ def process_row_slices(
     rows = replica_row_slices(global_batch_size, len(device_process_indices))
     merged: list[slice] = []
     for owner, sl in zip(device_process_indices, rows, strict=True):
-        if owner != process_index:
+        if process_index not in (owner if isinstance(owner, Collection) else (owner,)):
             continue
         if merged and merged[-1].stop == sl.start:
             merged[-1] = slice(merged[-1].start, sl.stop)
@@ -483,17 +489,24 @@ def _put(strategy: Strategy, local: list[Any], global_shapes: list[tuple]) -> li
     return jax.make_array_from_process_local_data(sharding, local, global_shapes)
 
 
-def _process_layout(strategy: Strategy) -> tuple[list[int], int, int, int]:
-    """(device process indices, this process's pipeline id, pipelines, local replicas)."""
-    owners = [d.process_index for d in strategy.devices]
-    processes = sorted(set(owners))
+def _process_layout(strategy: Strategy) -> tuple[list[Any], int, int, int]:
+    """(replicas' process indices, this process's pipeline id, pipelines, local replicas).
+
+    A replica's process index is a set when its devices span several processes (a replica
+    of an N-D mesh), each of which then feeds its rows.
+    """
+    groups = replica_devices(strategy.batch_sharding(), strategy.num_replicas_in_sync)
+    owner_sets = [sorted({d.process_index for d in group}) for group in groups]
+    owners = [o[0] if len(o) == 1 else frozenset(o) for o in owner_sets]
+    processes = sorted({p for o in owner_sets for p in o})
     me = jax.process_index()
     if me not in processes:
         raise ValueError(
             f"This process ({me}) owns none of the strategy's devices, so it has no rows to "
             "feed. Build the strategy from devices that include this process's devices."
         )
-    return owners, processes.index(me), len(processes), owners.count(me)
+    local_replicas = sum(me in o for o in owner_sets)
+    return owners, processes.index(me), len(processes), local_replicas
 
 
 class _Placer:
@@ -1031,15 +1044,16 @@ def _place_per_replica(iterator: DistributedIterator, placer: _Placer, where: st
         values = [np.concatenate(per_leaf) for per_leaf in zip(*pieces, strict=True)]
     else:
         strategy = placer.strategy
-        me = jax.process_index()
-        devices = [d for d in strategy.devices if d.process_index == me]
         sharding = strategy.batch_sharding()
+        groups = [g for _, g in local_replica_devices(sharding, strategy.num_replicas_in_sync)]
+        devices = [d for group in groups for d in group]
         # One replica's batch per device is the layout here; a batched put moves them all.
         columns = [*zip(*pieces, strict=True), masks]
         all_shapes = [*shapes, (placer.static_global,)]
         out = []
         for column, shape in zip(columns, all_shapes, strict=True):
-            arrays = jax.device_put(list(column), devices)
+            per_device = [x for x, group in zip(column, groups, strict=True) for _ in group]
+            arrays = jax.device_put(per_device, devices)
             out.append(jax.make_array_from_single_device_arrays(shape, sharding, arrays))
         *values, mask = out
     return jax.tree.unflatten(
@@ -1191,9 +1205,8 @@ def distribute_datasets_from_function(
         arg="dataset_fn",
     )
     if per_replica:
-        me = jax.process_index()
-        replica_ids = [i for i, d in enumerate(strategy.devices) if d.process_index == me]
-        contexts = [InputContext(n, i, n) for i in replica_ids]
+        local = local_replica_devices(strategy.batch_sharding(), n)
+        contexts = [InputContext(n, i, n) for i, _ in local]
     else:
         contexts = [InputContext(placer.pipelines, placer.pipeline_id, n)]
     sources = []

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import collections
+import collections.abc
 import contextlib
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable
 from collections.abc import Iterator
@@ -23,16 +25,21 @@ from jstrategy._src import context
 from jstrategy._src import dispatch
 from jstrategy._src.cross_device_ops import CrossDeviceOps
 from jstrategy._src.cross_device_ops import NcclAllReduce
+from jstrategy._src.mesh import DeviceMesh
+from jstrategy._src.mesh import auto_mesh
 from jstrategy._src.reduce_util import ReduceOp
 from jstrategy._src.values import PerReplica
 from jstrategy._src.values import is_per_replica
+from jstrategy._src.values import local_replica_devices
 from jstrategy._src.values import local_results
 from jstrategy._src.values import varying_axes
 
 __all__ = ["REPLICA_AXIS", "Strategy", "ValueContext"]
 
-#: The name of the strategy mesh's axis along which replicas are laid. Use it for
-#: collectives in your own code, e.g. ``nn.BatchNorm(axis_name=jstrategy.REPLICA_AXIS)``.
+#: The name of the mesh axis along which the replicas of the 1-D strategies (OneDevice,
+#: Mirrored, TPU, ..., and FSDP) are laid. Use it for collectives in your own code, e.g.
+#: ``nn.BatchNorm(axis_name=jstrategy.REPLICA_AXIS)``; `Strategy.axis_name` is the same
+#: name for any strategy (``batch_dim_name`` for `ModelParallelStrategy`).
 REPLICA_AXIS = "replica"
 
 _RUN_CACHE_SIZE = 256
@@ -69,31 +76,53 @@ class _RunProgram:
 class Strategy:
     """Where parameters and computation live, and how replicas talk.
 
-    A strategy owns a 1-D `jax.sharding.Mesh` whose axis, `REPLICA_AXIS` (``"replica"``),
-    has one entry per replica. Subclasses (`MirroredStrategy`, `OneDeviceStrategy`, ...)
-    only choose the devices and the policies; everything here is shared.
+    A strategy owns a `jax.sharding.Mesh`. One of its axes, the data axis (`axis_name`),
+    has one entry per replica: a replica is one data-parallel group, which computes on its
+    own slice of every batch. The 1-D strategies (`MirroredStrategy`, `OneDeviceStrategy`,
+    ...) have only that axis, `REPLICA_AXIS` (``"replica"``), one device per replica. An
+    N-D mesh (`ModelParallelStrategy`) adds axes along which variables are split; its
+    replicas are groups of devices, and everything here (`run`, `reduce`, `gather`, the
+    replica context, distributed datasets) works over the data axis, leaving the other
+    axes to XLA's SPMD partitioner. Subclasses only choose the mesh and the policies
+    (`variable_sharding`); everything here is shared.
 
     Args:
-      devices: the replicas' devices, in replica order.
+      devices: the replicas' devices, in replica order (a 1-D mesh along `REPLICA_AXIS`),
+        or a mesh (`jstrategy.experimental.DeviceMesh` or `jax.sharding.Mesh`).
       cross_device_ops: how replicas' values are combined; defaults to
         `NcclAllReduce(num_packs=0)` (see `MirroredStrategy`).
+      data_axis: the mesh axis along which replicas are laid, when `devices` is a mesh.
+
+    Raises:
+      ValueError: if `data_axis` is not an axis of the mesh.
     """
 
     def __init__(
         self,
-        devices: Sequence[jax.Device],
+        devices: Sequence[jax.Device] | Mesh | DeviceMesh,
         *,
         cross_device_ops: CrossDeviceOps | None = None,
+        data_axis: str = REPLICA_AXIS,
     ):
         if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
             raise TypeError(
                 f"`cross_device_ops` must be a jstrategy.CrossDeviceOps such as "
                 f"NcclAllReduce(); got {type(cross_device_ops).__name__} {cross_device_ops!r}."
             )
-        self._devices = tuple(devices)
-        self._mesh = Mesh(
-            np.array(self._devices, dtype=object), (REPLICA_AXIS,), axis_types=(AxisType.Auto,)
-        )
+        if isinstance(devices, (Mesh, DeviceMesh)):
+            self._mesh = auto_mesh(devices)
+            if data_axis not in self._mesh.axis_names:
+                raise ValueError(
+                    f"The data axis {data_axis!r} is not an axis of the mesh, whose axes are "
+                    f"{tuple(self._mesh.axis_names)}. Name one of them (the axis the batch "
+                    "is split over), or add it to the mesh."
+                )
+        else:
+            self._mesh = Mesh(
+                np.array(tuple(devices), dtype=object), (data_axis,), axis_types=(AxisType.Auto,)
+            )
+        self._data_axis = data_axis
+        self._devices = tuple(self._mesh.devices.flat)
         self._cross_device_ops = cross_device_ops or NcclAllReduce(num_packs=0)
         self._run_cache: collections.OrderedDict[Any, _RunProgram] = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -102,27 +131,29 @@ class Strategy:
     # Properties -------------------------------------------------------------------------
     @property
     def mesh(self) -> Mesh:
-        """The 1-D mesh of replicas; its only axis is named `axis_name` (``"replica"``)."""
+        """The mesh: replicas along `axis_name` (the only axis of the 1-D strategies)."""
         return self._mesh
 
     @property
     def axis_name(self) -> str:
-        """The mesh axis along which replicas are laid: ``"replica"``."""
-        return REPLICA_AXIS
+        """The mesh axis along which replicas are laid (the data axis): ``"replica"`` for
+        the 1-D strategies, ``batch_dim_name`` for `ModelParallelStrategy`."""
+        return self._data_axis
 
     @property
     def num_replicas_in_sync(self) -> int:
-        """How many replicas take part in each step."""
-        return self._mesh.size
+        """How many replicas take part in each step: the size of the data axis."""
+        return int(self._mesh.shape[self._data_axis])
 
     @property
     def devices(self) -> tuple[jax.Device, ...]:
-        """The replicas' devices, in replica order."""
+        """The strategy's devices in mesh order: the replicas' devices, in replica order, on
+        a 1-D mesh."""
         return self._devices
 
     @property
     def local_devices(self) -> tuple[jax.Device, ...]:
-        """This process's replicas' devices, in replica order (all of them in one process)."""
+        """This process's devices, in mesh order (all of them in one process)."""
         me = jax.process_index()
         return tuple(d for d in self._devices if d.process_index == me)
 
@@ -136,8 +167,9 @@ class Strategy:
         return NamedSharding(self._mesh, P())
 
     def batch_sharding(self) -> NamedSharding:
-        """The sharding of a global batch split by rows across replicas."""
-        return NamedSharding(self._mesh, P(REPLICA_AXIS))
+        """The sharding of a global batch split by rows across replicas (over the data
+        axis; each replica's devices hold its rows whole)."""
+        return NamedSharding(self._mesh, P(self._data_axis))
 
     def variable_sharding(
         self, leaf: jax.ShapeDtypeStruct | jax.Array, path: tuple[str, ...] = ()
@@ -236,7 +268,13 @@ class Strategy:
                 f"`args` must be a tuple or list of positional arguments; got "
                 f"{type(args).__name__}. Wrap a single argument: args=(x,)."
             )
-        kwargs = {} if kwargs is None else kwargs
+        if kwargs is not None and not isinstance(kwargs, collections.abc.Mapping):
+            raise TypeError(
+                f"`kwargs` must be a dict of keyword arguments for `fn`; got "
+                f"{type(kwargs).__name__} {_short(kwargs)}. Pass kwargs={{'name': value}}, "
+                f"or positional arguments as args=(...)."
+            )
+        kwargs = {} if kwargs is None else dict(kwargs)
         leaves, treedef = jax.tree.flatten((tuple(args), kwargs), is_leaf=is_per_replica)
         kinds: list[str] = []
         dynamic: list[Any] = []
@@ -286,15 +324,21 @@ class Strategy:
         mesh = getattr(sharding, "mesh", None)
         if mesh is not None and mesh.shape_tuple != self._mesh.shape_tuple:
             raise ValueError(
-                f"A PerReplica argument has {mesh.size} replicas but this strategy has "
+                f"A PerReplica argument has {value.num_replicas} replicas but this strategy has "
                 f"{self.num_replicas_in_sync}. Pass values made by this strategy (its run, "
                 "datasets or experimental_distribute_values_from_function)."
             )
 
     def _build_run(self, fn, treedef, kinds, statics, has_mask, example) -> _RunProgram:
+        data = self._data_axis
         in_specs = tuple(
-            P(REPLICA_AXIS) if k in (_STACKED, _SPLIT) else P() for k in kinds if k != _STATIC
-        ) + ((P(REPLICA_AXIS),) if has_mask else ())
+            P(data) if k in (_STACKED, _SPLIT) else P() for k in kinds if k != _STATIC
+        ) + ((P(data),) if has_mask else ())
+        # Manual over the data axis only: a mesh's other axes stay automatic, so variables
+        # split over them keep their layout inside `fn` and XLA partitions the math.
+        shard_map = functools.partial(
+            jax.shard_map, mesh=self._mesh, in_specs=in_specs, axis_names=frozenset({data})
+        )
 
         def call(*values):
             row_mask = values[-1] if has_mask else None
@@ -309,7 +353,7 @@ class Strategy:
                     if kind == _STACKED:
                         value = value[0]
                     elif kind == _WHOLE:
-                        value = _per_replica_copy(value)
+                        value = _per_replica_copy(value, data)
                     leaves.append(value)
             args, kwargs = jax.tree.unflatten(treedef, leaves)
             with context.replica_scope(self, replica_context):
@@ -320,23 +364,18 @@ class Strategy:
         def probe(*values):
             flat, out_tree = call(*values)
             flat = [jnp.asarray(x) for x in flat]
-            info.append((out_tree, [REPLICA_AXIS in varying_axes(x) for x in flat]))
+            info.append((out_tree, [data in varying_axes(x) for x in flat]))
             return [x[None] for x in flat]
 
-        jax.eval_shape(
-            jax.shard_map(probe, mesh=self._mesh, in_specs=in_specs, out_specs=P(REPLICA_AXIS)),
-            *example,
-        )
+        jax.eval_shape(shard_map(probe, out_specs=P(data)), *example)
         out_tree, varying = info[0]
 
         def body(*values):
             flat, _ = call(*values)
             return [jnp.asarray(x)[None] if v else x for x, v in zip(flat, varying, strict=True)]
 
-        out_specs = [P(REPLICA_AXIS) if v else P() for v in varying]
-        compiled = jax.jit(
-            jax.shard_map(body, mesh=self._mesh, in_specs=in_specs, out_specs=out_specs)
-        )
+        out_specs = [P(data) if v else P() for v in varying]
+        compiled = jax.jit(shard_map(body, out_specs=out_specs))
         return _RunProgram(compiled, out_tree, varying)
 
     # Cross-replica reductions -----------------------------------------------------------
@@ -420,7 +459,7 @@ class Strategy:
         leaves, treedef = jax.tree.flatten(value, is_leaf=is_per_replica)
         if not leaves:
             return (value,)
-        per_leaf = [local_results(x) for x in leaves]
+        per_leaf = [local_results(x, self._data_axis) for x in leaves]
         count = max(len(r) for r in per_leaf)
         per_leaf = [r if len(r) == count else r * count for r in per_leaf]
         return tuple(jax.tree.unflatten(treedef, [r[i] for r in per_leaf]) for i in range(count))
@@ -441,15 +480,14 @@ class Strategy:
           ValueError: if replicas' values differ in structure or shape.
         """
         n = self.num_replicas_in_sync
-        me = jax.process_index()
-        local = [(i, d) for i, d in enumerate(self._devices) if d.process_index == me]
+        sharding = self.batch_sharding()
+        local = local_replica_devices(sharding, n)
         results = [value_fn(ValueContext(i, n)) for i, _ in local]
         structures = [jax.tree.structure(r) for r in results]
         if any(s != structures[0] for s in structures):  # type: ignore[operator]
             raise ValueError(
                 f"`value_fn` must return the same structure for every replica; got {structures}."
             )
-        sharding = self.batch_sharding()
         per_leaf = zip(*[jax.tree.leaves(r) for r in results], strict=True)
         out = []
         for values in per_leaf:
@@ -460,7 +498,11 @@ class Strategy:
                     "`value_fn` must return the same shape and dtype for every replica; got "
                     f"{[(a.shape, str(a.dtype)) for a in arrays]}."
                 )
-            pieces = [jax.device_put(a[None], d) for a, (_, d) in zip(arrays, local, strict=True)]
+            pieces = [
+                jax.device_put(a[None], d)
+                for a, (_, group) in zip(arrays, local, strict=True)
+                for d in group
+            ]
             global_shape = (n, *arrays[0].shape)
             out.append(
                 PerReplica(
@@ -476,7 +518,51 @@ class Strategy:
     ) -> Any:
         """Distributes an iterable of global batches over the replicas.
 
-        See `jstrategy._src.input.distribute_dataset`, which implements it.
+        Each element is the next global batch laid over the replicas: replica *i* gets
+        the *i*-th contiguous slice of its rows, as in tf.distribute (on a multi-axis mesh
+        every device of replica *i* holds that slice). Every element has one static shape
+        so the compiled step is reused: a batch with fewer rows (the last one, or one whose
+        rows do not divide by the replica count) is padded with zero rows, and each element
+        carries a row mask that `run` hands to the replica context, so
+        `jstrategy.compute_average_loss` counts only real rows. With several processes,
+        every process iterates the same global batches and places only its replicas' rows.
+        The next batches are put on the devices while the current one is used.
+
+        Args:
+          dataset: the global batches, each a pytree (array, tuple, dict, ...) of NumPy or
+            JAX arrays sharing their leading (row) dimension: a list or other re-iterable,
+            a zero-argument callable returning an iterator (a generator function), a
+            one-shot iterator (iterated once only), a grain loader, or a
+            `tf.data.Dataset` (read through ``as_numpy_iterator()``).
+          options: a `jstrategy.InputOptions`; None for the defaults (fetch to the
+            devices, one batch ahead). ``InputReplicationMode.PER_REPLICA`` is only for
+            `distribute_datasets_from_function`.
+          global_batch_size: the static rows of every element, a multiple of
+            `num_replicas_in_sync`; None: the first batch's rows rounded up to one.
+
+        Returns:
+          A `DistributedDataset`: iterable (once per epoch, when the source is
+          re-iterable), with `element_spec` and, when the source has one, `len()`. Its
+          elements are pytrees of split `PerReplica` values to pass to `run`.
+
+        Raises:
+          TypeError: if `dataset` is not iterable or `options` is not an `InputOptions`.
+          ValueError: for ``PER_REPLICA`` options or a `global_batch_size` that is not a
+            positive multiple of `num_replicas_in_sync`. While iterating: a ragged batch,
+            a leaf that is not an array, a batch unlike the first in structure, row shape
+            or dtype, or one with more rows than the static size.
+
+        Example:
+
+        >>> import numpy as np
+        >>> import jstrategy
+        >>> strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+        >>> rows = np.arange(6, dtype=np.float32)[:, None]
+        >>> dist = strategy.experimental_distribute_dataset([rows[:4], rows[4:]])
+        >>> for element in dist:  # replica 0, replica 1; the last batch padded
+        ...     print([v.ravel().tolist() for v in strategy.experimental_local_results(element)])
+        [[0.0, 1.0], [2.0, 3.0]]
+        [[4.0, 5.0], [0.0, 0.0]]
         """
         from jstrategy._src import input as input_lib
 
@@ -491,9 +577,54 @@ class Strategy:
         *,
         global_batch_size: int | None = None,
     ) -> Any:
-        """Builds one input pipeline per process with `dataset_fn(InputContext)`.
+        """Builds the input pipelines with `dataset_fn(InputContext)` and distributes them.
 
-        See `jstrategy._src.input.distribute_datasets_from_function`, which implements it.
+        `dataset_fn` is called now, once per input pipeline, with a `jstrategy.InputContext`
+        (``num_input_pipelines``, ``input_pipeline_id``, ``num_replicas_in_sync``); shard the
+        data by ``input_pipeline_id`` inside it. The pipelines depend on
+        ``options.experimental_replication_mode``:
+
+        * ``InputReplicationMode.PER_WORKER`` (default): one pipeline per process. Each
+          element it yields is this process's share of the global batch
+          (``global_batch_size // num_input_pipelines`` rows; the whole batch with one
+          process), split across the process's replicas. TF's per-worker dataset instead
+          yields per-replica batches, one per local replica.
+        * ``InputReplicationMode.PER_REPLICA``: one pipeline per local replica, with
+          ``input_pipeline_id`` the replica id; each element is that replica's batch
+          (``ctx.get_per_replica_batch_size(global_batch_size)`` rows). A pipeline that
+          ends early yields all-padding batches until every pipeline has ended.
+
+        Batches are padded to one static shape and masked as in
+        `experimental_distribute_dataset`.
+
+        Args:
+          dataset_fn: called with an `InputContext`; returns the pipeline's batches in any
+            form `experimental_distribute_dataset` accepts.
+          options: a `jstrategy.InputOptions`; None for the defaults.
+          global_batch_size: the static global rows of every element; None: from the first
+            batch (rounded up so each local replica gets the same rows).
+
+        Returns:
+          A `DistributedDataset` whose elements are pytrees of split `PerReplica` values.
+
+        Raises:
+          TypeError: if `dataset_fn` is not callable, returns None or something not
+            iterable, or `options` is not an `InputOptions`.
+          ValueError: for a bad `global_batch_size`, or per-process pipelines when the
+            processes hold different numbers of replicas. While iterating: batches that are
+            ragged, unlike the first, or over the static size.
+
+        Example:
+
+        >>> import numpy as np
+        >>> import jstrategy
+        >>> strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+        >>> def dataset_fn(ctx):
+        ...     rows = 4 // ctx.num_input_pipelines  # this process's share of 4 rows
+        ...     return [np.full((rows, 1), ctx.input_pipeline_id, np.float32)]
+        >>> dist = strategy.distribute_datasets_from_function(dataset_fn)
+        >>> next(iter(dist)).value.shape
+        (4, 1)
         """
         from jstrategy._src import input as input_lib
 
@@ -502,6 +633,9 @@ class Strategy:
         )
 
     def __repr__(self) -> str:
+        if len(self._mesh.axis_names) > 1:
+            axes = ", ".join(f"{name!r}: {size}" for name, size in self._mesh.shape.items())
+            return f"{type(self).__name__}(mesh={{{axes}}}, data_axis={self._data_axis!r})"
         from jstrategy._src.devices import canonical_name
 
         names = [canonical_name(d) for d in self._devices]
@@ -509,7 +643,7 @@ class Strategy:
         return f"{type(self).__name__}(devices=[{', '.join(shown)}])"
 
 
-def _per_replica_copy(value: Any) -> jax.Array:
+def _per_replica_copy(value: Any, axis_name: str) -> jax.Array:
     """Types a replicated argument as this replica's own copy, as TF's mirrored components.
 
     JAX would otherwise treat it as one value shared by all replicas, and the gradient with
@@ -518,9 +652,14 @@ def _per_replica_copy(value: Any) -> jax.Array:
     The cast is free: it changes the type, not the data.
     """
     value = jnp.asarray(value)
-    if REPLICA_AXIS in varying_axes(value):
+    if axis_name in varying_axes(value):
         return value
-    return jax.lax.pcast(value, REPLICA_AXIS, to="varying")
+    return jax.lax.pcast(value, axis_name, to="varying")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _gather_fn(n: int, stacked: bool, axis: int) -> Callable[[jax.Array], jax.Array]:

@@ -7,15 +7,23 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["PerReplica", "is_per_replica", "local_devices_of", "varying_axes"]
+__all__ = [
+    "PerReplica",
+    "is_per_replica",
+    "local_devices_of",
+    "local_replica_devices",
+    "replica_axis_of",
+    "replica_devices",
+    "varying_axes",
+]
 
 
 @jax.tree_util.register_pytree_node_class
 class PerReplica:
     """One value per replica, stored as a single global `jax.Array` sharded over the mesh.
 
-    Two layouts exist, both with the replica axis first and split across the strategy's
-    devices:
+    Two layouts exist, both with the replica axis first and split over the strategy's data
+    axis (on a multi-axis mesh, every device of replica *i* holds replica *i*'s part):
 
     * ``stacked`` (what `Strategy.run` returns): global shape ``(num_replicas, *shape)``;
       replica *i* owns ``value[i]``.
@@ -70,10 +78,14 @@ class PerReplica:
 
     @property
     def num_replicas(self) -> int:
+        """How many replicas hold a part: the size of the mesh axis splitting the leading axis."""
         sharding = getattr(self.value, "sharding", None)
         if sharding is None:
             return int(self.value.shape[0]) if self.stacked else 1
-        return int(np.prod(sharding.mesh.devices.shape)) if hasattr(sharding, "mesh") else 1
+        if not hasattr(sharding, "mesh"):
+            return 1
+        axis = replica_axis_of(sharding)
+        return 1 if axis is None else int(sharding.mesh.shape[axis])
 
     @property
     def values(self) -> tuple[Any, ...]:
@@ -99,17 +111,105 @@ def local_devices_of(array: jax.Array) -> list[jax.Device]:
     return [d for d in devices if d.process_index == me]
 
 
-def local_results(leaf: Any) -> tuple[Any, ...]:
-    """One value per local replica for a single leaf, in replica order."""
+def replica_axis_of(sharding: Any) -> str | None:
+    """The mesh axis that splits the leading axis of a value laid out by `sharding`, if any."""
+    spec = getattr(sharding, "spec", None)
+    if not spec or spec[0] is None:
+        return None
+    first = spec[0]
+    return first if isinstance(first, str) else (first[0] if len(first) == 1 else None)
+
+
+def replica_devices(sharding: Any, num_replicas: int) -> list[list[jax.Device]]:
+    """The devices of each replica, in replica order, for `sharding` splitting rows by replica.
+
+    A replica is one entry of the strategy's data axis: one device on a 1-D mesh, the
+    devices of one data-parallel group (e.g. the whole ``"model"`` axis) on an N-D mesh.
+    `sharding` is a strategy's batch sharding; only it is needed to know the layout.
+    """
+    groups: list[list[jax.Device]] = [[] for _ in range(num_replicas)]
+    for device, index in sharding.devices_indices_map((num_replicas,)).items():
+        groups[index[0].start or 0].append(device)
+    return groups
+
+
+def local_replica_devices(sharding: Any, num_replicas: int) -> list[tuple[int, list[jax.Device]]]:
+    """``(replica id, this process's devices of it)`` for each replica this process holds."""
+    me = jax.process_index()
+    groups = [
+        (i, [d for d in group if d.process_index == me])
+        for i, group in enumerate(replica_devices(sharding, num_replicas))
+    ]
+    return [(i, group) for i, group in groups if group]
+
+
+def _spec_axes(spec: Any) -> set[str]:
+    axes: set[str] = set()
+    for entry in spec:
+        if isinstance(entry, str):
+            axes.add(entry)
+        elif entry is not None:
+            axes.update(entry)
+    return axes
+
+
+def _replicas_whole(value: jax.Array) -> jax.Array:
+    """`value` with every device holding whole replicas' values (no split besides replicas).
+
+    `Strategy.run` leaves the layout over a mesh's other axes to XLA, so a per-replica
+    output can come back also split over e.g. ``"model"``; reading it needs it whole.
+    """
+    sharding = value.sharding
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or len(mesh.axis_names) == 1:
+        return value
+    spec = getattr(sharding, "spec", ())
+    target = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec[:1]))
+    if sharding.is_equivalent_to(target, value.ndim):
+        return value
+    return jax.device_put(value, target)
+
+
+def local_results(leaf: Any, axis_name: str | None = None) -> tuple[Any, ...]:
+    """One value per local replica for a single leaf, in replica order.
+
+    Args:
+      leaf: a `PerReplica`, or an array (a mirrored value when replicated over the
+        replicas), or anything else (a 1-tuple then).
+      axis_name: the strategy's data axis, which tells replicas of a mirrored array apart
+        on an N-D mesh; None: every device is a replica.
+    """
     if isinstance(leaf, PerReplica):
-        by_device = {s.device: s.data for s in leaf.value.addressable_shards}
-        out = [by_device[d] for d in local_devices_of(leaf.value)]
+        value = _replicas_whole(leaf.value)
+        n = max(leaf.num_replicas, 1)
+        rows = max(value.shape[0] // n, 1)
+        by_replica: dict[int, Any] = {}
+        for shard in value.addressable_shards:
+            start = (shard.index[0].start or 0) if shard.index else 0
+            by_replica.setdefault(start // rows, shard.data)
+        out = [by_replica[r] for r in sorted(by_replica)]
         return tuple(x[0] for x in out) if leaf.stacked else tuple(out)
-    if (
-        isinstance(leaf, jax.Array)
-        and len(leaf.sharding.device_set) > 1
-        and leaf.sharding.is_fully_replicated
-    ):
+    if not isinstance(leaf, jax.Array) or len(leaf.sharding.device_set) < 2:
+        return (leaf,)
+    mesh = getattr(leaf.sharding, "mesh", None)
+    if axis_name is not None and mesh is not None and len(mesh.axis_names) > 1:
+        spec = getattr(leaf.sharding, "spec", ())
+        if axis_name not in mesh.axis_names or axis_name in _spec_axes(spec):
+            return (leaf,)
+        whole = leaf
+        if not leaf.sharding.is_fully_replicated:
+            whole = jax.device_put(
+                leaf, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            )
+        by_device = {s.device: s.data for s in whole.addressable_shards}
+        by_position = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axis_name))
+        groups = replica_devices(by_position, int(mesh.shape[axis_name]))
+        return tuple(
+            by_device[local[0]]
+            for local in ([d for d in g if d in by_device] for g in groups)
+            if local
+        )
+    if leaf.sharding.is_fully_replicated:
         by_device = {s.device: s.data for s in leaf.addressable_shards}
         return tuple(by_device[d] for d in local_devices_of(leaf))
     return (leaf,)

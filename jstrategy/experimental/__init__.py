@@ -1,4 +1,8 @@
-"""`jstrategy.experimental`: mirrors `tf.distribute.experimental`."""
+"""`jstrategy.experimental`: mirrors `tf.distribute.experimental`, plus sharded variables.
+
+`DeviceMesh`, `LayoutMap`, `ModelParallelStrategy` (Keras 3's `keras.distribution` names)
+and `FSDPStrategy` go beyond tf.distribute: variables split over the devices.
+"""
 
 from jstrategy._src.central_storage import CentralStorageStrategy
 from jstrategy._src.collective_util import CollectiveCommunication
@@ -6,6 +10,10 @@ from jstrategy._src.collective_util import CommunicationImplementation
 from jstrategy._src.collective_util import CommunicationOptions
 from jstrategy._src.fault_tolerance import PREEMPTION_EXIT_CODE
 from jstrategy._src.fault_tolerance import PreemptionCheckpointHandler
+from jstrategy._src.fsdp import FSDPStrategy
+from jstrategy._src.layout_map import LayoutMap
+from jstrategy._src.mesh import DeviceMesh
+from jstrategy._src.model_parallel import ModelParallelStrategy
 from jstrategy._src.multi_worker import (
     _DeprecatedMultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
 )
@@ -20,6 +28,10 @@ __all__ = [
     "CollectiveCommunication",
     "CommunicationImplementation",
     "CommunicationOptions",
+    "DeviceMesh",
+    "FSDPStrategy",
+    "LayoutMap",
+    "ModelParallelStrategy",
     "MultiWorkerMirroredStrategy",
     "ParameterServerStrategy",
     "PreemptionCheckpointHandler",

@@ -1,0 +1,119 @@
+"""`FSDPStrategy`: fully sharded data parallelism (ZeRO-3) over one axis of devices.
+
+What differs from `MirroredStrategy` is only where variables live between steps: instead of
+a full copy per replica, every large enough variable (parameter or optimizer-state leaf) is
+split into one slice per replica along one of its dimensions, so each device holds about
+``1 / num_replicas_in_sync`` of the parameters and optimizer state. Replicas, `run`, the
+replica context and distributed datasets are Mirrored's: each replica computes on its slice
+of the batch, over the data axis `REPLICA_AXIS`.
+
+A compiled step that receives such variables lets XLA's SPMD partitioner gather each
+parameter where it is used and reduce-scatter its gradient back to the slices, and applies
+the optimizer update to the slices only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jstrategy._src import devices as devices_lib
+from jstrategy._src.strategy import Strategy
+
+__all__ = ["DEFAULT_MIN_SHARD_SIZE", "FSDPStrategy"]
+
+#: Variables with fewer elements stay replicated: gathering a bias or a norm's scale costs
+#: a collective per use and saves next to nothing.
+DEFAULT_MIN_SHARD_SIZE = 1024
+
+
+class FSDPStrategy(Strategy):
+    """Data parallelism with parameters and optimizer state sharded over the replicas.
+
+    Every variable with at least `min_shard_size` elements is split over the replicas
+    along its largest dimension that divides by `num_replicas_in_sync` (the first such
+    dimension when several are equally large); smaller variables, and those without such a
+    dimension, are replicated. The decision depends on the shape only, so an optimizer's
+    moments are laid out like their parameters.
+
+    Args:
+      devices: the devices (TF-style strings or `jax.Device`s), one replica each. None
+        means every device of JAX's default backend, of every process.
+      min_shard_size: the fewest elements a variable must have to be sharded.
+
+    Raises:
+      ValueError: if `devices` is invalid or `min_shard_size` is not a non-negative int.
+
+    Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> import jstrategy
+    >>> strategy = jstrategy.experimental.FSDPStrategy(min_shard_size=64)
+    >>> strategy.num_replicas_in_sync
+    8
+    >>> kernel = jax.ShapeDtypeStruct((12, 16), jnp.float32)
+    >>> strategy.variable_sharding(kernel, ("params", "Dense_0", "kernel")).spec
+    P(None, 'replica')
+    >>> bias = jax.ShapeDtypeStruct((16,), jnp.float32)
+    >>> strategy.variable_sharding(bias, ("params", "Dense_0", "bias")).spec
+    P()
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[devices_lib.DeviceSpec] | None = None,
+        *,
+        min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
+    ):
+        if (
+            isinstance(min_shard_size, bool)
+            or not isinstance(min_shard_size, int)
+            or min_shard_size < 0
+        ):
+            raise ValueError(
+                f"`min_shard_size` must be a non-negative int (the fewest elements a "
+                f"variable needs to be sharded); got {min_shard_size!r}. Pass e.g. "
+                f"min_shard_size={DEFAULT_MIN_SHARD_SIZE}, or 0 to shard every variable "
+                "that divides."
+            )
+        resolved = jax.devices() if devices is None else devices_lib.resolve_devices(devices)
+        super().__init__(resolved)
+        self._min_shard_size = min_shard_size
+
+    @property
+    def min_shard_size(self) -> int:
+        """The fewest elements a variable must have to be sharded."""
+        return self._min_shard_size
+
+    def variable_sharding(
+        self, leaf: jax.ShapeDtypeStruct | jax.Array, path: tuple[str, ...] = ()
+    ) -> jax.sharding.Sharding:
+        """One slice per replica along the largest dimension that divides, else replicated.
+
+        Args:
+          leaf: the variable's shape and dtype.
+          path: the variable's keys in the state (unused: the shape decides).
+
+        Returns:
+          ``NamedSharding(mesh, P(..., "replica", ...))`` with the data axis at the
+          chosen dimension, or `replicated_sharding`.
+        """
+        del path  # parameters and their optimizer moments share shapes, hence layouts
+        n = self.num_replicas_in_sync
+        shape = tuple(leaf.shape)
+        if n == 1 or math.prod(shape) < max(self._min_shard_size, 1):
+            return self.replicated_sharding()
+        dims = [i for i, d in enumerate(shape) if d >= n and d % n == 0]
+        if not dims:
+            return self.replicated_sharding()
+        best = max(dims, key=lambda i: (shape[i], -i))
+        spec: list[str | None] = [None] * len(shape)
+        spec[best] = self.axis_name
+        return NamedSharding(self.mesh, P(*spec))
+
+    def __repr__(self) -> str:
+        return f"{super().__repr__()[:-1]}, min_shard_size={self._min_shard_size})"

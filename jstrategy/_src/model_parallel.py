@@ -1,0 +1,180 @@
+"""`ModelParallelStrategy`: data parallelism over one mesh axis, variables split by a layout map.
+
+As `keras.distribution.ModelParallel`: the mesh comes from the `LayoutMap`; the batch is split
+over the axis `batch_dim_name` (the strategy's data axis: one replica per entry, each a group
+of devices); each variable is laid out as the layout map says, which is all that differs
+from the core. Inside a compiled step XLA's SPMD partitioner splits the computation to
+match (e.g. a Megatron MLP: the first kernel split on its output dimension, the second on
+its input dimension, over a ``"model"`` axis).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jstrategy._src.cross_device_ops import CrossDeviceOps
+from jstrategy._src.layout_map import LayoutMap
+from jstrategy._src.mesh import DeviceMesh
+from jstrategy._src.strategy import Strategy
+
+__all__ = ["ModelParallelStrategy"]
+
+#: The collection of Flax's parameters (and the train state's field holding them): not part
+#: of the variable paths that layout map keys match, as in Keras.
+_PARAMS = "params"
+
+
+class ModelParallelStrategy(Strategy):
+    """Variables laid out over a multi-axis mesh by a `LayoutMap`; the batch split over one axis.
+
+    Which layout a leaf of a train state gets (`variable_sharding`, hence `place_state`,
+    `create_train_state` and checkpoint restores):
+
+    * A parameter (a leaf under ``params``) is looked up by its path without ``params``,
+      joined by ``/`` (``Dense_0/kernel``; an NNX parameter's path ends in ``/value``),
+      with Keras's semantics: the key equal to the path, else the one key whose regex
+      `re.search` finds in it, else replicated. Its layout must fit: at most one entry per
+      dimension, and each split dimension divisible by the size of its mesh axes.
+    * Any other leaf follows the parameter whose path ends its own: an optimizer moment
+      ``opt_state/1/0/mu/Dense_0/kernel`` is looked up by its suffixes, longest first, and
+      takes the first match's layout when it fits its shape; otherwise (a step count,
+      Adafactor's factored moments, ...) it is replicated. So optimizer state is split
+      like its parameter and adds no memory per device beyond it.
+
+    Inside `run` a replica is one entry of `batch_dim_name`: the replica context's
+    collectives run over that axis, while the mesh's other axes are automatic (XLA
+    partitions the computation over them; collectives naming them are not available).
+
+    Args:
+      layout_map: the `LayoutMap`; its `device_mesh` is the strategy's mesh.
+      batch_dim_name: the mesh axis the batch is split over (the data axis:
+      `num_replicas_in_sync` is its size, and `axis_name` is this name, for collectives
+        such as ``nn.BatchNorm(axis_name=strategy.axis_name)``).
+      cross_device_ops: how replicas' values are combined across the data axis; defaults
+        to `NcclAllReduce(num_packs=0)`.
+
+    Raises:
+      TypeError: if `layout_map` is not a `LayoutMap`.
+      ValueError: if `batch_dim_name` is not an axis of the mesh.
+
+    Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> import jstrategy
+    >>> mesh = jstrategy.experimental.DeviceMesh((2, 4), ("batch", "model"))
+    >>> layout_map = jstrategy.experimental.LayoutMap(mesh)
+    >>> layout_map["Dense_0/kernel"] = (None, "model")
+    >>> layout_map["Dense_1/kernel"] = ("model", None)
+    >>> strategy = jstrategy.experimental.ModelParallelStrategy(layout_map)
+    >>> strategy.num_replicas_in_sync, strategy.axis_name
+    (2, 'batch')
+    >>> kernel = jax.ShapeDtypeStruct((16, 8), jnp.float32)
+    >>> strategy.variable_sharding(kernel, ("params", "Dense_1", "kernel")).spec
+    P('model', None)
+    >>> strategy.variable_sharding(kernel, ("opt_state", "0", "mu", "Dense_1", "kernel")).spec
+    P('model', None)
+    """
+
+    def __init__(
+        self,
+        layout_map: LayoutMap,
+        *,
+        batch_dim_name: str = "batch",
+        cross_device_ops: CrossDeviceOps | None = None,
+    ):
+        if not isinstance(layout_map, LayoutMap):
+            raise TypeError(
+                f"`layout_map` must be a jstrategy.experimental.LayoutMap; got "
+                f"{type(layout_map).__name__} {layout_map!r}. Build one with "
+                "LayoutMap(DeviceMesh(shape, axis_names)) and set its layouts."
+            )
+        mesh = layout_map.device_mesh
+        if not isinstance(batch_dim_name, str) or batch_dim_name not in mesh.axis_names:
+            raise ValueError(
+                f"`batch_dim_name` must be an axis of the layout map's mesh, whose axes are "
+                f"{mesh.axis_names}; got {batch_dim_name!r}. Pass the axis to split the "
+                f"batch over, e.g. batch_dim_name={mesh.axis_names[0]!r}."
+            )
+        super().__init__(mesh, cross_device_ops=cross_device_ops, data_axis=batch_dim_name)
+        self._layout_map = layout_map
+
+    @property
+    def layout_map(self) -> LayoutMap:
+        """The variables' layouts."""
+        return self._layout_map
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The mesh (the layout map's)."""
+        return self._layout_map.device_mesh
+
+    @property
+    def batch_dim_name(self) -> str:
+        """The mesh axis the batch is split over (`axis_name`)."""
+        return self.axis_name
+
+    def variable_sharding(
+        self, leaf: jax.ShapeDtypeStruct | jax.Array, path: tuple[str, ...] = ()
+    ) -> jax.sharding.Sharding:
+        """The layout map's layout for the variable at `path`; replicated when none matches.
+
+        Args:
+          leaf: the variable's shape and dtype.
+          path: the variable's keys in the state, e.g. ``("params", "Dense_0", "kernel")``.
+
+        Returns:
+          ``NamedSharding(mesh, layout)``, or `replicated_sharding`.
+
+        Raises:
+          ValueError: if a parameter's layout has more entries than it has dimensions, or
+            splits a dimension that does not divide by its mesh axes' size (the message
+            names the path, the shape and the size), or two keys match its path.
+        """
+        names = tuple(str(k) for k in path)
+        is_parameter = len(names) > 1 and names[0] == _PARAMS
+        if is_parameter:
+            candidates = ["/".join(names[1:])]
+        else:
+            candidates = ["/".join(names[i:]) for i in range(len(names))]
+        for candidate in candidates:
+            key, layout = self._layout_map.lookup(candidate)
+            if layout is not None:
+                break
+        else:
+            return self.replicated_sharding()
+        problem = self._misfit(layout, tuple(leaf.shape))
+        if problem is None:
+            return NamedSharding(self.mesh, layout)
+        if is_parameter:
+            raise ValueError(
+                f"Variable {candidate!r} of shape {tuple(leaf.shape)} does not fit the layout "
+                f"{tuple(layout)} of LayoutMap key {key!r}: {problem}. Change the layout, or "
+                "the variable's shape."
+            )
+        return self.replicated_sharding()
+
+    def _misfit(self, layout: P, shape: tuple[int, ...]) -> str | None:
+        """Why `layout` cannot lay out an array of `shape`; None when it can."""
+        if len(layout) > len(shape):
+            return f"the layout has {len(layout)} entries but the variable {len(shape)} dimensions"
+        for dim, entry in enumerate(layout):
+            if entry is None:
+                continue
+            axes = (entry,) if isinstance(entry, str) else tuple(entry)
+            size = math.prod(self.mesh.shape[a] for a in axes)
+            if shape[dim] % size:
+                which = f"mesh axis {axes[0]!r}" if len(axes) == 1 else f"mesh axes {axes}"
+                return (
+                    f"dimension {dim} ({shape[dim]}) does not divide by {size}, the size of {which}"
+                )
+        return None
+
+    def __repr__(self) -> str:
+        return (
+            f"ModelParallelStrategy(mesh={self.device_mesh!r}, "
+            f"batch_dim_name={self.axis_name!r}, layouts={len(self._layout_map)})"
+        )
