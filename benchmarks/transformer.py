@@ -160,7 +160,8 @@ def build_step(preset: Preset, policy: str, strategy: Any, attention: str):
         seq_len=preset.seq_len,
         mlp_ratio=preset.mlp_ratio,
         # Flax-native compute dtype for now. With the policy in the step factory this
-        # becomes dtype=jnp.float32 here and make_train_step(..., dtype_policy=policy).
+        # line goes (the model's dtype=None follows the policy's casts) and build_step
+        # passes dtype_policy=policy to the factory.
         dtype=jnp.dtype(mixed_precision.Policy(policy).compute_dtype),
         attention=attention,
     )

@@ -4,7 +4,9 @@ The model (`TransformerLM`, Flax linen) is GPT-2's shape: token and position emb
 pre-LayerNorm blocks of causal multi-head self-attention and a GELU MLP, a final
 LayerNorm, and output logits from the token embedding (tied weights). Attention is
 `jax.nn.dot_product_attention`, which runs cuDNN's flash attention on GPUs in bfloat16 or
-float16. ``dtype`` sets the compute dtype; parameters stay float32.
+float16. ``dtype`` sets the compute dtype (Flax's own mechanism); left None, the model
+computes in the dtype of the parameters it is given, so a precision policy that casts
+them (`jstrategy.mixed_precision.cast_to_compute`) decides. Parameters stay float32.
 
 Parameter names are regular so that layouts can be written as regexes over them (FSDP,
 a Megatron layout map): ``embed/embedding``, ``pos_embed/embedding``,
@@ -77,7 +79,7 @@ class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention: ``query``, ``key``, ``value`` and ``out`` kernels."""
 
     n_heads: int
-    dtype: Any = jnp.float32
+    dtype: Any = None
     out_std: float = 0.02
     attention: str = "auto"
 
@@ -108,7 +110,7 @@ class MLP(nn.Module):
     """``up`` to ``mlp_ratio * d_model``, GELU, ``down`` to ``d_model``."""
 
     mlp_ratio: int = 4
-    dtype: Any = jnp.float32
+    dtype: Any = None
     out_std: float = 0.02
 
     @nn.compact
@@ -123,7 +125,7 @@ class Block(nn.Module):
 
     n_heads: int
     mlp_ratio: int = 4
-    dtype: Any = jnp.float32
+    dtype: Any = None
     out_std: float = 0.02
     attention: str = "auto"
 
@@ -147,7 +149,9 @@ class TransformerLM(nn.Module):
       n_heads: attention heads per block (``d_model`` must divide by it).
       seq_len: the longest sequence (the size of the position embedding).
       mlp_ratio: the MLP's hidden width as a multiple of ``d_model``.
-      dtype: the compute dtype (e.g. ``jnp.bfloat16``); parameters are float32.
+      dtype: the compute dtype (e.g. ``jnp.bfloat16``; parameters stay float32), or None
+        (the default) to compute in the dtype of the parameters and inputs it is given, as
+        a `jstrategy.mixed_precision` policy's casts set it.
       attention: ``"auto"`` (cuDNN flash attention where supported), ``"xla"`` or
         ``"cudnn"``: `jax.nn.dot_product_attention`'s ``implementation``.
 
@@ -166,7 +170,7 @@ class TransformerLM(nn.Module):
     n_heads: int
     seq_len: int
     mlp_ratio: int = 4
-    dtype: Any = jnp.float32
+    dtype: Any = None
     attention: str = "auto"
 
     @nn.compact

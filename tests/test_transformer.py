@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import jstrategy
+from jstrategy import mixed_precision
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,6 +70,11 @@ def test_compute_dtype_and_float32_loss():
     assert logits.dtype == jnp.bfloat16
     loss = lm.lm_loss(tokens[:, 1:], logits)
     assert loss.shape == (2,) and loss.dtype == jnp.float32
+    # The default dtype=None follows a precision policy's casts instead.
+    plain = lm.TransformerLM(**SMALL)
+    assert plain.apply({"params": params}, tokens[:, :-1]).dtype == jnp.float32
+    cast = mixed_precision.cast_to_compute(params, "mixed_bfloat16")
+    assert plain.apply({"params": cast}, tokens[:, :-1]).dtype == jnp.bfloat16
     assert lm.attention_implementation(jnp.bfloat16, 64) == (
         "cudnn" if jax.default_backend() == "gpu" else "xla"
     )
