@@ -6,6 +6,7 @@ from jstrategy import config
 from jstrategy import experimental
 from jstrategy import losses
 from jstrategy import metrics
+from jstrategy import mixed_precision
 from jstrategy import tpu
 from jstrategy._src.central_storage import CentralStorageStrategy
 from jstrategy._src.checkpoint import CheckpointError
@@ -77,5 +78,6 @@ __all__ = [
     "save_weights",
     "losses",
     "metrics",
+    "mixed_precision",
     "tpu",
 ]

@@ -584,11 +584,11 @@ class Strategy:
         data by ``input_pipeline_id`` inside it. The pipelines depend on
         ``options.experimental_replication_mode``:
 
-        * ``InputReplicationMode.PER_WORKER`` (default): one pipeline per process. Each
-          element it yields is this process's share of the global batch
-          (``global_batch_size // num_input_pipelines`` rows; the whole batch with one
-          process), split across the process's replicas. TF's per-worker dataset instead
-          yields per-replica batches, one per local replica.
+        * ``InputReplicationMode.PER_WORKER`` (default): one pipeline per process. As in
+          TF, each element it yields is ONE REPLICA's batch
+          (``ctx.get_per_replica_batch_size(global_batch_size)`` rows), and every step
+          hands the pipeline's next elements to the process's replicas, in replica order:
+          a step trains on ``per-replica rows * num_replicas_in_sync`` rows.
         * ``InputReplicationMode.PER_REPLICA``: one pipeline per local replica, with
           ``input_pipeline_id`` the replica id; each element is that replica's batch
           (``ctx.get_per_replica_batch_size(global_batch_size)`` rows). A pipeline that
@@ -601,8 +601,8 @@ class Strategy:
           dataset_fn: called with an `InputContext`; returns the pipeline's batches in any
             form `experimental_distribute_dataset` accepts.
           options: a `jstrategy.InputOptions`; None for the defaults.
-          global_batch_size: the static global rows of every element; None: from the first
-            batch (rounded up so each local replica gets the same rows).
+          global_batch_size: the static global rows of every element (the per-replica
+            batch times `num_replicas_in_sync`); None: from the first per-replica batch.
 
         Returns:
           A `DistributedDataset` whose elements are pytrees of split `PerReplica` values.
@@ -620,11 +620,11 @@ class Strategy:
         >>> import jstrategy
         >>> strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
         >>> def dataset_fn(ctx):
-        ...     rows = 4 // ctx.num_input_pipelines  # this process's share of 4 rows
-        ...     return [np.full((rows, 1), ctx.input_pipeline_id, np.float32)]
+        ...     rows = ctx.get_per_replica_batch_size(4)  # one replica's share of 4 rows
+        ...     return [np.full((rows, 1), i, np.float32) for i in range(4)]
         >>> dist = strategy.distribute_datasets_from_function(dataset_fn)
-        >>> next(iter(dist)).value.shape
-        (4, 1)
+        >>> [np.asarray(element.value)[:, 0].tolist() for element in dist]
+        [[0.0, 0.0, 1.0, 1.0], [2.0, 2.0, 3.0, 3.0]]
         """
         from jstrategy._src import input as input_lib
 

@@ -1,0 +1,156 @@
+"""The transformer example (`examples/transformer_lm.py`) and its benchmark (smoke test)."""
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jstrategy
+from jstrategy import mixed_precision
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name, path):
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses resolve annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+lm = _load("transformer_lm", "examples/transformer_lm.py")
+bench = _load("transformer_bench", "benchmarks/transformer.py")
+
+SMALL = {"vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4, "seq_len": 32}
+
+
+def test_loss_falls_and_strategies_agree():
+    model = lm.TransformerLM(**SMALL)
+    steps = 20
+    one = lm.train(jstrategy.OneDeviceStrategy("cpu:0"), model, steps=steps, batch_size=16)
+    mirrored = lm.train(jstrategy.MirroredStrategy(), model, steps=steps, batch_size=16)
+    for losses in (one, mirrored):
+        assert losses[0] == pytest.approx(np.log(SMALL["vocab_size"]), rel=0.05)
+        assert np.mean(losses[-3:]) < 0.8 * losses[0]
+    # The same global batches: the same trajectory on 1 and 8 devices.
+    np.testing.assert_allclose(mirrored, one, rtol=1e-5)
+
+
+def test_parameter_names_are_regular():
+    """Layouts (FSDP, Megatron layout maps) are regexes over these paths."""
+    model = lm.TransformerLM(**SMALL)
+    params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    paths = {
+        "/".join(k.key for k in path): leaf.shape
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
+    d, r = SMALL["d_model"], 4
+    expected = {"embed/embedding": (64, d), "pos_embed/embedding": (32, d)}
+    expected |= {"ln_f/scale": (d,), "ln_f/bias": (d,)}
+    for i in range(SMALL["n_layers"]):
+        b = f"blocks_{i}"
+        expected |= {f"{b}/attn/{n}/kernel": (d, d) for n in ("query", "key", "value", "out")}
+        expected |= {f"{b}/mlp/up/kernel": (d, r * d), f"{b}/mlp/down/kernel": (r * d, d)}
+        expected |= {f"{b}/{ln}/{p}": (d,) for ln in ("ln1", "ln2") for p in ("scale", "bias")}
+    assert paths == expected
+
+
+def test_compute_dtype_and_float32_loss():
+    model = lm.TransformerLM(**SMALL, dtype=jnp.bfloat16)
+    tokens = jnp.asarray(lm.make_data(2, 8, SMALL["vocab_size"]))
+    params = model.init(jax.random.key(0), tokens[:, :-1])["params"]
+    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
+    logits = model.apply({"params": params}, tokens[:, :-1])
+    assert logits.dtype == jnp.bfloat16
+    loss = lm.lm_loss(tokens[:, 1:], logits)
+    assert loss.shape == (2,) and loss.dtype == jnp.float32
+    # The default dtype=None follows a precision policy's casts instead.
+    plain = lm.TransformerLM(**SMALL)
+    assert plain.apply({"params": params}, tokens[:, :-1]).dtype == jnp.float32
+    cast = mixed_precision.cast_to_compute(params, "mixed_bfloat16")
+    assert plain.apply({"params": cast}, tokens[:, :-1]).dtype == jnp.bfloat16
+    assert lm.attention_implementation(jnp.bfloat16, 64) == (
+        "cudnn" if jax.default_backend() == "gpu" else "xla"
+    )
+    assert lm.attention_implementation(jnp.float32, 64) == "xla"
+
+
+def test_generated_language_is_deterministic_and_structured():
+    a = lm.make_data(4, 15, 50, seed=3)
+    np.testing.assert_array_equal(a, lm.make_data(4, 15, 50, seed=3))
+    assert a.shape == (4, 16) and a.dtype == np.int32 and a.min() >= 0 and a.max() < 50
+    np.testing.assert_array_equal(a[:, 8:], a[:, :8])  # the second half repeats the first
+    assert not np.array_equal(a, lm.make_data(4, 15, 50, seed=4))
+
+
+def test_flops_formula_by_hand():
+    p = bench.Preset(10, 4, 1, 2, 8, 4, batch_size=2, steps=1, warmup=1)
+    # embed 10*4 + positions 8*4 + one block (q, k, v, out 4*4*4; up, down 2*4*16;
+    # two LayerNorms 2*2*4) + final LayerNorm 2*4.
+    assert bench.param_count(p) == 40 + 32 + (64 + 128 + 16) + 8 == 288
+    model = lm.TransformerLM(10, 4, 1, 2, 8)
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes)) == 288
+    # 6 N + 12 L d T per token.
+    assert bench.flops_per_token(288, 1, 4, 8) == 6 * 288 + 12 * 1 * 4 * 8 == 2112
+    assert bench.param_count(bench.PRESETS["350m"]) == 354_650_112
+
+
+def test_peak_table():
+    assert bench.peak_tflops("NVIDIA H200", "bf16") == 989.5
+    assert bench.peak_tflops("NVIDIA H200 NVL", "bf16") == 835.5
+    assert bench.peak_tflops("NVIDIA H100 80GB HBM3", "tf32") == 494.5
+    assert bench.peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.5
+    assert bench.peak_tflops("NVIDIA A100-SXM4-80GB", "fp32") == 19.5
+    assert bench.peak_tflops("TPU v5 lite", "bf16") == 197.0
+    assert bench.peak_tflops("TPU v4", "fp32") is None
+    assert bench.peak_tflops("cpu", "fp32") is None
+    assert bench.matmul_input_type("mixed_bfloat16", "gpu") == "bf16"
+    assert bench.matmul_input_type("float32", "gpu") == "tf32"
+    assert bench.matmul_input_type("float32", "tpu") == "bf16"
+    with jax.default_matmul_precision("highest"):
+        assert bench.matmul_input_type("float32", "gpu") == "fp32"
+
+
+def test_tiny_benchmark_smoke(capsys):
+    """The CPU preset runs end to end; its table reports MFU from the FLOPs formula."""
+    peak = 2.0  # --peak-tflops: CPUs have no datasheet peak, so MFU is n/a without it
+    rows = bench.main(["--size", "tiny", "--steps", "2", "--warmup", "1", "--peak-tflops", "2"])
+    out = capsys.readouterr().out
+    p = bench.PRESETS["tiny"]
+    n_params = bench.param_count(p)
+    per_token = 6 * n_params + 12 * p.n_layers * p.d_model * p.seq_len
+    assert f"parameters: {n_params:,}" in out
+    assert f"= {per_token:,}" in out
+    lines = [line for line in out.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert header == [
+        "dtype policy", "strategy", "devices", "global batch", "step ms", "tokens/s",
+        "model TFLOP/s", "MFU", "first step s", "attention",
+    ]  # fmt: skip
+    table = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    assert [(r[0], r[1]) for r in table] == [
+        ("float32", "one_device"),
+        ("float32", "mirrored"),
+        ("mixed_bfloat16", "one_device"),
+        ("mixed_bfloat16", "mirrored"),
+    ]
+    assert all(len(r) == len(header) for r in table)
+    for row, printed in zip(rows, table, strict=True):
+        assert not row.error
+        devices = 1 if row.strategy == "one_device" else jax.device_count()
+        assert row.devices == devices and row.global_batch == p.batch_size * devices
+        tokens = row.global_batch * p.seq_len
+        assert row.tokens_per_s == pytest.approx(tokens / row.step_s)
+        assert row.tflops == pytest.approx(tokens * per_token / row.step_s / 1e12)
+        assert row.mfu == pytest.approx(row.tflops / (peak * devices))
+        assert printed[7] == f"{100 * row.mfu:.1f}%"
+        assert float(printed[6]) == pytest.approx(row.tflops, rel=1e-3)
+        assert re.fullmatch(r"[\d,]+", printed[5]) and printed[9] == "xla"
+    assert "mixed_bfloat16 runs" in out and "Mirrored over 8 device(s) runs" in out
