@@ -619,6 +619,24 @@ def test_updates_inside_run_work_on_the_coordinator_too():
     assert int(counter.numpy()["n"]) == 6
 
 
+def test_a_function_recompiled_at_every_call_is_named():
+    strategy = jstrategy.ParameterServerStrategy(local_cluster_resolver())
+    counter = strategy.create_variables({"n": jnp.zeros(())})
+
+    def step(k):
+        x = jnp.float32(k)
+
+        def replica_fn():  # closes over a new array at every call
+            counter.assign_add({"n": x})
+
+        strategy.run(replica_fn)
+
+    with pytest.warns(RuntimeWarning, match=r"compiled .*replica_fn 8 times.*\['x'\]"):
+        for k in range(8):
+            step(k)
+    assert float(counter.numpy()["n"]) == sum(range(8))
+
+
 def _assert_unchanged(variables, before):
     jax.tree.map(np.testing.assert_array_equal, variables.numpy(), before)
 

@@ -27,6 +27,7 @@ import collections
 import contextlib
 import threading
 import types
+import warnings
 from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Sequence
@@ -46,6 +47,8 @@ if TYPE_CHECKING:
 __all__ = ["RunCapture", "current_recorder", "refuse_inside_trace"]
 
 _PLANS_KEPT = 256
+# Distinct closures of one function compiled before `run` warns that it recompiles.
+_RECOMPILES_WARNED = 8
 # Traces of a function whose reads keep changing before `run` gives up.
 _MAX_REPLANS = 3
 
@@ -229,6 +232,8 @@ class RunCapture:
     def __init__(self) -> None:
         self._plans: collections.OrderedDict[Any, _Plan] = collections.OrderedDict()
         self._lock = threading.Lock()
+        # Per code object: the last key compiled for it and how many keys it has had.
+        self._by_code: dict[Any, tuple[Any, int]] = {}
 
     def _plan(self, fn: Callable[..., Any]) -> tuple[Any, _Plan]:
         key = _function_key(fn)
@@ -239,9 +244,31 @@ class RunCapture:
                 plan = self._plans[key] = _Plan(fn, ())
                 while len(self._plans) > _PLANS_KEPT:
                     self._plans.popitem(last=False)
+                self._note_new_key(fn, key)
             else:
                 self._plans.move_to_end(key)
         return key, plan
+
+    def _note_new_key(self, fn: Callable[..., Any], key: Any) -> None:
+        if not isinstance(key, tuple):
+            return
+        code = fn.__code__  # type: ignore[attr-defined]
+        previous, count = self._by_code.get(code, (None, 0))
+        self._by_code[code] = (key, count + 1)
+        if count + 1 != _RECOMPILES_WARNED or previous is None:
+            return
+        changed = [
+            name
+            for name, old, new in zip(code.co_freevars, previous[2], key[2], strict=True)
+            if old != new
+        ]
+        warnings.warn(
+            f"strategy.run compiled {fn.__qualname__} {_RECOMPILES_WARNED} times: it is "
+            f"defined anew at each call and closes over {changed or 'defaults'} whose objects "
+            "change each time. Pass those values as `args` so it compiles once.",
+            RuntimeWarning,
+            stacklevel=5,  # the caller of strategy.run
+        )
 
     def run(
         self,
