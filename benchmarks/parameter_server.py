@@ -3,7 +3,10 @@
 Every configuration trains the same MLP (64 -> 256 -> 256 -> 10, Adam) on batches of 64
 digit-sized rows, with two parameter servers, on devices and threads of this process (the
 local backend), and reports steps per second, side by side in one run. A synchronous
-OneDeviceStrategy loop over the same step is the reference.
+OneDeviceStrategy loop over the same step is the reference. Each worker count runs two
+spellings of the step: the explicit one (pull, a jitted gradient, push) and TF's tutorial
+``step_fn`` (pull, gradient and push inside ``strategy.run``, then ``strategy.reduce``);
+their ratio is the cost of the latter.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/parameter_server.py
 
@@ -63,7 +66,7 @@ class Batches:
             i += 1
 
 
-def parameter_server(num_workers: int, steps: int) -> float:
+def parameter_server(num_workers: int, steps: int, tf_style: bool = False) -> float:
     strategy = jstrategy.ParameterServerStrategy(
         local_cluster_resolver(num_workers=num_workers, num_ps=2)
     )
@@ -74,11 +77,23 @@ def parameter_server(num_workers: int, steps: int) -> float:
         coordinator.create_per_worker_dataset(lambda ctx: Batches(ctx.input_pipeline_id))
     )
 
-    def step(it):
+    def explicit_step(it):
         x, y = next(it)
         loss, grads = grad_fn(variables.read(), x, y)
         variables.apply_gradients(grads)
         return loss
+
+    def tf_step_fn(it):
+        def replica_fn(x, y):
+            loss, grads = jax.value_and_grad(loss_fn)(variables.read(), x, y)
+            variables.apply_gradients(grads)
+            return loss
+
+        x, y = next(it)
+        losses = strategy.run(replica_fn, args=(x, y))
+        return strategy.reduce("SUM", losses, axis=None)
+
+    step = tf_step_fn if tf_style else explicit_step
 
     # Warm up: every worker compiles its programs.
     for _ in range(8 * num_workers):
@@ -122,11 +137,14 @@ def main(steps: int = 400) -> None:
     print(f"{jax.device_count()} devices, {os.cpu_count()} cores; batch {BATCH}, {steps} steps")
     results = {"OneDeviceStrategy (synchronous)": synchronous(steps)}
     for workers in (1, 2, 4):
-        results[f"ParameterServerStrategy, {workers} worker(s), 2 ps"] = parameter_server(
-            workers, steps
-        )
+        explicit = parameter_server(workers, steps)
+        tf_style = parameter_server(workers, steps, tf_style=True)
+        results[f"ParameterServerStrategy, {workers} worker(s), 2 ps"] = explicit
+        results[f"  TF step_fn (update inside run), {workers} worker(s)"] = tf_style
+        results[f"  ratio TF step_fn / explicit, {workers} worker(s)"] = tf_style / explicit
     for name, rate in results.items():
-        print(f"{name:45s} {rate:8.0f} steps/s")
+        unit = "" if name.strip().startswith("ratio") else " steps/s"
+        print(f"{name:55s} {rate:8.2f}{unit}")
 
 
 if __name__ == "__main__":

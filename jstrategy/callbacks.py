@@ -18,6 +18,7 @@ from jstrategy._src.training.callbacks import Mode
 from jstrategy._src.training.callbacks import ModelCheckpoint
 from jstrategy._src.training.callbacks import ProgbarLogger
 from jstrategy._src.training.progress import Progbar
+from jstrategy._src.training.tensorboard import TensorBoard
 
 __all__ = [
     "BackupAndRestore",
@@ -31,4 +32,5 @@ __all__ = [
     "ModelCheckpoint",
     "Progbar",
     "ProgbarLogger",
+    "TensorBoard",
 ]

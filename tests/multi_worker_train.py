@@ -25,6 +25,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=None)
     parser.add_argument("--forever", action="store_true", help="train until killed")
     parser.add_argument("--fit", action="store_true", help="train with Model.fit instead")
+    parser.add_argument("--tensorboard", help="with --fit: log to this TensorBoard directory")
     parser.add_argument("--restore", help="restore this checkpoint directory instead")
     args = parser.parse_args()
 
@@ -61,7 +62,7 @@ def main() -> int:
     if args.fit:
         import numpy as np
 
-        weights = fit_model(strategy)
+        weights = fit_model(strategy, tensorboard=args.tensorboard)
         np.savez(
             Path(args.out) / f"worker-{task['index']}.npz",
             **{f"w{i}": w for i, w in enumerate(weights)},
@@ -88,8 +89,12 @@ def main() -> int:
     return 0
 
 
-def fit_model(strategy):
-    """`Model.fit` on data every worker generates alike; returns the final weights."""
+def fit_model(strategy, tensorboard=None):
+    """`Model.fit` on data every worker generates alike; returns the final weights.
+
+    With `tensorboard`, a `jstrategy.callbacks.TensorBoard` logs to that directory (per
+    batch too), which every worker is given and only the chief writes.
+    """
     import flax.linen as nn
     import numpy as np
     import optax
@@ -107,7 +112,10 @@ def fit_model(strategy):
             optax.sgd(0.2), jstrategy.losses.BinaryCrossentropy(from_logits=True), ["accuracy"]
         )
     # 200 rows at batch 32: the last batch of each epoch is partial (8 rows).
-    model.fit(x, y, batch_size=32, epochs=3, shuffle=True, verbose=0)
+    callbacks = []
+    if tensorboard:
+        callbacks.append(jstrategy.callbacks.TensorBoard(tensorboard, update_freq="batch"))
+    model.fit(x, y, batch_size=32, epochs=3, shuffle=True, verbose=0, callbacks=callbacks)
     return model.get_weights()
 
 

@@ -75,11 +75,21 @@ def test_model_fit_on_two_workers_matches_one_process(tmp_path):
     cmd = [
         sys.executable, "-m", "jstrategy.launch", "--num_workers", "2",
         "--devices_per_worker", "2", "--timeout", "240", str(WORKER),
-        "--out", str(tmp_path), "--fit",
+        "--out", str(tmp_path), "--fit", "--tensorboard", str(tmp_path / "logs"),
     ]  # fmt: skip
     done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     workers = [np.load(tmp_path / f"worker-{i}.npz") for i in range(2)]
+    # Both workers were given the log directory; only the chief wrote it: one event file,
+    # each epoch and step once.
+    events = list((tmp_path / "logs").rglob("events.out.tfevents.*"))
+    assert [p.parent.name for p in events] == ["train"], events
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    train = EventAccumulator(str(tmp_path / "logs" / "train"))
+    train.Reload()
+    assert [e.step for e in train.Scalars("epoch_loss")] == [0, 1, 2]
+    assert [e.step for e in train.Scalars("batch_loss")] == list(range(1, 3 * 7 + 1))
     import multi_worker_train
 
     expected = multi_worker_train.fit_model(

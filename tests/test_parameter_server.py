@@ -537,6 +537,187 @@ def test_function_error_is_raised_once_and_cancels_pending(cluster):
 
 
 # ---------------------------------------------------------------------------------------
+# Reads and updates inside strategy.run (TF's step_fn); the stores cannot be corrupted
+# ---------------------------------------------------------------------------------------
+def _linear_loss(params, x, y):
+    return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
+
+
+def _linear_batches(worker, n=64):
+    rng = np.random.default_rng(worker)
+    x = rng.normal(size=(n, 8, 3)).astype(np.float32)
+    return [(xi, xi @ np.array([1.0, -2.0, 0.5], np.float32) + 0.3) for xi in x]
+
+
+def _tf_step_fn(strategy, variables):
+    """TF's step_fn: pull, gradient and push inside run's replica function, then reduce."""
+
+    def step_fn(iterator):
+        def replica_fn(x, y):
+            loss, grads = jax.value_and_grad(_linear_loss)(variables.read(), x, y)
+            variables.apply_gradients(grads)
+            return loss
+
+        x, y = next(iterator)
+        losses = strategy.run(replica_fn, args=(x, y))
+        return strategy.reduce("SUM", losses, axis=None)
+
+    return step_fn
+
+
+def test_updates_inside_run_apply_each_call_and_reduce_works(cluster):
+    strategy, coordinator = cluster(num_workers=1, num_ps=2)
+    init = {"w": jnp.zeros(3), "b": jnp.zeros(())}
+    variables = strategy.create_variables(init, optimizer=optax.sgd(0.1))
+    batches = _linear_batches(0, n=6)
+    iterator = iter(coordinator.create_per_worker_dataset(lambda: batches))
+    losses = [coordinator.schedule(_tf_step_fn(strategy, variables), args=(iterator,))]
+    losses += [coordinator.schedule(_tf_step_fn(strategy, variables), args=(iterator,))]
+
+    # Pulled outside run and passed in (the finding's second form): reduce and gather.
+    def pulled_outside(it):
+        x, y = next(it)
+        loss, grads = strategy.run(jax.value_and_grad(_linear_loss), args=(variables.read(), x, y))
+        variables.apply_gradients(grads)
+        (local,) = strategy.experimental_local_results(loss)
+        np.testing.assert_array_equal(strategy.gather(grads["w"], axis=0), local_grad(grads))
+        return strategy.reduce("SUM", loss, axis=None), strategy.reduce("MEAN", loss), local
+
+    def local_grad(grads):
+        (local,) = strategy.experimental_local_results(grads["w"])
+        return local
+
+    rest = [coordinator.schedule(pulled_outside, args=(iterator,)) for _ in range(4)]
+    coordinator.join(timeout=WAIT)
+
+    params, expected = init, []
+    for x, y in batches:
+        loss, grads = jax.value_and_grad(_linear_loss)(params, x, y)
+        params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+        expected.append(float(loss))
+    got = [float(rv.fetch()) for rv in losses] + [float(rv.fetch()[0]) for rv in rest]
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    assert all(float(a) == float(b) == float(c) for a, b, c in (rv.fetch() for rv in rest))
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, np.asarray(b), rtol=1e-5),
+        variables.numpy(),
+        params,
+    )
+
+
+def test_updates_inside_run_work_on_the_coordinator_too():
+    strategy = jstrategy.ParameterServerStrategy(local_cluster_resolver())
+    counter = strategy.create_variables({"n": jnp.zeros((), jnp.int32)})
+
+    def count(k):
+        total = counter.read()["n"] + k  # the value at this call, not at tracing
+        counter.assign_add({"n": k})
+        return total
+
+    totals = [strategy.run(count, args=(jnp.int32(k),)) for k in (1, 2, 3)]
+    assert [int(strategy.reduce("SUM", t, axis=None)) for t in totals] == [1, 3, 6]
+    assert int(counter.numpy()["n"]) == 6
+
+
+def test_a_function_recompiled_at_every_call_is_named():
+    strategy = jstrategy.ParameterServerStrategy(local_cluster_resolver())
+    counter = strategy.create_variables({"n": jnp.zeros(())})
+
+    def step(k):
+        x = jnp.float32(k)
+
+        def replica_fn():  # closes over a new array at every call
+            counter.assign_add({"n": x})
+
+        strategy.run(replica_fn)
+
+    with pytest.warns(RuntimeWarning, match=r"compiled .*replica_fn 8 times.*\['x'\]"):
+        for k in range(8):
+            step(k)
+    assert float(counter.numpy()["n"]) == sum(range(8))
+
+
+def _assert_unchanged(variables, before):
+    jax.tree.map(np.testing.assert_array_equal, variables.numpy(), before)
+
+
+def test_user_errors_never_corrupt_the_stores(cluster):
+    strategy, coordinator = cluster(
+        num_workers=1, num_ps=2, variable_partitioner=FixedShardsPartitioner(2)
+    )
+    variables = strategy.create_variables(
+        {"w": jnp.arange(6.0).reshape(3, 2), "b": jnp.ones(2)}, optimizer=optax.sgd(1.0)
+    )
+    before = variables.numpy()
+    grads = {"w": jnp.ones((3, 2)), "b": jnp.ones(2)}
+
+    # A push of traced values escaping from jax.grad.
+    with pytest.raises(TypeError, match="traced value"):
+        jax.grad(lambda g: (variables.assign(g), jnp.sum(g["b"]))[1])(grads)
+    # An update or a read that would happen once, while jax.jit traces.
+    with pytest.raises(RuntimeError, match="once, when the function is traced"):
+        jax.jit(lambda g: variables.apply_gradients(g))(grads)
+    with pytest.raises(RuntimeError, match="once, when the function is traced"):
+        jax.jit(lambda: variables.assign_add({"w": 1.0, "b": 1.0}))()
+    with pytest.raises(RuntimeError, match="once, when the function is traced"):
+        jax.jit(lambda: variables.read()["b"])()
+    # Wrong shapes and types, for trees, variables and sharded variables.
+    w, b = variables.variables["w"], variables.variables["b"]
+    with pytest.raises(ValueError, match=r"must have shape \(3, 2\)"):
+        variables.apply_gradients({"w": jnp.ones((2, 3)), "b": jnp.ones(2)})
+    with pytest.raises(ValueError, match=r"'b' must have its shape \(2,\)"):
+        b.assign(jnp.ones(3))
+    with pytest.raises(ValueError, match=r"'w' must have its shape \(3, 2\)"):
+        w.assign_add(np.ones((3, 3)))
+    with pytest.raises(TypeError, match="must be a real numeric array; got dtype <U1"):
+        variables.assign({"w": "a", "b": 1.0})
+    with pytest.raises(TypeError, match="numeric array"):
+        b.assign_sub(jax.random.key(0))
+    # The store itself refuses what the clients would never send.
+    ps0 = strategy._backend.store(0).store
+    var_id = w.shards[0]._id
+    with pytest.raises(ValueError, match="must be a numeric array of that shape"):
+        ps0.apply([var_id], "assign", [np.ones(5, np.float32)])
+    with pytest.raises(TypeError, match="traced value"):
+        jax.jit(lambda x: ps0.apply([var_id], "assign", [x]))(jnp.ones((2, 2)))
+    _assert_unchanged(variables, before)
+
+    # Inside run: an update then a read of the same variables; an error after an update;
+    # a host copy inside the traced function. None of them pushes anything.
+    def read_after_update():
+        variables.apply_gradients(grads)
+        return variables.read()["b"]
+
+    def fails_after_update():
+        variables.apply_gradients(grads)
+        raise ValueError("bad batch")
+
+    with pytest.raises(
+        ValueError, match=r"reads \['b/part_0', 'b/part_1', 'w/part_0', 'w/part_1'\] after"
+    ):
+        coordinator.schedule(lambda: strategy.run(read_after_update))
+        coordinator.join(timeout=WAIT)
+    with pytest.raises(ValueError, match="bad batch"):
+        coordinator.schedule(lambda: strategy.run(fails_after_update))
+        coordinator.join(timeout=WAIT)
+    with pytest.raises(RuntimeError, match="no value is on the host yet"):
+        strategy.run(lambda: variables.numpy())
+    _assert_unchanged(variables, before)
+
+    # The stores are intact: training goes on from the same values.
+    batches = _linear_batches(0, n=2)
+    trained = strategy.create_variables(
+        {"w": jnp.zeros(3), "b": jnp.zeros(())}, optimizer=optax.sgd(0.1)
+    )
+    iterator = iter(coordinator.create_per_worker_dataset(lambda: batches))
+    coordinator.schedule(_tf_step_fn(strategy, trained), args=(iterator,))
+    coordinator.schedule(lambda: variables.apply_gradients(grads))
+    coordinator.join(timeout=WAIT)
+    np.testing.assert_array_equal(variables.numpy()["b"], before["b"] - 1)
+    assert np.isfinite(trained.numpy()["w"]).all() and trained.numpy()["w"].any()
+
+
+# ---------------------------------------------------------------------------------------
 # Ray backend: a real local Ray instance; workers and parameter servers are actors
 # ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
@@ -642,6 +823,40 @@ def test_ray_parameter_server_death_is_fatal(ray_instance):
             coordinator.join(timeout=WAIT)
         with pytest.raises(ParameterServerFailureError):
             coordinator.schedule(lambda: 1)
+    finally:
+        coordinator.shutdown()
+        strategy._backend.shutdown()
+
+
+def test_ray_tf_step_fn_updates_inside_run_and_bad_updates_are_refused(ray_instance):
+    strategy = jstrategy.ParameterServerStrategy(
+        local_cluster_resolver(num_workers=2, num_ps=1), backend="ray"
+    )
+    coordinator = ClusterCoordinator(strategy)
+    try:
+        variables = strategy.create_variables(
+            {"w": jnp.zeros(3), "b": jnp.zeros(())}, optimizer=optax.sgd(0.05)
+        )
+        iterator = iter(
+            coordinator.create_per_worker_dataset(
+                lambda ctx: _linear_batches(ctx.input_pipeline_id)
+            )
+        )
+        step_fn = _tf_step_fn(strategy, variables)
+        losses = [coordinator.schedule(step_fn, args=(iterator,)) for _ in range(40)]
+        coordinator.join(timeout=WAIT)
+        losses = [float(rv.fetch()) for rv in losses]
+        assert np.mean(losses[-5:]) < np.mean(losses[:5]) / 4, losses
+
+        before = variables.numpy()
+        coordinator.schedule(
+            lambda: strategy.run(lambda: variables.assign({"w": jnp.ones(4), "b": 0.0}))
+        )
+        with pytest.raises(ValueError, match=r"must have shape \(3,\)"):
+            coordinator.join(timeout=WAIT)
+        total = coordinator.schedule(lambda: variables.read()["w"].sum())
+        np.testing.assert_allclose(float(total.fetch(timeout=WAIT)), before["w"].sum(), rtol=1e-6)
+        jax.tree.map(np.testing.assert_array_equal, variables.numpy(), before)
     finally:
         coordinator.shutdown()
         strategy._backend.shutdown()

@@ -126,6 +126,7 @@ def _update_program(kind: str, tx: optax.GradientTransformation | None) -> Calla
 
     def program(values, opt_states, args):
         if kind == GRADIENTS:
+            assert tx is not None  # `ArrayStore.apply` refuses gradients without one
             new_values, new_states = [], []
             for value, state, grad in zip(values, opt_states, args, strict=True):
                 updates, state = tx.update(grad.astype(value.dtype), state, value)
@@ -141,6 +142,40 @@ def _update_program(kind: str, tx: optax.GradientTransformation | None) -> Calla
         return new_values, opt_states
 
     return jax.jit(program)
+
+
+def fits_dtype(dtype: Any, var_dtype: Any) -> bool:
+    """Whether values of `dtype` may update a variable of `var_dtype` (cast on the way).
+
+    Booleans, integers and floats fit any real variable; complex values only a complex one.
+    """
+    try:
+        kind = np.dtype(dtype).kind
+    except TypeError:  # extended dtypes, e.g. PRNG keys
+        return False
+    return kind in ("biufc" if np.dtype(var_dtype).kind == "c" else "biuf")
+
+
+def _check_concrete(var_id: int, value: Any) -> None:
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"Parameter-server variable {var_id} got a traced value ({value.aval}); a store "
+            "holds concrete arrays only. Push the result of the computation, not a value "
+            "inside jax.jit or grad."
+        )
+
+
+def _check_update(var_id: int, arg: Any, value: jax.Array) -> None:
+    """Raises unless `arg` is a concrete numeric array of `value`'s shape."""
+    _check_concrete(var_id, arg)
+    if not hasattr(arg, "dtype"):
+        arg = np.asarray(arg)
+    if not fits_dtype(arg.dtype, value.dtype) or tuple(np.shape(arg)) != value.shape:
+        raise ValueError(
+            f"An update of parameter-server variable {var_id} ({value.dtype}{list(value.shape)})"
+            f" must be a numeric array of that shape; got {arg.dtype}"
+            f"{list(np.shape(arg))}. The variable is unchanged."
+        )
 
 
 class ArrayStore:
@@ -175,6 +210,8 @@ class ArrayStore:
         tx_key: Any,
         tx: optax.GradientTransformation | None,
     ) -> None:
+        for i, value in zip(ids, values, strict=True):
+            _check_concrete(i, value)
         placed = jax.device_put([jnp.asarray(v) for v in values], self.device)
         with self._registry_lock:
             self._txs.setdefault(tx_key, tx)
@@ -204,6 +241,11 @@ class ArrayStore:
                 "one. Pass optimizer=optax.sgd(...) (or another optax transformation) to "
                 "strategy.create_variables."
             )
+        if kind not in UPDATE_KINDS:
+            raise ValueError(f"`kind` must be one of {UPDATE_KINDS}; got {kind!r}.")
+        # Checked before anything changes, so a bad update leaves every variable as it was.
+        for i, arg in zip(ids, args, strict=True):
+            _check_update(i, arg, self._values[i])
         key = (kind, tx_key)
         program = self._programs.get(key)
         if program is None:

@@ -33,7 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jstrategy._src.parameter_server import backend as backend_lib
+from jstrategy._src.parameter_server import run_capture
 from jstrategy._src.parameter_server.partitioners import shard_offsets
+from jstrategy._src.values import PerReplica
+from jstrategy._src.values import is_per_replica
 
 __all__ = ["ShardedVariable", "Variable", "VariableTree"]
 
@@ -102,11 +105,11 @@ class Variable(_Assignable):
     def read_value(self, device: jax.Device | None = None) -> jax.Array:
         """The current value, on `device` (default: this worker's, or the coordinator's)."""
         target = _default_device(device or self._tree._coordinator_device)
-        (values,) = type(self._store).read_groups({self._store: [self._id]}, target).values()
-        return values[0]
+        return self._tree._read_flat([self], target)[0]
 
     def numpy(self) -> np.ndarray:
         """The current value as a NumPy array."""
+        run_capture.refuse_inside_trace(f"{self.name}.numpy()", captured=False)
         return np.asarray(jax.device_get(self.read_value()))
 
     def __array__(self, dtype=None, copy=None):
@@ -114,7 +117,7 @@ class Variable(_Assignable):
         return value if dtype is None else value.astype(dtype)
 
     def _apply(self, kind: str, value: Any) -> None:
-        type(self._store).apply_groups({self._store: ([self._id], [jnp.asarray(value)])}, kind)
+        self._tree._apply_flat([self], [value], kind)
 
     def __repr__(self) -> str:
         return (
@@ -176,6 +179,7 @@ class ShardedVariable(_Assignable):
 
     def numpy(self) -> np.ndarray:
         """The full value as a NumPy array."""
+        run_capture.refuse_inside_trace(f"{self.name}.numpy()", captured=False)
         return np.asarray(jax.device_get(self.read_value()))
 
     def __array__(self, dtype=None, copy=None):
@@ -183,7 +187,8 @@ class ShardedVariable(_Assignable):
         return value if dtype is None else value.astype(dtype)
 
     def _apply(self, kind: str, value: Any) -> None:
-        value = jnp.asarray(value)
+        value = _as_array(value, self)
+        _check_shape(self, np.shape(value))
         if value.ndim == 0:
             parts = [value] * len(self._shards)
         else:
@@ -194,6 +199,77 @@ class ShardedVariable(_Assignable):
         return (
             f"ShardedVariable(name={self.name!r}, shape={self.shape}, dtype={self.dtype}, "
             f"shards={[s.shape[0] for s in self._shards]})"
+        )
+
+
+_UPDATING = "Updating parameter-server variables"
+
+
+def only_replica(leaf: Any) -> Any:
+    """The value of a one-replica `PerReplica` (what `run` returns under this strategy).
+
+    Raises:
+      ValueError: for a `PerReplica` of several replicas (from another strategy).
+    """
+    if not isinstance(leaf, PerReplica):
+        return leaf
+    if leaf.num_replicas != 1:
+        raise ValueError(
+            f"Got a PerReplica value of {leaf.num_replicas} replicas; ParameterServerStrategy "
+            "has one replica per worker. Combine the replicas first, e.g. "
+            "strategy.reduce('SUM', value, axis=None) with the strategy that made it."
+        )
+    return _first_row(leaf.value) if leaf.stacked else leaf.value
+
+
+# Compiled once: indexing outside `jit` costs several times its dispatch.
+_first_row = jax.jit(lambda x: x[0])
+
+
+def _as_array(value: Any, var: Variable | ShardedVariable) -> Any:
+    """`value` as an array (NumPy for host values, so they travel once), or a clear error."""
+    if isinstance(value, (jax.Array, jax.core.Tracer, np.ndarray)):
+        array = value
+    else:
+        try:
+            array = np.asarray(value)
+        except (TypeError, ValueError) as e:
+            raise TypeError(
+                f"An update of variable {var.name!r} must be a numeric array; got "
+                f"{type(value).__name__} ({e})."
+            ) from None
+    if not backend_lib.fits_dtype(array.dtype, var.dtype):
+        raise TypeError(
+            f"An update of variable {var.name!r} ({var.dtype}) must be a real numeric array; "
+            f"got dtype {array.dtype}."
+        )
+    return array
+
+
+def _checked_update(var: Variable, value: Any, traced_ok: bool) -> Any:
+    """`value` checked to fit `var`: numeric, its shape (scalars broadcast), not traced."""
+    if isinstance(value, jax.core.Tracer) and not traced_ok:
+        raise TypeError(
+            f"An update of variable {var.name!r} got a traced value ({value.aval}): it was "
+            "computed inside jax.jit, grad or another transformation, and only the concrete "
+            "result can be pushed to a parameter server. Return the value from the "
+            "transformed function and push it outside, or update inside strategy.run, which "
+            "pushes each call's result."
+        )
+    array = _as_array(value, var)
+    _check_shape(var, np.shape(array))
+    if np.shape(array) == var.shape:
+        return array
+    if isinstance(array, np.ndarray):
+        return np.broadcast_to(array, var.shape)
+    return jnp.broadcast_to(array, var.shape)
+
+
+def _check_shape(var: Variable | ShardedVariable, shape: tuple[int, ...]) -> None:
+    if tuple(shape) not in (var.shape, ()):
+        raise ValueError(
+            f"An update of variable {var.name!r} must have its shape {var.shape} (or be a "
+            f"scalar); got shape {tuple(shape)}."
         )
 
 
@@ -271,6 +347,10 @@ class VariableTree:
         return groups
 
     def _read_flat(self, flat: Sequence[Variable], device: jax.Device) -> list[jax.Array]:
+        recorder = run_capture.current_recorder()
+        if recorder is not None:
+            return recorder.read(flat)
+        run_capture.refuse_inside_trace("Reading parameter-server variables")
         groups = self._groups(flat)
         client_type = type(next(iter(groups)))
         values = client_type.read_groups(groups, device)
@@ -278,6 +358,16 @@ class VariableTree:
         return [next(cursors[var._store]) for var in flat]
 
     def _apply_flat(self, flat: Sequence[Variable], args: Sequence[Any], kind: str) -> None:
+        recorder = run_capture.current_recorder()
+        if recorder is None:
+            run_capture.refuse_inside_trace(_UPDATING)
+        # Every value is checked before any is pushed: an update either reaches every
+        # variable or none, and never leaves a store holding a wrong value.
+        traced_ok = recorder is not None
+        args = [_checked_update(v, a, traced_ok) for v, a in zip(flat, args, strict=True)]
+        if recorder is not None:
+            recorder.push(flat, args, kind)
+            return
         worker = backend_lib.current_worker()
         if worker is not None:
             # A worker that dies before its push leaves the variables untouched.
@@ -324,6 +414,8 @@ class VariableTree:
             return self._assemble, self._split
 
     def _flatten_like(self, tree: Any, what: str) -> list[Any]:
+        # What `strategy.run` returned (e.g. gradients) can be pushed as it is.
+        tree = jax.tree.map(only_replica, tree, is_leaf=is_per_replica)
         leaves, treedef = jax.tree.flatten(tree)
         if treedef != self._treedef:
             raise ValueError(
@@ -339,12 +431,13 @@ class VariableTree:
         return leaves
 
     def _push(self, tree: Any, kind: str, what: str) -> None:
+        run_capture.refuse_inside_trace(_UPDATING)
         leaves = self._flatten_like(tree, what)
         _, split = self._programs()
-        full = [
-            jnp.broadcast_to(jnp.asarray(x), v.shape) if np.shape(x) != v.shape else x
-            for x, v in zip(leaves, self._leaves, strict=True)
-        ]
+        full = []
+        for x, var in zip(leaves, self._leaves, strict=True):
+            x = _as_array(x, var)
+            full.append(jnp.broadcast_to(x, var.shape) if np.shape(x) != var.shape else x)
         self._apply_flat(self._flat, split(full), kind)
 
     # Public -----------------------------------------------------------------------------
@@ -368,6 +461,7 @@ class VariableTree:
 
     def numpy(self) -> Any:
         """The current values as NumPy arrays (a pytree shaped like the original)."""
+        run_capture.refuse_inside_trace("VariableTree.numpy()", captured=False)
         return backend_lib.to_numpy(self.read())
 
     def _checkpoint_value(self) -> Any:
@@ -412,6 +506,7 @@ class VariableTree:
 
     def opt_state(self) -> Any:
         """The optimizer state of each variable (a list per shard for sharded ones), on host."""
+        run_capture.refuse_inside_trace("VariableTree.opt_state()", captured=False)
         out = []
         for leaf in self._leaves:
             shards = leaf.shards if isinstance(leaf, ShardedVariable) else [leaf]

@@ -11,12 +11,16 @@ from typing import TYPE_CHECKING
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from jstrategy._src.parameter_server import backend as backend_lib
+from jstrategy._src.parameter_server import run_capture
 from jstrategy._src.parameter_server import sharded_variable
 from jstrategy._src.parameter_server.partitioners import Partitioner
+from jstrategy._src.reduce_util import ReduceOp
 from jstrategy._src.strategy import Strategy
+from jstrategy._src.values import is_per_replica
 
 if TYPE_CHECKING:
     from jstrategy._src.cluster_resolver import ClusterResolver
@@ -186,6 +190,7 @@ class ParameterServerStrategy(Strategy):
         self._count_lock = threading.Lock()
         self._coordinator: Any = None
         self._worker_strategies: dict[Any, Strategy] = {}
+        self._capture = run_capture.RunCapture()
         self._remote = False
         if self._backend_kind is Backend.LOCAL:
             self._backend: backend_lib.Backend = backend_lib.LocalBackend(num_workers, num_ps, self)
@@ -302,13 +307,129 @@ class ParameterServerStrategy(Strategy):
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None = None):
         """Runs `fn` on the executing worker's device (inside a scheduled function).
 
-        Outside a scheduled function it runs on the coordinator's device. See
-        `Strategy.run`.
+        Outside a scheduled function it runs on the coordinator's device. `fn` is compiled
+        as in `Strategy.run`, and may read and update parameter-server variables as in TF's
+        tutorial: ``variables.read()`` inside it gives the current values at every call
+        (they are pulled before the compiled program runs), and ``apply_gradients``,
+        ``assign``, ``assign_add`` and ``assign_sub`` push this call's values after it
+        runs, in the order `fn` made them. Reading a variable after updating it in the same
+        call is an error (the read could not see the update). A function defined inside
+        the scheduled function, as TF's ``replica_fn``, is compiled once as long as it
+        closes over the same objects at every call; pass per-call values as `args`.
+
+        Args:
+          fn: the per-replica function (one replica: this worker).
+          args: positional arguments for `fn`.
+          kwargs: keyword arguments for `fn`.
+
+        Returns:
+          `fn`'s outputs, as `Strategy.run`'s; `reduce` them with this strategy.
+
+        Example:
+
+        >>> import jax, jax.numpy as jnp, optax
+        >>> import jstrategy
+        >>> from jstrategy.coordinator import ClusterCoordinator, local_cluster_resolver
+        >>> strategy = jstrategy.ParameterServerStrategy(local_cluster_resolver(num_workers=1))
+        >>> variables = strategy.create_variables({"w": jnp.ones(3)}, optimizer=optax.sgd(0.5))
+        >>> coordinator = ClusterCoordinator(strategy)
+        >>> def step_fn(x):
+        ...     def replica_fn(x):
+        ...         loss, grads = jax.value_and_grad(
+        ...             lambda p: jnp.sum(p["w"] * x))(variables.read())
+        ...         variables.apply_gradients(grads)
+        ...         return loss
+        ...     losses = strategy.run(replica_fn, args=(x,))
+        ...     return strategy.reduce("SUM", losses, axis=None)
+        >>> losses = [coordinator.schedule(step_fn, args=(jnp.ones(3),)) for _ in range(2)]
+        >>> coordinator.join()
+        >>> variables.numpy()["w"].tolist(), [float(v.fetch()) for v in losses]
+        ([0.0, 0.0, 0.0], [3.0, 1.5])
+        >>> coordinator.shutdown()
         """
         worker = backend_lib.current_worker()
         if worker is None:
-            return super().run(fn, args, kwargs)
-        return self._worker_strategy(worker.device).run(fn, args, kwargs)
+            return self._capture.run(super().run, self.devices[0], fn, args, kwargs)
+        strategy = self._worker_strategy(worker.device)
+        return self._capture.run(strategy.run, worker.device, fn, args, kwargs)
+
+    # Input: inside a per-worker dataset function, as in TF's tutorial ----------------------
+    def distribute_datasets_from_function(
+        self,
+        dataset_fn: Callable[[Any], Any],
+        options: Any = None,
+        *,
+        global_batch_size: int | None = None,
+    ) -> Any:
+        """Builds input pipelines with `dataset_fn(InputContext)`; see `Strategy`'s.
+
+        Inside the function given to `ClusterCoordinator.create_per_worker_dataset` (TF's
+        ``per_worker_dataset_fn``), it builds the executing worker's pipeline: `dataset_fn`
+        gets the worker's `InputContext` (``input_pipeline_id`` is the worker's index, out
+        of ``num_workers`` pipelines, one replica each) and the batches land on the worker's
+        device. Elsewhere it is `Strategy.distribute_datasets_from_function` on the
+        coordinator's device.
+        """
+        worker = backend_lib.current_worker()
+        if worker is None or not callable(dataset_fn):
+            return super().distribute_datasets_from_function(
+                dataset_fn, options, global_batch_size=global_batch_size
+            )
+        from jstrategy._src.input import InputContext
+
+        context = InputContext(
+            num_input_pipelines=worker.num_workers,
+            input_pipeline_id=worker.worker_index,
+            num_replicas_in_sync=1,
+        )
+        return self._worker_strategy(worker.device).distribute_datasets_from_function(
+            lambda _: dataset_fn(context), options, global_batch_size=global_batch_size
+        )
+
+    def experimental_distribute_dataset(
+        self, dataset: Any, options: Any = None, *, global_batch_size: int | None = None
+    ) -> Any:
+        """Distributes an iterable of batches; see `Strategy.experimental_distribute_dataset`.
+
+        Inside a per-worker dataset function it is the executing worker's pipeline, on the
+        worker's device (each worker iterates the dataset it was given: shard it there).
+        """
+        worker = backend_lib.current_worker()
+        target = self if worker is None else self._worker_strategy(worker.device)
+        return Strategy.experimental_distribute_dataset(
+            target, dataset, options, global_batch_size=global_batch_size
+        )
+
+    # Every replica context of this strategy has one replica (a worker, or the
+    # coordinator's device), so reducing and gathering are local: no collective program.
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+        """Combines `run`'s per-replica values, as `Strategy.reduce` (one replica per worker).
+
+        Inside a scheduled function it reduces the executing worker's values, on its device,
+        as TF's ``strategy.reduce`` in the tutorial's ``step_fn``.
+        """
+        op = ReduceOp.from_value(reduce_op)
+
+        def one(leaf: Any) -> Any:
+            x = sharded_variable.only_replica(leaf)
+            if axis is None:
+                return x if isinstance(x, jax.Array) else jnp.asarray(x)
+            return jnp.sum(x, axis) if op is ReduceOp.SUM else jnp.mean(x, axis)
+
+        return jax.tree.map(one, value, is_leaf=is_per_replica)
+
+    def gather(self, value: Any, axis: int) -> Any:
+        """Concatenates the replicas' values along `axis`: with one replica, its value."""
+
+        def one(leaf: Any) -> Any:
+            x = jnp.asarray(sharded_variable.only_replica(leaf))
+            if not -x.ndim <= axis < x.ndim:
+                raise ValueError(
+                    f"`axis` must index each replica's value of rank {x.ndim}; got axis={axis}."
+                )
+            return x
+
+        return jax.tree.map(one, value, is_leaf=is_per_replica)
 
     def _train_model_epoch(self, model: Any, data: Any, cbs: Any, steps_per_epoch: Any) -> Any:
         """`jstrategy.Model`'s epoch under this strategy (see `model_fit.py`)."""
@@ -337,6 +458,7 @@ def _worker_copy(num_workers: int, num_ps: int, backend: str) -> ParameterServer
     strategy._variable_partitioner = None
     strategy._coordinator = None
     strategy._worker_strategies = {}
+    strategy._capture = run_capture.RunCapture()
     strategy._remote = True
     Strategy.__init__(strategy, [jax.local_devices()[0]])
     return strategy

@@ -1,0 +1,390 @@
+"""Keras's ``TensorBoard`` callback: scalars, histograms and profiles for TensorBoard.
+
+Events are written with tensorboardX (``pip install 'jstrategy[tensorboard]'``), a writer
+of TensorBoard's event files that needs no TensorFlow; profiles are `jax.profiler` traces,
+which TensorBoard's profile plugin reads.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jstrategy._src.training.callbacks import Callback
+
+__all__ = ["TensorBoard"]
+
+
+def _summary_writer_class() -> Any:
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        raise ImportError(
+            "jstrategy.callbacks.TensorBoard writes TensorBoard event files with "
+            "tensorboardX; install it with pip install 'jstrategy[tensorboard]' (or pip "
+            "install tensorboardX)."
+        ) from None
+    return SummaryWriter
+
+
+def _host_float(value: Any) -> float:
+    # A log value may be a device array spanning other processes' devices: read this
+    # process's copy.
+    if isinstance(value, jax.Array):
+        value = value.addressable_data(0)
+    return float(np.asarray(value))
+
+
+def _numbers(logs: dict[str, Any] | None) -> dict[str, float]:
+    out = {}
+    for key, value in (logs or {}).items():
+        try:
+            out[str(key)] = _host_float(value)
+        except (TypeError, ValueError):
+            continue  # not a number (e.g. a string a callback added)
+    return out
+
+
+def _profile_range(profile_batch: Any) -> tuple[int, int]:
+    message = (
+        "`profile_batch` must be a non-negative int, or a pair (start, stop) of positive "
+        "ints with start <= stop (the range of batches to profile), or 0 to disable "
+        f"profiling; got {profile_batch!r}."
+    )
+    value = profile_batch
+    if isinstance(value, str):  # Keras's legacy "start,stop" form
+        try:
+            value = [int(part) for part in value.split(",")]
+        except ValueError:
+            raise ValueError(message) from None
+        if len(value) == 1:
+            value = value[0]
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        start = stop = int(value)
+    elif (
+        isinstance(value, (tuple, list))
+        and len(value) == 2
+        and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value)
+    ):
+        start, stop = (int(v) for v in value)
+        if start < 1:
+            raise ValueError(message)
+    else:
+        raise ValueError(message)
+    if start < 0 or stop < start:
+        raise ValueError(message)
+    return start, stop
+
+
+class TensorBoard(Callback):
+    """Writes the logs of `Model.fit` for TensorBoard, as Keras's ``TensorBoard``.
+
+    The layout and tags are Keras's, so dashboards and scripts written for Keras's logs read
+    these: under ``log_dir/train``, ``epoch_<name>`` scalars (``epoch_loss``,
+    ``epoch_accuracy``, ``epoch_learning_rate``, ...) at step ``epoch``; under
+    ``log_dir/validation``, the ``val_`` logs with the prefix removed (``epoch_loss``, ...)
+    and, at the end of each evaluation, ``evaluation_<name>_vs_iterations`` at the
+    training step. With `update_freq` ``"batch"`` or N, ``batch_<name>`` scalars (the
+    epoch's running means, as the batch logs hold) at the training step, every N steps.
+
+    `profile_batch` profiles a range of training batches (counted from 1 in each `fit`)
+    with `jax.profiler`: the trace lands in ``log_dir/plugins/profile/<run>/``, where
+    TensorBoard's profile plugin (``pip install tensorboard-plugin-profile``) and Perfetto
+    read it.
+
+    Where it differs from Keras: a JAX program has no TensorFlow graph, so `write_graph`
+    writes the model's `summary()` table as text (tag ``keras``); `write_images` and
+    embeddings are not supported (a clear error). Histograms (`histogram_freq`) are of
+    every variable in ``model.variables``, tagged by its path (``params/Dense_0/kernel``).
+
+    In a multi-worker job only the chief (process 0) writes, as Keras; the other workers
+    write nothing (Keras has them write to a temporary directory and delete it).
+
+    Args:
+      log_dir: the directory of the logs (created as needed). Do not share it with other
+        callbacks.
+      histogram_freq: every how many epochs to write histograms of the variables; 0: never.
+      write_graph: whether to write the model's summary table (see above).
+      write_images: must be False (not supported).
+      write_steps_per_second: whether to log the training steps per second, per epoch
+        (``epoch_steps_per_second``) and, with batch logging, per logged batch
+        (``batch_steps_per_second``).
+      update_freq: ``"epoch"`` writes the scalars at the end of each epoch; ``"batch"``
+        (or 1), or an int N, also writes the batch logs every N training steps. Writing
+        batch logs reads them on the host, a synchronization per write.
+      profile_batch: 0 (no profiling), a batch number N, or a pair ``(start, stop)`` (or
+        the string ``"start,stop"``) of batch numbers to profile.
+      embeddings_freq: must be 0 (not supported).
+      embeddings_metadata: must be None (not supported).
+
+    Raises:
+      ValueError: for an invalid or unsupported argument.
+      ImportError: if tensorboardX is not installed.
+
+    Example:
+
+    >>> import os, tempfile, numpy as np, optax, flax.linen as nn, jstrategy
+    >>> log_dir = tempfile.mkdtemp()
+    >>> model = jstrategy.Model(nn.Dense(1), input_shape=(2,))
+    >>> model.compile(optax.sgd(0.1), loss="mse")
+    >>> x, y = np.ones((8, 2), np.float32), np.zeros((8, 1), np.float32)
+    >>> _ = model.fit(x, y, batch_size=4, epochs=2, verbose=0,
+    ...               callbacks=[TensorBoard(log_dir)])
+    >>> sorted(os.listdir(log_dir))
+    ['train']
+    """
+
+    def __init__(
+        self,
+        log_dir: os.PathLike | str = "logs",
+        histogram_freq: int = 0,
+        write_graph: bool = True,
+        write_images: bool = False,
+        write_steps_per_second: bool = False,
+        update_freq: str | int = "epoch",
+        profile_batch: int | str | tuple[int, int] = 0,
+        embeddings_freq: int = 0,
+        embeddings_metadata: Any = None,
+    ):
+        super().__init__()
+        if not isinstance(log_dir, (str, os.PathLike)) or not os.fspath(log_dir):
+            raise ValueError(f"`log_dir` must be a directory path; got {log_dir!r}.")
+        if (
+            isinstance(histogram_freq, bool)
+            or not isinstance(histogram_freq, (int, np.integer))
+            or histogram_freq < 0
+        ):
+            raise ValueError(
+                f"`histogram_freq` must be a non-negative int (epochs; 0 disables); got "
+                f"{histogram_freq!r}."
+            )
+        if update_freq == "batch":
+            update_freq = 1
+        if update_freq != "epoch" and (
+            isinstance(update_freq, bool)
+            or not isinstance(update_freq, (int, np.integer))
+            or update_freq < 1
+        ):
+            raise ValueError(
+                f"`update_freq` must be 'epoch', 'batch' or a positive int (training steps); "
+                f"got {update_freq!r}."
+            )
+        unsupported = {
+            "write_images": write_images,
+            "embeddings_freq": embeddings_freq,
+            "embeddings_metadata": embeddings_metadata,
+        }
+        for name, value in unsupported.items():
+            if value:
+                raise ValueError(
+                    f"`{name}` is not supported by jstrategy.callbacks.TensorBoard; got "
+                    f"{value!r}. Leave it at its default (scalars, histograms, the model "
+                    "summary and profiles are written)."
+                )
+        self._writer_class = _summary_writer_class()
+        self.log_dir = os.path.abspath(os.fspath(log_dir))
+        self.histogram_freq = int(histogram_freq)
+        self.write_graph = bool(write_graph)
+        self.write_steps_per_second = bool(write_steps_per_second)
+        self.update_freq: str | int = update_freq if update_freq == "epoch" else int(update_freq)
+        self._start_batch, self._stop_batch = _profile_range(profile_batch)
+        self._should_trace = self._stop_batch > 0
+        self._writers: dict[str, Any] = {}
+        self._is_tracing = False
+        self._graph_written = False
+        self._in_fit = False
+        self._fit_batches = 0
+        self._epoch_base: int | None = None
+        self._last_logged_step = 0
+        self._last_logged_time = 0.0
+        self._epoch_start: tuple[float, int | None] = (0.0, None)
+
+    # Writers ----------------------------------------------------------------------------
+    @staticmethod
+    def _is_chief() -> bool:
+        return jax.process_index() == 0
+
+    def _writer(self, name: str) -> Any:
+        writer = self._writers.get(name)
+        if writer is None:
+            # Created when first written to, so a run without validation has no
+            # validation directory (as Keras).
+            # The process id in the file name, as TF's writers: two processes writing to
+            # one directory in the same second would otherwise share one file.
+            writer = self._writers[name] = self._writer_class(
+                os.path.join(self.log_dir, name), filename_suffix=f".{os.getpid()}"
+            )
+        return writer
+
+    def _write_scalars(self, name: str, values: dict[str, float], step: int) -> None:
+        if not values:
+            return
+        writer = self._writer(name)
+        for tag, value in values.items():
+            writer.add_scalar(tag, value, global_step=step)
+
+    def _flush(self) -> None:
+        for writer in self._writers.values():
+            writer.flush()
+
+    def _close(self) -> None:
+        writers, self._writers = self._writers, {}
+        for writer in writers.values():
+            writer.close()
+
+    # The model's training step ----------------------------------------------------------
+    def _model_step(self) -> int | None:
+        """The optimizer's step count (Keras's ``optimizer.iterations``), or None."""
+        try:
+            state = self.model.state
+        except (AttributeError, RuntimeError):
+            return None
+        step = getattr(state, "step", None)
+        return None if step is None else int(_host_float(step))
+
+    # Hooks ------------------------------------------------------------------------------
+    def on_train_begin(self, logs=None):
+        self._in_fit = True
+        self._fit_batches = 0
+        self._should_trace = self._stop_batch > 0  # each fit profiles its batches, as Keras
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch_base = None
+        if self.write_steps_per_second and self._is_chief():
+            self._epoch_start = (time.perf_counter(), self._model_step())
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._fit_batches += 1
+        if self._epoch_base is None and self.update_freq != "epoch":
+            # The steps before this epoch's first batch (a resumed epoch starts part way).
+            self._epoch_base = (self._model_step() or 0) - batch
+            self._last_logged_step = self._epoch_base + batch
+            self._last_logged_time = time.perf_counter()
+        if (
+            self._should_trace
+            and not self._is_tracing
+            and self._start_batch <= self._fit_batches <= self._stop_batch
+            and self._is_chief()
+        ):
+            self._start_trace()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._is_tracing and self._fit_batches >= self._stop_batch:
+            # The profiled batches' device work is done before the trace is stopped.
+            jax.block_until_ready(list((logs or {}).values()))
+            self._stop_trace()
+        if self.update_freq == "epoch" or not self._is_chief():
+            return
+        assert self._epoch_base is not None and isinstance(self.update_freq, int)
+        step = self._epoch_base + batch + 1
+        if step // self.update_freq <= self._last_logged_step // self.update_freq:
+            return
+        values = {f"batch_{k}": v for k, v in _numbers(logs).items()}
+        if self.write_steps_per_second:
+            now = time.perf_counter()
+            seconds = now - self._last_logged_time
+            if seconds > 0:
+                values["batch_steps_per_second"] = (step - self._last_logged_step) / seconds
+            self._last_logged_time = now
+        self._last_logged_step = step
+        self._write_scalars("train", values, step)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if not self._is_chief():
+            return
+        numbers = _numbers(logs)
+        train = {k: v for k, v in numbers.items() if not k.startswith("val_")}
+        validation = {k[len("val_") :]: v for k, v in numbers.items() if k.startswith("val_")}
+        if "learning_rate" not in train:
+            rate = self._learning_rate()
+            if rate is not None:
+                train["learning_rate"] = rate
+        if self.write_steps_per_second:
+            started, first_step = self._epoch_start
+            last_step = self._model_step()
+            seconds = time.perf_counter() - started
+            if first_step is not None and last_step is not None and seconds > 0:
+                train["steps_per_second"] = (last_step - first_step) / seconds
+        self._write_scalars("train", {f"epoch_{k}": v for k, v in train.items()}, epoch)
+        self._write_scalars("validation", {f"epoch_{k}": v for k, v in validation.items()}, epoch)
+        if self.histogram_freq and epoch % self.histogram_freq == 0:
+            self._write_histograms(epoch)
+        if self.write_graph and not self._graph_written:
+            self._write_model_summary()
+        self._flush()
+
+    def on_test_end(self, logs=None):
+        if not self._is_chief():
+            return
+        step = self._model_step()
+        if step is not None:
+            values = {f"evaluation_{k}_vs_iterations": v for k, v in _numbers(logs).items()}
+            self._write_scalars("validation", values, step)
+        if self._in_fit:
+            self._flush()
+        else:  # Model.evaluate(callbacks=[...]) on its own: nothing else comes
+            self._close()
+
+    def on_train_end(self, logs=None):
+        self._in_fit = False
+        if self._is_tracing:
+            self._stop_trace()
+        self._close()
+
+    def _on_train_abort(self) -> None:
+        # `fit` raised: release the profiler (one trace at a time per process) and files.
+        self.on_train_end()
+
+    # Contents -----------------------------------------------------------------------------
+    def _learning_rate(self) -> float | None:
+        try:
+            return float(self.model.learning_rate)
+        except (AttributeError, RuntimeError, TypeError, ValueError):
+            return None  # no single, readable rate (e.g. a plain optax transformation)
+
+    def _write_histograms(self, epoch: int) -> None:
+        leaves = jax.tree_util.tree_flatten_with_path(self.model.variables)[0]
+        writer = self._writer("train")
+        for path, leaf in leaves:
+            if not jnp.issubdtype(getattr(leaf, "dtype", np.object_), jnp.number):
+                continue  # e.g. PRNG keys
+            if isinstance(leaf, jax.Array):
+                leaf = leaf.addressable_data(0)  # this process's copy
+            values = np.asarray(jax.device_get(leaf), np.float32)
+            name = jax.tree_util.keystr(path, simple=True, separator="/")
+            writer.add_histogram(f"{name}/histogram", values, global_step=epoch)
+
+    def _write_model_summary(self) -> None:
+        buffer = io.StringIO()
+        self.model.summary(print_fn=lambda text: buffer.write(str(text) + "\n"))
+        # Markdown: indented lines render as a fixed-width block in TensorBoard's text tab.
+        text = "".join(f"    {line}\n" for line in buffer.getvalue().splitlines())
+        self._writer("train").add_text("keras", text, global_step=0)
+        self._graph_written = True
+
+    # Profiling ----------------------------------------------------------------------------
+    def _start_trace(self) -> None:
+        try:
+            jax.profiler.start_trace(self.log_dir)
+        except RuntimeError as e:  # another trace is running in this process
+            warnings.warn(
+                f"TensorBoard could not start profiling batches {self._start_batch}-"
+                f"{self._stop_batch}: {e} Stop the other trace, or pass profile_batch=0.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self._should_trace = False
+            return
+        self._is_tracing = True
+
+    def _stop_trace(self) -> None:
+        self._is_tracing = False
+        self._should_trace = False  # once per fit
+        jax.profiler.stop_trace()
