@@ -149,8 +149,8 @@ class CrossDeviceOps:
         axis_name = mesh.axis_names[0]
         n = mesh.size
 
-        def body(*xs):
-            xs = [x[0] if s else x for x, s in zip(xs, stacked, strict=True)]
+        def body(*args):
+            xs = [x[0] if s else x for x, s in zip(args, stacked, strict=True)]
             counts = [1] * len(xs)
             if axis is not None:
                 counts = [x.shape[axis] for x in xs]

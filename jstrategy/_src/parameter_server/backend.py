@@ -126,6 +126,7 @@ def _update_program(kind: str, tx: optax.GradientTransformation | None) -> Calla
 
     def program(values, opt_states, args):
         if kind == GRADIENTS:
+            assert tx is not None, "gradients need an optimizer"
             new_values, new_states = [], []
             for value, state, grad in zip(values, opt_states, args, strict=True):
                 updates, state = tx.update(grad.astype(value.dtype), state, value)

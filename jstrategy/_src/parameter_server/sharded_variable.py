@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jstrategy._src.names import path_str
 from jstrategy._src.parameter_server import backend as backend_lib
 from jstrategy._src.parameter_server.partitioners import shard_offsets
 
@@ -197,22 +198,6 @@ class ShardedVariable(_Assignable):
         )
 
 
-def _is_var(x: Any) -> bool:
-    return isinstance(x, (Variable, ShardedVariable))
-
-
-def _path_name(path: Sequence[Any]) -> str:
-    parts = []
-    for entry in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(entry, attr):
-                parts.append(str(getattr(entry, attr)))
-                break
-        else:
-            parts.append(str(entry))
-    return "/".join(parts) or "variable"
-
-
 class VariableTree:
     """A pytree of parameter-server variables: pull values, push gradients and updates.
 
@@ -370,7 +355,8 @@ class VariableTree:
         """The current values as NumPy arrays (a pytree shaped like the original)."""
         return backend_lib.to_numpy(self.read())
 
-    def _checkpoint_value(self) -> Any:
+    def checkpoint_value(self) -> Any:
+        """What `CheckpointManager.save` and `save_weights` write for these variables."""
         # What `CheckpointManager.save` and `save_weights` write: the variables' values,
         # whole (shards assembled), so any strategy can restore them. The per-variable
         # optimizer state stays on the parameter servers.
@@ -455,7 +441,7 @@ def build_variable_tree(
         return Variable(store, var_id, name, value.shape, value.dtype, var_tree)
 
     for path, leaf in path_leaves:
-        name = _path_name(path)
+        name = path_str(path, default="variable")
         if isinstance(leaf, jax.Array):
             value = np.asarray(jax.device_get(leaf))
         else:

@@ -14,12 +14,15 @@ import jax
 import optax
 
 from jstrategy._src.parameter_server import backend as backend_lib
+from jstrategy._src.parameter_server import model_fit
 from jstrategy._src.parameter_server import sharded_variable
 from jstrategy._src.parameter_server.partitioners import Partitioner
 from jstrategy._src.strategy import Strategy
 
 if TYPE_CHECKING:
     from jstrategy._src.cluster_resolver import ClusterResolver
+    from jstrategy._src.training.fit_loop import FitEpoch
+    from jstrategy._src.training.fit_loop import FitEpochResult
 
 __all__ = ["Backend", "ParameterServerStrategy", "local_cluster_resolver"]
 
@@ -248,11 +251,6 @@ class ParameterServerStrategy(Strategy):
             self._variable_count += 1
         return index
 
-    def _variables_from_checkpoint(self, tree: Any) -> sharded_variable.VariableTree:
-        # `CheckpointManager.restore(strategy=self)` / `load_weights`: a checkpoint saved under
-        # any strategy lands on the parameter servers, round-robin and partitioned.
-        return self.create_variables(tree)
-
     def create_variables(
         self, tree: Any, *, optimizer: optax.GradientTransformation | None = None
     ) -> sharded_variable.VariableTree:
@@ -310,11 +308,20 @@ class ParameterServerStrategy(Strategy):
             return super().run(fn, args, kwargs)
         return self._worker_strategy(worker.device).run(fn, args, kwargs)
 
-    def _train_model_epoch(self, model: Any, data: Any, cbs: Any, steps_per_epoch: Any) -> Any:
-        """`jstrategy.Model`'s epoch under this strategy (see `model_fit.py`)."""
-        from jstrategy._src.parameter_server import model_fit
+    # Hooks (see `Strategy`) ---------------------------------------------------------------
+    def run_fit_epoch(self, epoch: FitEpoch) -> FitEpochResult | None:
+        """`jstrategy.Model.fit`'s epoch: steps scheduled on the workers (`model_fit.py`)."""
+        return model_fit.run_fit_epoch(self, epoch)
 
-        return model_fit.train_model_epoch(self, model, data, cbs, steps_per_epoch)
+    @property
+    def fit_resumes_exactly(self) -> bool:
+        """False: the workers train asynchronously, so a step cannot be resumed exactly."""
+        return False
+
+    def restore_variables(self, read: Callable[[Strategy | None], Any]) -> Any:
+        """A checkpoint saved under any strategy lands on the parameter servers, round-robin
+        and partitioned (read to the host first)."""
+        return self.create_variables(read(None))
 
     def __reduce__(self):
         # Scheduled functions that use the strategy travel to Ray workers; there it is a

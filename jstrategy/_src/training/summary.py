@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import re
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -22,6 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jstrategy._src.names import snake_case
 from jstrategy._src.strategy import REPLICA_AXIS
 
 __all__ = ["summarize"]
@@ -52,10 +52,6 @@ class _Count:
 
     def __add__(self, other: _Count) -> _Count:
         return _Count(self.size + other.size, self.nbytes + other.nbytes)
-
-
-def _snake_case(name: str) -> str:
-    return re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", name).lower()
 
 
 def _readable_size(nbytes: float) -> str:
@@ -232,7 +228,7 @@ def _summarize_linen(module: nn.Module, variables: Any, args: tuple, kwargs: dic
 
     trainable = _linen_count(weights.get("params", {}))
     total = _linen_count(weights)
-    name = module.name or _snake_case(type(module).__name__)
+    name = module.name or snake_case(type(module).__name__)
     return _render(
         name,
         table,
@@ -329,7 +325,7 @@ def _summarize_nnx(module: nnx.Module, state: Any, args: tuple, kwargs: dict) ->
         total.add(value)
         if is_param:
             trainable.add(value)
-    name = _snake_case(type(module).__name__)
+    name = snake_case(type(module).__name__)
     return _render(
         name,
         table,
