@@ -49,13 +49,25 @@ def _default_device(fallback: jax.Device | None) -> jax.Device:
 
 
 class _Assignable:
-    """`assign`, `assign_add` and `assign_sub`, through the class's `_apply(kind, value)`.
+    """`assign`, `assign_add` and `assign_sub`, through the class's `_apply(kind, value)`,
+    and `numpy`, through its `read_value`.
 
     A `ShardedVariable` takes full-shape values (or scalars) and splits them by rows.
     """
 
     def _apply(self, kind: str, value: Any) -> None:
         raise NotImplementedError
+
+    def read_value(self, device: jax.Device | None = None) -> jax.Array:
+        raise NotImplementedError
+
+    def numpy(self) -> np.ndarray:
+        """The (whole) current value as a NumPy array."""
+        return np.asarray(jax.device_get(self.read_value()))
+
+    def __array__(self, dtype=None, copy=None):
+        value = self.numpy()
+        return value if dtype is None else value.astype(dtype)
 
     def assign(self, value: Any) -> None:
         """Sets the value (cast to the variable's dtype)."""
@@ -105,14 +117,6 @@ class Variable(_Assignable):
         target = _default_device(device or self._tree._coordinator_device)
         (values,) = type(self._store).read_groups({self._store: [self._id]}, target).values()
         return values[0]
-
-    def numpy(self) -> np.ndarray:
-        """The current value as a NumPy array."""
-        return np.asarray(jax.device_get(self.read_value()))
-
-    def __array__(self, dtype=None, copy=None):
-        value = self.numpy()
-        return value if dtype is None else value.astype(dtype)
 
     def _apply(self, kind: str, value: Any) -> None:
         type(self._store).apply_groups({self._store: ([self._id], [jnp.asarray(value)])}, kind)
@@ -174,14 +178,6 @@ class ShardedVariable(_Assignable):
         target = _default_device(device or tree._coordinator_device)
         parts = tree._read_flat(self._shards, target)
         return jnp.concatenate(parts, axis=0)
-
-    def numpy(self) -> np.ndarray:
-        """The full value as a NumPy array."""
-        return np.asarray(jax.device_get(self.read_value()))
-
-    def __array__(self, dtype=None, copy=None):
-        value = self.numpy()
-        return value if dtype is None else value.astype(dtype)
 
     def _apply(self, kind: str, value: Any) -> None:
         value = jnp.asarray(value)

@@ -49,6 +49,8 @@ __all__ = [
     "make_adapter",
     "ones_mask",
     "prefetch",
+    "split_validation",
+    "validation_inputs",
 ]
 
 PREFETCH = 2  # executions whose batches are on the devices before they run
@@ -376,6 +378,59 @@ def _layout(tree: Any) -> tuple[str, list[Any]]:
     """What must match for batches to be stacked into one execution."""
     leaves, treedef = jax.tree.flatten(tree)
     return str(treedef), [(np.shape(x), getattr(x, "dtype", type(x))) for x in leaves]
+
+
+def split_validation(
+    x: Any, y: Any, w: Any, validation_split: Any, validation_data: Any
+) -> tuple[Any, Any, Any, Any]:
+    """`fit`'s ``validation_split``: the last fraction of the array rows, before shuffling.
+
+    Returns:
+      ``(x, y, sample_weight, validation_data)``: the training part and the held-out one
+      (the arguments as they are without a split, or with `validation_data` given).
+
+    Raises:
+      ValueError: for a fraction outside [0, 1), a dataset, or an empty part.
+    """
+    if not 0.0 <= float(validation_split) < 1.0:
+        raise ValueError(
+            f"`validation_split` must be in [0, 1); got {validation_split!r}. E.g. 0.2 "
+            "holds out the last 20% of the rows."
+        )
+    if validation_split and not is_array_tree(x):
+        raise ValueError(
+            "`validation_split` needs array inputs; for datasets pass validation_data."
+        )
+    if not validation_split or validation_data is not None:
+        return x, y, w, validation_data
+    rows = rows_of((x, y), "x and y")
+    split = rows - int(rows * float(validation_split))
+    if split in (0, rows):
+        raise ValueError(
+            f"validation_split={validation_split} leaves an empty part of {rows} rows."
+        )
+
+    def cut(tree: Any, part: slice) -> Any:
+        return None if tree is None else jax.tree.map(lambda a: a[part], tree)
+
+    train, held_out = slice(0, split), slice(split, None)
+    validation: tuple[Any, ...] = (cut(x, held_out), cut(y, held_out))
+    if w is not None:
+        validation += (cut(w, held_out),)
+    return cut(x, train), cut(y, train), cut(w, train), validation
+
+
+def validation_inputs(validation_data: Any, batch_size: Any) -> tuple[Any, Any, Any, Any]:
+    """``(x, y, sample_weight, batch_size)`` of `fit`'s ``validation_data``: arrays
+    ``(x, y[, w])`` batched like the training data, or a dataset as it is."""
+    if (
+        isinstance(validation_data, tuple)
+        and 2 <= len(validation_data) <= 3
+        and is_array_tree(validation_data[0])
+    ):
+        vx, vy, *vw = validation_data
+        return vx, vy, vw[0] if vw else None, batch_size
+    return validation_data, None, None, None
 
 
 def _check_batch_size(batch_size: Any) -> int:

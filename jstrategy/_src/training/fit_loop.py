@@ -1,7 +1,7 @@
 """The loops behind `jstrategy.Model`: epochs, progress, callbacks, resume; evaluate; predict.
 
-`Trainer` is the training side of a model: its train state, compiled step and programs.
-`fit` runs epochs; each epoch is handed to the strategy (`Strategy.run_fit_epoch`) as a
+The loops run on a `Trainer` (`trainer.py`), the training side of a model. `fit` runs
+epochs; each epoch is handed to the strategy (`Strategy.run_fit_epoch`) as a
 `FitEpoch`, whose `run` is the default: the compiled programs over the epoch's executions,
 dispatched asynchronously (bounded by `dispatch.track`) with their batches on the devices
 ahead of use. The running loss and metric sums stay on the devices; the host reads them
@@ -30,15 +30,16 @@ from jstrategy._src.training import callbacks as callbacks_lib
 from jstrategy._src.training import step as step_lib
 from jstrategy._src.training.data_adapters import DataAdapter
 from jstrategy._src.training.data_adapters import prefetch
+from jstrategy._src.training.trainer import Trainer
 
 if TYPE_CHECKING:
-    from jstrategy._src.strategy import Strategy
+    pass
 
 __all__ = [
     "FitEpoch",
     "FitEpochResult",
     "FitState",
-    "Trainer",
+    "Resume",
     "evaluate",
     "fit",
     "predict",
@@ -48,7 +49,7 @@ _FIT_KEYS = ("epoch", "step", "order_index", "position")
 
 
 @dataclasses.dataclass
-class _Resume:
+class Resume:
     """A restored position that the next `fit` starts from (set by `BackupAndRestore`)."""
 
     epoch: int
@@ -56,76 +57,6 @@ class _Resume:
     order_index: int
     position: int | None
     sums: Any
-
-
-class Trainer:
-    """The training side of a `jstrategy.Model`: state, compiled step, programs, counters.
-
-    Args:
-      strategy: the model's strategy.
-      seed: seeds the shuffling order of every epoch.
-
-    Attributes:
-      state: the train state (a `TrainStateProtocol`), placed by the strategy; None until
-        the model is built.
-      spec: the compiled step (`StepSpec`); None until `compile`.
-      steps_per_execution: training steps per dispatched program.
-      epochs_run: epochs whose shuffling order was drawn (the order of epoch ``e`` is a
-        function of ``(seed, e)``, so a backup that records it resumes the same order).
-      stop_training: set to end `fit` after the current step (`Model.stop_training`).
-      fit_state: where `fit` is, while it runs.
-    """
-
-    def __init__(self, strategy: Strategy, seed: int):
-        self.strategy = strategy
-        self.seed = seed
-        self.state: Any = None
-        self.spec: step_lib.StepSpec | None = None
-        self.steps_per_execution = 1
-        self.epochs_run = 0
-        self.stop_training = False
-        self.fit_state: FitState | None = None
-        self.resume: _Resume | None = None
-        self.programs: dict[Any, Any] = {}
-
-    @property
-    def compiled_spec(self) -> step_lib.StepSpec:
-        if self.spec is None:
-            raise RuntimeError("The model is not compiled; call model.compile(...) first.")
-        return self.spec
-
-    def program(self, key: tuple[Any, ...]) -> Any:
-        """The compiled program for `key`: ``("train", steps, stacked)``, ``("eval",)`` or
-        ``("predict",)``, built once."""
-        program = self.programs.get(key)
-        if program is None:
-            spec = self.compiled_spec
-            if key[0] == "train":
-                _, steps, stacked = key
-                program = step_lib.build_train_program(spec, steps=steps, stacked=stacked)
-            elif key[0] == "eval":
-                program = step_lib.build_eval_program(spec)
-            else:
-                program = step_lib.build_predict_program(self.strategy)
-            self.programs[key] = program
-        return program
-
-    def zero_sums(self) -> dict[str, jax.Array]:
-        return jax.device_put(self.compiled_spec.zero_sums(), self.strategy.replicated_sharding())
-
-    def ordered(self, logs: dict[str, Any]) -> dict[str, Any]:
-        # Programs return dicts with sorted keys; Keras shows the loss, then the metrics.
-        return {k: logs[k] for k in self.compiled_spec.names if k in logs}
-
-    def next_order_seed(self) -> tuple[int, int]:
-        """The seed of the next epoch's shuffling order (and count the epoch)."""
-        seed = (self.seed, self.epochs_run)
-        self.epochs_run += 1
-        return seed
-
-    def weights_tree(self) -> dict[str, Any]:
-        """The variables as checkpoints hold them (typed keys as raw data)."""
-        return fault_tolerance.to_savable(self.state.weights())
 
 
 @dataclasses.dataclass(eq=False)
@@ -201,7 +132,7 @@ class FitState:
                 "directory as backup_dir.",
                 path=manager.directory,
             )
-        trainer.resume = _Resume(
+        trainer.resume = Resume(
             epoch=int(metadata["epoch"]),
             step=int(metadata["step"]),
             order_index=int(metadata["order_index"]),

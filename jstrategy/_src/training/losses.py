@@ -76,7 +76,23 @@ class Loss(PerExampleFunction):
     """
 
 
-class BinaryCrossentropy(Loss):
+class _SmoothedCrossentropy(Loss):
+    """What the binary and categorical cross-entropies share: logits and label smoothing."""
+
+    def __init__(self, from_logits: bool, label_smoothing: float, *, name: str):
+        super().__init__(name=name)
+        self.from_logits = check_bool(from_logits, "from_logits")
+        self.label_smoothing = _check_label_smoothing(label_smoothing)
+
+    def get_config(self):
+        return {
+            "from_logits": self.from_logits,
+            "label_smoothing": self.label_smoothing,
+            **super().get_config(),
+        }
+
+
+class BinaryCrossentropy(_SmoothedCrossentropy):
     """Binary cross-entropy, for 0/1 labels and one probability (or logit) per output.
 
     Predictions ``(b, 1)`` with labels ``(b,)`` or ``(b, 1)`` both work. Multi-label
@@ -103,9 +119,7 @@ class BinaryCrossentropy(Loss):
         *,
         name: str = "binary_crossentropy",
     ):
-        super().__init__(name=name)
-        self.from_logits = check_bool(from_logits, "from_logits")
-        self.label_smoothing = _check_label_smoothing(label_smoothing)
+        super().__init__(from_logits, label_smoothing, name=name)
 
     def call(self, y_true, y_pred):
         y_true, y_pred = align_ranks(y_true, y_pred)
@@ -120,13 +134,6 @@ class BinaryCrossentropy(Loss):
         p = jnp.clip(y_pred, EPSILON, 1.0 - EPSILON)
         return -(y_true * jnp.log(p) + (1.0 - y_true) * jnp.log1p(-p))
 
-    def get_config(self):
-        return {
-            "from_logits": self.from_logits,
-            "label_smoothing": self.label_smoothing,
-            **super().get_config(),
-        }
-
 
 def _class_log_probs(y_pred: jax.Array, from_logits: bool) -> jax.Array:
     if from_logits:
@@ -137,7 +144,7 @@ def _class_log_probs(y_pred: jax.Array, from_logits: bool) -> jax.Array:
     return jnp.log(jnp.clip(y_pred / total, EPSILON, 1.0 - EPSILON))
 
 
-class CategoricalCrossentropy(Loss):
+class CategoricalCrossentropy(_SmoothedCrossentropy):
     """Cross-entropy with one-hot (or soft) labels over the last axis.
 
     Args:
@@ -162,9 +169,7 @@ class CategoricalCrossentropy(Loss):
         *,
         name: str = "categorical_crossentropy",
     ):
-        super().__init__(name=name)
-        self.from_logits = check_bool(from_logits, "from_logits")
-        self.label_smoothing = _check_label_smoothing(label_smoothing)
+        super().__init__(from_logits, label_smoothing, name=name)
 
     def call(self, y_true, y_pred):
         require_class_axis(y_pred, "CategoricalCrossentropy")
@@ -183,13 +188,6 @@ class CategoricalCrossentropy(Loss):
         if self.from_logits:
             return optax.softmax_cross_entropy(y_pred, y_true)
         return -jnp.sum(y_true * _class_log_probs(y_pred, from_logits=False), axis=-1)
-
-    def get_config(self):
-        return {
-            "from_logits": self.from_logits,
-            "label_smoothing": self.label_smoothing,
-            **super().get_config(),
-        }
 
 
 class SparseCategoricalCrossentropy(Loss):

@@ -23,17 +23,15 @@ from flax import nnx
 
 from jstrategy._src import checkpoint as checkpoint_lib
 from jstrategy._src import context
-from jstrategy._src import fault_tolerance
-from jstrategy._src.placement import in_device_memory
-from jstrategy._src.placement import place_state
 from jstrategy._src.strategy import Strategy
 from jstrategy._src.training import callbacks as callbacks_lib
 from jstrategy._src.training import data_adapters
 from jstrategy._src.training import fit_loop
-from jstrategy._src.training import optimizers
 from jstrategy._src.training import step as step_lib
+from jstrategy._src.training import summary as summary_lib
 from jstrategy._src.training.nnx import create_nnx_train_state
 from jstrategy._src.training.train_state import create_train_state
+from jstrategy._src.training.trainer import Trainer
 from jstrategy._src.validation import check_non_negative_int
 from jstrategy._src.validation import check_positive_int
 from jstrategy._src.validation import is_int
@@ -101,17 +99,11 @@ class Model:
         self._input_shape = None if input_shape is None else tuple(int(d) for d in input_shape)
         self._input_dtype = input_dtype
         self._train_arg = train_arg
-        self._trainer = fit_loop.Trainer(context.get_strategy(), int(seed))
-        self._optimizer: Any = None  # as given to compile
-        self._raw_tx: optax.GradientTransformation | None = None  # resolved, to apply
-        self._tx: optax.GradientTransformation | None = None  # applied to the state
-        self._rate: optimizers.LearningRate | None = None
+        self._trainer = Trainer(context.get_strategy(), int(seed))
         self.history: callbacks_lib.History | None = None
         if is_nnx:
-            strategy = self.strategy
-            self._trainer.state = create_nnx_train_state(
-                module, optax.identity(), strategy=strategy
-            )
+            state = create_nnx_train_state(module, optax.identity(), strategy=self.strategy)
+            self._trainer.set_state(state)
         elif self._input_shape is not None:
             self._build(jnp.zeros((1, *self._input_shape), input_dtype))
 
@@ -149,7 +141,7 @@ class Model:
     @property
     def optimizer(self) -> Any:
         """The optimizer given to `compile` (an optax transformation or its name)."""
-        return self._optimizer
+        return self._trainer.optimizer
 
     @property
     def loss(self) -> Any:
@@ -203,20 +195,11 @@ class Model:
         Raises:
           RuntimeError: before `compile`, or when the optimizer has several learning rates.
         """
-        return self._require_rate().get(self._trainer.state)
+        return self._trainer.get_learning_rate()
 
     @learning_rate.setter
     def learning_rate(self, value: float) -> None:
-        rate = self._require_rate()
-        self._trainer.state = rate.set(self._trainer.state, value)
-
-    def _require_rate(self) -> optimizers.LearningRate:
-        if self._trainer.spec is None or not self.built or self._rate is None:
-            raise RuntimeError(
-                "`learning_rate` is kept in the optimizer state, which exists after "
-                "`compile` and once the model is built. Call model.compile(...) first."
-            )
-        return self._rate
+        self._trainer.set_learning_rate(value)
 
     def _require_built(self, what: str) -> None:
         if self._trainer.state is None:
@@ -227,33 +210,16 @@ class Model:
 
     # Building and compiling -----------------------------------------------------------
     def _build(self, sample_x: Any) -> None:
-        tx = self._tx if self._tx is not None else optax.identity()
-        self._trainer.state = create_train_state(
+        trainer = self._trainer
+        state = create_train_state(
             self.module,
-            tx,
+            trainer.initial_tx(),
             sample_x,
-            rng=self._trainer.seed,
+            rng=trainer.seed,
             strategy=self.strategy,
             train_arg=self._train_arg,
         )
-        self._after_new_state()
-
-    def _sample_input(self, symbolic: bool) -> Any:
-        if self._input_shape is None:
-            raise ValueError(
-                "The sample input shape is unknown. Pass input_shape=(...) to Model (the "
-                "shape of one row, without the batch axis)."
-            )
-        if symbolic:
-            # A symbolic batch axis, so the table shows "(batch, 16)" as Keras shows None.
-            (batch,) = jax.export.symbolic_shape("batch")
-            return jax.ShapeDtypeStruct((batch, *self._input_shape), self._input_dtype)
-        return jax.ShapeDtypeStruct((1, *self._input_shape), self._input_dtype)
-
-    def _after_new_state(self) -> None:
-        has_rate = self._tx is not None
-        self._rate = optimizers.LearningRate(self._trainer.state) if has_rate else None
-        self._trainer.programs = {}
+        trainer.set_state(state)
 
     def compile(
         self,
@@ -294,22 +260,7 @@ class Model:
             "1 dispatches every step; e.g. 8 fuses 8 steps into one program.",
         )
         spec = step_lib.make_spec(step_lib.resolve_loss(loss), metrics, self.strategy)
-        tx = optimizers.resolve_optimizer(optimizer)
-        self._optimizer = optimizer
-        self._trainer.spec = spec
-        self._trainer.steps_per_execution = steps_per_execution
-        self._raw_tx, self._tx = tx, None
-        if self.built:
-            self._set_optimizer(tx)
-
-    def _set_optimizer(self, tx: optax.GradientTransformation) -> None:
-        # Optimizer state is created in device memory (JAX cannot build arrays "like" a
-        # host-memory array outside a program); place_state then puts it where it lives.
-        params = in_device_memory(self._trainer.state.params)
-        self._tx = optimizers.with_rate_control(tx, params)
-        new = self._trainer.state.with_optimizer(self._tx)
-        self._trainer.state = place_state(new, self.strategy)
-        self._after_new_state()
+        self._trainer.compile(optimizer, spec, steps_per_execution)
 
     def _ensure_ready(self, x_sample: Any = None, *, training: bool) -> None:
         if x_sample is not None and not self.built:
@@ -324,9 +275,7 @@ class Model:
                 "The model must be compiled before training or evaluation; call "
                 "model.compile(optimizer, loss, metrics) first."
             )
-        if self._trainer.spec is not None and self._tx is None:
-            assert self._raw_tx is not None
-            self._set_optimizer(self._raw_tx)
+        self._trainer.apply_optimizer()
 
     def summary(self, print_fn: Callable[[str], Any] | None = None) -> None:
         """Prints a Keras-like table of the module's layers, output shapes and parameters.
@@ -345,13 +294,9 @@ class Model:
         Total params: 21 (84.00 B)
         ...
         """
-        state = self.state
-        try:
-            table = state.summary_table(self.module, self._sample_input(symbolic=True))
-        except Exception:  # some modules need concrete shapes (e.g. reshapes)
-            table = state.summary_table(self.module, self._sample_input(symbolic=False))
-        if self.name and table.startswith("Model: "):
-            table = f'Model: "{self.name}"' + table[table.index("\n") :]
+        table = summary_lib.model_table(
+            self.state, self.module, self._input_shape, self._input_dtype, self.name
+        )
         (print_fn or print)(table)
 
     # Weights ----------------------------------------------------------------------------
@@ -365,20 +310,8 @@ class Model:
         Raises:
           ValueError: if the number of arrays or a shape does not match.
         """
-        old = self.state.get_weights()
-        weights = list(weights)
-        if len(weights) != len(old):
-            raise ValueError(
-                f"`weights` must hold {len(old)} arrays, as get_weights() returns; got "
-                f"{len(weights)}."
-            )
-        new = []
-        for i, (w, like) in enumerate(zip(weights, old, strict=True)):
-            w = np.asarray(w)
-            if w.shape != like.shape:
-                raise ValueError(f"Weight {i} must have shape {like.shape}; got {w.shape}.")
-            new.append(w.astype(like.dtype))
-        self._trainer.state = place_state(self.state.with_weight_list(new), self.strategy)
+        self._require_built("set_weights")
+        self._trainer.set_weights(list(weights))
 
     def save_weights(self, filepath: os.PathLike | str, overwrite: bool = True) -> None:
         """Writes the model's variables to the directory `filepath` (`jstrategy.save_weights`).
@@ -428,17 +361,7 @@ class Model:
           CheckpointError: if the checkpoint is damaged.
         """
         self._require_built("load_weights")
-        like = self.state.weights()
-        target = fault_tolerance.to_savable(like)
-        path = os.path.abspath(os.fspath(filepath))
-        step_dir = checkpoint_lib.latest_step_dir(path)
-        if step_dir is None:
-            saved = checkpoint_lib.load_weights(path, target=target, strategy=self.strategy)
-        else:
-            roots = ("weights", "train_state")
-            saved = checkpoint_lib.read_by_paths(step_dir, target, roots, self.strategy)
-        saved = place_state(fault_tolerance.from_savable(saved, like), self.strategy)
-        self._trainer.state = self.state.with_weights(saved)
+        self._trainer.load_weights(filepath)
 
     def restore_checkpoint(self, directory: os.PathLike | str) -> None:
         """Restores the training state (variables, optimizer state, step) of a checkpoint.
@@ -457,18 +380,7 @@ class Model:
           CheckpointError: if the checkpoint is damaged.
         """
         self._ensure_ready(training=True)
-        path = os.path.abspath(os.fspath(directory))
-        step_dir = checkpoint_lib.latest_step_dir(path)
-        if step_dir is None:
-            raise FileNotFoundError(
-                f"No checkpoint in {path}. Pass a directory written by ModelCheckpoint or "
-                "BackupAndRestore (for save_weights directories use load_weights)."
-            )
-        state = self.state
-        target = fault_tolerance.to_savable(state)
-        saved = checkpoint_lib.read_by_paths(step_dir, target, ("train_state",), self.strategy)
-        saved = fault_tolerance.from_savable(saved, state)
-        self._trainer.state = place_state(saved, self.strategy)
+        self._trainer.restore_checkpoint(directory)
 
     # Data ---------------------------------------------------------------------------------
     def _adapter(self, x: Any, y: Any, w: Any, **kwargs: Any) -> data_adapters.DataAdapter:
@@ -536,33 +448,10 @@ class Model:
           ValueError: for inconsistent arguments or data.
         """
         epochs = check_non_negative_int(epochs, "epochs")
-        if not 0.0 <= float(validation_split) < 1.0:
-            raise ValueError(
-                f"`validation_split` must be in [0, 1); got {validation_split!r}. E.g. 0.2 "
-                "holds out the last 20% of the rows."
-            )
-        arrays = data_adapters.is_array_tree(x)
-        if validation_split and not arrays:
-            raise ValueError(
-                "`validation_split` needs array inputs; for datasets pass validation_data."
-            )
-        if validation_split and validation_data is None:
-            rows = data_adapters.rows_of((x, y), "x and y")
-            split = rows - int(rows * float(validation_split))
-            if split in (0, rows):
-                raise ValueError(
-                    f"validation_split={validation_split} leaves an empty part of {rows} rows."
-                )
-
-            def cut(tree: Any, part: slice) -> Any:
-                return None if tree is None else jax.tree.map(lambda a: a[part], tree)
-
-            validation_data = (cut(x, slice(split, None)), cut(y, slice(split, None)))
-            if sample_weight is not None:
-                validation_data += (cut(sample_weight, slice(split, None)),)
-            x, y = cut(x, slice(0, split)), cut(y, slice(0, split))
-            sample_weight = cut(sample_weight, slice(0, split))
-        if arrays and y is None:
+        x, y, sample_weight, validation_data = data_adapters.split_validation(
+            x, y, sample_weight, validation_split, validation_data
+        )
+        if data_adapters.is_array_tree(x) and y is None:
             raise ValueError("`y` is required when `x` holds arrays; pass fit(x, y, ...).")
         data = self._adapter(
             x,
@@ -576,7 +465,10 @@ class Model:
         self._ensure_ready(training=True)
         val_data = None
         if validation_data is not None:
-            val_data = self._validation(validation_data, batch_size)
+            vx, vy, vw, vbatch = data_adapters.validation_inputs(validation_data, batch_size)
+            val_data = self._adapter(
+                vx, vy, vw, batch_size=vbatch, shuffle=False, steps=None, arg="validation_data"
+            )
         cbs = self._callbacks(
             callbacks,
             verbose,
@@ -596,27 +488,6 @@ class Model:
         )
         self.state.write_back(self.module)
         return self.history
-
-    def _validation(self, validation_data: Any, batch_size: Any) -> data_adapters.DataAdapter:
-        if (
-            isinstance(validation_data, tuple)
-            and 2 <= len(validation_data) <= 3
-            and data_adapters.is_array_tree(validation_data[0])
-        ):
-            vx, vy, *vw = validation_data
-            w = vw[0] if vw else None
-            return self._adapter(
-                vx, vy, w, batch_size=batch_size, shuffle=False, steps=None, arg="validation_data"
-            )
-        return self._adapter(
-            validation_data,
-            None,
-            None,
-            batch_size=None,
-            shuffle=False,
-            steps=None,
-            arg="validation_data",
-        )
 
     def evaluate(
         self,
