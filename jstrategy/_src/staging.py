@@ -12,6 +12,11 @@ here:
   in host memory), so each step is two programs: the gradients on the replicas, then the
   update where the variables live.
 
+A strategy whose variables are sharded across devices adds its variant here and overrides
+the hook to return it: the gradients in `replica_map` (manual over the data axis only),
+then ``fns.update`` in the global view inside the same ``jax.jit``, with
+``out_shardings`` from `Strategy.variable_sharding`, so XLA partitions the update.
+
 A program is ``program(state, acc, batch, mask) -> (state, acc, logs)``: `acc` holds running
 loss and metric sums (with the count of real rows) that each step adds to, or None to start
 from the step's own sums (one step only); `logs` are their means.

@@ -10,7 +10,13 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["check_bool", "check_non_negative_int", "check_positive_int", "is_int"]
+__all__ = [
+    "check_bool",
+    "check_non_negative_int",
+    "check_positive_float",
+    "check_positive_int",
+    "is_int",
+]
 
 
 def is_int(value: Any) -> bool:
@@ -58,6 +64,20 @@ def check_non_negative_int(value: Any, name: str, fix: str = "") -> int:
     if not is_int(value) or value < 0:
         raise _fail(name, "a non-negative int", value, fix)
     return int(value)
+
+
+def check_positive_float(value: Any, name: str, fix: str = "") -> float:
+    """`value` as a float if it is a number > 0 (not a bool), else a `ValueError`.
+
+    Example:
+
+    >>> check_positive_float(2, "timeout")
+    2.0
+    """
+    number = isinstance(value, (int, float, np.integer, np.floating))
+    if isinstance(value, bool) or not number or not value > 0:
+        raise _fail(name, "a positive float", value, fix)
+    return float(value)
 
 
 def check_bool(value: Any, name: str, fix: str = "Pass True or False.") -> bool:

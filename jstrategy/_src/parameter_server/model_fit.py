@@ -146,7 +146,7 @@ def _step_fn(strategy: ParameterServerStrategy, spec: Any, session: _Session, te
         # Cached by module, not in the closure: with Ray the closure arrives anew each step.
         program = _PROGRAMS.get((token, device))
         if program is None:
-            program = _gradients_program(spec, strategy._worker_strategy(device))
+            program = _gradients_program(spec, strategy.worker_strategy(device))
             program = _PROGRAMS.setdefault((token, device), program)
         batch, mask, rest, local_keys = jax.device_put((batch, mask, template, keys), device)
         params = params_tree.read(device)

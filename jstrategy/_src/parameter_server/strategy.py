@@ -291,7 +291,9 @@ class ParameterServerStrategy(Strategy):
         )
 
     # Running on workers -------------------------------------------------------------------
-    def _worker_strategy(self, device: jax.Device) -> Strategy:
+    def worker_strategy(self, device: jax.Device) -> Strategy:
+        """The one-replica strategy on a worker's `device`: `run` inside a scheduled
+        function, and `Model.fit`'s steps there, run on it."""
         strategy = self._worker_strategies.get(device)
         if strategy is None:
             strategy = self._worker_strategies.setdefault(device, Strategy([device]))
@@ -306,7 +308,7 @@ class ParameterServerStrategy(Strategy):
         worker = backend_lib.current_worker()
         if worker is None:
             return super().run(fn, args, kwargs)
-        return self._worker_strategy(worker.device).run(fn, args, kwargs)
+        return self.worker_strategy(worker.device).run(fn, args, kwargs)
 
     # Hooks (see `Strategy`) ---------------------------------------------------------------
     def run_fit_epoch(self, epoch: FitEpoch) -> FitEpochResult | None:

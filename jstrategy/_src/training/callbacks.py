@@ -28,6 +28,7 @@ from jstrategy._src import checkpoint as checkpoint_lib
 from jstrategy._src import fault_tolerance
 from jstrategy._src.training.progress import Progbar
 from jstrategy._src.training.progress import resolve_verbose
+from jstrategy._src.validation import check_non_negative_int
 
 __all__ = [
     "BackupAndRestore",
@@ -407,16 +408,9 @@ class EarlyStopping(Callback):
             raise ValueError(f"`monitor` must be a log key such as 'val_loss'; got {monitor!r}.")
         if isinstance(min_delta, bool) or not isinstance(min_delta, (int, float)):
             raise ValueError(f"`min_delta` must be a number; got {min_delta!r}. E.g. 1e-3.")
-        for arg, value in (("patience", patience), ("start_from_epoch", start_from_epoch)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"`{arg}` must be a non-negative int; got {value!r}.")
-        try:
-            self.mode = Mode(mode)
-        except ValueError:
-            raise ValueError(
-                f"`mode` must be one of {[m.value for m in Mode]}; got {mode!r}. Use 'min' "
-                "for losses and errors, 'max' for accuracies, 'auto' to infer."
-            ) from None
+        patience = check_non_negative_int(patience, "patience")
+        start_from_epoch = check_non_negative_int(start_from_epoch, "start_from_epoch")
+        self.mode = _parse_mode(mode)
         if baseline is not None and (
             isinstance(baseline, bool) or not isinstance(baseline, (int, float))
         ):

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 from typing import Any
 from typing import Protocol
 from typing import TypeVar
-from typing import runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +40,6 @@ _S = TypeVar("_S", bound="TrainStateProtocol")
 _TRAIN_ARGS = {"train": True, "training": True, "deterministic": False}
 
 
-@runtime_checkable
 class TrainStateProtocol(Protocol):
     """What a train state offers the steps, `jstrategy.Model` and the strategies.
 
@@ -240,7 +238,10 @@ def as_train_state(state: Any) -> TrainStateProtocol:
     Raises:
       TypeError: for anything else, naming the supported types and how to make one.
     """
-    if isinstance(state, TrainStateProtocol):
+    # Checked on the class: an instance check against the protocol would evaluate its
+    # properties (an NNX state's `step` merges its optimizer) on every step.
+    kind = type(state)
+    if all(callable(getattr(kind, name, None)) for name in ("forward", "apply_update")):
         return state
     if isinstance(state, flax_train_state.TrainState):
         return TrainState(
