@@ -7,25 +7,29 @@ Example:
 True
 """
 
+from jstrategy._src.placement import place_state
+from jstrategy._src.training.fit_loop import FitState
 from jstrategy._src.training.model import Model
 from jstrategy._src.training.nnx import NNXTrainState
 from jstrategy._src.training.nnx import create_nnx_train_state
+from jstrategy._src.training.train_state import TrainState
+from jstrategy._src.training.train_state import TrainStateProtocol
+from jstrategy._src.training.train_state import create_train_state
 from jstrategy._src.training.train_step import EvalStep
 from jstrategy._src.training.train_step import PredictStep
-from jstrategy._src.training.train_step import TrainState
 from jstrategy._src.training.train_step import TrainStep
-from jstrategy._src.training.train_step import create_train_state
 from jstrategy._src.training.train_step import make_eval_step
 from jstrategy._src.training.train_step import make_predict_step
 from jstrategy._src.training.train_step import make_train_step
-from jstrategy._src.training.train_step import place_state
 
 __all__ = [
     "EvalStep",
+    "FitState",
     "Model",
     "NNXTrainState",
     "PredictStep",
     "TrainState",
+    "TrainStateProtocol",
     "TrainStep",
     "create_nnx_train_state",
     "create_train_state",

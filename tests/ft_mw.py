@@ -49,7 +49,7 @@ def main() -> int:
 
     class Steps(jstrategy.callbacks.Callback):  # before it: sees the step it backs up
         def on_train_batch_end(self, batch, logs=None):
-            self.where = (self.model._fit_progress.epoch, batch + 1)
+            self.where = (self.model.fit_state.epoch, batch + 1)
             print(f"worker {index} STEP {self.where[0]} {self.where[1]}", flush=True)
             time.sleep(args.sleep)
 

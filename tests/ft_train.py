@@ -70,7 +70,7 @@ def main() -> int:
 
     class Report(jstrategy.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            print(f"STEP {self.model._fit_progress.epoch} {batch + 1}", flush=True)
+            print(f"STEP {self.model.fit_state.epoch} {batch + 1}", flush=True)
             time.sleep(args.sleep)
 
     strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])

@@ -63,7 +63,7 @@ class _Stop(Exception):
 
 def _stop_at(model_ref, epoch, step):
     def hook(batch, logs):
-        progress = model_ref[0]._fit_progress
+        progress = model_ref[0].fit_state
         if progress.epoch == epoch and batch + 1 >= step:
             raise _Stop
 
@@ -232,7 +232,7 @@ def test_sigterm_backs_up_at_the_next_step_and_exits(tmp_path):
     sent = []
 
     def preempt(batch, logs):
-        if not sent and model[0]._fit_progress.epoch == 1 and batch + 1 == 3:
+        if not sent and model[0].fit_state.epoch == 1 and batch + 1 == 3:
             sent.append(True)
             os.kill(os.getpid(), signal.SIGTERM)
 

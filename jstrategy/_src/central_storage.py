@@ -9,10 +9,12 @@ In JAX the central copy lives in host memory: each leaf is a `jax.Array` with a
 ``SingleDeviceSharding(parameter_device, memory_kind="pinned_host")``, one buffer whatever
 the number of compute devices. Everything decides this through one method,
 `Strategy.variable_sharding`: `jstrategy.training.place_state` (hence
-`create_train_state` and `jstrategy.Model`) places the state there, checkpoints restore
-into it, and the compiled steps copy the parameters to the compute devices for each step
-and write the updated state back there (see `jstrategy._src.training.train_step`).
-Between steps no parameter or optimizer state is left in device memory.
+`create_train_state` and `jstrategy.Model`) places the state there and checkpoints restore
+into it. Two hooks say how computation reaches it: `stage_train_step` copies the
+parameters to the compute devices for each step and writes the updated state back there
+(`staging.host_update_train_program`), and `read_on_replicas` copies variables to the
+replicas for evaluation, prediction and `run`. Between steps no parameter or optimizer
+state is left in device memory.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import jax
 from jax.sharding import SingleDeviceSharding
 
 from jstrategy._src import devices as devices_lib
+from jstrategy._src import staging
 from jstrategy._src.strategy import Strategy
 
 __all__ = ["CentralStorageStrategy", "HOST_MEMORY"]
@@ -130,25 +133,47 @@ class CentralStorageStrategy(Strategy):
         del leaf, path  # every variable lives in the same place
         return self._variable_sharding
 
+    def _central(self) -> bool:
+        return self._variable_sharding != self.replicated_sharding()
+
+    def stage_train_step(
+        self, fns: staging.StepFunctions, *, steps: int = 0, stacked: bool = True
+    ) -> staging.TrainProgram:
+        """The gradients on the replicas, the update applied once where the variables live.
+
+        See `Strategy.stage_train_step` and `staging.host_update_train_program`. With one
+        compute device (variables in its memory) the default single program.
+        """
+        if not self._central():
+            return super().stage_train_step(fns, steps=steps, stacked=stacked)
+        return staging.host_update_train_program(self, fns, steps=steps, stacked=stacked)
+
+    def read_on_replicas(self, tree: Any) -> Any:
+        """Centrally stored arrays of `tree` copied to every replica; see `Strategy`."""
+        if not self._central():
+            return tree
+        central, replicated = self._variable_sharding, self.replicated_sharding()
+        leaves, treedef = jax.tree.flatten(tree)
+        moving = [i for i, x in enumerate(leaves) if _is_on(x, central)]
+        moved = jax.device_put([leaves[i] for i in moving], replicated)  # one transfer
+        for i, x in zip(moving, moved, strict=True):
+            leaves[i] = x
+        return jax.tree.unflatten(treedef, leaves)
+
     def run(self, fn: Any, args: Sequence[Any] = (), kwargs: dict | None = None) -> Any:
         """`Strategy.run`, reading centrally stored arrays onto the replicas first.
 
         See `Strategy.run`. Outputs stay on the compute devices; put updated variables
         back into the central storage with ``jstrategy.training.place_state``.
         """
-        if isinstance(args, (tuple, list)) and self._variable_sharding != (
-            replicated := self.replicated_sharding()
-        ):
-            central = self._variable_sharding
-
-            def read(x):
-                if isinstance(x, jax.Array) and x.sharding == central:
-                    return jax.device_put(x, replicated)
-                return x
-
-            args = jax.tree.map(read, tuple(args))
-            kwargs = None if kwargs is None else jax.tree.map(read, kwargs)
+        if isinstance(args, (tuple, list)):
+            args = self.read_on_replicas(tuple(args))
+            kwargs = None if kwargs is None else self.read_on_replicas(kwargs)
         return super().run(fn, args, kwargs)
+
+
+def _is_on(x: Any, sharding: jax.sharding.Sharding) -> bool:
+    return isinstance(x, jax.Array) and x.sharding == sharding
 
 
 def _home(compute: Sequence[jax.Device], parameter_device: Any) -> tuple[jax.Device, str]:

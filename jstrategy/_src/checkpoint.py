@@ -37,6 +37,8 @@ import numpy as np
 
 from jstrategy._src import context
 from jstrategy._src import dispatch
+from jstrategy._src.names import path_names
+from jstrategy._src.placement import in_device_memory
 
 if TYPE_CHECKING:
     from jstrategy._src.strategy import Strategy
@@ -109,19 +111,8 @@ def _target_sharding(
 
 
 # Paths and fingerprints ---------------------------------------------------------------------
-def _key_name(key: Any) -> str:
-    # Orbax names leaves by these same strings, so a TrainState's `.params` and the dict
-    # key 'params' of a target-less restore are the same leaf.
-    for attr in ("name", "key", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def _path_of(keypath: tuple[Any, ...]) -> tuple[str, ...]:
-    return tuple(_key_name(k) for k in keypath)
-
-
+# Orbax names leaves by the same strings as `path_names`, so a TrainState's `.params` and
+# the dict key 'params' of a target-less restore are the same leaf.
 def _show(path: tuple[str, ...]) -> str:
     return "/".join(path) or "<root>"
 
@@ -186,14 +177,6 @@ def _fingerprint_jax(x: jax.Array) -> jax.Array:
     return _mix(_words_jax(x), jnp)
 
 
-def _in_device_memory(x: jax.Array) -> jax.Array:
-    # XLA computes on device memory only; a host-memory (e.g. CentralStorage) leaf is hashed
-    # from a temporary device copy.
-    if x.sharding.memory_kind not in ("pinned_host", "unpinned_host"):
-        return x
-    return jax.device_put(x, x.sharding.with_memory_kind("device"))
-
-
 def _fingerprints(leaves: list[Any]) -> list[int | None]:
     """One fingerprint per leaf (None where the dtype has no fixed-width bits)."""
     out: list[Any] = [None] * len(leaves)
@@ -203,7 +186,7 @@ def _fingerprints(leaves: list[Any]) -> list[int | None]:
                 # One small program per leaf rather than one for the whole state: it compiles
                 # once per distinct shape, dtype and sharding (a model repeats a few), where a
                 # program over hundreds of leaves took seconds to compile.
-                out[i] = _fingerprint_jax(_in_device_memory(x))
+                out[i] = _fingerprint_jax(in_device_memory(x))
                 # Sharded leaves all-reduce their partial sums: keep the queue short.
                 dispatch.track(out[i])
         else:
@@ -223,7 +206,7 @@ def _flatten_state(state: Any, argname: str) -> list[tuple[tuple[str, ...], Any]
         )
     out = []
     for keypath, leaf in flat:
-        path = _path_of(keypath)
+        path = path_names(keypath)
         if not isinstance(leaf, _SAVABLE) or (
             isinstance(leaf, (np.ndarray, np.generic)) and not _numeric(leaf.dtype)
         ):
@@ -349,7 +332,7 @@ def _plan_restore(
         flat, treedef = jax.tree_util.tree_flatten_with_path(target)
         plans = []
         for keypath, meta in flat:
-            path = _path_of(keypath)
+            path = path_names(keypath)
             rec = _record_for(records, path, location)
             dtype = jax.dtypes.canonicalize_dtype(_dtype(rec["dtype"]))
             leaf = jax.ShapeDtypeStruct(tuple(rec["shape"]), dtype)
@@ -367,7 +350,7 @@ def _plan_restore(
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
     if not flat:
         raise ValueError("`target` must contain at least one array leaf; got none.")
-    paths = [_path_of(k) for k, _ in flat]
+    paths = [path_names(k) for k, _ in flat]
     _check_same_leaves(records, paths, location)
     plans = []
     for path, (_, leaf) in zip(paths, flat, strict=True):
@@ -480,29 +463,32 @@ _READ_ERRORS = (OSError, ValueError, KeyError, TypeError, IndexError, RuntimeErr
 
 
 def _restore_into(
-    read: Callable[[Any], Any], location: str, target: Any, strategy: Strategy | None
+    read: Callable[..., Any], location: str, target: Any, strategy: Strategy | None
 ) -> Any:
-    """Restores a state, handing it to a strategy that keeps variables in containers.
+    """Restores a state laid out as `strategy` says (`Strategy.restore_variables`).
 
-    A strategy whose variables are not arrays (`ParameterServerStrategy`: variables on
-    parameter servers, partitioned) defines ``_variables_from_checkpoint(host_tree)``; the
-    state is read to the host and handed to it, which places it in its own layout.
+    The strategy gets a reader: with a strategy it restores each leaf into that strategy's
+    `variable_sharding`; with None, to the host as NumPy arrays (for a strategy whose
+    variables are not arrays, e.g. `ParameterServerStrategy`'s on parameter servers).
     """
-    build = getattr(strategy, "_variables_from_checkpoint", None)
-    if build is None:
-        return _restore(read, location, target, strategy)[0]
-    state, _ = _restore(read, location, target, None)
-    return build(jax.tree.map(np.asarray, state))
+    if strategy is None:
+        return _restore(read, location, target, None)[0]
+
+    def read_as(layout: Strategy | None) -> Any:
+        state, _ = _restore(read, location, target, layout)
+        return state if layout is not None else jax.tree.map(np.asarray, state)
+
+    return strategy.restore_variables(read_as)
 
 
 def _as_saveable(state: Any) -> Any:
-    """A state as a pytree of arrays: containers of variables say how (`_checkpoint_value`)."""
-    value = getattr(state, "_checkpoint_value", None)
+    """A state as a pytree of arrays: containers of variables say how (`checkpoint_value`)."""
+    value = getattr(state, "checkpoint_value", None)
     return value() if callable(value) else state
 
 
 def _restore(
-    read: Callable[[Any], Any],
+    read: Callable[..., Any],
     location: str,
     target: Any,
     strategy: Strategy | None,
@@ -1005,6 +991,74 @@ class CheckpointManager:
 
 
 # Weights files ------------------------------------------------------------------------------------
+# Reading a Model's variables from any checkpoint directory, by path -------------------------
+def latest_step_dir(path: str) -> str | None:
+    """The newest committed step of a `CheckpointManager` directory, or None if it is none.
+
+    Read from the directory listing rather than by opening a manager, which would remove
+    the temporary directory of a save that another process is writing there now.
+    """
+    if not os.path.isdir(path) or os.path.isdir(os.path.join(path, _STATE_ITEM)):
+        return None
+    steps = [int(name) for name in os.listdir(path) if name.isdigit()]
+    return os.path.join(path, str(max(steps))) if steps else None
+
+
+def _lookup(tree: Any, path: tuple[str, ...], location: str) -> Any:
+    node = tree
+    for name in path:
+        try:
+            node = node[int(name)] if isinstance(node, (list, tuple)) else node[name]
+        except (KeyError, IndexError, ValueError, TypeError):
+            raise ValueError(
+                f"The checkpoint in {location} has no variable {_show(path)}: it was saved "
+                "from a different model. Load it into a model built like the one that saved "
+                "it."
+            ) from None
+    return node
+
+
+def _pick(saved: Any, like: Any, location: str) -> Any:
+    """The leaves of `like`'s structure, found by path in a target-less restore `saved`."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(like)
+    leaves = []
+    for keypath, leaf in flat:
+        path = path_names(keypath)
+        value = _lookup(saved, path, location)
+        if np.shape(value) != np.shape(leaf):
+            raise ValueError(
+                f"Variable {_show(path)} in {location} has shape {np.shape(value)}; the "
+                f"model's has {np.shape(leaf)}. Load it into a model built like the one that "
+                "saved it."
+            )
+        if value.dtype != leaf.dtype:
+            value = value.astype(leaf.dtype)
+        leaves.append(value)
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def read_by_paths(
+    step_dir: str, like: Any, roots: tuple[str, ...], strategy: Strategy | None
+) -> Any:
+    """`like`'s leaves, read by path under the first of `roots` found in a checkpoint step.
+
+    A step written by `jstrategy.Model`'s callbacks holds ``{"weights": ...}`` or
+    ``{"train_state": ...}`` (a full state holds the weights as fields of its train state),
+    so weights are found in either by their paths.
+
+    Raises:
+      ValueError: if the step holds none of `roots`, or not `like`'s variables.
+    """
+    saved = load_weights(step_dir, strategy=strategy)
+    root = next((r for r in roots if isinstance(saved, dict) and r in saved), None)
+    if root is None:
+        raise ValueError(
+            f"The checkpoint in {step_dir} holds none of {list(roots)}; it was not written "
+            "by a jstrategy Model callback, or holds weights only (use load_weights)."
+        )
+    return _pick(saved[root], like, step_dir)
+
+
 def _weights_checkpointer():
     import orbax.checkpoint as ocp
 

@@ -10,20 +10,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+from collections.abc import Callable
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax._src.lax import parallel
 
+from jstrategy._src import jax_compat
 from jstrategy._src.reduce_util import ReduceOp
 from jstrategy._src.values import varying_axes
 
 # The result of an all-gather is the same on every replica; the invariant variant says so
 # to the type system (so `run` returns it as a mirrored value) and its gradient is a slice.
-_all_gather_invariant = getattr(parallel, "all_gather_invariant", jax.lax.all_gather)
+_all_gather_invariant = jax_compat.all_gather_invariant
 
 if TYPE_CHECKING:
     from jstrategy._src.strategy import Strategy
@@ -155,16 +156,21 @@ class _Stack(threading.local):
 
 _STACK = _Stack()
 _DEFAULT: list[Strategy] = []
+_DEFAULT_FACTORY: list[Callable[[], Strategy]] = []
 _DEFAULT_LOCK = threading.Lock()
+
+
+def set_default_strategy_factory(factory: Callable[[], Strategy]) -> None:
+    """Says how to make the strategy in force outside any scope (`one_device.py` does, as
+    it is imported: the strategies import this module, so it cannot import them)."""
+    _DEFAULT_FACTORY[:] = [factory]
 
 
 def _default_strategy() -> Strategy:
     # Created on first use, not at import: building it starts JAX's backends.
     with _DEFAULT_LOCK:
         if not _DEFAULT:
-            from jstrategy._src.one_device import _DefaultStrategy
-
-            _DEFAULT.append(_DefaultStrategy())
+            _DEFAULT.append(_DEFAULT_FACTORY[0]())
     return _DEFAULT[0]
 
 

@@ -34,6 +34,7 @@ from typing import Any
 import jax
 
 from jstrategy._src import checkpoint as checkpoint_lib
+from jstrategy._src import jax_compat
 
 __all__ = [
     "PREEMPTION_EXIT_CODE",
@@ -103,9 +104,7 @@ class _PreemptionWatcher:
         self._installed = False
         self._multi = jax.process_count() > 1
         if self._multi:
-            from jax._src import distributed
-
-            if distributed.global_state.preemption_sync_manager is None:
+            if jax_compat.preemption_sync_manager() is None:
                 raise RuntimeError(
                     f"{owner} needs JAX's preemption service when several processes train "
                     "together; it is off. Leave jax.config.jax_enable_preemption_service "
@@ -125,11 +124,6 @@ class _PreemptionWatcher:
     def _on_signal(self, signum: int, frame: Any) -> None:
         del signum, frame
         self._event.set()
-
-    @property
-    def notice_received(self) -> bool:
-        """Whether this process got SIGTERM (one process only; False with several)."""
-        return self._event.is_set()
 
     def reached_sync_point(self) -> bool:
         """Called at every step boundary: True where every process must save now."""

@@ -36,6 +36,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jstrategy._src.numerics import round_up
 from jstrategy._src.values import PerReplica
 from jstrategy._src.values import local_replica_devices
 from jstrategy._src.values import replica_devices
@@ -52,6 +53,7 @@ __all__ = [
     "distribute_batch",
     "distribute_dataset",
     "distribute_datasets_from_function",
+    "pad_rows",
     "process_local_batch",
     "process_row_slices",
     "replica_row_slices",
@@ -230,7 +232,7 @@ class InputContext:
         if global_batch_size % n:
             raise ValueError(
                 f"`global_batch_size` must be divisible by num_replicas_in_sync={n}; got "
-                f"{global_batch_size}. Use {_round_up(global_batch_size, n)} or "
+                f"{global_batch_size}. Use {round_up(global_batch_size, n)} or "
                 f"{max(n, global_batch_size // n * n)}."
             )
         return int(global_batch_size) // n
@@ -244,10 +246,6 @@ class InputContext:
 
 
 # Layout: which rows belong to which replica and process (pure) --------------------------
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
-
-
 def replica_row_slices(global_batch_size: int, num_replicas: int) -> tuple[slice, ...]:
     """The rows of a global batch that each replica owns: replica *i* gets the *i*-th slice.
 
@@ -267,7 +265,7 @@ def replica_row_slices(global_batch_size: int, num_replicas: int) -> tuple[slice
     (slice(0, 2, None), slice(2, 4, None), slice(4, 6, None), slice(6, 8, None))
     """
     if num_replicas < 1 or global_batch_size % num_replicas:
-        padded = _round_up(global_batch_size, max(num_replicas, 1))
+        padded = round_up(global_batch_size, max(num_replicas, 1))
         raise ValueError(
             f"`global_batch_size` ({global_batch_size}) must be a multiple of the number of "
             f"replicas ({num_replicas}); pad the batch to {padded} rows."
@@ -320,6 +318,46 @@ def process_row_slices(
     return tuple(merged)
 
 
+def pad_rows(
+    leaves: Sequence[Any], num_rows: int, static_size: int, lead: tuple[int, ...] = ()
+) -> tuple[list[Any], np.ndarray]:
+    """Pads each leaf's row axis to `static_size` rows of zeros; returns them with a row mask.
+
+    The one pad-and-mask of jstrategy's input: distributed datasets (`process_local_batch`)
+    and `jstrategy.Model`'s data adapters use it. Leaves that already have `static_size`
+    rows are returned as they are.
+
+    Args:
+      leaves: arrays whose axis ``len(lead)`` holds `num_rows` rows.
+      num_rows: the real rows.
+      static_size: the rows after padding.
+      lead: the sizes of the axes before the rows (several batches stacked), if any.
+
+    Returns:
+      ``(leaves, mask)``: the padded leaves and a bool array of shape ``lead +
+      (static_size,)``, true for real rows.
+
+    Example:
+
+    >>> leaves, mask = pad_rows([np.ones((2, 3))], 3, 4, lead=(2,))
+    >>> leaves[0].shape, mask.tolist()
+    ((2, 4), [[True, True, True, False], [True, True, True, False]])
+    """
+    axis = len(lead)
+    if num_rows < static_size:
+        padded = []
+        for x in leaves:
+            x = np.asarray(x)
+            out = np.zeros((*x.shape[:axis], static_size, *x.shape[axis + 1 :]), x.dtype)
+            out[(slice(None),) * axis + (slice(0, num_rows),)] = x
+            padded.append(out)
+        leaves = padded
+    mask = np.arange(static_size) < num_rows
+    if lead:
+        mask = np.broadcast_to(mask, (*lead, static_size)).copy()
+    return list(leaves), mask
+
+
 def process_local_batch(
     leaves: Sequence[np.ndarray],
     num_rows: int,
@@ -348,15 +386,7 @@ def process_local_batch(
     >>> leaves[0].tolist(), mask.tolist()
     ([2, 0], [True, False])
     """
-    if num_rows < static_size:
-        padded = []
-        for x in leaves:
-            x = np.asarray(x)
-            out = np.zeros((static_size, *x.shape[1:]), x.dtype)
-            out[:num_rows] = x
-            padded.append(out)
-        leaves = padded
-    mask = np.arange(static_size) < num_rows
+    leaves, mask = pad_rows(leaves, num_rows, static_size)
     if row_slices is None or (
         len(row_slices) == 1 and row_slices[0].start == 0 and row_slices[0].stop == static_size
     ):
@@ -537,7 +567,7 @@ class _Placer:
             or global_batch_size < 1
             or global_batch_size % n
         ):
-            hint = _round_up(global_batch_size, n) if isinstance(global_batch_size, int) else n
+            hint = round_up(global_batch_size, n) if isinstance(global_batch_size, int) else n
             raise ValueError(
                 f"`global_batch_size` must be a positive multiple of "
                 f"num_replicas_in_sync={n}, so every replica gets the same rows; got "
@@ -568,9 +598,9 @@ class _Placer:
     def _set_sizes(self, first_rows: int) -> None:
         if self.global_batch_size is None:
             if self.rows_are_global:
-                self.global_batch_size = _round_up(first_rows, self.num_replicas)
+                self.global_batch_size = round_up(first_rows, self.num_replicas)
             else:
-                local = _round_up(first_rows, self.local_replicas)
+                local = round_up(first_rows, self.local_replicas)
                 self.global_batch_size = local * self.pipelines
             self._source_of_size = "the first batch"
         g = self.global_batch_size
@@ -610,7 +640,7 @@ class _Placer:
         if rows > self.static_rows:
             unit = self.num_replicas if self.rows_are_global else self.local_replicas
             kind = "global" if self.rows_are_global else "per-process"
-            suggested = _round_up(rows, unit) * (1 if self.rows_are_global else self.pipelines)
+            suggested = round_up(rows, unit) * (1 if self.rows_are_global else self.pipelines)
             raise ValueError(
                 f"{where} has {rows} rows, more than the static {kind} batch size "
                 f"{self.static_rows} (from {self._source_of_size}, a multiple of {unit} "

@@ -23,6 +23,9 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import IO
 
+from jstrategy._src.validation import check_positive_float
+from jstrategy._src.validation import check_positive_int
+
 __all__ = ["free_ports", "launch", "main"]
 
 # How long workers get to exit after SIGTERM before SIGKILL.
@@ -143,13 +146,6 @@ def _worker_env(
     return env
 
 
-def _check_positive(name: str, value: float | None, kind: type, fix: str) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, kind)) or value <= 0:
-        raise ValueError(f"`{name}` must be a positive {kind.__name__}; got {value!r}. {fix}")
-
-
 def _describe_exit(code: int) -> str:
     if code < 0:
         try:
@@ -200,11 +196,13 @@ def launch(
       ValueError: if an argument is invalid.
       FileNotFoundError: if `script` does not exist.
     """
-    _check_positive("num_workers", num_workers, int, "Pass the number of worker processes, e.g. 2.")
-    _check_positive(
-        "devices_per_worker", devices_per_worker, int, "Pass None for the default devices."
-    )
-    _check_positive("timeout", timeout, float, "Pass seconds, or None for no limit.")
+    check_positive_int(num_workers, "num_workers", "Pass the number of worker processes, e.g. 2.")
+    if devices_per_worker is not None:
+        check_positive_int(
+            devices_per_worker, "devices_per_worker", "Pass None for the default devices."
+        )
+    if timeout is not None:
+        check_positive_float(timeout, "timeout", "Pass seconds, or None for no limit.")
     if not os.path.isfile(script):
         raise FileNotFoundError(
             f"`script` {script!r} is not a file (working directory {os.getcwd()!r}). Pass the "

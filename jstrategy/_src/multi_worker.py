@@ -10,6 +10,7 @@ from typing import Any
 import jax
 
 from jstrategy._src import dispatch
+from jstrategy._src import jax_compat
 from jstrategy._src.collective_util import CommunicationImplementation
 from jstrategy._src.collective_util import CommunicationOptions
 from jstrategy._src.cross_device_ops import CollectiveAllReduce
@@ -23,12 +24,6 @@ __all__ = ["MultiWorkerMirroredStrategy", "PeerFailureError"]
 
 class PeerFailureError(RuntimeError):
     """A collective failed because another worker died or stopped responding."""
-
-
-def _distributed_client() -> Any:
-    from jax._src import distributed
-
-    return distributed.global_state.client
 
 
 class MultiWorkerMirroredStrategy(Strategy):
@@ -89,7 +84,7 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     def _initialize_runtime(self) -> None:
         layout = self._layout
-        client = _distributed_client()
+        client = jax_compat.distributed_client()
         if client is not None:
             if (
                 jax.process_index() != layout.process_id

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 
+from jstrategy._src import context
 from jstrategy._src import devices as devices_lib
 from jstrategy._src.strategy import Strategy
 
@@ -47,3 +48,6 @@ class _DefaultStrategy(OneDeviceStrategy):
 
     def __repr__(self) -> str:
         return "DefaultStrategy()"
+
+
+context.set_default_strategy_factory(_DefaultStrategy)

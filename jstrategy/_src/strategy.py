@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 from typing import Any
 
 import jax
@@ -23,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from jstrategy._src import context
 from jstrategy._src import dispatch
+from jstrategy._src import staging
 from jstrategy._src.cross_device_ops import CrossDeviceOps
 from jstrategy._src.cross_device_ops import NcclAllReduce
 from jstrategy._src.mesh import DeviceMesh
@@ -33,6 +35,10 @@ from jstrategy._src.values import is_per_replica
 from jstrategy._src.values import local_replica_devices
 from jstrategy._src.values import local_results
 from jstrategy._src.values import varying_axes
+
+if TYPE_CHECKING:
+    from jstrategy._src.training.fit_loop import FitEpoch
+    from jstrategy._src.training.fit_loop import FitEpochResult
 
 __all__ = ["REPLICA_AXIS", "Strategy", "ValueContext"]
 
@@ -631,6 +637,94 @@ class Strategy:
         return input_lib.distribute_datasets_from_function(
             self, dataset_fn, options, global_batch_size=global_batch_size
         )
+
+    # ------------------------------------------------------------------------------------
+    # Hooks: everything a strategy specializes, each a method with a default. A strategy
+    # file overrides only what differs (docs/ARCHITECTURE.md says who overrides which).
+    # Where variables live is the first of them: `variable_sharding`, above.
+    # ------------------------------------------------------------------------------------
+    def stage_train_step(
+        self, fns: staging.StepFunctions, *, steps: int = 0, stacked: bool = True
+    ) -> staging.TrainProgram:
+        """How an update is staged: turns one training step into the program(s) that run it.
+
+        The training layer (`make_train_step`, `jstrategy.Model`) describes the step as
+        `StepFunctions` (the replica's gradients, the update, what the replicas read);
+        this method decides where each runs. The default, for variables that live on
+        every replica, is ONE ``jax.jit(jax.shard_map(...))`` program in which every
+        replica computes its gradients, all-reduces them and applies the same update (a
+        ``lax.scan`` of `steps` steps when ``steps > 0``): see
+        `staging.replicated_train_program`. `CentralStorageStrategy` stages two programs
+        per step, the update where the variables live (`staging.host_update_train_program`).
+
+        Args:
+          fns: the step.
+          steps: 0 for one step per call on one batch; else the steps each call runs.
+          stacked: with ``steps > 0``, whether the batches come stacked on a leading axis
+            (else as a tuple of batches).
+
+        Returns:
+          ``program(state, acc, batch, mask) -> (state, acc, logs)``; see `staging`.
+        """
+        return staging.replicated_train_program(self, fns, steps=steps, stacked=stacked)
+
+    def read_on_replicas(self, tree: Any) -> Any:
+        """How a program over the replicas reads variables kept by this strategy.
+
+        `tree` holds variables as `variable_sharding` places them; the result is what a
+        program over the replicas (evaluation, prediction, `run`) takes. The default
+        returns `tree` as it is: the variables already live on the replicas.
+        `CentralStorageStrategy` copies its central host-memory variables to every replica.
+
+        Args:
+          tree: a pytree of variables placed by this strategy.
+
+        Returns:
+          The pytree, readable by the replicas.
+        """
+        return tree
+
+    def run_fit_epoch(self, epoch: FitEpoch) -> FitEpochResult | None:
+        """How an epoch of `jstrategy.Model.fit` runs.
+
+        The default runs ``epoch.run()``: the compiled steps on the replicas, one dispatch
+        per ``steps_per_execution`` steps, asynchronously. `ParameterServerStrategy`
+        schedules the epoch's steps on its workers instead.
+
+        Args:
+          epoch: what the epoch needs: the train state, the compiled step, the data, the
+            callbacks (see `jstrategy._src.training.fit_loop.FitEpoch`).
+
+        Returns:
+          The new train state and the epoch's logs, or None when the data gave no batch.
+        """
+        return epoch.run()
+
+    @property
+    def fit_resumes_exactly(self) -> bool:
+        """Whether `Model.fit` can stop after any step and resume it exactly.
+
+        True by default (`jstrategy.callbacks.BackupAndRestore` relies on it); False for
+        `ParameterServerStrategy`, whose workers train asynchronously.
+        """
+        return True
+
+    def restore_variables(self, read: Callable[[Strategy | None], Any]) -> Any:
+        """How a checkpoint's variables are laid out when restored under this strategy.
+
+        `CheckpointManager.restore` and `load_weights` call it with `read`: ``read(self)``
+        restores every leaf straight into `variable_sharding` (each process reading only
+        its shards), ``read(None)`` restores to the host as NumPy arrays. The default is
+        the former. `ParameterServerStrategy` reads to the host and creates its variables
+        on the parameter servers.
+
+        Args:
+          read: reads the checkpoint, laid out by the given strategy (or on the host).
+
+        Returns:
+          The restored variables, as this strategy keeps them.
+        """
+        return read(self)
 
     def __repr__(self) -> str:
         if len(self._mesh.axis_names) > 1:

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from jax.experimental import mesh_utils
 
+from jstrategy._src import jax_compat
 from jstrategy._src.strategy import Strategy
 
 __all__ = [
@@ -205,10 +206,8 @@ def experimental_connect_to_cluster(cluster_spec_or_resolver: Any = None, **_: A
     Args:
       cluster_spec_or_resolver: a `TPUClusterResolver` (or anything with `num_hosts()`).
     """
-    from jax._src import distributed
-
     hosts = getattr(cluster_spec_or_resolver, "num_hosts", lambda: 1)()
-    if hosts > 1 and distributed.global_state.client is None:
+    if hosts > 1 and jax_compat.distributed_client() is None:
         jax.distributed.initialize()
 
 

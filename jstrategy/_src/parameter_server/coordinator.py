@@ -405,9 +405,9 @@ class ClusterCoordinator:
     _initialized: bool
 
     def __new__(cls, strategy: Any):
-        from jstrategy._src.parameter_server.strategy import ParameterServerStrategy
-
-        if not isinstance(strategy, ParameterServerStrategy):
+        # Only ParameterServerStrategy creates variables on parameter servers (that module
+        # imports this one, through its `fit` runner, so it is not imported here).
+        if not callable(getattr(type(strategy), "create_variables", None)):
             raise TypeError(
                 "`strategy` must be a jstrategy.ParameterServerStrategy; got "
                 f"{type(strategy).__name__}. ClusterCoordinator schedules functions on a "

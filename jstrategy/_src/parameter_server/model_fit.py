@@ -1,15 +1,20 @@
 """`jstrategy.Model.fit` under `ParameterServerStrategy`: asynchronous epochs on the workers.
 
-`Model._train_epoch` hands an epoch to `train_model_epoch` when the model's strategy is a
-`ParameterServerStrategy`. As Keras with TF's strategy, `steps_per_epoch` is required. The
-model's parameters (and BatchNorm statistics) are `VariableTree`s on the parameter
-servers, created at the first epoch with the compiled optimizer (run per variable there)
-and kept across epochs and `fit` calls. The coordinator cuts the epoch's batches as the
-model does for any strategy and schedules one step per batch; each worker pulls the
-current parameters, computes the gradient of the mean loss over the batch's real rows on
-its device (the loss and metric pieces of `train_step.py`, in one compiled program), and
-pushes it. At the end of the epoch the coordinator waits for every step and copies the
-parameters back into the model, so `evaluate`, `predict` and callbacks see them.
+`ParameterServerStrategy.run_fit_epoch` hands each epoch of `fit` to `run_fit_epoch` here.
+As Keras with TF's strategy, `steps_per_epoch` is required. The model's trained variables
+and its other mutable variables (BatchNorm statistics, NNX random-stream counts) are
+`VariableTree`s on the parameter servers, created at the first epoch with the compiled
+optimizer (run per variable there) and kept across epochs and `fit` calls. The coordinator
+cuts the epoch's batches as the model does for any strategy and schedules one step per
+batch; each worker pulls the current variables, computes the gradient of the mean loss
+over the batch's real rows on its device with the one step body
+(`step.replica_gradients`, in one compiled program), and pushes it. At the end of the
+epoch the coordinator waits for every step and returns the train state with the
+parameter servers' variables, so `evaluate`, `predict` and callbacks see them.
+
+Linen and NNX train states alike, through `TrainStateProtocol`: the runner only swaps a
+state's variables and step. Typed PRNG keys (NNX's random streams) never change in a step,
+so they stay with the workers' copy of the state rather than on the parameter servers.
 """
 
 from __future__ import annotations
@@ -17,21 +22,60 @@ from __future__ import annotations
 import dataclasses
 import uuid
 import weakref
+from typing import TYPE_CHECKING
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jstrategy._src.numerics import host_means
 from jstrategy._src.parameter_server import backend as backend_lib
-from jstrategy._src.reduce_util import ReduceOp
-from jstrategy._src.training import train_step as steps_lib
-from jstrategy._src.values import varying_axes
+from jstrategy._src.parameter_server.coordinator import ClusterCoordinator
+from jstrategy._src.placement import place_state
+from jstrategy._src.staging import replica_map
+from jstrategy._src.staging import row_spec
+from jstrategy._src.strategy import Strategy
+from jstrategy._src.training import step as step_lib
+from jstrategy._src.training.fit_loop import FitEpoch
+from jstrategy._src.training.fit_loop import FitEpochResult
+from jstrategy._src.validation import check_positive_int
 
-__all__ = ["train_model_epoch"]
+if TYPE_CHECKING:
+    from jstrategy._src.parameter_server.strategy import ParameterServerStrategy
 
-_COUNT = "count"
+__all__ = ["run_fit_epoch"]
+
+
+def _is_key(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mutable:
+    """A model state's leaves: typed keys stay with the workers, the rest go to the servers."""
+
+    treedef: Any
+    keys: tuple[tuple[int, Any], ...]  # (leaf index, key array)
+
+    @classmethod
+    def of(cls, tree: Any) -> _Mutable:
+        leaves, treedef = jax.tree.flatten(tree)
+        return cls(treedef, tuple((i, x) for i, x in enumerate(leaves) if _is_key(x)))
+
+    def values(self, tree: Any) -> list[Any]:
+        """The leaves that live on the parameter servers."""
+        positions = {i for i, _ in self.keys}
+        return [x for i, x in enumerate(jax.tree.leaves(tree)) if i not in positions]
+
+    def merge(self, keys: Any, values: list[Any]) -> Any:
+        """The model state from `keys` (like `self.keys`' arrays) and the servers' values."""
+        by_index = dict(zip([i for i, _ in self.keys], keys, strict=True))
+        rest = iter(values)
+        leaves = [
+            by_index[i] if i in by_index else next(rest) for i in range(self.treedef.num_leaves)
+        ]
+        return jax.tree.unflatten(self.treedef, leaves)
 
 
 @dataclasses.dataclass
@@ -40,7 +84,8 @@ class _Session:
 
     coordinator: Any
     params: Any  # VariableTree of the parameters, with the optimizer
-    batch_stats: Any  # VariableTree of BatchNorm statistics, or None
+    mutable: Any  # VariableTree of the model state's values (a list), or None
+    layout: _Mutable
     synced_params: Any  # the model's params object the variables were last copied into
     step: int
     token: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
@@ -51,141 +96,105 @@ _SESSIONS: weakref.WeakKeyDictionary[Any, _Session] = weakref.WeakKeyDictionary(
 _PROGRAMS: dict[Any, Any] = {}
 
 
-def _grad_program(spec: steps_lib.StepSpec, worker_strategy: Any) -> Any:
-    """``(state, batch, mask) -> (grads, sums, new_batch_stats)`` on one worker's device.
+def _gradients_program(spec: step_lib.StepSpec, worker_strategy: Strategy) -> Any:
+    """``(params, rest, batch, mask) -> (grads, model_state, sums)`` on one worker's device:
+    the step body's gradients, without the update (the parameter servers apply it)."""
+    worker_spec = dataclasses.replace(spec, strategy=worker_strategy)
 
-    The per-replica body of `train_step.train_body` without the update: the gradient of
-    the mask-weighted loss sum divided by the real rows, and the loss and metric sums.
-    """
-    axis = worker_strategy.axis_name
-    mesh = worker_strategy.mesh
+    def gradients(params: Any, rest: Any, batch: Any, mask: Any) -> Any:
+        return step_lib.replica_gradients(worker_spec, params, rest, batch, mask)
 
-    def body(state, batch, mask):
-        adapter = steps_lib._adapter_for(state)
-        x, y, w = steps_lib.unpack_batch(batch)
-        maskf = mask.astype(jnp.float32)
-        weight = steps_lib._weights(maskf, w)
-        rows = maskf.shape[0]
-
-        def local_loss(params):
-            y_pred, aux = adapter.forward(state, params, x, train=True, axis_name=axis)
-            per = steps_lib._per_example(spec.loss(y, y_pred), rows, "loss")
-            return jnp.sum(per * weight), (y_pred, aux)
-
-        params = steps_lib._to_varying(adapter.params(state), axis)
-        (loss_sum, (y_pred, aux)), grads = jax.value_and_grad(local_loss, has_aux=True)(params)
-        sums = steps_lib._sums(spec, y, y_pred, weight, maskf, loss_sum=loss_sum)
-        aux_leaves, aux_tree = jax.tree.flatten(aux)
-        varying = [i for i, leaf in enumerate(aux_leaves) if axis in varying_axes(leaf)]
-        grads, sums, synced = worker_strategy.cross_device_ops.all_reduce(
-            ReduceOp.SUM, (grads, sums, [aux_leaves[i] for i in varying]), mesh=mesh
-        )
-        for i, leaf in zip(varying, synced, strict=True):
-            aux_leaves[i] = leaf.astype(aux_leaves[i].dtype)
-        denom = jnp.maximum(sums[_COUNT], 1.0)
-        grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
-        return grads, sums, jax.tree.unflatten(aux_tree, aux_leaves)
-
-    rows = P(axis)
+    rows = row_spec(worker_strategy)
     return jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(P(), rows, rows), out_specs=(P(), P(), P()))
+        replica_map(
+            worker_strategy, gradients, in_specs=(P(), P(), rows, rows), out_specs=(P(), P(), P())
+        )
     )
 
 
-def _session(strategy: Any, model: Any) -> _Session:
-    from jstrategy._src.parameter_server.coordinator import ClusterCoordinator
-
-    state = model._state
-    session = _SESSIONS.get(model)
+def _session(strategy: ParameterServerStrategy, owner: Any, state: Any) -> _Session:
+    session = _SESSIONS.get(owner)
     if session is not None and session.synced_params is state.params:
         return session
-    if not hasattr(state, "batch_stats"):
-        raise TypeError(
-            "Model.fit under ParameterServerStrategy supports Flax linen modules; got a "
-            f"{type(state).__name__}. Train NNX modules with a custom loop "
-            "(strategy.create_variables and ClusterCoordinator)."
-        )
     params = strategy.create_variables(jax.device_get(state.params), optimizer=state.tx)
-    batch_stats = None
-    if state.batch_stats is not None:
-        batch_stats = strategy.create_variables(jax.device_get(state.batch_stats))
+    layout = _Mutable.of(state.model_state)
+    values = layout.values(state.model_state)
+    mutable = strategy.create_variables(jax.device_get(values)) if values else None
     session = _Session(
         coordinator=ClusterCoordinator(strategy),
         params=params,
-        batch_stats=batch_stats,
+        mutable=mutable,
+        layout=layout,
         synced_params=state.params,
         step=int(state.step),
     )
-    _SESSIONS[model] = session
+    _SESSIONS[owner] = session
     return session
 
 
-def _step_fn(strategy: Any, spec: Any, session: _Session, template: Any):
+def _step_fn(strategy: ParameterServerStrategy, spec: Any, session: _Session, template: Any):
     """The function scheduled for each batch: pull, compute, push; returns the sums."""
     params_tree = session.params
-    stats_tree = session.batch_stats
+    mutable_tree = session.mutable
+    layout = session.layout
+    keys = [k for _, k in layout.keys]
     token = session.token
 
-    def step(batch, mask, step_index):
+    def step(batch: Any, mask: Any, step_index: Any) -> Any:
         worker = backend_lib.current_worker()
         device = worker.device if worker is not None else strategy.devices[0]
         # Cached by module, not in the closure: with Ray the closure arrives anew each step.
         program = _PROGRAMS.get((token, device))
         if program is None:
-            program = _grad_program(spec, strategy._worker_strategy(device))
+            program = _gradients_program(spec, strategy.worker_strategy(device))
             program = _PROGRAMS.setdefault((token, device), program)
-        batch, mask, rest = jax.device_put((batch, mask, template), device)
+        batch, mask, rest, local_keys = jax.device_put((batch, mask, template, keys), device)
         params = params_tree.read(device)
-        stats = stats_tree.read(device) if stats_tree is not None else None
-        state = rest.replace(params=params, batch_stats=stats, step=step_index)
-        grads, sums, new_stats = program(state, batch, mask)
+        model_state = None
+        if layout.treedef.num_leaves:
+            values = mutable_tree.read(device) if mutable_tree is not None else []
+            model_state = layout.merge(local_keys, values)
+        rest = rest.with_variables(None, model_state).with_step(step_index)
+        grads, new_model_state, sums = program(params, rest, batch, mask)
         params_tree.apply_gradients(grads)
-        if stats_tree is not None:
+        if mutable_tree is not None:
             # Last writer wins, as unsynchronized BatchNorm statistics do in TF.
-            stats_tree.assign(new_stats)
+            mutable_tree.assign(layout.values(new_model_state))
         return sums
 
     return step
 
 
-def train_model_epoch(
-    strategy: Any, model: Any, data: Any, cbs: Any, steps_per_epoch: int | None
-) -> dict[str, float] | None:
-    """One epoch of `model.fit` on the workers; returns the epoch's mean loss and metrics.
+def run_fit_epoch(strategy: ParameterServerStrategy, epoch: FitEpoch) -> FitEpochResult | None:
+    """One epoch of `Model.fit` on the workers: the new state and the epoch's mean logs.
 
-    Returns None (and stops training) when the data gave no batches, as the model does.
+    Returns None (training stops) when the data gave no batches, as the default runner.
 
     Raises:
-      ValueError: if `steps_per_epoch` is None.
+      ValueError: if `steps_per_epoch` is None or not a positive int.
     """
+    steps_per_epoch = epoch.steps_per_epoch
     if steps_per_epoch is None:
         raise ValueError(
             "Model.fit with ParameterServerStrategy needs `steps_per_epoch`, as in TF: the "
             "workers train asynchronously, so an epoch is a number of scheduled steps. Pass "
             "e.g. fit(x, y, epochs=..., steps_per_epoch=100)."
         )
-    if (
-        isinstance(steps_per_epoch, bool)
-        or not isinstance(steps_per_epoch, (int, np.integer))
-        or steps_per_epoch < 1
-    ):
-        raise ValueError(f"`steps_per_epoch` must be a positive int; got {steps_per_epoch!r}.")
-    spec = model._compiled_spec
-    session = _session(strategy, model)
+    steps_per_epoch = check_positive_int(steps_per_epoch, "steps_per_epoch")
+    spec, state, cbs = epoch.spec, epoch.state, epoch.callbacks
+    session = _session(strategy, epoch.owner, state)
     coordinator = session.coordinator
-    state = model._state
     # What the workers need of the state besides the variables (the dropout key, ...).
-    template = state.replace(opt_state=None, params=None, batch_stats=None)
+    template = state.replica_view().with_variables(None, None)
     step_fn = _step_fn(strategy, spec, session, template)
 
-    epoch_seed = (model._seed, model._epochs_run)
-    model._epochs_run += 1
+    epoch_seed = epoch.trainer.next_order_seed()
     results: list[Any] = []
     finished = 0
     running: dict[str, float] = {}
     step = 0
     names = spec.names
-    for execution in data.train_executions(epoch_seed, 1, steps_per_epoch):
+    for execution in epoch.data.train_executions(epoch_seed, 1, steps_per_epoch):
         cbs.on_train_batch_begin(step)
         index = np.int32(session.step + step)
         results.append(coordinator.schedule(step_fn, args=(execution.batch, execution.mask, index)))
@@ -194,37 +203,25 @@ def train_model_epoch(
         while finished < len(results) and results[finished].done():
             _accumulate(running, results[finished].fetch())
             finished += 1
-        cbs.on_train_batch_end(step - 1, _means(running, names))
-        if model.stop_training:
+        cbs.on_train_batch_end(step - 1, host_means(running, names))
+        if epoch.stop_requested:
             break
     coordinator.join()
     if not step:
-        # As `Model._train_epoch`: the data ran out, so training stops.
-        model.stop_training = True
         return None
     for rv in results[finished:]:
         _accumulate(running, rv.fetch())
     session.step += step
-    new_params = steps_lib.place_state(session.params.read(), strategy)
-    new_stats = None
-    if session.batch_stats is not None:
-        new_stats = steps_lib.place_state(session.batch_stats.read(), strategy)
-    model._state = state.replace(
-        params=new_params,
-        batch_stats=new_stats,
-        step=jax.device_put(jnp.asarray(session.step, jnp.int32), strategy.devices[0]),
-    )
-    session.synced_params = new_params
-    return _means(running, names)
+    model_state = None
+    if session.layout.treedef.num_leaves:
+        values = session.mutable.read() if session.mutable is not None else []
+        model_state = session.layout.merge([k for _, k in session.layout.keys], values)
+    new = state.with_variables(session.params.read(), model_state)
+    new = place_state(new.with_step(np.int32(session.step)), strategy)
+    session.synced_params = new.params
+    return FitEpochResult(new, host_means(running, names))
 
 
 def _accumulate(running: dict[str, float], sums: dict[str, Any]) -> None:
     for key, value in sums.items():
         running[key] = running.get(key, 0.0) + float(value)
-
-
-def _means(running: dict[str, float], names: Any) -> dict[str, float]:
-    if not running:
-        return {}
-    denom = max(running.get(_COUNT, 0.0), 1.0)
-    return {name: running[name] / denom for name in names if name in running}

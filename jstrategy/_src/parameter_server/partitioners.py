@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from jstrategy._src.validation import check_positive_int
+
 __all__ = [
     "FixedShardsPartitioner",
     "MaxSizePartitioner",
@@ -21,12 +23,6 @@ __all__ = [
     "Partitioner",
     "shard_offsets",
 ]
-
-
-def _positive_int(value: Any, name: str, hint: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"`{name}` must be a positive int; got {value!r}. {hint}")
-    return int(value)
 
 
 def _element_bytes(dtype: Any, bytes_per_string: int) -> int:
@@ -93,7 +89,7 @@ class FixedShardsPartitioner(Partitioner):
     """
 
     def __init__(self, num_shards: int):
-        self._num_shards = _positive_int(num_shards, "num_shards", "E.g. num_shards=2.")
+        self._num_shards = check_positive_int(num_shards, "num_shards", "E.g. num_shards=2.")
 
     @property
     def num_shards(self) -> int:
@@ -135,11 +131,11 @@ class MinSizePartitioner(Partitioner):
     def __init__(
         self, min_shard_bytes: int = 256 << 10, max_shards: int = 1, bytes_per_string: int = 16
     ):
-        self._min_shard_bytes = _positive_int(
+        self._min_shard_bytes = check_positive_int(
             min_shard_bytes, "min_shard_bytes", "E.g. 256 << 10 for 256 KiB."
         )
-        self._max_shards = _positive_int(max_shards, "max_shards", "E.g. max_shards=4.")
-        self._bytes_per_string = _positive_int(
+        self._max_shards = check_positive_int(max_shards, "max_shards", "E.g. max_shards=4.")
+        self._bytes_per_string = check_positive_int(
             bytes_per_string, "bytes_per_string", "The default is 16."
         )
 
@@ -186,15 +182,15 @@ class MaxSizePartitioner(Partitioner):
     def __init__(
         self, max_shard_bytes: int, max_shards: int | None = None, bytes_per_string: int = 16
     ):
-        self._max_shard_bytes = _positive_int(
+        self._max_shard_bytes = check_positive_int(
             max_shard_bytes, "max_shard_bytes", "E.g. (64 << 20) - 1 for just under 64 MiB."
         )
         self._max_shards = (
             None
             if max_shards is None
-            else _positive_int(max_shards, "max_shards", "Pass None for no limit.")
+            else check_positive_int(max_shards, "max_shards", "Pass None for no limit.")
         )
-        self._bytes_per_string = _positive_int(
+        self._bytes_per_string = check_positive_int(
             bytes_per_string, "bytes_per_string", "The default is 16."
         )
 

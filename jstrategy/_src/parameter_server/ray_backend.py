@@ -107,11 +107,6 @@ class _WorkerActor:
 # ---------------------------------------------------------------------------------------
 # Clients and handles (coordinator side; store clients also travel to workers)
 # ---------------------------------------------------------------------------------------
-def _is_actor_death(error: BaseException) -> bool:
-    ray = _ray()
-    return isinstance(error, ray.exceptions.RayActorError)
-
-
 class RayStoreClient(backend_lib.StoreClient):
     """A parameter server that is a Ray actor; picklable (it holds the actor handle)."""
 

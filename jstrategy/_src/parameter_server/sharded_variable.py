@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jstrategy._src.names import path_str
 from jstrategy._src.parameter_server import backend as backend_lib
 from jstrategy._src.parameter_server import run_capture
 from jstrategy._src.parameter_server.partitioners import shard_offsets
@@ -51,13 +52,28 @@ def _default_device(fallback: jax.Device | None) -> jax.Device:
 
 
 class _Assignable:
-    """`assign`, `assign_add` and `assign_sub`, through the class's `_apply(kind, value)`.
+    """`assign`, `assign_add` and `assign_sub`, through the class's `_apply(kind, value)`,
+    and `numpy`, through its `read_value`.
 
     A `ShardedVariable` takes full-shape values (or scalars) and splits them by rows.
     """
 
+    name: str
+
     def _apply(self, kind: str, value: Any) -> None:
         raise NotImplementedError
+
+    def read_value(self, device: jax.Device | None = None) -> jax.Array:
+        raise NotImplementedError
+
+    def numpy(self) -> np.ndarray:
+        """The (whole) current value as a NumPy array."""
+        run_capture.refuse_inside_trace(f"{self.name}.numpy()", captured=False)
+        return np.asarray(jax.device_get(self.read_value()))
+
+    def __array__(self, dtype=None, copy=None):
+        value = self.numpy()
+        return value if dtype is None else value.astype(dtype)
 
     def assign(self, value: Any) -> None:
         """Sets the value (cast to the variable's dtype)."""
@@ -106,15 +122,6 @@ class Variable(_Assignable):
         """The current value, on `device` (default: this worker's, or the coordinator's)."""
         target = _default_device(device or self._tree._coordinator_device)
         return self._tree._read_flat([self], target)[0]
-
-    def numpy(self) -> np.ndarray:
-        """The current value as a NumPy array."""
-        run_capture.refuse_inside_trace(f"{self.name}.numpy()", captured=False)
-        return np.asarray(jax.device_get(self.read_value()))
-
-    def __array__(self, dtype=None, copy=None):
-        value = self.numpy()
-        return value if dtype is None else value.astype(dtype)
 
     def _apply(self, kind: str, value: Any) -> None:
         self._tree._apply_flat([self], [value], kind)
@@ -176,15 +183,6 @@ class ShardedVariable(_Assignable):
         target = _default_device(device or tree._coordinator_device)
         parts = tree._read_flat(self._shards, target)
         return jnp.concatenate(parts, axis=0)
-
-    def numpy(self) -> np.ndarray:
-        """The full value as a NumPy array."""
-        run_capture.refuse_inside_trace(f"{self.name}.numpy()", captured=False)
-        return np.asarray(jax.device_get(self.read_value()))
-
-    def __array__(self, dtype=None, copy=None):
-        value = self.numpy()
-        return value if dtype is None else value.astype(dtype)
 
     def _apply(self, kind: str, value: Any) -> None:
         value = _as_array(value, self)
@@ -271,22 +269,6 @@ def _check_shape(var: Variable | ShardedVariable, shape: tuple[int, ...]) -> Non
             f"An update of variable {var.name!r} must have its shape {var.shape} (or be a "
             f"scalar); got shape {tuple(shape)}."
         )
-
-
-def _is_var(x: Any) -> bool:
-    return isinstance(x, (Variable, ShardedVariable))
-
-
-def _path_name(path: Sequence[Any]) -> str:
-    parts = []
-    for entry in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(entry, attr):
-                parts.append(str(getattr(entry, attr)))
-                break
-        else:
-            parts.append(str(entry))
-    return "/".join(parts) or "variable"
 
 
 class VariableTree:
@@ -464,7 +446,8 @@ class VariableTree:
         run_capture.refuse_inside_trace("VariableTree.numpy()", captured=False)
         return backend_lib.to_numpy(self.read())
 
-    def _checkpoint_value(self) -> Any:
+    def checkpoint_value(self) -> Any:
+        """What `CheckpointManager.save` and `save_weights` write for these variables."""
         # What `CheckpointManager.save` and `save_weights` write: the variables' values,
         # whole (shards assembled), so any strategy can restore them. The per-variable
         # optimizer state stays on the parameter servers.
@@ -550,7 +533,7 @@ def build_variable_tree(
         return Variable(store, var_id, name, value.shape, value.dtype, var_tree)
 
     for path, leaf in path_leaves:
-        name = _path_name(path)
+        name = path_str(path, default="variable")
         if isinstance(leaf, jax.Array):
             value = np.asarray(jax.device_get(leaf))
         else:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from jstrategy._src.parameter_server import backend as backend_lib
+from jstrategy._src.parameter_server import model_fit
 from jstrategy._src.parameter_server import run_capture
 from jstrategy._src.parameter_server import sharded_variable
 from jstrategy._src.parameter_server.partitioners import Partitioner
@@ -24,6 +25,8 @@ from jstrategy._src.values import is_per_replica
 
 if TYPE_CHECKING:
     from jstrategy._src.cluster_resolver import ClusterResolver
+    from jstrategy._src.training.fit_loop import FitEpoch
+    from jstrategy._src.training.fit_loop import FitEpochResult
 
 __all__ = ["Backend", "ParameterServerStrategy", "local_cluster_resolver"]
 
@@ -253,11 +256,6 @@ class ParameterServerStrategy(Strategy):
             self._variable_count += 1
         return index
 
-    def _variables_from_checkpoint(self, tree: Any) -> sharded_variable.VariableTree:
-        # `CheckpointManager.restore(strategy=self)` / `load_weights`: a checkpoint saved under
-        # any strategy lands on the parameter servers, round-robin and partitioned.
-        return self.create_variables(tree)
-
     def create_variables(
         self, tree: Any, *, optimizer: optax.GradientTransformation | None = None
     ) -> sharded_variable.VariableTree:
@@ -298,7 +296,9 @@ class ParameterServerStrategy(Strategy):
         )
 
     # Running on workers -------------------------------------------------------------------
-    def _worker_strategy(self, device: jax.Device) -> Strategy:
+    def worker_strategy(self, device: jax.Device) -> Strategy:
+        """The one-replica strategy on a worker's `device`: `run` inside a scheduled
+        function, and `Model.fit`'s steps there, run on it."""
         strategy = self._worker_strategies.get(device)
         if strategy is None:
             strategy = self._worker_strategies.setdefault(device, Strategy([device]))
@@ -350,7 +350,7 @@ class ParameterServerStrategy(Strategy):
         worker = backend_lib.current_worker()
         if worker is None:
             return self._capture.run(super().run, self.devices[0], fn, args, kwargs)
-        strategy = self._worker_strategy(worker.device)
+        strategy = self.worker_strategy(worker.device)
         return self._capture.run(strategy.run, worker.device, fn, args, kwargs)
 
     # Input: inside a per-worker dataset function, as in TF's tutorial ----------------------
@@ -382,7 +382,7 @@ class ParameterServerStrategy(Strategy):
             input_pipeline_id=worker.worker_index,
             num_replicas_in_sync=1,
         )
-        return self._worker_strategy(worker.device).distribute_datasets_from_function(
+        return self.worker_strategy(worker.device).distribute_datasets_from_function(
             lambda _: dataset_fn(context), options, global_batch_size=global_batch_size
         )
 
@@ -395,7 +395,7 @@ class ParameterServerStrategy(Strategy):
         worker's device (each worker iterates the dataset it was given: shard it there).
         """
         worker = backend_lib.current_worker()
-        target = self if worker is None else self._worker_strategy(worker.device)
+        target = self if worker is None else self.worker_strategy(worker.device)
         return Strategy.experimental_distribute_dataset(
             target, dataset, options, global_batch_size=global_batch_size
         )
@@ -431,11 +431,20 @@ class ParameterServerStrategy(Strategy):
 
         return jax.tree.map(one, value, is_leaf=is_per_replica)
 
-    def _train_model_epoch(self, model: Any, data: Any, cbs: Any, steps_per_epoch: Any) -> Any:
-        """`jstrategy.Model`'s epoch under this strategy (see `model_fit.py`)."""
-        from jstrategy._src.parameter_server import model_fit
+    # Hooks (see `Strategy`) ---------------------------------------------------------------
+    def run_fit_epoch(self, epoch: FitEpoch) -> FitEpochResult | None:
+        """`jstrategy.Model.fit`'s epoch: steps scheduled on the workers (`model_fit.py`)."""
+        return model_fit.run_fit_epoch(self, epoch)
 
-        return model_fit.train_model_epoch(self, model, data, cbs, steps_per_epoch)
+    @property
+    def fit_resumes_exactly(self) -> bool:
+        """False: the workers train asynchronously, so a step cannot be resumed exactly."""
+        return False
+
+    def restore_variables(self, read: Callable[[Strategy | None], Any]) -> Any:
+        """A checkpoint saved under any strategy lands on the parameter servers, round-robin
+        and partitioned (read to the host first)."""
+        return self.create_variables(read(None))
 
     def __reduce__(self):
         # Scheduled functions that use the strategy travel to Ray workers; there it is a

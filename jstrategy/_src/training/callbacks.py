@@ -24,8 +24,11 @@ from typing import Any
 import jax
 import numpy as np
 
+from jstrategy._src import checkpoint as checkpoint_lib
+from jstrategy._src import fault_tolerance
 from jstrategy._src.training.progress import Progbar
 from jstrategy._src.training.progress import resolve_verbose
+from jstrategy._src.validation import check_non_negative_int
 
 __all__ = [
     "BackupAndRestore",
@@ -142,6 +145,9 @@ class Callback:
 
     def on_predict_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         """Called after prediction batch `batch`."""
+
+    def _on_train_abort(self) -> None:
+        """Called when `fit` ends with an exception: release what `on_train_begin` took."""
 
 
 class History(Callback):
@@ -402,16 +408,9 @@ class EarlyStopping(Callback):
             raise ValueError(f"`monitor` must be a log key such as 'val_loss'; got {monitor!r}.")
         if isinstance(min_delta, bool) or not isinstance(min_delta, (int, float)):
             raise ValueError(f"`min_delta` must be a number; got {min_delta!r}. E.g. 1e-3.")
-        for arg, value in (("patience", patience), ("start_from_epoch", start_from_epoch)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"`{arg}` must be a non-negative int; got {value!r}.")
-        try:
-            self.mode = Mode(mode)
-        except ValueError:
-            raise ValueError(
-                f"`mode` must be one of {[m.value for m in Mode]}; got {mode!r}. Use 'min' "
-                "for losses and errors, 'max' for accuracies, 'auto' to infer."
-            ) from None
+        patience = check_non_negative_int(patience, "patience")
+        start_from_epoch = check_non_negative_int(start_from_epoch, "start_from_epoch")
+        self.mode = _parse_mode(mode)
         if baseline is not None and (
             isinstance(baseline, bool) or not isinstance(baseline, (int, float))
         ):
@@ -766,6 +765,12 @@ class CallbackList(Callback):
     def on_predict_batch_end(self, batch, logs=None):
         self._call("on_predict_batch_end", batch, logs=logs)
 
+    def on_train_abort(self) -> None:
+        """Tells every callback that `fit` ended with an exception (`on_train_end` is not
+        called then, so backups stay), so those holding resources release them."""
+        for cb in self.callbacks:
+            cb._on_train_abort()
+
 
 def _check_callback(cb: Any) -> None:
     if not isinstance(cb, Callback):
@@ -779,16 +784,24 @@ def _check_callback(cb: Any) -> None:
 # Checkpoints
 # ---------------------------------------------------------------------------------------
 def _check_model(model: Any, owner: str) -> None:
-    if not hasattr(model, "_checkpoint_tree"):
+    if not hasattr(model, "fit_state"):
         raise TypeError(
             f"{owner} works with a jstrategy.Model; got {type(model).__name__}. Pass it in "
             "Model.fit(callbacks=[...])."
         )
 
 
+def _fit_state(model: Any, owner: str) -> Any:
+    """Where the model's `fit` is (`Model.fit_state`)."""
+    fit_state = model.fit_state
+    if fit_state is None:
+        raise RuntimeError(f"{owner} saves and restores only while Model.fit runs.")
+    return fit_state
+
+
 def _steps_done(model: Any) -> int:
-    progress = getattr(model, "_fit_progress", None)
-    return 0 if progress is None else progress.step
+    fit_state = model.fit_state
+    return 0 if fit_state is None else fit_state.step
 
 
 def _check_save_freq(save_freq: Any) -> str | int:
@@ -838,6 +851,14 @@ class _StepCounter:
         now = _steps_done(model)
         self.since_save += max(0, now - self.last)
         self.last = now
+
+    def due(self, save_freq: str | int) -> bool:
+        """Whether an int `save_freq` of steps passed since the last save (then counting
+        starts over); never for ``"epoch"``."""
+        if isinstance(save_freq, str) or self.since_save < save_freq:
+            return False
+        self.since_save = 0
+        return True
 
 
 class ModelCheckpoint(Callback):
@@ -946,8 +967,6 @@ class ModelCheckpoint(Callback):
         self._counter = _StepCounter()
 
     def on_train_begin(self, logs=None):
-        from jstrategy._src import checkpoint as checkpoint_lib
-
         _check_model(self.model, "ModelCheckpoint")
         if self._manager is None:
             best_mode = "max" if self.save_best_only and not self._lower() else "min"
@@ -973,9 +992,8 @@ class ModelCheckpoint(Callback):
         if self.save_freq == "epoch":
             return
         self._counter.batch_end(self.model)
-        if self._counter.since_save >= self.save_freq:
-            self._counter.since_save = 0
-            epoch = self.model._fit_progress.epoch
+        if self._counter.due(self.save_freq):
+            epoch = _fit_state(self.model, "ModelCheckpoint").epoch
             self._save(epoch, _host_int(self.model.state.step), logs)
 
     def on_epoch_end(self, epoch, logs=None):
@@ -1022,7 +1040,8 @@ class ModelCheckpoint(Callback):
                 stacklevel=3,
             )
             return
-        tree = self.model._checkpoint_tree(weights_only=self.save_weights_only)
+        fit_state = _fit_state(self.model, "ModelCheckpoint")
+        tree = fit_state.checkpoint_tree(weights_only=self.save_weights_only)
         self._manager.save(step, tree, metrics=metrics, metadata={"epoch": epoch}, force=True)
 
     def on_train_end(self, logs=None):
@@ -1110,22 +1129,21 @@ class BackupAndRestore(Callback):
         self._counter = _StepCounter()
 
     def on_train_begin(self, logs=None):
-        from jstrategy._src import checkpoint as checkpoint_lib
-        from jstrategy._src import fault_tolerance
-
         _check_model(self.model, "BackupAndRestore")
-        if hasattr(self.model.strategy, "_train_model_epoch"):
+        strategy = self.model.strategy
+        if not strategy.fit_resumes_exactly:
             raise NotImplementedError(
-                "BackupAndRestore does not support ParameterServerStrategy yet: its workers "
-                "train asynchronously, so a step cannot be resumed exactly. Use ModelCheckpoint "
-                "and Model.restore_checkpoint to restart from the last saved epoch."
+                f"BackupAndRestore does not support {type(strategy).__name__} yet: its "
+                "workers train asynchronously, so a step cannot be resumed exactly. Use "
+                "ModelCheckpoint and Model.restore_checkpoint to restart from the last saved "
+                "epoch."
             )
         self._manager = checkpoint_lib.CheckpointManager(self.backup_dir, max_to_keep=1)
         self._counter = _StepCounter()
         latest = self._manager.latest_step()
         self._backups = 0 if latest is None else int(latest)
         if latest is not None:
-            where = self.model._restore_for_fit(self._manager)
+            where = _fit_state(self.model, "BackupAndRestore").restore_backup(self._manager)
             if _is_chief():
                 print(
                     f"BackupAndRestore: resuming from the backup in {self.backup_dir} at "
@@ -1144,8 +1162,7 @@ class BackupAndRestore(Callback):
         # the preemption service requires.
         if self._watcher is not None and self._watcher.reached_sync_point():
             self._preempted()
-        if self.save_freq != "epoch" and self._counter.since_save >= self.save_freq:
-            self._counter.since_save = 0
+        if self._counter.due(self.save_freq):
             self._save(epoch_end=False)
 
     def on_epoch_end(self, epoch, logs=None):
@@ -1154,14 +1171,13 @@ class BackupAndRestore(Callback):
 
     def _save(self, *, epoch_end: bool) -> dict[str, Any]:
         self._backups += 1
-        metadata = self.model._fit_metadata(epoch_end=epoch_end)
-        tree = self.model._checkpoint_tree(epoch_sums=True)
+        fit_state = _fit_state(self.model, "BackupAndRestore")
+        metadata = fit_state.metadata(epoch_end=epoch_end)
+        tree = fit_state.checkpoint_tree(epoch_sums=True)
         self._manager.save(self._backups, tree, metadata=metadata, force=True)
         return metadata
 
     def _preempted(self) -> None:
-        from jstrategy._src import fault_tolerance
-
         where = self._save(epoch_end=False)
         self._manager.wait_until_finished()
         if _is_chief():

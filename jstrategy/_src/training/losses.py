@@ -10,13 +10,21 @@ Keras's ``sum_over_batch_size`` value.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from jstrategy._src.training.per_example import PerExampleFunction
+from jstrategy._src.training.per_example import align_ranks
+from jstrategy._src.training.per_example import callable_name
+from jstrategy._src.training.per_example import compute_dtype
+from jstrategy._src.training.per_example import require_class_axis
+from jstrategy._src.training.per_example import require_same_shape
+from jstrategy._src.training.per_example import sparse_labels
+from jstrategy._src.validation import check_bool
 
 __all__ = [
     "BinaryCrossentropy",
@@ -34,90 +42,6 @@ __all__ = [
 EPSILON = 1e-7
 
 
-def _compute_dtype(x: jax.Array) -> Any:
-    """At least float32, so bfloat16 outputs do not lose the loss in rounding."""
-    if jnp.issubdtype(x.dtype, jnp.floating):
-        return jnp.promote_types(x.dtype, jnp.float32)
-    return jnp.float32
-
-
-def _prepare(y_true: Any, y_pred: Any, what: str) -> tuple[jax.Array, jax.Array]:
-    """Converts to arrays and checks that both have the same leading (batch) axis."""
-    y_true = jnp.asarray(y_true)
-    y_pred = jnp.asarray(y_pred)
-    if y_pred.ndim == 0 or y_true.ndim == 0:
-        raise ValueError(
-            f"{what} expects batched inputs with a leading batch axis; got y_true of shape "
-            f"{y_true.shape} and y_pred of shape {y_pred.shape}. Pass arrays of shape "
-            "(batch, ...)."
-        )
-    if y_true.shape[0] != y_pred.shape[0]:
-        raise ValueError(
-            f"{what} expects y_true and y_pred with the same batch size; got shapes "
-            f"{y_true.shape} and {y_pred.shape}. Pass labels and predictions for the same rows."
-        )
-    return y_true, y_pred
-
-
-def _align_ranks(y_true: jax.Array, y_pred: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Keras's ``squeeze_or_expand_to_same_rank``: reconciles ``(b,)`` with ``(b, 1)``.
-
-    A rank-1 side is expanded (so ``(b,)`` labels against ``(b, 1)`` predictions give
-    ``(b, 1)``); otherwise the side with a trailing axis of size 1 is squeezed.
-    """
-    if y_true.ndim == y_pred.ndim + 1 and y_true.shape[-1] == 1:
-        if y_pred.ndim == 1:
-            return y_true, y_pred[:, None]
-        return jnp.squeeze(y_true, -1), y_pred
-    if y_pred.ndim == y_true.ndim + 1 and y_pred.shape[-1] == 1:
-        if y_true.ndim == 1:
-            return y_true[:, None], y_pred
-        return y_true, jnp.squeeze(y_pred, -1)
-    return y_true, y_pred
-
-
-def _require_same_shape(y_true: jax.Array, y_pred: jax.Array, what: str, hint: str = "") -> None:
-    # Silent broadcasting of (b, k) against (b, j) is the classic source of wrong losses,
-    # so mismatches are errors rather than broadcasts.
-    if y_true.shape != y_pred.shape:
-        raise ValueError(
-            f"{what} expects y_true and y_pred of the same shape (after reconciling a "
-            f"trailing axis of size 1); got {y_true.shape} and {y_pred.shape}.{hint}"
-        )
-
-
-def _per_example(values: Any, batch: int, what: str) -> jax.Array:
-    """Averages every non-batch axis, giving shape ``(batch,)``."""
-    values = jnp.asarray(values)
-    if values.ndim == 0 or values.shape[0] != batch:
-        raise ValueError(
-            f"{what} must return one value per example (an array with leading axis {batch}); "
-            f"got shape {values.shape}. Return per-example values and leave the batch "
-            "reduction to the train step."
-        )
-    if values.ndim == 1:
-        return values
-    return jnp.mean(values, axis=tuple(range(1, values.ndim)))
-
-
-def _check_bool(value: Any, arg: str) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"`{arg}` must be a bool; got {value!r}. Pass True or False.")
-    return value
-
-
-def _snake_case(name: str) -> str:
-    return re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", name).lower()
-
-
-def _check_name(name: Any, owner: Any = None) -> str:
-    if name is None and owner is not None:
-        return _snake_case(type(owner).__name__)
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"`name` must be a non-empty str; got {name!r}.")
-    return name
-
-
 def _check_label_smoothing(value: Any) -> float:
     if (
         isinstance(value, bool)
@@ -129,64 +53,6 @@ def _check_label_smoothing(value: Any) -> float:
             "Pass 0.0 for no smoothing, or e.g. 0.1."
         )
     return float(value)
-
-
-class PerExampleFunction:
-    """What losses and metrics share: ``(y_true, y_pred)`` to per-example values ``(batch,)``.
-
-    Subclasses implement `call`, which may return any shape with the batch axis first;
-    `__call__` checks the inputs and averages the non-batch axes. The train step then takes
-    the mask-weighted mean over real rows across replicas.
-
-    Args:
-      name: the function's name; defaults to the class name in snake case, as in Keras.
-    """
-
-    _kind = "function"
-
-    def __init__(self, *, name: str | None = None):
-        self.name = _check_name(name, self)
-
-    def __call__(self, y_true: Any, y_pred: Any) -> jax.Array:
-        """Returns the per-example values, shape ``(batch,)``.
-
-        Args:
-          y_true: labels, batch axis first.
-          y_pred: predictions, batch axis first.
-
-        Returns:
-          A ``(batch,)`` array; non-batch axes are averaged.
-
-        Raises:
-          ValueError: if the shapes do not fit.
-        """
-        what = f"{type(self).__name__} ({self.name!r})"
-        y_true, y_pred = _prepare(y_true, y_pred, what)
-        values = self._as_values(self.call(y_true, y_pred))
-        return _per_example(values, y_pred.shape[0], what)
-
-    def _as_values(self, values: Any) -> Any:
-        return values
-
-    def call(self, y_true: jax.Array, y_pred: jax.Array) -> jax.Array:
-        """Computes the unreduced values; the batch axis must stay first.
-
-        Args:
-          y_true: labels, an array with a batch axis first.
-          y_pred: predictions, an array with the same batch size.
-
-        Returns:
-          Values with the batch axis first.
-        """
-        raise NotImplementedError(f"{type(self).__name__} must implement `call(y_true, y_pred)`.")
-
-    def get_config(self) -> dict[str, Any]:
-        """The constructor arguments, as in Keras."""
-        return {"name": self.name}
-
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
-        return f"{type(self).__name__}({args})"
 
 
 class Loss(PerExampleFunction):
@@ -210,7 +76,23 @@ class Loss(PerExampleFunction):
     """
 
 
-class BinaryCrossentropy(Loss):
+class _SmoothedCrossentropy(Loss):
+    """What the binary and categorical cross-entropies share: logits and label smoothing."""
+
+    def __init__(self, from_logits: bool, label_smoothing: float, *, name: str):
+        super().__init__(name=name)
+        self.from_logits = check_bool(from_logits, "from_logits")
+        self.label_smoothing = _check_label_smoothing(label_smoothing)
+
+    def get_config(self):
+        return {
+            "from_logits": self.from_logits,
+            "label_smoothing": self.label_smoothing,
+            **super().get_config(),
+        }
+
+
+class BinaryCrossentropy(_SmoothedCrossentropy):
     """Binary cross-entropy, for 0/1 labels and one probability (or logit) per output.
 
     Predictions ``(b, 1)`` with labels ``(b,)`` or ``(b, 1)`` both work. Multi-label
@@ -237,14 +119,12 @@ class BinaryCrossentropy(Loss):
         *,
         name: str = "binary_crossentropy",
     ):
-        super().__init__(name=name)
-        self.from_logits = _check_bool(from_logits, "from_logits")
-        self.label_smoothing = _check_label_smoothing(label_smoothing)
+        super().__init__(from_logits, label_smoothing, name=name)
 
     def call(self, y_true, y_pred):
-        y_true, y_pred = _align_ranks(y_true, y_pred)
-        _require_same_shape(y_true, y_pred, "BinaryCrossentropy")
-        dtype = _compute_dtype(y_pred)
+        y_true, y_pred = align_ranks(y_true, y_pred)
+        require_same_shape(y_true, y_pred, "BinaryCrossentropy")
+        dtype = compute_dtype(y_pred)
         y_pred = y_pred.astype(dtype)
         y_true = y_true.astype(dtype)
         if self.label_smoothing:
@@ -253,13 +133,6 @@ class BinaryCrossentropy(Loss):
             return optax.sigmoid_binary_cross_entropy(y_pred, y_true)
         p = jnp.clip(y_pred, EPSILON, 1.0 - EPSILON)
         return -(y_true * jnp.log(p) + (1.0 - y_true) * jnp.log1p(-p))
-
-    def get_config(self):
-        return {
-            "from_logits": self.from_logits,
-            "label_smoothing": self.label_smoothing,
-            **super().get_config(),
-        }
 
 
 def _class_log_probs(y_pred: jax.Array, from_logits: bool) -> jax.Array:
@@ -271,15 +144,7 @@ def _class_log_probs(y_pred: jax.Array, from_logits: bool) -> jax.Array:
     return jnp.log(jnp.clip(y_pred / total, EPSILON, 1.0 - EPSILON))
 
 
-def _require_class_axis(y_pred: jax.Array, what: str) -> None:
-    if y_pred.ndim < 2:
-        raise ValueError(
-            f"{what} expects y_pred with a class axis, shape (batch, ..., num_classes); got "
-            f"{y_pred.shape}. For one output per example use BinaryCrossentropy."
-        )
-
-
-class CategoricalCrossentropy(Loss):
+class CategoricalCrossentropy(_SmoothedCrossentropy):
     """Cross-entropy with one-hot (or soft) labels over the last axis.
 
     Args:
@@ -304,19 +169,17 @@ class CategoricalCrossentropy(Loss):
         *,
         name: str = "categorical_crossentropy",
     ):
-        super().__init__(name=name)
-        self.from_logits = _check_bool(from_logits, "from_logits")
-        self.label_smoothing = _check_label_smoothing(label_smoothing)
+        super().__init__(from_logits, label_smoothing, name=name)
 
     def call(self, y_true, y_pred):
-        _require_class_axis(y_pred, "CategoricalCrossentropy")
-        _require_same_shape(
+        require_class_axis(y_pred, "CategoricalCrossentropy")
+        require_same_shape(
             y_true,
             y_pred,
             "CategoricalCrossentropy",
             " For integer class labels use SparseCategoricalCrossentropy.",
         )
-        dtype = _compute_dtype(y_pred)
+        dtype = compute_dtype(y_pred)
         y_pred = y_pred.astype(dtype)
         y_true = y_true.astype(dtype)
         if self.label_smoothing:
@@ -325,26 +188,6 @@ class CategoricalCrossentropy(Loss):
         if self.from_logits:
             return optax.softmax_cross_entropy(y_pred, y_true)
         return -jnp.sum(y_true * _class_log_probs(y_pred, from_logits=False), axis=-1)
-
-    def get_config(self):
-        return {
-            "from_logits": self.from_logits,
-            "label_smoothing": self.label_smoothing,
-            **super().get_config(),
-        }
-
-
-def _sparse_labels(y_true: jax.Array, y_pred: jax.Array, what: str) -> jax.Array:
-    """Integer labels shaped like ``y_pred`` without its class axis."""
-    if y_true.ndim == y_pred.ndim and y_true.shape[-1] == 1:
-        y_true = jnp.squeeze(y_true, -1)
-    if y_true.shape != y_pred.shape[:-1]:
-        raise ValueError(
-            f"{what} expects integer labels of shape {y_pred.shape[:-1]} (or with a trailing "
-            f"axis of size 1) for y_pred of shape {y_pred.shape}; got {y_true.shape}. For "
-            "one-hot labels use the categorical variant."
-        )
-    return y_true.astype(jnp.int32)
 
 
 class SparseCategoricalCrossentropy(Loss):
@@ -365,12 +208,12 @@ class SparseCategoricalCrossentropy(Loss):
 
     def __init__(self, from_logits: bool = False, *, name: str = "sparse_categorical_crossentropy"):
         super().__init__(name=name)
-        self.from_logits = _check_bool(from_logits, "from_logits")
+        self.from_logits = check_bool(from_logits, "from_logits")
 
     def call(self, y_true, y_pred):
-        _require_class_axis(y_pred, "SparseCategoricalCrossentropy")
-        labels = _sparse_labels(y_true, y_pred, "SparseCategoricalCrossentropy")
-        y_pred = y_pred.astype(_compute_dtype(y_pred))
+        require_class_axis(y_pred, "SparseCategoricalCrossentropy")
+        labels = sparse_labels(y_true, y_pred, "SparseCategoricalCrossentropy")
+        y_pred = y_pred.astype(compute_dtype(y_pred))
         if self.from_logits:
             return optax.softmax_cross_entropy_with_integer_labels(y_pred, labels)
         log_p = _class_log_probs(y_pred, from_logits=False)
@@ -381,9 +224,9 @@ class SparseCategoricalCrossentropy(Loss):
 
 
 def _regression_inputs(y_true, y_pred, what):
-    y_true, y_pred = _align_ranks(y_true, y_pred)
-    _require_same_shape(y_true, y_pred, what)
-    dtype = _compute_dtype(y_pred)
+    y_true, y_pred = align_ranks(y_true, y_pred)
+    require_same_shape(y_true, y_pred, what)
+    dtype = compute_dtype(y_pred)
     return y_true.astype(dtype), y_pred.astype(dtype)
 
 
@@ -461,14 +304,6 @@ class Huber(Loss):
         return {"delta": self.delta, **super().get_config()}
 
 
-def _callable_name(fn: Callable[..., Any]) -> str:
-    for attr in ("name", "__name__"):
-        name = getattr(fn, attr, None)
-        if isinstance(name, str) and name:
-            return "lambda" if name == "<lambda>" else name
-    return type(fn).__name__
-
-
 class LossFunctionWrapper(Loss):
     """Wraps a function ``fn(y_true, y_pred) -> per-example loss`` as a `Loss`.
 
@@ -491,7 +326,7 @@ class LossFunctionWrapper(Loss):
             raise ValueError(
                 f"`fn` must be callable as fn(y_true, y_pred); got {fn!r}. Pass a function."
             )
-        super().__init__(name=_callable_name(fn) if name is None else name)
+        super().__init__(name=callable_name(fn) if name is None else name)
         self.fn = fn
 
     def call(self, y_true, y_pred):

@@ -15,13 +15,14 @@ from typing import Any
 import jax.numpy as jnp
 
 from jstrategy._src.training import losses as losses_lib
-from jstrategy._src.training.losses import _align_ranks
-from jstrategy._src.training.losses import _callable_name
-from jstrategy._src.training.losses import _check_bool
-from jstrategy._src.training.losses import _compute_dtype
-from jstrategy._src.training.losses import _require_class_axis
-from jstrategy._src.training.losses import _require_same_shape
-from jstrategy._src.training.losses import _sparse_labels
+from jstrategy._src.training.per_example import PerExampleFunction
+from jstrategy._src.training.per_example import align_ranks
+from jstrategy._src.training.per_example import callable_name
+from jstrategy._src.training.per_example import compute_dtype
+from jstrategy._src.training.per_example import require_class_axis
+from jstrategy._src.training.per_example import require_same_shape
+from jstrategy._src.training.per_example import sparse_labels
+from jstrategy._src.validation import check_bool
 
 __all__ = [
     "Accuracy",
@@ -36,7 +37,7 @@ __all__ = [
 ]
 
 
-class Metric(losses_lib.PerExampleFunction):
+class Metric(PerExampleFunction):
     """Base class: per-example metric values whose masked mean is the metric.
 
     Subclasses implement `call`, which may return any shape with the batch axis first;
@@ -90,8 +91,8 @@ class Accuracy(Metric):
         super().__init__(name=name)
 
     def call(self, y_true, y_pred):
-        y_true, y_pred = _align_ranks(y_true, y_pred)
-        _require_same_shape(y_true, y_pred, "Accuracy")
+        y_true, y_pred = align_ranks(y_true, y_pred)
+        require_same_shape(y_true, y_pred, "Accuracy")
         return (y_true.astype(y_pred.dtype) == y_pred).astype(jnp.float32)
 
 
@@ -134,7 +135,7 @@ class BinaryAccuracy(Metric):
             or not math.isfinite(threshold)
         ):
             raise ValueError(f"`threshold` must be a finite float; got {threshold!r}. E.g. 0.5.")
-        self.from_logits = _check_bool(from_logits, "from_logits")
+        self.from_logits = check_bool(from_logits, "from_logits")
         if self.from_logits and not 0.0 < threshold < 1.0:
             raise ValueError(
                 f"`threshold` must be a probability in (0, 1) with from_logits=True; got "
@@ -143,10 +144,10 @@ class BinaryAccuracy(Metric):
         self.threshold = float(threshold)
 
     def call(self, y_true, y_pred):
-        y_true, y_pred = _align_ranks(y_true, y_pred)
-        _require_same_shape(y_true, y_pred, "BinaryAccuracy")
+        y_true, y_pred = align_ranks(y_true, y_pred)
+        require_same_shape(y_true, y_pred, "BinaryAccuracy")
         cut = _logit(self.threshold) if self.from_logits else self.threshold
-        predicted = (y_pred.astype(_compute_dtype(y_pred)) > cut).astype(y_true.dtype)
+        predicted = (y_pred.astype(compute_dtype(y_pred)) > cut).astype(y_true.dtype)
         return (y_true == predicted).astype(jnp.float32)
 
     def get_config(self):
@@ -176,8 +177,8 @@ class CategoricalAccuracy(Metric):
         super().__init__(name=name)
 
     def call(self, y_true, y_pred):
-        _require_class_axis(y_pred, "CategoricalAccuracy")
-        _require_same_shape(
+        require_class_axis(y_pred, "CategoricalAccuracy")
+        require_same_shape(
             y_true,
             y_pred,
             "CategoricalAccuracy",
@@ -206,8 +207,8 @@ class SparseCategoricalAccuracy(Metric):
         super().__init__(name=name)
 
     def call(self, y_true, y_pred):
-        _require_class_axis(y_pred, "SparseCategoricalAccuracy")
-        labels = _sparse_labels(y_true, y_pred, "SparseCategoricalAccuracy")
+        require_class_axis(y_pred, "SparseCategoricalAccuracy")
+        labels = sparse_labels(y_true, y_pred, "SparseCategoricalAccuracy")
         return (jnp.argmax(y_pred, axis=-1) == labels).astype(jnp.float32)
 
 
@@ -290,7 +291,7 @@ class MeanMetricWrapper(Metric):
             )
         if direction not in ("up", "down", None):
             raise ValueError(f"`direction` must be 'up', 'down' or None; got {direction!r}.")
-        super().__init__(name=_callable_name(fn) if name is None else name)
+        super().__init__(name=callable_name(fn) if name is None else name)
         self.fn = fn
         # A wrapped loss is something to minimize.
         if direction is None and isinstance(fn, losses_lib.Loss):

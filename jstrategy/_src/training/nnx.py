@@ -1,10 +1,11 @@
-"""Flax NNX support for the step factory: `NNXTrainState` and `create_nnx_train_state`.
+"""Flax NNX support: `NNXTrainState` and `create_nnx_train_state`.
 
 An NNX module and its `nnx.Optimizer` are split once into static graph definitions and
 pytrees of variables (the state), so the steps from `make_train_step`, `make_eval_step`
-and `make_predict_step` are pure functions of an immutable pytree, exactly as for linen:
-inside the compiled step the module is re-assembled with ``nnx.merge``, called, updated
-with ``optimizer.update`` and split again.
+and `make_predict_step` and `jstrategy.Model` are pure functions of an immutable pytree,
+exactly as for linen: `NNXTrainState` implements the same `TrainStateProtocol`. Inside a
+compiled step the module is re-assembled with ``nnx.merge``, called, updated with
+``optimizer.update`` and split again.
 
 NNX keeps its random streams (``nnx.Rngs``) in the module's state. In a training step each
 replica folds its replica index into every stream's key before calling the module, so
@@ -14,21 +15,30 @@ advance), so runs are reproducible and the state stays identical on every replic
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 from flax import struct
 
 from jstrategy._src import context
-from jstrategy._src.training import train_step as train_step_lib
+from jstrategy._src.placement import in_device_memory
+from jstrategy._src.placement import place_state
+from jstrategy._src.training import summary as summary_lib
+
+if TYPE_CHECKING:
+    from jstrategy._src.strategy import Strategy
 
 __all__ = ["NNXTrainState", "create_nnx_train_state"]
 
 
 class NNXTrainState(struct.PyTreeNode):
     """An NNX module and optimizer as an immutable pytree, for the compiled steps.
+
+    Implements `TrainStateProtocol`.
 
     Attributes:
       params: the trained variables (the optimizer's ``wrt``, usually ``nnx.Param``).
@@ -67,6 +77,86 @@ class NNXTrainState(struct.PyTreeNode):
         """An `nnx.Optimizer` holding this state's optimizer variables."""
         return nnx.merge(self.opt_graphdef, self.opt_state)
 
+    @property
+    def tx(self) -> optax.GradientTransformation:
+        """The optimizer's optax transformation."""
+        return self.optimizer.tx
+
+    @property
+    def variables(self) -> nnx.State:
+        """The module's `nnx.State`: parameters and other variables."""
+        return nnx.merge_state(self.params, self.model_state)
+
+    def forward(
+        self, params: Any, x: Any, *, train: bool, axis_name: str | None
+    ) -> tuple[Any, Any]:
+        if not train:
+            model = nnx.merge(self.eval_graphdef, _fresh(params), _fresh(self.model_state))
+            return model(x), None
+        assert axis_name is not None, "a training forward pass runs over the replicas"
+        model_state = _fresh(_fold_keys(self.model_state, axis_name))
+        model = nnx.merge(self.graphdef, _fresh(params), model_state)
+        y_pred = model(x)
+        _, _, model_state = split_model(model, self.wrt)
+        # The folded keys were this replica's; the stored keys stay shared.
+        return y_pred, _restore_keys(model_state, self.model_state)
+
+    def apply_update(self, grads: Any, model_state: Any) -> NNXTrainState:
+        model = nnx.merge(self.graphdef, _fresh(self.params), _fresh(model_state))
+        optimizer = nnx.merge(self.opt_graphdef, _fresh(self.opt_state))
+        optimizer.update(model, grads)
+        _, params, model_state = split_model(model, self.wrt)
+        _, opt_state = nnx.split(optimizer)
+        return self.replace(params=params, model_state=model_state, opt_state=opt_state)
+
+    def replica_view(self, *, with_params: bool = False) -> NNXTrainState:
+        return self.replace(params=self.params if with_params else None, opt_state=None)
+
+    def with_variables(self, params: Any, model_state: Any) -> NNXTrainState:
+        return self.replace(params=params, model_state=model_state)
+
+    def with_step(self, step: Any) -> NNXTrainState:
+        if self.opt_state is None:
+            return self
+        optimizer = nnx.merge(self.opt_graphdef, _fresh(self.opt_state))
+        optimizer.step[...] = jnp.asarray(step, optimizer.step[...].dtype)
+        _, opt_state = nnx.split(optimizer)
+        return self.replace(opt_state=opt_state)
+
+    def with_optimizer(self, tx: optax.GradientTransformation) -> NNXTrainState:
+        model = in_device_memory(self).model
+        return _split_state(model, nnx.Optimizer(model, tx, wrt=self.wrt), self.wrt)
+
+    def weights(self) -> dict[str, Any]:
+        return {"params": self.params, "model_state": self.model_state}
+
+    def _weight_indices(self) -> list[int]:
+        # NNX random streams (keys and counts) are not weights.
+        variables = jax.tree.leaves(self.variables, is_leaf=_is_variable)
+        return [i for i, v in enumerate(variables) if not isinstance(v, nnx.RngState)]
+
+    def with_weights(self, weights: dict[str, Any]) -> NNXTrainState:
+        return self.replace(**weights)
+
+    def get_weights(self) -> list[Any]:
+        leaves = jax.tree.leaves(self.variables)
+        return [leaves[i] for i in self._weight_indices()]
+
+    def with_weight_list(self, weights: list[Any]) -> NNXTrainState:
+        leaves, treedef = jax.tree.flatten(self.variables)
+        for i, w in zip(self._weight_indices(), weights, strict=True):
+            leaves[i] = w
+        merged = nnx.merge(self.graphdef, jax.tree.unflatten(treedef, leaves))
+        _, params, model_state = split_model(merged, self.wrt)
+        return self.replace(params=params, model_state=model_state)
+
+    def summary_table(self, module: Any, sample: Any) -> str:
+        del module  # the state holds the variables the summary shows
+        return summary_lib.summarize(in_device_memory(self).model, None, sample)
+
+    def write_back(self, module: Any) -> None:
+        nnx.update(module, self.params, self.model_state)
+
 
 def split_model(model: nnx.Module, wrt: Any) -> tuple[Any, nnx.State, nnx.State]:
     """``(graphdef, trained variables, other variables)`` of an NNX module."""
@@ -87,7 +177,7 @@ def _fresh(tree: Any) -> Any:
 def _fold_keys(model_state: nnx.State, axis_name: str) -> nnx.State:
     index = jax.lax.axis_index(axis_name)
 
-    def fold(v):
+    def fold(v: Any) -> Any:
         if isinstance(v, nnx.RngKey):
             return v.replace(value=jax.random.fold_in(v[...], index))
         return v
@@ -96,40 +186,31 @@ def _fold_keys(model_state: nnx.State, axis_name: str) -> nnx.State:
 
 
 def _restore_keys(new: nnx.State, old: nnx.State) -> nnx.State:
-    def restore(n, o):
+    def restore(n: Any, o: Any) -> Any:
         return o if isinstance(o, nnx.RngKey) else n
 
     return jax.tree.map(restore, new, old, is_leaf=_is_variable)
 
 
-class _NNXAdapter:
-    @staticmethod
-    def params(state: NNXTrainState):
-        return state.params
-
-    @staticmethod
-    def forward(state: NNXTrainState, params, x, *, train: bool, axis_name: str):
-        if not train:
-            model = nnx.merge(state.eval_graphdef, _fresh(params), _fresh(state.model_state))
-            return model(x), None
-        model_state = _fresh(_fold_keys(state.model_state, axis_name))
-        model = nnx.merge(state.graphdef, _fresh(params), model_state)
-        y_pred = model(x)
-        _, _, model_state = split_model(model, state.wrt)
-        # The folded keys were this replica's; the stored keys stay shared.
-        return y_pred, _restore_keys(model_state, state.model_state)
-
-    @staticmethod
-    def apply(state: NNXTrainState, grads, model_state):
-        model = nnx.merge(state.graphdef, _fresh(state.params), _fresh(model_state))
-        optimizer = nnx.merge(state.opt_graphdef, _fresh(state.opt_state))
-        optimizer.update(model, grads)
-        _, params, model_state = split_model(model, state.wrt)
-        _, opt_state = nnx.split(optimizer)
-        return state.replace(params=params, model_state=model_state, opt_state=opt_state)
-
-
-train_step_lib.register_adapter(NNXTrainState, _NNXAdapter)
+def _split_state(model: nnx.Module, optimizer: nnx.Optimizer, wrt: Any) -> NNXTrainState:
+    training = nnx.view(
+        model, deterministic=False, use_running_average=False, raise_if_not_found=False
+    )
+    evaluating = nnx.view(
+        model, deterministic=True, use_running_average=True, raise_if_not_found=False
+    )
+    graphdef, params, model_state = split_model(training, wrt)
+    eval_graphdef, _, _ = split_model(evaluating, wrt)
+    opt_graphdef, opt_state = nnx.split(optimizer)
+    return NNXTrainState(
+        params=params,
+        model_state=model_state,
+        opt_state=opt_state,
+        graphdef=graphdef,
+        eval_graphdef=eval_graphdef,
+        opt_graphdef=opt_graphdef,
+        wrt=wrt,
+    )
 
 
 def create_nnx_train_state(
@@ -137,7 +218,7 @@ def create_nnx_train_state(
     optimizer: nnx.Optimizer | optax.GradientTransformation,
     *,
     wrt: Any = nnx.Param,
-    strategy: Any = None,
+    strategy: Strategy | None = None,
 ) -> NNXTrainState:
     """Splits an NNX module and its optimizer into an `NNXTrainState` placed by the strategy.
 
@@ -181,22 +262,4 @@ def create_nnx_train_state(
             f"`optimizer` must be an nnx.Optimizer or an optax.GradientTransformation; got "
             f"{type(optimizer).__name__} {optimizer!r}."
         )
-    training = nnx.view(
-        model, deterministic=False, use_running_average=False, raise_if_not_found=False
-    )
-    evaluating = nnx.view(
-        model, deterministic=True, use_running_average=True, raise_if_not_found=False
-    )
-    graphdef, params, model_state = split_model(training, wrt)
-    eval_graphdef, _, _ = split_model(evaluating, wrt)
-    opt_graphdef, opt_state = nnx.split(optimizer)
-    state = NNXTrainState(
-        params=params,
-        model_state=model_state,
-        opt_state=opt_state,
-        graphdef=graphdef,
-        eval_graphdef=eval_graphdef,
-        opt_graphdef=opt_graphdef,
-        wrt=wrt,
-    )
-    return train_step_lib.place_state(state, strategy)
+    return place_state(_split_state(model, optimizer, wrt), strategy)

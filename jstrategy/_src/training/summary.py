@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import re
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -22,9 +21,10 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jstrategy._src.names import snake_case
 from jstrategy._src.strategy import REPLICA_AXIS
 
-__all__ = ["summarize"]
+__all__ = ["model_table", "summarize"]
 
 
 @dataclasses.dataclass
@@ -52,10 +52,6 @@ class _Count:
 
     def __add__(self, other: _Count) -> _Count:
         return _Count(self.size + other.size, self.nbytes + other.nbytes)
-
-
-def _snake_case(name: str) -> str:
-    return re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", name).lower()
 
 
 def _readable_size(nbytes: float) -> str:
@@ -93,8 +89,8 @@ def _render(
     rows: list[tuple[str, str, int]],
     total: _Count,
     trainable: _Count,
-    non_trainable: _Count,
 ) -> str:
+    non_trainable = _Count(total.size - trainable.size, total.nbytes - trainable.nbytes)
     headers = ("Layer (type)", "Output Shape", "Param #")
     cells = [(layer, shape, f"{count:,}") for layer, shape, count in rows]
     widths = [
@@ -232,14 +228,8 @@ def _summarize_linen(module: nn.Module, variables: Any, args: tuple, kwargs: dic
 
     trainable = _linen_count(weights.get("params", {}))
     total = _linen_count(weights)
-    name = module.name or _snake_case(type(module).__name__)
-    return _render(
-        name,
-        table,
-        total,
-        trainable,
-        _Count(total.size - trainable.size, total.nbytes - trainable.nbytes),
-    )
+    name = module.name or snake_case(type(module).__name__)
+    return _render(name, table, total, trainable)
 
 
 _nnx_recorder = threading.local()
@@ -329,14 +319,8 @@ def _summarize_nnx(module: nnx.Module, state: Any, args: tuple, kwargs: dict) ->
         total.add(value)
         if is_param:
             trainable.add(value)
-    name = _snake_case(type(module).__name__)
-    return _render(
-        name,
-        table,
-        total,
-        trainable,
-        _Count(total.size - trainable.size, total.nbytes - trainable.nbytes),
-    )
+    name = snake_case(type(module).__name__)
+    return _render(name, table, total, trainable)
 
 
 def summarize(module: Any, variables: Any, *sample_args: Any, **sample_kwargs: Any) -> str:
@@ -391,3 +375,31 @@ def summarize(module: Any, variables: Any, *sample_args: Any, **sample_kwargs: A
     raise ValueError(
         f"`module` must be a flax.linen.Module or a flax.nnx.Module; got {type(module).__name__}."
     )
+
+
+def model_table(
+    state: Any, module: Any, input_shape: tuple[int, ...] | None, input_dtype: Any, name: str
+) -> str:
+    """`jstrategy.Model.summary`'s table: `state`'s variables in `module` on a sample batch.
+
+    The batch axis is symbolic (the table shows ``(batch, 16)`` as Keras shows None), or 1
+    for modules that need concrete shapes (e.g. reshapes).
+
+    Raises:
+      ValueError: if `input_shape` is unknown.
+    """
+    if input_shape is None:
+        raise ValueError(
+            "The sample input shape is unknown. Pass input_shape=(...) to Model (the "
+            "shape of one row, without the batch axis)."
+        )
+    (batch,) = jax.export.symbolic_shape("batch")
+    try:
+        sample = jax.ShapeDtypeStruct((batch, *input_shape), input_dtype)
+        table = state.summary_table(module, sample)
+    except Exception:  # some modules need concrete shapes
+        sample = jax.ShapeDtypeStruct((1, *input_shape), input_dtype)
+        table = state.summary_table(module, sample)
+    if name and table.startswith("Model: "):
+        table = f'Model: "{name}"' + table[table.index("\n") :]
+    return table

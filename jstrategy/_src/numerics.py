@@ -1,0 +1,89 @@
+"""Numeric helpers with one home each, as optax keeps its own: sizes, per-example values, means.
+
+The train step, the data adapters, the input pipeline, the losses and metrics and the
+parameter-server runner all count rows and average sums the same way; they do it here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["COUNT", "host_means", "means", "per_example", "round_up"]
+
+#: The key of the count of real (unpadded) rows among a step's loss and metric sums.
+COUNT = "count"
+
+
+def round_up(x: int, multiple: int) -> int:
+    """The smallest multiple of `multiple` that is at least `x`.
+
+    Example:
+
+    >>> round_up(25, 8), round_up(32, 8)
+    (32, 32)
+    """
+    return -(-x // multiple) * multiple
+
+
+def per_example(values: Any, rows: int, what: str) -> jax.Array:
+    """`values` as one value per example: shape ``(rows,)``, non-batch axes averaged.
+
+    Args:
+      values: what a loss or metric returned for a batch of `rows` examples.
+      rows: the batch size.
+      what: the function's description for the error, e.g. ``"The loss"``.
+
+    Returns:
+      A ``(rows,)`` array (`values` itself when it already has that shape).
+
+    Raises:
+      ValueError: if `values` has no leading axis of `rows` entries.
+
+    Example:
+
+    >>> import jax.numpy as jnp
+    >>> per_example(jnp.ones((4, 3)), 4, "The loss").shape
+    (4,)
+    """
+    values = jnp.asarray(values)
+    if values.ndim == 0 or values.shape[0] != rows:
+        raise ValueError(
+            f"{what} must return one value per example, shape ({rows},) or ({rows}, ...); "
+            f"got shape {values.shape}. Return per-example values (jstrategy.losses objects "
+            "do) and leave the reduction over the batch to the train step."
+        )
+    if values.ndim == 1:
+        return values
+    return jnp.mean(values, axis=tuple(range(1, values.ndim)))
+
+
+def means(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """Each sum divided by the count of real rows (`COUNT`), which is dropped.
+
+    Example:
+
+    >>> import jax.numpy as jnp
+    >>> {k: float(v) for k, v in means({"loss": jnp.float32(6), "count": jnp.float32(3)}).items()}
+    {'loss': 2.0}
+    """
+    denom = jnp.maximum(sums[COUNT], 1.0)
+    return {k: v / denom for k, v in sums.items() if k != COUNT}
+
+
+def host_means(sums: Mapping[str, float], names: Iterable[str]) -> dict[str, float]:
+    """`means` for Python floats summed on the host, for the keys `names`, in that order.
+
+    Example:
+
+    >>> host_means({"loss": 6.0, "count": 3.0}, ["loss"])
+    {'loss': 2.0}
+    """
+    if not sums:
+        return {}
+    denom = max(sums.get(COUNT, 0.0), 1.0)
+    return {name: sums[name] / denom for name in names if name in sums}

@@ -1,0 +1,140 @@
+"""Placing variables where a strategy keeps them (`Strategy.variable_sharding`).
+
+Train states, checkpoints and the compiled steps all ask the strategy, through the
+functions here, where each variable lives; a variable's path is named by `names.path_names`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+from typing import Any
+
+import jax
+import numpy as np
+
+from jstrategy._src import context
+from jstrategy._src.names import path_names
+from jstrategy._src.names import path_str
+from jstrategy._src.values import device_put_global
+
+if TYPE_CHECKING:
+    from jstrategy._src.strategy import Strategy
+
+__all__ = [
+    "HOST_MEMORY_KINDS",
+    "abstract",
+    "check_placed",
+    "in_device_memory",
+    "place_state",
+    "variable_shardings",
+]
+
+#: Memory kinds of host memory: arrays there must be copied to device memory to compute.
+HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
+
+
+def abstract(x: Any) -> jax.ShapeDtypeStruct:
+    """The shape and dtype of an array (or array-like), without its sharding."""
+    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    a = np.asarray(x)
+    return jax.ShapeDtypeStruct(a.shape, jax.dtypes.canonicalize_dtype(a.dtype))
+
+
+def variable_shardings(tree: Any, strategy: Strategy) -> Any:
+    """``strategy.variable_sharding`` of every leaf of `tree`, as a pytree of shardings."""
+    return jax.tree_util.tree_map_with_path(
+        lambda keypath, x: strategy.variable_sharding(abstract(x), path_names(keypath)), tree
+    )
+
+
+def place_state(tree: Any, strategy: Strategy | None = None) -> Any:
+    """Places a train state (or any pytree of variables) where `strategy` keeps variables.
+
+    Each leaf goes to ``strategy.variable_sharding(leaf, path)``: one full copy per replica
+    for OneDevice, Mirrored and TPU strategies, one copy in host memory for
+    `CentralStorageStrategy` with several compute devices.
+
+    Args:
+      tree: a pytree of arrays (NumPy or JAX).
+      strategy: the strategy; None means `jstrategy.get_strategy()`.
+
+    Returns:
+      The same pytree, its arrays placed as the strategy says.
+
+    Example:
+
+    >>> import jax.numpy as jnp
+    >>> import jstrategy
+    >>> strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    >>> placed = place_state({"w": jnp.ones(3)}, strategy)
+    >>> len(placed["w"].sharding.device_set)
+    2
+    """
+    strategy = strategy if strategy is not None else context.get_strategy()
+    shardings = variable_shardings(tree, strategy)
+    if all(s.is_fully_addressable for s in jax.tree.leaves(shardings)):
+        return jax.device_put(tree, shardings)  # one batched transfer
+    # Shardings spanning other processes' devices (MultiWorkerMirrored): each process
+    # places the pieces its own devices hold.
+    return jax.tree.map(device_put_global, tree, shardings)
+
+
+def in_device_memory(tree: Any) -> Any:
+    """`tree` with every array held in host memory copied to device memory, same devices.
+
+    Eager JAX operations that create an array "like" another (``jnp.zeros_like``, hence
+    optax's ``tx.init``) and XLA computations fail on host-memory arrays such as
+    `CentralStorageStrategy`'s ("Memory kind mismatch with xla::PjRtBuffers"). Run them on
+    this copy and put the results back with `place_state`. Arrays in device memory are
+    returned as they are.
+
+    Args:
+      tree: a pytree of arrays (or one array).
+
+    Returns:
+      The same pytree, every array in device memory.
+
+    Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    >>> w = in_device_memory({"w": jax.device_put(jnp.ones(2), host)})["w"]
+    >>> w.sharding.memory_kind
+    'device'
+    """
+
+    def move(x: Any) -> Any:
+        if isinstance(x, jax.Array) and x.sharding.memory_kind in HOST_MEMORY_KINDS:
+            return jax.device_put(x, x.sharding.with_memory_kind("device"))
+        return x
+
+    return jax.tree.map(move, tree)
+
+
+def _placement(sharding: jax.sharding.Sharding) -> tuple[tuple[jax.Device, ...], str]:
+    mesh = getattr(sharding, "mesh", None)
+    devices = tuple(mesh.devices.flat) if mesh is not None else tuple(sharding.device_set)
+    return devices, sharding.memory_kind or "device"
+
+
+def check_placed(state: Any, strategy: Strategy) -> None:
+    """Raises a clear error if `state`'s first array is not where `strategy` keeps it.
+
+    Raises:
+      ValueError: naming where the leaf is, where the strategy keeps it, and the fix.
+    """
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    found = next(((k, x) for k, x in flat if isinstance(x, jax.Array)), None)
+    if found is None:
+        return
+    keypath, leaf = found
+    expected = strategy.variable_sharding(abstract(leaf), path_names(keypath))
+    (devices, memory), (want, want_memory) = _placement(leaf.sharding), _placement(expected)
+    if set(devices) != set(want) or (len(want) > 1 and devices != want) or memory != want_memory:
+        raise ValueError(
+            f"The train state is not placed on the step's strategy {strategy!r} (leaf "
+            f"{path_str(keypath)} is in {memory} memory of {[str(d) for d in devices]}; the "
+            f"strategy keeps it in {want_memory} memory of {[str(d) for d in want]}). Create "
+            "the state inside the same strategy.scope(), or call place_state(state, strategy)."
+        )

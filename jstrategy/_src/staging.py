@@ -1,0 +1,270 @@
+"""How the programs of a train step are staged on a strategy's devices.
+
+The training layer describes one step as three functions (`StepFunctions`): the gradients
+of one replica, the update, and the split of the state into what the replicas read. A
+strategy turns them into a program with `Strategy.stage_train_step`, whose variants live
+here:
+
+* `replicated_train_program` (the default): variables live on every replica, so the whole
+  step, and a ``lax.scan`` of several, is ONE ``jax.jit(jax.shard_map(...))`` program; the
+  update runs on every replica on identical, all-reduced gradients.
+* `host_update_train_program` (`CentralStorageStrategy`): variables live elsewhere (one copy
+  in host memory), so each step is two programs: the gradients on the replicas, then the
+  update where the variables live.
+
+A strategy whose variables are sharded across devices adds its variant here and overrides
+the hook to return it: the gradients in `replica_map` (manual over the data axis only),
+then ``fns.update`` in the global view inside the same ``jax.jit``, with
+``out_shardings`` from `Strategy.variable_sharding`, so XLA partitions the update.
+
+A program is ``program(state, acc, batch, mask) -> (state, acc, logs)``: `acc` holds running
+loss and metric sums (with the count of real rows) that each step adds to, or None to start
+from the step's own sums (one step only); `logs` are their means.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+from typing import Any
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jstrategy._src import dispatch
+from jstrategy._src.numerics import means
+from jstrategy._src.placement import variable_shardings
+
+if TYPE_CHECKING:
+    from jstrategy._src.strategy import Strategy
+
+__all__ = [
+    "StepFunctions",
+    "TrainProgram",
+    "host_update_train_program",
+    "replica_map",
+    "replicated_train_program",
+    "row_spec",
+]
+
+
+class TrainProgram(Protocol):
+    """``program(state, acc, batch, mask) -> (state, acc, logs)``; see the module docstring."""
+
+    def __call__(self, state: Any, acc: Any, batch: Any, mask: Any) -> tuple[Any, Any, Any]: ...
+
+    def lower(self, state: Any, acc: Any, batch: Any, mask: Any) -> Any:
+        """The lowered program with the cross-device communication, to inspect its HLO."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFunctions:
+    """One training step, as the training layer hands it to `Strategy.stage_train_step`.
+
+    Attributes:
+      split: ``state -> (params, rest)``: the trained parameters, and what else the
+        replicas read (the state without its parameters and optimizer state).
+      gradients: ``(params, rest, batch, mask) -> (grads, model_state, sums)`` for one
+        replica, traced inside `replica_map`: the gradients of the mean loss over the
+        global batch's real rows, the new mutable state (e.g. BatchNorm statistics) and
+        the loss and metric sums with the count of real rows, all combined across replicas
+        (identical on every replica).
+      update: ``(state, grads, model_state) -> state``: the optimizer update; every staged
+        step applies its update through it.
+    """
+
+    split: Callable[[Any], tuple[Any, Any]]
+    gradients: Callable[[Any, Any, Any, Any], tuple[Any, Any, Any]]
+    update: Callable[[Any, Any, Any], Any]
+
+
+def row_spec(strategy: Strategy, lead: int = 0) -> P:
+    """The spec of a batch split by rows over the data axis, after `lead` stacked axes."""
+    return P(*([None] * lead), strategy.axis_name)
+
+
+def replica_map(strategy: Strategy, fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Any:
+    """`jax.shard_map` of a per-replica `fn` over the strategy's mesh.
+
+    Manual over the data axis (`strategy.axis_name`): inside, `fn` sees one replica's rows
+    and collectives over that axis combine replicas. On a mesh with other axes those stay
+    automatic (XLA partitions them from the variables' shardings).
+    """
+    mesh = strategy.mesh
+    # An empty set means every axis, as on a 1-D mesh.
+    manual = frozenset({strategy.axis_name}) if len(mesh.axis_names) > 1 else frozenset()
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=manual)
+
+
+def _accumulate(acc: Any, sums: Any) -> Any:
+    return sums if acc is None else jax.tree.map(jnp.add, acc, sums)
+
+
+def replicated_train_program(
+    strategy: Strategy, fns: StepFunctions, *, steps: int, stacked: bool
+) -> TrainProgram:
+    """The default staging: ONE compiled program running `steps` steps on every replica.
+
+    Args:
+      strategy: the strategy whose replicas run it.
+      fns: the step.
+      steps: 0 for one step on a single batch (leaves ``(B, ...)``); else the number of
+        steps, over `stacked` batches (leaves ``(steps, B, ...)``, mask ``(steps, B)``) or
+        a tuple of `steps` batches and masks (stacked inside the program).
+      stacked: see `steps`.
+
+    Returns:
+      The jitted `TrainProgram`; it donates the state and `acc`.
+    """
+    lead = 1 if steps and stacked else 0
+
+    def one(state: Any, acc: Any, batch: Any, mask: Any) -> tuple[Any, Any]:
+        params, rest = fns.split(state)
+        grads, model_state, sums = fns.gradients(params, rest, batch, mask)
+        return fns.update(state, grads, model_state), _accumulate(acc, sums)
+
+    def program(state: Any, acc: Any, batch: Any, mask: Any) -> tuple[Any, Any, Any]:
+        if not steps:
+            state, acc = one(state, acc, batch, mask)
+            return state, acc, means(acc)
+        if not stacked:
+            batch = jax.tree.map(lambda *xs: jnp.stack(xs), *batch)
+            mask = jnp.stack(mask)
+
+        def scan_step(carry: Any, inputs: Any) -> tuple[Any, None]:
+            return one(*carry, *inputs), None
+
+        (state, acc), _ = jax.lax.scan(scan_step, (state, acc), (batch, mask))
+        return state, acc, means(acc)
+
+    rows = row_spec(strategy, lead)
+    return jax.jit(
+        replica_map(strategy, program, in_specs=(P(), P(), rows, rows), out_specs=(P(), P(), P())),
+        donate_argnums=(0, 1),
+    )
+
+
+# CentralStorage: the gradients on the replicas, the update where the variables live --------
+_PROBE = jax.ShapeDtypeStruct((), jnp.float32)
+
+
+def _move(x: Any, sharding: jax.sharding.Sharding) -> Any:
+    """A value replicated over the replicas, on `sharding`: one of its shards when it can."""
+    if isinstance(x, jax.Array) and len(sharding.device_set) == 1:
+        (device,) = sharding.device_set
+        for shard in x.addressable_shards:
+            if shard.device == device:
+                return shard.data  # no copy: the replica on that device holds it already
+    return jax.device_put(x, sharding)
+
+
+class _HostUpdateStep:
+    """One step as two compiled programs, as TF's CentralStorageStrategy runs it:
+
+    1. On the replicas, ``jax.jit(replica_map(gradients))``: the parameters, copied from
+       their home to every replica's device memory, give the all-reduced gradients (and
+       the averaged mutable state) of the global batch. The copies are donated to the
+       gradients, which reuse their buffers.
+    2. On the variables' home, the update, applied once: the program takes the state as it
+       lives (e.g. in host memory), moves it to device memory inside
+       (``jax.device_put(..., memory_kind="device")``), applies the gradients and writes
+       the new state back home through ``out_shardings``. The state is donated, so the
+       update overwrites it in place.
+
+    One program cannot do both: a jitted program's arguments must all live on its devices,
+    and one central copy lives on one device while the batch is split over all of them.
+    """
+
+    def __init__(self, strategy: Strategy, fns: StepFunctions, *, lead: int):
+        self._strategy = strategy
+        self._fns = fns
+        self._home = strategy.variable_sharding(_PROBE).with_memory_kind("device")
+        self._updates: dict[Any, Any] = {}
+        rows = row_spec(strategy, lead)
+
+        def gradients(params: Any, rest: Any, acc: Any, batch: Any, mask: Any, index: Any):
+            if lead:
+                batch, mask = jax.tree.map(lambda v: v[index], (batch, mask))
+            grads, model_state, sums = fns.gradients(params, rest, batch, mask)
+            acc = _accumulate(acc, sums)
+            return grads, model_state, acc, means(acc)
+
+        self._gradients = jax.jit(
+            replica_map(
+                strategy,
+                gradients,
+                in_specs=(P(), P(), P(), rows, rows, P()),
+                out_specs=(P(), P(), P(), P()),
+            ),
+            donate_argnums=(0, 2),
+        )
+
+    def _args(self, state: Any, acc: Any, batch: Any, mask: Any, index: Any) -> tuple:
+        params, rest = jax.device_put(self._fns.split(state), self._strategy.replicated_sharding())
+        return params, rest, acc, batch, mask, index
+
+    def _update(self, state: Any) -> Any:
+        key = jax.tree.structure(state)
+        program = self._updates.get(key)
+        if program is None:
+            shardings = variable_shardings(state, self._strategy)
+            on_device = jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
+            update = self._fns.update
+
+            def update_home(state: Any, grads: Any, model_state: Any) -> Any:
+                return update(jax.device_put(state, on_device), grads, model_state)
+
+            program = jax.jit(update_home, out_shardings=shardings, donate_argnums=(0,))
+            self._updates[key] = program
+        return program
+
+    def __call__(self, state: Any, acc: Any, batch: Any, mask: Any, index: Any = None) -> Any:
+        grads, model_state, acc, logs = self._gradients(*self._args(state, acc, batch, mask, index))
+        grads, model_state = jax.tree.map(lambda x: _move(x, self._home), (grads, model_state))
+        return self._update(state)(state, grads, model_state), acc, logs
+
+    def lower(self, state: Any, acc: Any, batch: Any, mask: Any) -> Any:
+        """The lowered gradient program (the one with the cross-device communication)."""
+        return self._gradients.lower(*self._args(state, acc, batch, mask, None))
+
+
+def host_update_train_program(
+    strategy: Strategy, fns: StepFunctions, *, steps: int, stacked: bool
+) -> TrainProgram:
+    """`CentralStorageStrategy`'s staging: each step as two programs (`_HostUpdateStep`).
+
+    Same arguments and result as `replicated_train_program`; several steps run one by one,
+    each dispatch bounded by `dispatch.track`. Its ``lower`` lowers the gradient program.
+    """
+    return _HostUpdateProgram(
+        _HostUpdateStep(strategy, fns, lead=1 if steps and stacked else 0), steps, stacked
+    )
+
+
+class _HostUpdateProgram:
+    """`steps` host-update steps per call (one when 0), as a `TrainProgram`."""
+
+    def __init__(self, step: _HostUpdateStep, steps: int, stacked: bool):
+        self._step = step
+        self._steps = steps
+        self._stacked = stacked
+        self._indices = [np.int32(i) for i in range(steps)]
+        self.lower = step.lower
+
+    def __call__(self, state: Any, acc: Any, batch: Any, mask: Any) -> tuple[Any, Any, Any]:
+        step = self._step
+        if not self._steps:
+            return step(state, acc, batch, mask)
+        logs = None
+        for i in range(self._steps):
+            if self._stacked:
+                state, acc, logs = step(state, acc, batch, mask, self._indices[i])
+            else:
+                state, acc, logs = step(state, acc, batch[i], mask[i])
+            dispatch.track(logs)
+        return state, acc, logs

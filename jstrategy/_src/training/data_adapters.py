@@ -1,0 +1,482 @@
+"""Data adapters: what `jstrategy.Model` trains, evaluates and predicts on, cut into steps.
+
+As Keras 3's data adapters, they separate the data from the trainer loop. An adapter turns
+its input into *executions*: one or more steps' batches laid out on the strategy's devices,
+padded to one static shape with a row mask (by `input.pad_rows`, the one pad-and-mask of
+jstrategy's input), ahead of use.
+
+* `ArrayAdapter`: in-memory arrays, shuffled each epoch by a seed, cut into global batches;
+  ``steps_per_execution`` full batches are stacked into one execution.
+* `DatasetAdapter`: an iterable of batches or a distributed dataset, one epoch per pass
+  (or ``steps_per_epoch`` batches from one persistent iterator).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+from typing import Any
+from typing import Protocol
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jstrategy._src.input import DistributedDataset
+from jstrategy._src.input import pad_rows
+from jstrategy._src.numerics import round_up
+from jstrategy._src.training.step import batch_rows
+from jstrategy._src.training.step import split_batch
+from jstrategy._src.training.step import unpack_batch
+from jstrategy._src.validation import check_positive_int
+from jstrategy._src.validation import is_int
+
+if TYPE_CHECKING:
+    from jstrategy._src.strategy import Strategy
+
+__all__ = [
+    "ArrayAdapter",
+    "DataAdapter",
+    "DatasetAdapter",
+    "Execution",
+    "is_array",
+    "is_array_tree",
+    "make_adapter",
+    "ones_mask",
+    "prefetch",
+    "split_validation",
+    "validation_inputs",
+]
+
+PREFETCH = 2  # executions whose batches are on the devices before they run
+
+
+@dataclasses.dataclass
+class Execution:
+    """One dispatch of the training program.
+
+    Attributes:
+      steps: the training steps it runs.
+      key: the program that runs it: ``(steps per call, or 0 for one, stacked)``.
+      batch: ``(x, y, sample_weight)`` of global arrays (stacked, or a tuple of batches).
+      mask: the row mask(s).
+    """
+
+    steps: int
+    key: tuple[int, bool]
+    batch: Any
+    mask: Any
+
+
+_ONES_MASKS: dict[Any, jax.Array] = {}
+
+
+def ones_mask(rows: int, sharding: NamedSharding, lead: tuple[int, ...] = ()) -> jax.Array:
+    """A cached all-true row mask (a full batch has no padding)."""
+    key = (rows, lead, sharding)
+    mask = _ONES_MASKS.get(key)
+    if mask is None:
+        mask = jax.device_put(np.ones((*lead, rows), bool), sharding)
+        _ONES_MASKS[key] = mask
+    return mask
+
+
+def prefetch(iterator: Iterator[Any], depth: int = PREFETCH) -> Iterator[Any]:
+    """Keeps `depth` items (batches already dispatched to the devices) ahead of the consumer."""
+    buffer: collections.deque[Any] = collections.deque()
+    for item in iterator:
+        buffer.append(item)
+        if len(buffer) > depth:
+            yield buffer.popleft()
+    while buffer:
+        yield buffer.popleft()
+
+
+def is_array(x: Any) -> bool:
+    """Whether `x` is one array (NumPy, JAX or array-like)."""
+    return isinstance(x, (np.ndarray, jax.Array)) or (
+        hasattr(x, "__array__") and hasattr(x, "shape") and hasattr(x, "dtype")
+    )
+
+
+def is_array_tree(x: Any) -> bool:
+    """Whether `x` is an array or a dict/tuple of arrays (rather than a dataset)."""
+    if x is None:
+        return False
+    if isinstance(x, (dict, tuple)) and not hasattr(x, "_fields"):
+        leaves = jax.tree.leaves(x)
+        return bool(leaves) and all(is_array(leaf) for leaf in leaves)
+    return is_array(x)
+
+
+def rows_of(tree: Any, arg: str) -> int:
+    """The one number of rows of every array in `tree`; `arg` names it in the error."""
+    counts = {int(np.shape(leaf)[0]) for leaf in jax.tree.leaves(tree) if np.ndim(leaf) > 0}
+    if len(counts) != 1:
+        raise ValueError(
+            f"`{arg}` must be arrays with one shared number of rows; got row counts "
+            f"{sorted(counts) or 'none'}."
+        )
+    return counts.pop()
+
+
+class ArrayAdapter:
+    """In-memory arrays cut into shuffled global batches, padded to one static size."""
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        x: Any,
+        y: Any,
+        w: Any,
+        *,
+        batch_size: int,
+        shuffle: bool,
+        seed: int,
+    ):
+        self.strategy = strategy
+        self.data = jax.tree.map(np.asarray, (x, y, w))
+        rows = rows_of(self.data, "x, y and sample_weight")
+        self.rows = rows
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        # The static global batch: batch_size rows rounded up to divide among replicas.
+        self.static_rows = round_up(min(batch_size, rows), strategy.num_replicas_in_sync)
+        self.steps: int | None = math.ceil(rows / batch_size)
+        self.limit: int | None = None  # `fit`'s steps_per_epoch cuts epochs short instead
+        self.exhausted = False
+        self.taken = 0
+        self._single = strategy.batch_sharding()
+        self._stacked = NamedSharding(strategy.mesh, P(None, strategy.axis_name))
+
+    def first_x(self) -> Any:
+        """The inputs, to build a model from."""
+        return self.data[0]
+
+    def epoch_steps(self, steps_per_epoch: int | None) -> int | None:
+        """The steps of an epoch of `fit` given its ``steps_per_epoch``."""
+        assert self.steps is not None
+        return self.steps if steps_per_epoch is None else min(steps_per_epoch, self.steps)
+
+    def _place(self, index: np.ndarray, lead: tuple[int, ...]) -> tuple[Any, Any]:
+        """Rows `index` (shape lead + (k,), k <= static rows), padded, on the devices."""
+        k = index.shape[-1]
+        leaves, treedef = jax.tree.flatten(self.data)
+        flat = index.reshape(-1)
+        gathered = [a[flat].reshape(*lead, k, *a.shape[1:]) for a in leaves]
+        sharding = self._stacked if lead else self._single
+        if k == self.static_rows:
+            host = jax.tree.unflatten(treedef, gathered)
+            return jax.device_put(host, sharding), ones_mask(self.static_rows, sharding, lead)
+        padded, mask = pad_rows(gathered, k, self.static_rows, lead)
+        return jax.device_put((jax.tree.unflatten(treedef, padded), mask), sharding)
+
+    def seek(self, position: int) -> None:
+        """Nothing to do: an epoch's batches are cut anew from its seed (`order`)."""
+        del position
+
+    def order(self, epoch_seed: Any) -> np.ndarray:
+        """The epoch's row order: a function of `epoch_seed` only, so a backup can redo it."""
+        if not self.shuffle:
+            return np.arange(self.rows)
+        return np.random.default_rng(epoch_seed).permutation(self.rows)
+
+    def train_executions(
+        self, epoch_seed: Any, steps_per_execution: int, limit: int | None, skip: int = 0
+    ) -> Iterator[Execution]:
+        """The epoch's executions, after its first `skip` steps (done before a resume)."""
+        order = self.order(epoch_seed)
+        steps = self.epoch_steps(limit)
+        assert steps is not None
+        bs = self.batch_size
+        full = min(steps, self.rows // bs)  # batches with batch_size real rows
+        # Backups are taken between executions, so `skip` is where one ended: starting
+        # there, the executions are the ones the uninterrupted epoch runs.
+        step = skip
+        n = steps_per_execution
+        while step + n <= full and n > 1:
+            index = order[step * bs : (step + n) * bs].reshape(n, bs)
+            batch, mask = self._place(index, (n,))
+            yield Execution(n, (n, True), batch, mask)
+            step += n
+        while step < steps:
+            batch, mask = self._place(order[step * bs : (step + 1) * bs], ())
+            yield Execution(1, (0, True), batch, mask)
+            step += 1
+
+    def batches(self) -> Iterator[tuple[Any, Any, int | None]]:
+        """In order, unshuffled: (batch, mask, real rows) for evaluation and prediction."""
+        bs = self.batch_size
+        for start in range(0, self.rows, bs):
+            index = np.arange(start, min(start + bs, self.rows))
+            batch, mask = self._place(index, ())
+            yield batch, mask, len(index)
+
+
+class DatasetAdapter:
+    """An iterable of batches (host or already distributed), one epoch per pass."""
+
+    def __init__(self, strategy: Strategy, dataset: Any, *, steps: int | None, arg: str):
+        self.strategy = strategy
+        # A one-shot iterator (e.g. a generator) gives one pass; later epochs get nothing.
+        self.one_shot = not isinstance(dataset, DistributedDataset) and iter(dataset) is dataset
+        self._passes = 0
+        if isinstance(dataset, DistributedDataset):
+            self.dataset = dataset
+        else:
+            self.dataset = strategy.experimental_distribute_dataset(dataset)
+        self.limit = steps
+        self.arg = arg
+        self._iterator: Iterator[Any] | None = None
+        self.steps: int | None
+        try:
+            self.steps = len(self.dataset) if steps is None else steps
+        except TypeError:
+            self.steps = steps
+        self.exhausted = False
+        # Elements drawn from the persistent iterator (with `steps`), across restarts.
+        self.taken = 0
+
+    def first_x(self) -> Any:
+        """Zeros shaped like one element's inputs, to build a model from."""
+        spec = unpack_batch(self.dataset.element_spec)[0]
+        return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), spec)
+
+    def epoch_steps(self, steps_per_epoch: int | None) -> int | None:
+        """The steps of an epoch of `fit`, if known."""
+        del steps_per_epoch  # the adapter already knows its limit
+        return self.steps
+
+    def seek(self, position: int) -> None:
+        """Draws and drops elements until `position` were drawn: a new process resumes the
+        persistent iterator where a backup says the previous one was (the source must give
+        the same elements in the same order)."""
+        while self.taken < position:
+            if self._next() is None:
+                return
+
+    def _elements(self, skip: int = 0) -> Iterator[tuple[Any, Any]]:
+        """One epoch's elements: all of them, or `limit` from a persistent iterator.
+
+        `skip` elements of the epoch were consumed before a resume: of a full pass they are
+        drawn again and dropped; a persistent iterator was moved past them by `seek`.
+        """
+        if self.limit is None:
+            if self.one_shot and self._passes:
+                return
+            self._passes += 1
+            for element in itertools.islice(self.dataset, skip, None):
+                yield split_batch(element, self.strategy)
+            return
+        for _ in range(self.limit - skip):
+            element = self._next()
+            if element is None:
+                return
+            yield split_batch(element, self.strategy)
+
+    def _next(self) -> Any:
+        element = self._draw()
+        if element is not None:
+            self.taken += 1
+        return element
+
+    def _draw(self) -> Any:
+        if self._iterator is None:
+            self._iterator = iter(self.dataset)
+        try:
+            return next(self._iterator)
+        except StopIteration:
+            pass
+        if self.one_shot:
+            self.exhausted = True
+            return None
+        # Like a repeated tf.data dataset: start over when the source can be iterated again.
+        self._iterator = iter(self.dataset)
+        try:
+            return next(self._iterator)
+        except StopIteration:
+            self.exhausted = True
+            return None
+
+    def _with_mask(self, values: Any, mask: Any) -> tuple[Any, Any]:
+        batch = unpack_batch(values)
+        if mask is None:
+            rows = batch_rows(batch[0])
+            mask = ones_mask(rows, self.strategy.batch_sharding())
+        return batch, mask
+
+    def train_executions(
+        self, epoch_seed: Any, steps_per_execution: int, limit: int | None, skip: int = 0
+    ) -> Iterator[Execution]:
+        """The epoch's executions; see `ArrayAdapter.train_executions`."""
+        del epoch_seed, limit  # the dataset decides its order and length
+        group: list[tuple[Any, Any]] = []
+        n = steps_per_execution
+        for values, mask in self._elements(skip):
+            batch, mask = self._with_mask(values, mask)
+            if n == 1:
+                yield Execution(1, (0, True), batch, mask)
+                continue
+            if group and _layout(group[0]) != _layout((batch, mask)):
+                yield from _singles(group)
+                group = []
+            group.append((batch, mask))
+            if len(group) == n:
+                batches, masks = zip(*group, strict=True)
+                yield Execution(n, (n, False), tuple(batches), tuple(masks))
+                group = []
+        yield from _singles(group)
+
+    def batches(self) -> Iterator[tuple[Any, Any, int | None]]:
+        """(batch, mask, None) for evaluation and prediction: the mask drops padding."""
+        for values, mask in self._elements():
+            batch, mask = self._with_mask(values, mask)
+            yield batch, mask, None
+
+
+class DataAdapter(Protocol):
+    """What the fit loop, `evaluate` and `predict` use of an adapter.
+
+    Attributes:
+      steps: the batches of one pass, if known.
+      limit: for `fit` on a dataset with ``steps_per_epoch``, the batches drawn per epoch
+        from one persistent iterator; else None.
+      taken: the elements drawn from that iterator so far.
+      exhausted: whether the data ran out for good (a one-shot iterator).
+    """
+
+    steps: int | None
+    limit: int | None
+    taken: int
+    exhausted: bool
+
+    def first_x(self) -> Any: ...
+
+    def epoch_steps(self, steps_per_epoch: int | None) -> int | None: ...
+
+    def seek(self, position: int) -> None: ...
+
+    def train_executions(
+        self, epoch_seed: Any, steps_per_execution: int, limit: int | None, skip: int = 0
+    ) -> Iterator[Execution]: ...
+
+    def batches(self) -> Iterator[tuple[Any, Any, int | None]]: ...
+
+
+def _singles(group: list[tuple[Any, Any]]) -> Iterator[Execution]:
+    for batch, mask in group:
+        yield Execution(1, (0, True), batch, mask)
+
+
+def _layout(tree: Any) -> tuple[str, list[Any]]:
+    """What must match for batches to be stacked into one execution."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return str(treedef), [(np.shape(x), getattr(x, "dtype", type(x))) for x in leaves]
+
+
+def split_validation(
+    x: Any, y: Any, w: Any, validation_split: Any, validation_data: Any
+) -> tuple[Any, Any, Any, Any]:
+    """`fit`'s ``validation_split``: the last fraction of the array rows, before shuffling.
+
+    Returns:
+      ``(x, y, sample_weight, validation_data)``: the training part and the held-out one
+      (the arguments as they are without a split, or with `validation_data` given).
+
+    Raises:
+      ValueError: for a fraction outside [0, 1), a dataset, or an empty part.
+    """
+    if not 0.0 <= float(validation_split) < 1.0:
+        raise ValueError(
+            f"`validation_split` must be in [0, 1); got {validation_split!r}. E.g. 0.2 "
+            "holds out the last 20% of the rows."
+        )
+    if validation_split and not is_array_tree(x):
+        raise ValueError(
+            "`validation_split` needs array inputs; for datasets pass validation_data."
+        )
+    if not validation_split or validation_data is not None:
+        return x, y, w, validation_data
+    rows = rows_of((x, y), "x and y")
+    split = rows - int(rows * float(validation_split))
+    if split in (0, rows):
+        raise ValueError(
+            f"validation_split={validation_split} leaves an empty part of {rows} rows."
+        )
+
+    def cut(tree: Any, part: slice) -> Any:
+        return None if tree is None else jax.tree.map(lambda a: a[part], tree)
+
+    train, held_out = slice(0, split), slice(split, None)
+    validation: tuple[Any, ...] = (cut(x, held_out), cut(y, held_out))
+    if w is not None:
+        validation += (cut(w, held_out),)
+    return cut(x, train), cut(y, train), cut(w, train), validation
+
+
+def validation_inputs(validation_data: Any, batch_size: Any) -> tuple[Any, Any, Any, Any]:
+    """``(x, y, sample_weight, batch_size)`` of `fit`'s ``validation_data``: arrays
+    ``(x, y[, w])`` batched like the training data, or a dataset as it is."""
+    if (
+        isinstance(validation_data, tuple)
+        and 2 <= len(validation_data) <= 3
+        and is_array_tree(validation_data[0])
+    ):
+        vx, vy, *vw = validation_data
+        return vx, vy, vw[0] if vw else None, batch_size
+    return validation_data, None, None, None
+
+
+def _check_batch_size(batch_size: Any) -> int:
+    if batch_size is None:
+        return 32
+    return check_positive_int(batch_size, "batch_size", "E.g. 32.")
+
+
+def make_adapter(
+    strategy: Strategy,
+    x: Any,
+    y: Any,
+    w: Any,
+    *,
+    batch_size: Any,
+    shuffle: bool,
+    steps: Any,
+    arg: str,
+    seed: int,
+) -> DataAdapter:
+    """The adapter for `fit`/`evaluate`/`predict`'s inputs (`arg` names `x` in errors).
+
+    Raises:
+      ValueError: for a bad `batch_size` or `steps`, or `y` given with a dataset.
+      TypeError: for inputs that are neither arrays nor an iterable of batches.
+    """
+    if is_array_tree(x):
+        if steps is not None and not is_int(steps):
+            raise ValueError(f"`steps` must be an int or None; got {steps!r}.")
+        return ArrayAdapter(
+            strategy,
+            x,
+            y,
+            w,
+            batch_size=_check_batch_size(batch_size),
+            shuffle=shuffle,
+            seed=seed,
+        )
+    if y is not None:
+        raise ValueError(
+            f"`y` must be None when `{arg}` is a dataset (its batches hold (x, y)); got "
+            f"y of type {type(y).__name__}."
+        )
+    if x is None or not hasattr(x, "__iter__"):
+        raise TypeError(
+            f"`{arg}` must be arrays (NumPy or JAX, or a dict/tuple of them), an iterable "
+            f"of (x, y) batches or a distributed dataset; got {type(x).__name__}."
+        )
+    return DatasetAdapter(strategy, x, steps=steps, arg=arg)

@@ -1,0 +1,371 @@
+"""The ONE step body: per-replica gradients, the update, evaluation and prediction.
+
+Every training path wraps the functions here: `make_train_step`, `jstrategy.Model.fit` with
+any ``steps_per_execution`` (a ``lax.scan`` of this step), `CentralStorageStrategy`'s host
+update, `ParameterServerStrategy`'s `fit` (the gradients on a worker) and evaluation (the
+same loss and metric sums, without gradients). How the step becomes programs is the
+strategy's decision (`Strategy.stage_train_step`); what it computes is decided here.
+
+Inside, each replica differentiates the mask-weighted *sum* of its per-example losses with
+respect to a per-replica (varying) copy of the parameters, so JAX inserts no implicit
+reduction; the gradients, the loss and metric sums, the count of real rows and any
+per-replica mutable state are then combined by ONE call to
+``strategy.cross_device_ops.all_reduce`` (so `HierarchicalCopyAllReduce` changes the
+program's communication, not the numbers). Dividing by the global count of real rows makes
+the loss the mean over real rows of the global batch: padding never skews it, and every
+strategy follows the same trajectory as `OneDeviceStrategy` up to float rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jstrategy._src.numerics import COUNT
+from jstrategy._src.numerics import means
+from jstrategy._src.numerics import per_example
+from jstrategy._src.reduce_util import ReduceOp
+from jstrategy._src.staging import StepFunctions
+from jstrategy._src.staging import TrainProgram
+from jstrategy._src.staging import replica_map
+from jstrategy._src.staging import row_spec
+from jstrategy._src.training import losses as losses_lib
+from jstrategy._src.training import metrics as metrics_lib
+from jstrategy._src.training.train_state import TrainStateProtocol
+from jstrategy._src.values import PerReplica
+from jstrategy._src.values import is_per_replica
+from jstrategy._src.values import varying_axes
+
+if TYPE_CHECKING:
+    from jstrategy._src.strategy import Strategy
+
+__all__ = [
+    "StepSpec",
+    "apply_update",
+    "build_eval_program",
+    "build_predict_program",
+    "build_train_program",
+    "eval_sums",
+    "predict_outputs",
+    "replica_gradients",
+    "resolve_loss",
+    "resolve_metrics",
+    "split_batch",
+    "step_functions",
+    "unpack_batch",
+]
+
+Metric = Callable[[Any, Any], Any]
+
+
+# ---------------------------------------------------------------------------------------
+# What a step computes
+# ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """What a step computes: the loss and metrics, on which strategy.
+
+    The step's options live here, read by the step body below: a new option (a precision
+    policy, loss scaling, gradient accumulation) is a field with a default that keeps
+    today's step, and the body's one update path (`apply_update`) and one loss path
+    (`_loss_sum`) are where it acts.
+
+    Attributes:
+      strategy: the strategy whose replicas run the step.
+      loss: the per-example loss, or None (evaluation of metrics only).
+      metrics: ``(name, metric)`` pairs of per-example metrics.
+    """
+
+    strategy: Strategy
+    loss: Metric | None
+    metrics: tuple[tuple[str, Metric], ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The logs' keys: ``"loss"`` (if any), then each metric's name."""
+        return (("loss",) if self.loss is not None else ()) + tuple(n for n, _ in self.metrics)
+
+    def zero_sums(self) -> dict[str, Any]:
+        """Running sums before the first step: zeros for each name and the count."""
+        return {name: np.float32(0) for name in (*self.names, COUNT)}
+
+
+def resolve_loss(loss: Any) -> losses_lib.Loss:
+    """A `Loss` from a name, a Loss object or a callable (see `jstrategy.losses.get`)."""
+    if loss is None:
+        raise ValueError(
+            "`loss` must be a loss name (e.g. 'mse'), a jstrategy.losses object or a "
+            "callable (y_true, y_pred) -> per-example losses; got None."
+        )
+    return losses_lib.get(loss)
+
+
+def resolve_metrics(metrics: Any, loss: Any = None) -> list[tuple[str, Metric]]:
+    """``(name, metric)`` pairs from names, Metric objects or callables."""
+    if metrics is None:
+        return []
+    if isinstance(metrics, str) or callable(metrics):
+        metrics = [metrics]
+    out: list[tuple[str, Metric]] = []
+    for identifier in metrics:
+        metric = metrics_lib.get(identifier, loss=loss)
+        name = metric.name
+        if name in (COUNT, "loss") or any(name == n for n, _ in out):
+            raise ValueError(
+                f"Metric names must be unique and not 'loss' or 'count'; got {name!r} after "
+                f"{[n for n, _ in out]}. Give the metric another `name`."
+            )
+        out.append((name, metric))
+    return out
+
+
+def make_spec(loss: Any, metrics: Any, strategy: Strategy) -> StepSpec:
+    """The `StepSpec` of a loss (or None) and metrics given as `compile` takes them."""
+    loss_fn = resolve_loss(loss) if loss is not None else None
+    return StepSpec(strategy, loss_fn, tuple(resolve_metrics(metrics, loss=loss_fn)))
+
+
+# ---------------------------------------------------------------------------------------
+# Batches
+# ---------------------------------------------------------------------------------------
+def unpack_batch(batch: Any) -> tuple[Any, Any, Any]:
+    """``(x, y, sample_weight)`` from a Keras-style batch ``(x,)``, ``(x, y)`` or ``(x, y, w)``."""
+    if isinstance(batch, (tuple, list)):
+        if 1 <= len(batch) <= 3:
+            padded = (*batch, None, None)
+            return padded[0], padded[1], padded[2]
+        raise ValueError(
+            f"A batch must be (x,), (x, y) or (x, y, sample_weight); got a "
+            f"{type(batch).__name__} of length {len(batch)}. Group several inputs into one "
+            "pytree x, e.g. a dict."
+        )
+    return batch, None, None
+
+
+def split_batch(batch: Any, strategy: Strategy) -> tuple[Any, Any]:
+    """The global arrays of a (possibly distributed) batch, and its row mask (or None)."""
+    mask = None
+    leaves, treedef = jax.tree.flatten(batch, is_leaf=is_per_replica)
+    values = []
+    for leaf in leaves:
+        if isinstance(leaf, PerReplica):
+            if leaf.stacked:
+                raise ValueError(
+                    "A step takes batches split by rows (from a distributed dataset or "
+                    "distribute_batch); got a stacked PerReplica (one value per replica, as "
+                    "Strategy.run returns)."
+                )
+            if mask is None:
+                mask = leaf.mask
+            values.append(leaf.value)
+        else:
+            values.append(leaf)
+    rows = {int(np.shape(v)[0]) for v in values if np.ndim(v) > 0}
+    n = strategy.num_replicas_in_sync
+    for r in rows:
+        if r % n:
+            raise ValueError(
+                f"The global batch has {r} rows, which does not divide among {n} replicas. "
+                "Distribute it with jstrategy's distribute_batch or a distributed dataset, "
+                "which pad it and set the row mask."
+            )
+    return jax.tree.unflatten(treedef, values), mask
+
+
+def batch_rows(x: Any) -> int:
+    """The number of rows of a batch's inputs `x`."""
+    leaves = [leaf for leaf in jax.tree.leaves(x) if np.ndim(leaf) > 0]
+    if not leaves:
+        raise ValueError("The batch's inputs `x` must contain at least one array.")
+    return int(np.shape(leaves[0])[0])
+
+
+# ---------------------------------------------------------------------------------------
+# The per-replica body (traced inside `staging.replica_map`)
+# ---------------------------------------------------------------------------------------
+def _to_varying(tree: Any, axis_name: str) -> Any:
+    """Marks invariant leaves as per-replica, so their gradient is not implicitly summed."""
+
+    def cast(x: Any) -> Any:
+        if axis_name in varying_axes(x):
+            return x
+        return jax.lax.pcast(x, axis_name, to="varying")
+
+    return jax.tree.map(cast, tree)
+
+
+def _weights(maskf: jax.Array, w: Any) -> jax.Array:
+    if w is None:
+        return maskf
+    w = jnp.asarray(w, jnp.float32)
+    return maskf * w.reshape(w.shape[0], -1).mean(axis=1)
+
+
+def _per_row(values: Any, rows: int, what: str) -> jax.Array:
+    return per_example(values, rows, what).astype(jnp.float32)
+
+
+def _loss_sum(spec: StepSpec, y: Any, y_pred: Any, weight: jax.Array) -> jax.Array:
+    """One replica's weighted sum of per-example losses (training and evaluation alike)."""
+    assert spec.loss is not None
+    return jnp.sum(_per_row(spec.loss(y, y_pred), weight.shape[0], "The loss") * weight)
+
+
+def _sums(
+    spec: StepSpec, y: Any, y_pred: Any, maskf: jax.Array, loss_sum: Any
+) -> dict[str, jax.Array]:
+    """The loss sum, each metric's sum over real rows and the count of real rows."""
+    rows = maskf.shape[0]
+    out: dict[str, jax.Array] = {}
+    if loss_sum is not None:
+        out["loss"] = loss_sum
+    for name, fn in spec.metrics:
+        out[name] = jnp.sum(_per_row(fn(y, y_pred), rows, f"The metric {name!r}") * maskf)
+    out[COUNT] = jnp.sum(maskf)
+    return out
+
+
+def replica_gradients(
+    spec: StepSpec, params: Any, rest: TrainStateProtocol, batch: Any, mask: jax.Array
+) -> tuple[Any, Any, dict[str, jax.Array]]:
+    """One replica's gradients: ``(grads, model_state, sums)``, combined across replicas.
+
+    The gradients are those of the mean loss over the global batch's real rows with respect
+    to `params`; `rest` is the rest of the state (`TrainStateProtocol.replica_view`). The
+    new mutable state (e.g. BatchNorm statistics) is averaged over replicas, as
+    tf.distribute aggregates such variables with MEAN. Everything it returns is identical
+    on every replica.
+    """
+    strategy = spec.strategy
+    axis = strategy.axis_name
+    x, y, w = unpack_batch(batch)
+    if y is None:
+        raise ValueError("A training batch must be (x, y) or (x, y, sample_weight); got no y.")
+    maskf = mask.astype(jnp.float32)
+    weight = _weights(maskf, w)
+
+    def local_loss(params: Any) -> tuple[jax.Array, tuple[Any, Any]]:
+        y_pred, model_state = rest.forward(params, x, train=True, axis_name=axis)
+        return _loss_sum(spec, y, y_pred, weight), (y_pred, model_state)
+
+    varying_params = _to_varying(params, axis)
+    (loss_sum, (y_pred, model_state)), grads = jax.value_and_grad(local_loss, has_aux=True)(
+        varying_params
+    )
+    sums = _sums(spec, y, y_pred, maskf, loss_sum)
+    leaves, tree = jax.tree.flatten(model_state)
+    varying = [i for i, leaf in enumerate(leaves) if axis in varying_axes(leaf)]
+    grads, sums, synced = strategy.cross_device_ops.all_reduce(
+        ReduceOp.SUM, (grads, sums, [leaves[i] for i in varying]), mesh=strategy.mesh
+    )
+    n = strategy.num_replicas_in_sync
+    for i, leaf in zip(varying, synced, strict=True):
+        leaves[i] = (leaf / n).astype(leaves[i].dtype)
+    denom = jnp.maximum(sums[COUNT], 1.0)
+    grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
+    return grads, jax.tree.unflatten(tree, leaves), sums
+
+
+def apply_update(state: TrainStateProtocol, grads: Any, model_state: Any) -> Any:
+    """The optimizer update: every staged step applies its update through this function."""
+    return state.apply_update(grads, model_state)
+
+
+def eval_sums(
+    spec: StepSpec, state: TrainStateProtocol, batch: Any, mask: jax.Array
+) -> dict[str, jax.Array]:
+    """One evaluation step on one replica: the loss and metric sums, combined across replicas."""
+    strategy = spec.strategy
+    x, y, w = unpack_batch(batch)
+    if y is None:
+        raise ValueError("An evaluation batch must be (x, y) or (x, y, sample_weight).")
+    maskf = mask.astype(jnp.float32)
+    y_pred, _ = state.forward(state.params, x, train=False, axis_name=None)
+    weight = _weights(maskf, w)
+    loss_sum = _loss_sum(spec, y, y_pred, weight) if spec.loss is not None else None
+    sums = _sums(spec, y, y_pred, maskf, loss_sum)
+    return strategy.cross_device_ops.all_reduce(ReduceOp.SUM, sums, mesh=strategy.mesh)
+
+
+def predict_outputs(state: TrainStateProtocol, x: Any) -> Any:
+    """The model's outputs in inference mode."""
+    y_pred, _ = state.forward(state.params, x, train=False, axis_name=None)
+    return y_pred
+
+
+def _split(state: TrainStateProtocol) -> tuple[Any, Any]:
+    return state.params, state.replica_view()
+
+
+def step_functions(spec: StepSpec) -> StepFunctions:
+    """The step as `Strategy.stage_train_step` takes it."""
+
+    def gradients(params: Any, rest: Any, batch: Any, mask: Any) -> tuple[Any, Any, Any]:
+        return replica_gradients(spec, params, rest, batch, mask)
+
+    return StepFunctions(split=_split, gradients=gradients, update=apply_update)
+
+
+# ---------------------------------------------------------------------------------------
+# Programs
+# ---------------------------------------------------------------------------------------
+def build_train_program(spec: StepSpec, *, steps: int = 0, stacked: bool = True) -> TrainProgram:
+    """``(state, acc, batch, mask) -> (state, acc, logs)`` running `steps` steps.
+
+    `acc` holds running sums (and the count of real rows) that the steps add to (None: the
+    sums of one step); `logs` are their means. With ``steps=0`` the batch is a single
+    batch (leaves ``(B, ...)``); otherwise `stacked` batches have leaves ``(steps, B,
+    ...)`` and mask ``(steps, B)``, while unstacked ones are tuples of `steps` batches and
+    masks. The strategy stages it (`Strategy.stage_train_step`).
+    """
+    return spec.strategy.stage_train_step(step_functions(spec), steps=steps, stacked=stacked)
+
+
+class _ReadingState:
+    """A program ``(state, *args)`` given the state as the replicas read it."""
+
+    def __init__(self, program: Any, strategy: Strategy):
+        self._program = program
+        self._strategy = strategy
+
+    def _state(self, state: TrainStateProtocol) -> Any:
+        # The optimizer state is not needed to evaluate or predict.
+        return self._strategy.read_on_replicas(state.replica_view(with_params=True))
+
+    def __call__(self, state: TrainStateProtocol, *args: Any) -> Any:
+        return self._program(self._state(state), *args)
+
+    def lower(self, state: TrainStateProtocol, *args: Any) -> Any:
+        return self._program.lower(self._state(state), *args)
+
+
+def build_eval_program(spec: StepSpec) -> Callable[..., Any]:
+    """``(state, acc, batch, mask) -> (acc, logs)`` for one evaluation batch (`acc` None:
+    this batch's sums only)."""
+    strategy = spec.strategy
+
+    def eval_program(state: Any, acc: Any, batch: Any, mask: Any) -> tuple[Any, Any]:
+        sums = eval_sums(spec, state, batch, mask)
+        acc = sums if acc is None else jax.tree.map(jnp.add, acc, sums)
+        return acc, means(acc)
+
+    rows = row_spec(strategy)
+    program = jax.jit(
+        replica_map(strategy, eval_program, in_specs=(P(), P(), rows, rows), out_specs=(P(), P())),
+        donate_argnums=(1,),
+    )
+    return _ReadingState(program, strategy)
+
+
+def build_predict_program(strategy: Strategy) -> Callable[..., Any]:
+    """``(state, x) -> y_pred`` with outputs split by rows like the inputs."""
+    rows = row_spec(strategy)
+    program = jax.jit(replica_map(strategy, predict_outputs, in_specs=(P(), rows), out_specs=rows))
+    return _ReadingState(program, strategy)

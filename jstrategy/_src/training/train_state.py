@@ -1,0 +1,368 @@
+"""Train states: the typed protocol every step, `Model` and strategy relies on, and linen's.
+
+A train state is an immutable pytree (a `flax.struct.PyTreeNode`) that knows how to run
+its model and apply an update. `TrainStateProtocol` is the whole interface: the compiled
+steps call `forward` and `apply_update`, `jstrategy.Model` saves, loads and summarizes
+through it, and strategies (`ParameterServerStrategy`'s `fit`) swap its variables. Linen's
+`TrainState` (here) and `NNXTrainState` (`nnx.py`) implement it; nothing else asks which
+one it holds.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING
+from typing import Any
+from typing import Protocol
+from typing import TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+from flax.training import train_state as flax_train_state
+
+from jstrategy._src import context
+from jstrategy._src.placement import in_device_memory
+from jstrategy._src.placement import place_state
+from jstrategy._src.training import summary as summary_lib
+
+if TYPE_CHECKING:
+    from jstrategy._src.strategy import Strategy
+
+__all__ = ["TrainState", "TrainStateProtocol", "as_train_state", "create_train_state"]
+
+_S = TypeVar("_S", bound="TrainStateProtocol")
+
+# Keyword arguments that tell a Flax module whether it is training, and the value each
+# takes in training mode (``deterministic`` is the negation).
+_TRAIN_ARGS = {"train": True, "training": True, "deterministic": False}
+
+
+class TrainStateProtocol(Protocol):
+    """What a train state offers the steps, `jstrategy.Model` and the strategies.
+
+    Implementations are immutable pytrees: every ``with_*`` and `apply_update` returns a
+    new state. `params` are the trained variables; `model_state` the variables the forward
+    pass updates without gradients (BatchNorm statistics, NNX random-stream counts), or
+    None.
+    """
+
+    @property
+    def step(self) -> Any:
+        """The number of optimizer steps taken."""
+        ...
+
+    @property
+    def params(self) -> Any:
+        """The trained variables."""
+        ...
+
+    @property
+    def opt_state(self) -> Any:
+        """The optimizer state."""
+        ...
+
+    @property
+    def tx(self) -> optax.GradientTransformation:
+        """The optimizer."""
+        ...
+
+    @property
+    def model_state(self) -> Any:
+        """The variables the forward pass updates without gradients, or None."""
+        ...
+
+    @property
+    def variables(self) -> Any:
+        """The model's variables as Flax shows them (for users and `Model.variables`)."""
+        ...
+
+    def forward(
+        self, params: Any, x: Any, *, train: bool, axis_name: str | None
+    ) -> tuple[Any, Any]:
+        """Runs the model on `x` with `params`: ``(y_pred, new model_state or None)``.
+
+        In training mode (inside a step over the replicas' data axis `axis_name`) dropout
+        keys differ per replica and the new `model_state` is returned.
+        """
+        ...
+
+    def apply_update(self: _S, grads: Any, model_state: Any) -> _S:
+        """The state after one optimizer step on `grads`, with the new `model_state`."""
+        ...
+
+    def replica_view(self: _S, *, with_params: bool = False) -> _S:
+        """The state without `opt_state` (and `params`, unless `with_params`): what the
+        replicas read besides the parameters they are given."""
+        ...
+
+    def with_variables(self: _S, params: Any, model_state: Any) -> _S:
+        """The state with other `params` and `model_state`."""
+        ...
+
+    def with_step(self: _S, step: Any) -> _S:
+        """The state with another step count."""
+        ...
+
+    def with_optimizer(self: _S, tx: optax.GradientTransformation) -> _S:
+        """The state with optimizer `tx`, a fresh optimizer state and step 0 (unplaced)."""
+        ...
+
+    def weights(self) -> dict[str, Any]:
+        """The variables saved as weights, by the state's field names."""
+        ...
+
+    def with_weights(self: _S, weights: dict[str, Any]) -> _S:
+        """The state with the weights `weights()` returns replaced (by field name)."""
+        ...
+
+    def get_weights(self) -> list[Any]:
+        """The weights as a list of arrays, in a fixed order (Keras's ``get_weights``)."""
+        ...
+
+    def with_weight_list(self: _S, weights: list[Any]) -> _S:
+        """The state with weights from a list like `get_weights` returns (unplaced)."""
+        ...
+
+    def summary_table(self, module: Any, sample: Any) -> str:
+        """A Keras-like summary table of `module` with this state's variables."""
+        ...
+
+    def write_back(self, module: Any) -> None:
+        """Copies the variables into `module` where the module holds its own (NNX)."""
+        ...
+
+
+class TrainState(flax_train_state.TrainState):
+    """Flax's `TrainState` plus BatchNorm statistics, a dropout key and the train flag.
+
+    An immutable pytree: steps return a new one (``state.replace(...)``). Implements
+    `TrainStateProtocol` for linen modules.
+
+    Attributes:
+      step: the number of optimizer steps taken (an int32 array).
+      params: the trained parameters (the ``"params"`` collection).
+      opt_state: the optimizer's state.
+      batch_stats: the ``"batch_stats"`` collection (BatchNorm running statistics), or None.
+      rng: the base dropout key. Step ``s`` on replica ``r`` uses
+        ``fold_in(fold_in(rng, s), r)``: different on every replica, reproducible.
+      train_arg: the keyword of the module's ``__call__`` that switches training mode
+        (``"train"``, ``"training"`` or ``"deterministic"``), or None if it has none.
+    """
+
+    batch_stats: Any = None
+    rng: Any = None
+    train_arg: str | None = struct.field(pytree_node=False, default=None)
+
+    @property
+    def variables(self) -> dict[str, Any]:
+        """The Flax variables: ``{"params": ..., "batch_stats": ...}`` (the latter if any)."""
+        out = {"params": self.params}
+        if self.batch_stats is not None:
+            out["batch_stats"] = self.batch_stats
+        return out
+
+    @property
+    def model_state(self) -> Any:
+        """The BatchNorm statistics, or None."""
+        return self.batch_stats
+
+    def _mode_kwargs(self, train: bool) -> dict[str, Any]:
+        if self.train_arg is None:
+            return {}
+        return {self.train_arg: train if self.train_arg != "deterministic" else not train}
+
+    def forward(
+        self, params: Any, x: Any, *, train: bool, axis_name: str | None
+    ) -> tuple[Any, Any]:
+        variables = {"params": params}
+        if self.batch_stats is not None:
+            variables["batch_stats"] = self.batch_stats
+        kwargs = self._mode_kwargs(train)
+        if train and self.rng is not None:
+            assert axis_name is not None, "a training forward pass runs over the replicas"
+            step_key = jax.random.fold_in(self.rng, self.step)
+            kwargs["rngs"] = {
+                "dropout": jax.random.fold_in(step_key, jax.lax.axis_index(axis_name))
+            }
+        if train and self.batch_stats is not None:
+            y_pred, updates = self.apply_fn(variables, x, mutable=["batch_stats"], **kwargs)
+            return y_pred, updates["batch_stats"]
+        return self.apply_fn(variables, x, **kwargs), None
+
+    def apply_update(self, grads: Any, model_state: Any) -> TrainState:
+        if model_state is not None:
+            return self.apply_gradients(grads=grads, batch_stats=model_state)
+        return self.apply_gradients(grads=grads)
+
+    def replica_view(self, *, with_params: bool = False) -> TrainState:
+        return self.replace(params=self.params if with_params else None, opt_state=None)
+
+    def with_variables(self, params: Any, model_state: Any) -> TrainState:
+        return self.replace(params=params, batch_stats=model_state)
+
+    def with_step(self, step: Any) -> TrainState:
+        return self.replace(step=step)
+
+    def with_optimizer(self, tx: optax.GradientTransformation) -> TrainState:
+        state = in_device_memory(self)
+        return state.replace(tx=tx, opt_state=tx.init(state.params), step=jnp.zeros((), jnp.int32))
+
+    def weights(self) -> dict[str, Any]:
+        return self.variables
+
+    def with_weights(self, weights: dict[str, Any]) -> TrainState:
+        return self.replace(**weights)
+
+    def get_weights(self) -> list[Any]:
+        return jax.tree.leaves(self.variables)
+
+    def with_weight_list(self, weights: list[Any]) -> TrainState:
+        new = jax.tree.unflatten(jax.tree.structure(self.variables), weights)
+        return self.replace(params=new["params"], batch_stats=new.get("batch_stats"))
+
+    def summary_table(self, module: Any, sample: Any) -> str:
+        # Summaries trace the module in inference mode.
+        variables = in_device_memory(self.variables)
+        return summary_lib.summarize(module, variables, sample, **self._mode_kwargs(False))
+
+    def write_back(self, module: Any) -> None:
+        del module  # a linen module holds no variables
+
+
+def as_train_state(state: Any) -> TrainStateProtocol:
+    """`state` as a `TrainStateProtocol`: Flax's own linen `TrainState` is converted.
+
+    Raises:
+      TypeError: for anything else, naming the supported types and how to make one.
+    """
+    # Checked on the class: an instance check against the protocol would evaluate its
+    # properties (an NNX state's `step` merges its optimizer) on every step.
+    kind = type(state)
+    if all(callable(getattr(kind, name, None)) for name in ("forward", "apply_update")):
+        return state
+    if isinstance(state, flax_train_state.TrainState):
+        return TrainState(
+            step=state.step,
+            apply_fn=state.apply_fn,
+            params=state.params,
+            tx=state.tx,
+            opt_state=state.opt_state,
+        )
+    raise TypeError(
+        f"`state` must be a jstrategy.training.TrainState (linen), a Flax TrainState or an "
+        f"NNXTrainState; got {type(state).__name__}. Create one with create_train_state or "
+        "create_nnx_train_state."
+    )
+
+
+def _resolve_train_arg(module: Any, train_arg: str | None) -> str | None:
+    if train_arg != "auto":
+        if train_arg is not None and train_arg not in _TRAIN_ARGS:
+            raise ValueError(
+                f"`train_arg` must be 'auto', None or one of {sorted(_TRAIN_ARGS)}; got "
+                f"{train_arg!r}."
+            )
+        return train_arg
+    try:
+        params = inspect.signature(type(module).__call__).parameters
+    except (TypeError, ValueError):
+        return None
+    return next((name for name in _TRAIN_ARGS if name in params), None)
+
+
+def _rng_key(rng: Any) -> jax.Array:
+    if isinstance(rng, (int, np.integer)):
+        return jax.random.key(int(rng))
+    if isinstance(rng, jax.Array) and jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        return rng
+    if isinstance(rng, (jax.Array, np.ndarray)) and rng.shape == (2,):
+        return jax.random.wrap_key_data(jnp.asarray(rng, jnp.uint32))
+    raise TypeError(
+        f"`rng` must be an int seed or a JAX PRNG key; got {type(rng).__name__} {rng!r}."
+    )
+
+
+def create_train_state(
+    module: Any,
+    tx: optax.GradientTransformation,
+    *sample_args: Any,
+    rng: Any = 0,
+    strategy: Strategy | None = None,
+    train_arg: str | None = "auto",
+    **init_kwargs: Any,
+) -> TrainState:
+    """Initializes a linen module and its optimizer and places them as the strategy says.
+
+    Args:
+      module: a `flax.linen.Module`.
+      tx: an Optax gradient transformation.
+      *sample_args: example inputs for ``module.init`` (only their shapes matter; a batch
+        of one row is enough).
+      rng: an int seed or a PRNG key. Split into the ``"params"`` init key and the base
+        ``"dropout"`` key kept in the state.
+      strategy: where to place the state; None means `jstrategy.get_strategy()` (the
+        innermost ``strategy.scope()``).
+      train_arg: the module's training-mode keyword (``"train"``, ``"training"`` or
+        ``"deterministic"``); ``"auto"`` finds it in ``module.__call__``'s signature; None
+        for modules without one.
+      **init_kwargs: extra keyword arguments for ``module.init``.
+
+    Returns:
+      A `TrainState` whose arrays are placed by `place_state`.
+
+    Raises:
+      ValueError: if the module creates variable collections other than ``"params"`` and
+        ``"batch_stats"``.
+
+    Example:
+
+    >>> import jax.numpy as jnp, optax, flax.linen as nn
+    >>> import jstrategy
+    >>> with jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"]).scope():
+    ...     state = create_train_state(nn.Dense(3), optax.sgd(0.1), jnp.ones((1, 4)))
+    >>> state.params["kernel"].shape, int(state.step)
+    ((4, 3), 0)
+    """
+    strategy = strategy if strategy is not None else context.get_strategy()
+    if not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(
+            f"`tx` must be an optax.GradientTransformation such as optax.adam(1e-3); got "
+            f"{type(tx).__name__} {tx!r}."
+        )
+    key = _rng_key(rng)
+    params_key, dropout_key = jax.random.split(key)
+    resolved = _resolve_train_arg(module, train_arg)
+    kwargs = dict(init_kwargs)
+    if resolved is not None and resolved not in kwargs:
+        kwargs[resolved] = resolved == "deterministic"
+
+    # Eagerly, op by op: each op's kernel is cached across models, while a jitted init
+    # would compile a new program for every model (seconds, for nothing reused).
+    # This process's first replica device: under a multi-worker strategy the mesh's first
+    # device may belong to another process.
+    with jax.default_device(strategy.local_devices[0]):
+        variables = dict(
+            module.init({"params": params_key, "dropout": dropout_key}, *sample_args, **kwargs)
+        )
+        opt_state = tx.init(variables["params"])
+    unknown = sorted(set(variables) - {"params", "batch_stats"})
+    if unknown:
+        raise ValueError(
+            f"The module creates variable collections {unknown}; the train step keeps only "
+            "'params' and 'batch_stats'. Make other collections non-persistent (e.g. do "
+            "not `sow` during init)."
+        )
+    state = TrainState(
+        step=jnp.zeros((), jnp.int32),
+        apply_fn=module.apply,
+        params=variables["params"],
+        tx=tx,
+        opt_state=opt_state,
+        batch_stats=variables.get("batch_stats"),
+        rng=dropout_key,
+        train_arg=resolved,
+    )
+    return place_state(state, strategy)

@@ -1,0 +1,199 @@
+"""The training side of `jstrategy.Model`: train state, compiled step, optimizer, programs.
+
+`Model` is the Keras-shaped facade; `Trainer` holds what it trains and does the work that
+does not depend on Keras's argument conventions: applying the compiled optimizer to the
+state, the learning rate, the compiled programs (built once per kind), and reading and
+writing the model's variables in checkpoints. The loops in `fit_loop.py` run on it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from jstrategy._src import checkpoint as checkpoint_lib
+from jstrategy._src import fault_tolerance
+from jstrategy._src.placement import in_device_memory
+from jstrategy._src.placement import place_state
+from jstrategy._src.training import optimizers
+from jstrategy._src.training import step as step_lib
+
+if TYPE_CHECKING:
+    from jstrategy._src.strategy import Strategy
+    from jstrategy._src.training.fit_loop import FitState
+    from jstrategy._src.training.fit_loop import Resume
+
+__all__ = ["Trainer"]
+
+
+class Trainer:
+    """The training side of a `jstrategy.Model`: state, compiled step, programs, counters.
+
+    Args:
+      strategy: the model's strategy.
+      seed: seeds the shuffling order of every epoch.
+
+    Attributes:
+      state: the train state (a `TrainStateProtocol`), placed by the strategy; None until
+        the model is built.
+      spec: the compiled step (`StepSpec`); None until `compile`.
+      optimizer: the optimizer as `compile` got it (an optax transformation or a name).
+      steps_per_execution: training steps per dispatched program.
+      epochs_run: epochs whose shuffling order was drawn (the order of epoch ``e`` is a
+        function of ``(seed, e)``, so a backup that records it resumes the same order).
+      stop_training: set to end `fit` after the current step (`Model.stop_training`).
+      fit_state: where `fit` is, while it runs.
+      resume: a backup's position that the next `fit` starts from.
+    """
+
+    def __init__(self, strategy: Strategy, seed: int):
+        self.strategy = strategy
+        self.seed = seed
+        self.state: Any = None
+        self.spec: step_lib.StepSpec | None = None
+        self.optimizer: Any = None
+        self.steps_per_execution = 1
+        self.epochs_run = 0
+        self.stop_training = False
+        self.fit_state: FitState | None = None
+        self.resume: Resume | None = None
+        self.programs: dict[Any, Any] = {}
+        self._raw_tx: optax.GradientTransformation | None = None  # compiled, to apply
+        self._tx: optax.GradientTransformation | None = None  # applied to the state
+        self._rate: optimizers.LearningRate | None = None
+
+    @property
+    def compiled_spec(self) -> step_lib.StepSpec:
+        if self.spec is None:
+            raise RuntimeError("The model is not compiled; call model.compile(...) first.")
+        return self.spec
+
+    # Optimizer ----------------------------------------------------------------------------
+    def set_state(self, state: Any) -> None:
+        """A new state (built or restored): programs and the rate's place are redone."""
+        self.state = state
+        self._rate = optimizers.LearningRate(state) if self._tx is not None else None
+        self.programs = {}
+
+    def initial_tx(self) -> optax.GradientTransformation:
+        """The optimizer a new state starts with (identity until `compile`)."""
+        return self._tx if self._tx is not None else optax.identity()
+
+    def compile(self, optimizer: Any, spec: step_lib.StepSpec, steps_per_execution: int) -> None:
+        """Sets the step and the optimizer; a built state gets a fresh optimizer state."""
+        tx = optimizers.resolve_optimizer(optimizer)
+        self.optimizer = optimizer
+        self.spec = spec
+        self.steps_per_execution = steps_per_execution
+        self._raw_tx, self._tx = tx, None
+        if self.state is not None:
+            self.apply_optimizer()
+
+    def apply_optimizer(self) -> None:
+        """Gives the state the compiled optimizer, a fresh optimizer state and step 0 (once)."""
+        if self._raw_tx is None or self._tx is not None:
+            return
+        # Optimizer state is created in device memory (JAX cannot build arrays "like" a
+        # host-memory array outside a program); place_state then puts it where it lives.
+        self._tx = optimizers.with_rate_control(self._raw_tx, in_device_memory(self.state.params))
+        self.set_state(place_state(self.state.with_optimizer(self._tx), self.strategy))
+
+    def _learning_rate(self) -> optimizers.LearningRate:
+        if self.spec is None or self.state is None or self._rate is None:
+            raise RuntimeError(
+                "`learning_rate` is kept in the optimizer state, which exists after "
+                "`compile` and once the model is built. Call model.compile(...) first."
+            )
+        return self._rate
+
+    def get_learning_rate(self) -> float:
+        """`Model.learning_rate`: read from the optimizer state."""
+        return self._learning_rate().get(self.state)
+
+    def set_learning_rate(self, value: float) -> None:
+        """Sets `Model.learning_rate` in the optimizer state (nothing recompiles)."""
+        self.state = self._learning_rate().set(self.state, value)
+
+    # Programs -----------------------------------------------------------------------------
+    def program(self, key: tuple[Any, ...]) -> Any:
+        """The compiled program for `key`: ``("train", steps, stacked)``, ``("eval",)`` or
+        ``("predict",)``, built once."""
+        program = self.programs.get(key)
+        if program is None:
+            spec = self.compiled_spec
+            if key[0] == "train":
+                _, steps, stacked = key
+                program = step_lib.build_train_program(spec, steps=steps, stacked=stacked)
+            elif key[0] == "eval":
+                program = step_lib.build_eval_program(spec)
+            else:
+                program = step_lib.build_predict_program(self.strategy)
+            self.programs[key] = program
+        return program
+
+    def zero_sums(self) -> dict[str, jax.Array]:
+        return jax.device_put(self.compiled_spec.zero_sums(), self.strategy.replicated_sharding())
+
+    def ordered(self, logs: dict[str, Any]) -> dict[str, Any]:
+        # Programs return dicts with sorted keys; Keras shows the loss, then the metrics.
+        return {k: logs[k] for k in self.compiled_spec.names if k in logs}
+
+    def next_order_seed(self) -> tuple[int, int]:
+        """The seed of the next epoch's shuffling order (and count the epoch)."""
+        seed = (self.seed, self.epochs_run)
+        self.epochs_run += 1
+        return seed
+
+    # Variables ----------------------------------------------------------------------------
+    def set_weights(self, weights: list[Any]) -> None:
+        """`Model.set_weights`: a list like `get_weights`, checked and placed."""
+        old = self.state.get_weights()
+        if len(weights) != len(old):
+            raise ValueError(
+                f"`weights` must hold {len(old)} arrays, as get_weights() returns; got "
+                f"{len(weights)}."
+            )
+        new = []
+        for i, (w, like) in enumerate(zip(weights, old, strict=True)):
+            w = np.asarray(w)
+            if w.shape != like.shape:
+                raise ValueError(f"Weight {i} must have shape {like.shape}; got {w.shape}.")
+            new.append(w.astype(like.dtype))
+        self.state = place_state(self.state.with_weight_list(new), self.strategy)
+
+    def weights_tree(self) -> dict[str, Any]:
+        """The variables as checkpoints hold them (typed keys as raw data)."""
+        return fault_tolerance.to_savable(self.state.weights())
+
+    def load_weights(self, filepath: os.PathLike | str) -> None:
+        """`Model.load_weights`: from a `save_weights` directory or a checkpoint's latest step."""
+        like = self.state.weights()
+        target = fault_tolerance.to_savable(like)
+        path = os.path.abspath(os.fspath(filepath))
+        step_dir = checkpoint_lib.latest_step_dir(path)
+        if step_dir is None:
+            saved = checkpoint_lib.load_weights(path, target=target, strategy=self.strategy)
+        else:
+            roots = ("weights", "train_state")
+            saved = checkpoint_lib.read_by_paths(step_dir, target, roots, self.strategy)
+        saved = place_state(fault_tolerance.from_savable(saved, like), self.strategy)
+        self.state = self.state.with_weights(saved)
+
+    def restore_checkpoint(self, directory: os.PathLike | str) -> None:
+        """`Model.restore_checkpoint`: the whole train state of a checkpoint's latest step."""
+        path = os.path.abspath(os.fspath(directory))
+        step_dir = checkpoint_lib.latest_step_dir(path)
+        if step_dir is None:
+            raise FileNotFoundError(
+                f"No checkpoint in {path}. Pass a directory written by ModelCheckpoint or "
+                "BackupAndRestore (for save_weights directories use load_weights)."
+            )
+        target = fault_tolerance.to_savable(self.state)
+        saved = checkpoint_lib.read_by_paths(step_dir, target, ("train_state",), self.strategy)
+        saved = fault_tolerance.from_savable(saved, self.state)
+        self.state = place_state(saved, self.strategy)

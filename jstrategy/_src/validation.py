@@ -1,0 +1,95 @@
+"""Argument validators with one home, so every bad argument gets the same kind of message.
+
+Each names the argument, what was expected and what was given, and appends the caller's
+fix, e.g. "`batch_size` must be a positive int; got 0. E.g. 32."
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "check_bool",
+    "check_non_negative_int",
+    "check_positive_float",
+    "check_positive_int",
+    "is_int",
+]
+
+
+def is_int(value: Any) -> bool:
+    """Whether `value` is a Python or NumPy integer (a bool is not).
+
+    Example:
+
+    >>> is_int(3), is_int(np.int64(3)), is_int(True), is_int(3.0)
+    (True, True, False, False)
+    """
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _fail(name: str, expected: str, value: Any, fix: str) -> ValueError:
+    return ValueError(f"`{name}` must be {expected}; got {value!r}. {fix}".rstrip())
+
+
+def check_positive_int(value: Any, name: str, fix: str = "") -> int:
+    """`value` as an int if it is an integer >= 1, else a `ValueError` naming `name`.
+
+    Example:
+
+    >>> check_positive_int(8, "steps_per_execution")
+    8
+    >>> check_positive_int(0, "batch_size", "E.g. 32.")
+    Traceback (most recent call last):
+    ...
+    ValueError: `batch_size` must be a positive int; got 0. E.g. 32.
+    """
+    if not is_int(value) or value < 1:
+        raise _fail(name, "a positive int", value, fix)
+    return int(value)
+
+
+def check_non_negative_int(value: Any, name: str, fix: str = "") -> int:
+    """`value` as an int if it is an integer >= 0, else a `ValueError` naming `name`.
+
+    Example:
+
+    >>> check_non_negative_int(-1, "epochs")
+    Traceback (most recent call last):
+    ...
+    ValueError: `epochs` must be a non-negative int; got -1.
+    """
+    if not is_int(value) or value < 0:
+        raise _fail(name, "a non-negative int", value, fix)
+    return int(value)
+
+
+def check_positive_float(value: Any, name: str, fix: str = "") -> float:
+    """`value` as a float if it is a number > 0 (not a bool), else a `ValueError`.
+
+    Example:
+
+    >>> check_positive_float(2, "timeout")
+    2.0
+    """
+    number = isinstance(value, (int, float, np.integer, np.floating))
+    if isinstance(value, bool) or not number or not value > 0:
+        raise _fail(name, "a positive float", value, fix)
+    return float(value)
+
+
+def check_bool(value: Any, name: str, fix: str = "Pass True or False.") -> bool:
+    """`value` if it is a bool, else a `ValueError` naming `name`.
+
+    Example:
+
+    >>> check_bool("yes", "from_logits")
+    Traceback (most recent call last):
+    ...
+    ValueError: `from_logits` must be a bool; got 'yes'. Pass True or False.
+    """
+    if not isinstance(value, bool):
+        raise _fail(name, "a bool", value, fix)
+    return value
