@@ -241,6 +241,28 @@ def test_keep_best_keeps_the_best_and_the_latest(tmp_path, mode, best):
         assert manager.all_steps() == sorted({best, 5})
 
 
+@pytest.mark.parametrize(("mode", "sign"), [("min", 1.0), ("max", -1.0)])
+def test_keep_best_never_ranks_nan_or_inf_above_a_finite_metric(tmp_path, mode, sign):
+    # A run that diverged: the metric became NaN (and +-inf) after step 3, whose value was
+    # the best. Non-finite values rank below every finite one, in either direction.
+    bad = [float("nan"), float("inf"), float("-inf"), float("nan"), float("nan")]
+    values = [sign * 0.9, sign * 0.5, sign * 0.3, *bad]
+    state = {"w": jnp.ones(2)}
+    with jstrategy.CheckpointManager(
+        tmp_path, max_to_keep=2, keep_best="val_loss", best_mode=mode
+    ) as manager:
+        for step, value in enumerate(values, start=1):
+            manager.save(step, state, metrics={"val_loss": value})
+            manager.wait_until_finished()
+            kept = manager.all_steps()
+            print(f"after step {step} (val_loss {value}): kept {kept}")
+        assert manager.best_step() == 3
+        # The two best finite steps and the latest (to resume from).
+        assert manager.all_steps() == [2, 3, len(values)]
+    with jstrategy.CheckpointManager(tmp_path, max_to_keep=2, keep_best="val_loss") as manager:
+        assert manager.metrics(3) == {"val_loss": sign * 0.3}
+
+
 def test_latest_step_is_none_when_empty(tmp_path):
     with jstrategy.CheckpointManager(tmp_path / "new") as manager:
         assert manager.latest_step() is None

@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import enum
 import json
+import math
 import os
 import shutil
 import threading
@@ -604,6 +605,19 @@ def _metrics_dict(metrics: Any, keep_best: str | None) -> dict[str, float] | Non
     return out
 
 
+def _rank(value: float, mode: BestMode) -> float:
+    """A `keep_best` metric as orbax ranks it: NaN and +-inf rank below every finite value.
+
+    A run whose metric became NaN (or overflowed) must keep its best finite step; sorting
+    raw NaNs is undefined, and an infinite loss in "max" mode (or -inf in "min") is a
+    diverged run, not a good one.
+    """
+    value = float(value)
+    if math.isfinite(value):
+        return value
+    return math.inf if mode is BestMode.MIN else -math.inf
+
+
 # Orbax managers whose last save may still be writing, held until it is committed.
 _IN_FLIGHT: dict[int, Any] = {}
 _IN_FLIGHT_LOCK = threading.Lock()
@@ -754,7 +768,7 @@ class CheckpointManager:
         from orbax.checkpoint import checkpoint_managers as cm
 
         def metric(metrics):
-            return metrics[keep_best]
+            return _rank(metrics[keep_best], mode)
 
         if keep_best is None:
             preservation = cm.LatestN(n=max_to_keep)
