@@ -371,6 +371,42 @@ def test_process_killed_mid_write_leaves_the_previous_step_latest(tmp_path):
     assert not glob.glob(str(directory / "*.orbax-checkpoint-tmp*"))  # leftover cleaned
 
 
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode", ["wait", "exit", "weights"])
+def test_save_into_a_read_only_directory_reports_the_error_and_exits(tmp_path, mode):
+    # Orbax's background threads waited 10 minutes for a step directory that could not be
+    # created, keeping the process alive after its program ended.
+    directory = tmp_path / "read-only"
+    directory.mkdir()
+    directory.chmod(0o555)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=_ROOT)
+    try:
+        result = subprocess.run(
+            [sys.executable, os.path.join(_ROOT, "tests", "unwritable_save.py"), directory, mode],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        directory.chmod(0o755)
+    out = result.stdout
+    assert result.returncode == 0, (result.returncode, out, result.stderr[-3000:])
+    assert out.splitlines()[-1] == "END", out
+    assert f"ERROR PermissionError: [Errno 13] Cannot write the checkpoint {directory}" in out, out
+    assert "Make sure the directory is writable" in out, out
+    assert os.listdir(directory) == []
+
+
+def test_destination_below_a_file_is_a_clear_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(NotADirectoryError, match=r"Cannot write the checkpoint .*file/ckpt: "):
+        jstrategy.CheckpointManager(tmp_path / "file" / "ckpt")
+    with pytest.raises(NotADirectoryError, match=r"Cannot write the checkpoint .*file/w: .*free"):
+        jstrategy.save_weights(tmp_path / "file" / "w", {"w": jnp.ones(2)})
+
+
 def test_program_exiting_mid_write_finishes_the_write(tmp_path):
     directory = tmp_path / "ckpt"
     result = _run_writer(directory, "exit")

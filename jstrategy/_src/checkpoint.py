@@ -21,11 +21,13 @@ latest; the next `CheckpointManager` on the directory removes the leftover.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import enum
 import json
 import math
 import os
 import shutil
+import sys
 import threading
 from collections.abc import Callable
 from collections.abc import Mapping
@@ -631,8 +633,16 @@ def _finish_in_flight() -> None:
     for manager in managers:
         try:
             manager.wait_until_finished()
+        except Exception as e:  # at exit: say it once and let the process end
+            print(
+                f"jstrategy: a checkpoint save still being written at exit failed: "
+                f"{type(e).__name__}: {e}",
+                file=sys.stderr,
+                flush=True,
+            )
         finally:
-            manager.close()
+            with contextlib.suppress(Exception):
+                manager.close()
 
 
 def _hold_until_committed(manager: Any) -> None:
@@ -657,6 +667,17 @@ def _hold_until_committed(manager: Any) -> None:
         register(_finish_in_flight)
     except RuntimeError:
         atexit.register(_finish_in_flight)
+
+
+def _write_error(e: OSError, location: str) -> OSError:
+    """`e` (same type and errno) with a message that names the checkpoint and the fix."""
+    where = f" ({e.filename})" if e.filename else ""
+    message = (
+        f"Cannot write the checkpoint {location}: {e.strerror or e}{where}. Make sure the "
+        "directory is writable, is not below a file and has free space, or pass another "
+        "directory."
+    )
+    return type(e)(e.errno, message) if e.errno is not None else type(e)(message)
 
 
 def _committed(manager: Any) -> None:
@@ -788,6 +809,10 @@ class CheckpointManager:
             best_fn=metric if keep_best is not None else None,
             best_mode=mode.value,
             enable_async_checkpointing=async_save,
+            # The step directory is made in `save`, so an unwritable destination raises
+            # there. Made in the background, its failure left orbax's other background
+            # threads waiting 10 minutes for it, and the process could not exit.
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
             # Removes what a process killed mid-write left behind; never a committed step.
             cleanup_tmp_directories=True,
             create=True,
@@ -800,6 +825,10 @@ class CheckpointManager:
         registry.add(_STATE_ITEM, ocp.args.StandardRestore, state_handler)
         registry.add(_RECORD_ITEM, ocp.args.JsonSave, record_handler)
         registry.add(_RECORD_ITEM, ocp.args.JsonRestore, record_handler)
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as e:
+            raise _write_error(e, directory) from e
         try:
             return ocp.CheckpointManager(directory, options=options, handler_registry=registry)
         except _READ_ERRORS as e:
@@ -870,7 +899,11 @@ class CheckpointManager:
             )
         args = _save_args(flat, state, metadata, metrics_)
         _hold_until_committed(self._manager)
-        return bool(self._manager.save(step, args=args, metrics=metrics_, force=True))
+        try:
+            return bool(self._manager.save(step, args=args, metrics=metrics_, force=True))
+        except OSError as e:
+            _committed(self._manager)
+            raise _write_error(e, self._step_dir(step)) from e
 
     def wait_until_finished(self) -> None:
         """Blocks until every save started so far is written and committed.
@@ -878,8 +911,12 @@ class CheckpointManager:
         Raises:
           Exception: the error of a background write that failed.
         """
-        self._manager.wait_until_finished()
-        _committed(self._manager)
+        try:
+            self._manager.wait_until_finished()
+        except OSError as e:
+            raise _write_error(e, self._directory) from e
+        finally:
+            _committed(self._manager)
 
     # Steps -------------------------------------------------------------------------------
     def all_steps(self) -> list[int]:
@@ -1079,6 +1116,8 @@ def save_weights(path: os.PathLike | str, variables: Any, *, overwrite: bool = T
     checkpointer = _weights_checkpointer()
     try:
         checkpointer.save(new, args=_save_args(flat, variables, None, None))
+    except OSError as e:
+        raise _write_error(e, path) from e
     finally:
         checkpointer.close()
     if exists:
