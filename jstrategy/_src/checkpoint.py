@@ -483,7 +483,7 @@ _READ_ERRORS = (OSError, ValueError, KeyError, TypeError, IndexError, RuntimeErr
 
 
 def _restore_into(
-    read: Callable[[Any], Any], location: str, target: Any, strategy: Strategy | None
+    read: Callable[..., Any], location: str, target: Any, strategy: Strategy | None
 ) -> Any:
     """Restores a state, handing it to a strategy that keeps variables in containers.
 
@@ -505,7 +505,7 @@ def _as_saveable(state: Any) -> Any:
 
 
 def _restore(
-    read: Callable[[Any], Any],
+    read: Callable[..., Any],
     location: str,
     target: Any,
     strategy: Strategy | None,
