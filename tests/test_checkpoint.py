@@ -407,6 +407,53 @@ def test_destination_below_a_file_is_a_clear_error(tmp_path):
         jstrategy.save_weights(tmp_path / "file" / "w", {"w": jnp.ones(2)})
 
 
+@pytest.mark.timeout(280)
+def test_killed_async_saves_never_leave_a_damaged_step_listed(tmp_path):
+    # kill -9 at random moments (and at the worst one seen) while asynchronous saves with
+    # max_to_keep write new steps and delete old ones: every listed step must restore.
+    directory = tmp_path / "ckpt"
+    writer = _writer_module()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=_ROOT)
+    one_device = _STRATEGIES["one_device"]()
+    kept = []
+    for seed in range(6):
+        result = subprocess.run(
+            [sys.executable, _WRITER, str(directory), "rounds", str(seed)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert result.returncode == -signal.SIGKILL, (result.returncode, result.stderr[-3000:])
+        with jstrategy.CheckpointManager(directory, max_to_keep=3) as manager:
+            steps = manager.all_steps()
+            kept.append(steps)
+            for step in steps:
+                restored = manager.restore(step, strategy=one_device)
+                for leaf in jax.tree.leaves(restored):
+                    np.testing.assert_array_equal(leaf, np.full(8192, step, np.float32))
+            assert writer.damaged_steps(directory) == []
+    # The steps max_to_keep dropped are gone from the disk, not only from the list.
+    assert set(os.listdir(directory)) == set(map(str, kept[-1]))
+    print("steps kept after each kill:", kept)
+    assert kept[-1], "no step was ever committed"
+
+
+def test_a_half_deleted_step_is_repaired_when_the_directory_is_opened(tmp_path, capfd):
+    with jstrategy.CheckpointManager(tmp_path) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, {"w": jnp.full(3, float(step))})
+    # What an older version left when killed while deleting step 1: files gone, folders left.
+    for marker in ("commit_success.txt", "_CHECKPOINT_METADATA"):
+        os.remove(tmp_path / "1" / marker)
+    with jstrategy.CheckpointManager(tmp_path) as manager:
+        assert manager.all_steps() == [2, 3]
+        assert float(manager.restore(2)["w"][0]) == 2.0
+    assert "removed step 1 from" in capfd.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["2", "3"]
+
+
 def test_program_exiting_mid_write_finishes_the_write(tmp_path):
     directory = tmp_path / "ckpt"
     result = _run_writer(directory, "exit")

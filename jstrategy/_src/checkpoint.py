@@ -29,6 +29,7 @@ import os
 import shutil
 import sys
 import threading
+import time
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -685,6 +686,77 @@ def _committed(manager: Any) -> None:
         _IN_FLIGHT.pop(id(manager), None)
 
 
+# Deleted steps ------------------------------------------------------------------------------------
+# Where orbax moves the steps that `max_to_keep` drops. Deleting in place (orbax's default)
+# unlinks a step's files first and its directories last: a process killed in between left
+# a listed step without metadata that could not be read. A rename is atomic, so a listed
+# step is always whole; the renamed steps are removed from here afterwards.
+_TRASH = ".jstrategy-deleted"
+_COMMITTED_MARKERS = ("commit_success.txt", "_CHECKPOINT_METADATA")
+
+
+class _Trash:
+    """Empties `_TRASH` and repairs what a killed deletion left, on the primary process."""
+
+    def __init__(self, directory: str):
+        self._directory = directory
+        self._path = os.path.join(directory, _TRASH)
+        self._thread: threading.Thread | None = None
+        # Orbax deletes steps on process 0 only; the others have nothing to do here.
+        self._primary = jax.process_index() == 0
+
+    def repair(self) -> None:
+        """Moves step directories without orbax's commit markers here, before orbax lists them.
+
+        Orbax writes both markers before it renames a finished step into place, so a step
+        directory that lacks one was half deleted by an older jstrategy (or half copied by
+        hand): it cannot be restored, and listing it would offer it to `restore`.
+        """
+        if not self._primary:
+            return
+        for name in sorted(os.listdir(self._directory)):
+            path = os.path.join(self._directory, name)
+            if not name.isdigit() or not os.path.isdir(path):
+                continue
+            if all(os.path.exists(os.path.join(path, m)) for m in _COMMITTED_MARKERS):
+                continue
+            os.makedirs(self._path, exist_ok=True)
+            os.replace(path, os.path.join(self._path, f"{name}.incomplete-{time.time_ns()}"))
+            print(
+                f"jstrategy: removed step {name} from {self._directory}: it is incomplete "
+                "(an interrupted deletion or copy left it without orbax's commit markers).",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.empty(background=True)
+
+    def empty(self, *, background: bool) -> None:
+        """Removes the steps moved here: in a daemon thread, or now and the folder too (the
+        manager must be closed then)."""
+        if not self._primary or not os.path.isdir(self._path):
+            return
+        if self._thread is not None and self._thread.is_alive():
+            if background:
+                return  # still emptying; the next call takes the rest
+            self._thread.join()
+        if background:
+            self._thread = threading.Thread(
+                target=self._remove_entries, name="jstrategy-trash", daemon=True
+            )
+            self._thread.start()
+        else:
+            self._remove_entries()
+            # Orbax is done (the manager is closed): the folder itself can go too.
+            with contextlib.suppress(OSError):
+                os.rmdir(self._path)
+
+    def _remove_entries(self) -> None:
+        # Entry by entry, not the folder, which orbax may be renaming a step into meanwhile.
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self._path):
+                shutil.rmtree(os.path.join(self._path, name), ignore_errors=True)
+
+
 # CheckpointManager -------------------------------------------------------------------------------
 class CheckpointManager:
     """Numbered checkpoints of a training state in one directory, on orbax's CheckpointManager.
@@ -779,12 +851,13 @@ class CheckpointManager:
         self._best_mode = mode
         self._max_to_keep = max_to_keep
         self._closed = False
+        self._trash = _Trash(directory)
         self._manager = self._open(
-            directory, max_to_keep, keep_best, mode, save_interval_steps, async_save
+            directory, max_to_keep, keep_best, mode, save_interval_steps, async_save, self._trash
         )
 
     @staticmethod
-    def _open(directory, max_to_keep, keep_best, mode, save_interval_steps, async_save):
+    def _open(directory, max_to_keep, keep_best, mode, save_interval_steps, async_save, trash):
         import orbax.checkpoint as ocp
         from orbax.checkpoint import checkpoint_managers as cm
 
@@ -815,6 +888,8 @@ class CheckpointManager:
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
             # Removes what a process killed mid-write left behind; never a committed step.
             cleanup_tmp_directories=True,
+            # Old steps are renamed away (atomic), then emptied there: see `_Trash`.
+            todelete_subdir=_TRASH,
             create=True,
         )
         # Registered up front so that a new process can read a step's metadata before any
@@ -827,6 +902,7 @@ class CheckpointManager:
         registry.add(_RECORD_ITEM, ocp.args.JsonRestore, record_handler)
         try:
             os.makedirs(directory, exist_ok=True)
+            trash.repair()
         except OSError as e:
             raise _write_error(e, directory) from e
         try:
@@ -898,6 +974,7 @@ class CheckpointManager:
                 "delete that step's directory first."
             )
         args = _save_args(flat, state, metadata, metrics_)
+        self._trash.empty(background=True)  # the steps deleted by earlier saves
         _hold_until_committed(self._manager)
         try:
             return bool(self._manager.save(step, args=args, metrics=metrics_, force=True))
@@ -1041,6 +1118,7 @@ class CheckpointManager:
         finally:
             _committed(self._manager)
             self._manager.close()
+            self._trash.empty(background=False)
 
     def __enter__(self) -> CheckpointManager:
         return self
