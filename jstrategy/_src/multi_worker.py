@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 import sys
 import warnings
 from typing import TYPE_CHECKING
@@ -10,6 +12,7 @@ from typing import Any
 import jax
 
 from jstrategy._src import dispatch
+from jstrategy._src import rendezvous
 from jstrategy._src.collective_util import CommunicationImplementation
 from jstrategy._src.collective_util import CommunicationOptions
 from jstrategy._src.cross_device_ops import CollectiveAllReduce
@@ -18,17 +21,60 @@ from jstrategy._src.strategy import Strategy
 if TYPE_CHECKING:
     from jstrategy._src.cluster_resolver import ClusterResolver
 
-__all__ = ["MultiWorkerMirroredStrategy", "PeerFailureError"]
+__all__ = ["DEFAULT_STARTUP_TIMEOUT_S", "MultiWorkerMirroredStrategy", "PeerFailureError"]
+
+#: How long the processes wait for each other at start-up without
+#: `CommunicationOptions.timeout_seconds` (JAX's own default).
+DEFAULT_STARTUP_TIMEOUT_S = 300.0
 
 
 class PeerFailureError(RuntimeError):
     """A collective failed because another worker died or stopped responding."""
 
 
+# Private JAX internals, all in this one place ------------------------------------------------
 def _distributed_client() -> Any:
     from jax._src import distributed
 
     return distributed.global_state.client
+
+
+def _backends_started() -> bool:
+    from jax._src import xla_bridge
+
+    return bool(xla_bridge.backends_are_initialized())
+
+
+def _bind_cpu_collectives_to(host: str) -> None:
+    """Makes gloo, JAX's CPU collectives across processes, listen on `host`.
+
+    Without a host, gloo listens on the address this machine's hostname resolves to, which
+    on many machines is a network address, for a job that runs on loopback only. JAX
+    offers no setting for it, so the CPU backend's factory is replaced by JAX's own one
+    with gloo's `hostname` given. Any other CPU collectives (MPI) are left alone; if these
+    internals change, JAX's default stays.
+    """
+    try:
+        from jax._src import config
+        from jax._src import distributed
+        from jax._src import xla_bridge
+        from jax._src.lib import _jax
+
+        if config.cpu_collectives_implementation.value != "gloo":
+            return
+        make_collectives = _jax.make_gloo_tcp_collectives
+        make_cpu_client = xla_bridge.make_cpu_client
+        register = xla_bridge.register_backend_factory
+    except (ImportError, AttributeError):
+        return
+
+    def make_client() -> Any:
+        collectives = make_collectives(
+            distributed_client=distributed.global_state.client, hostname=host
+        )
+        return make_cpu_client(collectives=collectives)
+
+    register("cpu", make_client, priority=0, fail_quietly=False)
 
 
 class MultiWorkerMirroredStrategy(Strategy):
@@ -101,26 +147,42 @@ class MultiWorkerMirroredStrategy(Strategy):
                     f"says process {layout.process_id} of {layout.num_processes}."
                 )
             return
+        if _backends_started():
+            # Checked before meeting the others, who would otherwise wait for this process.
+            raise RuntimeError(
+                "MultiWorkerMirroredStrategy must be created before any other JAX "
+                "computation in the program, because JAX's distributed runtime has to start "
+                "before its backends. Move the strategy's creation earlier."
+            )
+        assert layout.process_id is not None and layout.coordinator_address is not None
         timeout = self._communication_options.timeout_seconds
-        kwargs: dict[str, Any] = {}
+        startup_timeout = timeout if timeout is not None else DEFAULT_STARTUP_TIMEOUT_S
+        # Only the address TF_CONFIG names, not every interface (JAX's default): one stray
+        # connection to the coordination service can abort the whole job.
+        bind_address = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or (
+            layout.coordinator_address
+        )
+        rendezvous.meet(
+            layout.tasks, layout.process_id, bind_address=bind_address, timeout=startup_timeout
+        )
+        own_host = rendezvous.split_address(layout.tasks[layout.process_id][2])[0]
+        if rendezvous.is_loopback_host(own_host):
+            # A local job's collectives stay on loopback too, whatever the hostname says.
+            _bind_cpu_collectives_to(own_host)
+        kwargs: dict[str, Any] = {
+            # Everyone is here already; this bounds what is left of the start-up.
+            "initialization_timeout": max(1, math.ceil(startup_timeout)),
+            "coordinator_bind_address": bind_address,
+        }
         if timeout is not None:
             kwargs["heartbeat_timeout_seconds"] = max(1, int(timeout))
             kwargs["shutdown_timeout_seconds"] = max(1, int(timeout))
-        try:
-            jax.distributed.initialize(
-                coordinator_address=layout.coordinator_address,
-                num_processes=layout.num_processes,
-                process_id=layout.process_id,
-                **kwargs,
-            )
-        except RuntimeError as e:
-            if "before any JAX" in str(e) or "backend" in str(e).lower():
-                raise RuntimeError(
-                    "MultiWorkerMirroredStrategy must be created before any other JAX "
-                    "computation in the program, because JAX's distributed runtime has to start "
-                    f"before its backends. Move the strategy's creation earlier. ({e})"
-                ) from e
-            raise
+        jax.distributed.initialize(
+            coordinator_address=layout.coordinator_address,
+            num_processes=layout.num_processes,
+            process_id=layout.process_id,
+            **kwargs,
+        )
 
     def _translate_error(self, error: Exception) -> Exception | None:
         text = str(error)
