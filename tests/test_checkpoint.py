@@ -15,11 +15,13 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from flax import nnx
 from flax.training import train_state
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jstrategy
+import jstrategy.training
 from jstrategy._src import checkpoint as checkpoint_lib
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,12 +43,16 @@ def _train_state(strategy, seed=0):
     return jax.device_put(state, strategy.replicated_sharding())
 
 
-def _assert_equal_trees(actual, expected):
+def _assert_equal_trees(actual, expected, *, same_dtypes=False):
     # By leaf path: two TrainStates' treedefs differ in their static `tx` closures.
     actual = jax.tree_util.tree_flatten_with_path(actual)[0]
     expected = jax.tree_util.tree_flatten_with_path(expected)[0]
     assert [p for p, _ in actual] == [p for p, _ in expected]
     for (path, a), (_, e) in zip(actual, expected, strict=True):
+        if same_dtypes:
+            assert a.dtype == e.dtype, (path, a.dtype, e.dtype)  # typed keys stay typed keys
+        if jax.dtypes.issubdtype(e.dtype, jax.dtypes.prng_key):
+            a, e = jax.random.key_data(a), jax.random.key_data(e)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(e), err_msg=str(path))
 
 
@@ -560,6 +566,166 @@ def test_damaged_checkpoint_raises_naming_the_path(tmp_path, damage, with_target
         earlier = manager.restore(1, target=weights)
     np.testing.assert_array_equal(np.asarray(earlier["w"]), np.zeros((10, 100)))
     gc.collect()
+
+
+# What a custom loop holds -------------------------------------------------------------------------------
+class _NNXNet(nnx.Module):
+    """Parameters, batch statistics and a dropout stream (a typed key in the state)."""
+
+    def __init__(self):
+        rngs = nnx.Rngs(params=0, dropout=1)
+        self.norm = nnx.BatchNorm(4, rngs=rngs)
+        self.out = nnx.Linear(4, 2, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.drop(self.norm(x)))
+
+
+def _custom_loop_state(kind, strategy):
+    """What a custom loop holds: jstrategy's train states, with typed PRNG keys."""
+    with strategy.scope():
+        if kind == "linen":
+            return jstrategy.training.create_train_state(
+                nn.Dense(3), optax.adam(0.1), jnp.ones((1, 4)), rng=7
+            )
+        if kind == "nnx":
+            return jstrategy.training.create_nnx_train_state(_NNXNet(), optax.adam(0.1))
+        if kind == "model":
+            model = jstrategy.Model(nn.Dense(3), input_shape=(4,))
+            model.compile(optax.sgd(0.1), loss="mse")
+            return model.state
+    keys = {"rbg": jax.random.key(3, impl="rbg"), "fry": jax.random.split(jax.random.key(1), 4)}
+    return jax.device_put(keys, strategy.replicated_sharding())
+
+
+@pytest.mark.parametrize("kind", ["linen", "nnx", "model", "keys"])
+def test_train_states_with_typed_keys_round_trip(tmp_path, kind):
+    strategy = _STRATEGIES["mirrored_2"]()
+    state = _custom_loop_state(kind, strategy)
+    assert any(  # the case at hand: a typed PRNG key array in the state
+        jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) for x in jax.tree.leaves(state)
+    )
+    with jstrategy.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.save(1, state)
+        _assert_equal_trees(manager.restore(target=state), state, same_dtypes=True)
+        abstract = jax.eval_shape(lambda: state)
+        _assert_equal_trees(
+            manager.restore(target=abstract, strategy=strategy), state, same_dtypes=True
+        )
+        untargeted = manager.restore(strategy=strategy)  # the saved structure, keys typed
+
+    def keys(tree):
+        leaves = jax.tree.leaves(tree)
+        return [
+            jax.random.key_data(x) for x in leaves if jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+        ]
+
+    assert len(keys(untargeted)) == len(keys(state))
+    for a, e in zip(keys(untargeted), keys(state), strict=True):
+        np.testing.assert_array_equal(a, e)
+    jstrategy.save_weights(tmp_path / "w", state)
+    _assert_equal_trees(
+        jstrategy.load_weights(tmp_path / "w", target=state), state, same_dtypes=True
+    )
+
+
+def test_per_replica_values_from_run_save_as_one_copy_when_replicas_agree(tmp_path):
+    strategy = _STRATEGIES["mirrored_8"]()
+    params = jax.device_put(
+        {"w": jnp.arange(3.0), "b": jnp.ones(2)}, strategy.replicated_sharding()
+    )
+
+    def step(params):
+        ctx = jstrategy.get_replica_context()
+        grad = ctx.all_reduce("MEAN", jnp.full(3, 1.0 + ctx.replica_id_in_sync_group))
+        return {"w": params["w"] - 0.5 * grad, "b": params["b"]}
+
+    updated = strategy.run(step, (params,))
+    assert isinstance(updated["w"], jstrategy.PerReplica)  # replicas agree: TF's Mirrored
+    state = {"params": updated, "step": 1}
+    with jstrategy.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.save(1, state)
+        restored = manager.restore(strategy=_STRATEGIES["one_device"]())
+    np.testing.assert_allclose(restored["params"]["w"], np.arange(3.0) - 0.5 * 4.5)
+    assert restored["params"]["w"].shape == (3,)
+    jstrategy.save_weights(tmp_path / "w", updated)
+    loaded = jstrategy.load_weights(tmp_path / "w", strategy=strategy)
+    assert loaded["w"].shape == (3,) and loaded["w"].sharding == strategy.replicated_sharding()
+    # The restored value goes back into `run` as parameters, as the PerReplica did.
+    again = strategy.run(step, (loaded,))
+    np.testing.assert_allclose(
+        strategy.experimental_local_results(again["w"])[0], np.arange(3.0) - 0.5 * 9.0
+    )
+
+
+def test_per_replica_values_that_differ_are_refused_with_the_fix(tmp_path):
+    strategy = _STRATEGIES["mirrored_8"]()
+
+    def step():
+        ctx = jstrategy.get_replica_context()
+        return {"w": jnp.full(3, 1.0 * ctx.replica_id_in_sync_group)}
+
+    state = strategy.run(step)
+    with jstrategy.CheckpointManager(tmp_path / "ckpt") as manager:
+        with pytest.raises(
+            ValueError,
+            match=r"leaf w is a PerReplica whose 8 replicas hold different values.*"
+            r'strategy.reduce\("MEAN", state, axis=None\)',
+        ):
+            manager.save(1, state)
+        assert manager.all_steps() == []
+        manager.save(1, strategy.reduce("MEAN", state, axis=None))  # the fix it names
+        np.testing.assert_allclose(manager.restore()["w"], np.full(3, 3.5))
+    batch = next(iter(strategy.experimental_distribute_dataset([np.ones((8, 2), np.float32)])))
+    with pytest.raises(TypeError, match=r"`variables` leaf <root> is a PerReplica of rows"):
+        jstrategy.save_weights(tmp_path / "w", batch)
+
+
+def test_a_program_that_opens_a_manager_and_ends_exits_quietly(tmp_path):
+    # Orbax cleaned up in a background thread that failed noisily when the program ended.
+    program = (
+        "import sys, jstrategy\n"
+        "manager = jstrategy.CheckpointManager(sys.argv[1])\n"
+        "try:\n"
+        "    manager.save(1, {'name': 'not an array'})\n"
+        "except TypeError:\n"
+        "    print('refused')\n"
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=_ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", program, str(tmp_path / "ckpt")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0 and done.stdout == "refused\n", done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "ERROR" not in done.stderr, done.stderr[-3000:]
+
+
+def test_restore_errors_name_the_path_and_the_fix(tmp_path):
+    state = {"w": jnp.ones(3)}
+    with jstrategy.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.save(1, state)
+        manager.save(2, state)
+    with pytest.raises(
+        jstrategy.CheckpointError,
+        match=r"ckpt holds the numbered steps \[1, 2\] of a CheckpointManager, and load_weights "
+        r"reads one checkpoint. Load the latest step with jstrategy.load_weights\('.*ckpt/2'\)",
+    ):
+        jstrategy.load_weights(tmp_path / "ckpt")
+    np.testing.assert_array_equal(jstrategy.load_weights(tmp_path / "ckpt" / "2")["w"], 1.0)
+    jstrategy.save_weights(tmp_path / "w", state)
+    with (
+        jstrategy.CheckpointManager(tmp_path / "w") as manager,
+        pytest.raises(FileNotFoundError, match=r"is one checkpoint itself .*load_weights\('"),
+    ):
+        manager.restore()
+    os.remove(tmp_path / "w" / "jstrategy" / "metadata")
+    with pytest.raises(jstrategy.CheckpointError, match=r"Save the weights again \(save_weights"):
+        jstrategy.load_weights(tmp_path / "w")
 
 
 # save_weights / load_weights ---------------------------------------------------------------------------
