@@ -7,7 +7,6 @@ the real start-up with real processes on 127.0.0.1, as the rest of the multi-wor
 from __future__ import annotations
 
 import ipaddress
-import json
 import os
 import socket
 import subprocess
@@ -20,6 +19,9 @@ import pytest
 
 from jstrategy._src import rendezvous
 from jstrategy._src.rendezvous import ClusterStartupError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from worker_processes import WorkerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "startup_worker.py"
@@ -182,68 +184,6 @@ def test_coordinator_errors_before_listening():
 
 
 # Real processes ------------------------------------------------------------------------------
-def _env(tf_config: dict) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "TF_CONFIG")}
-    env.update(
-        PYTHONUNBUFFERED="1",
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
-        TF_CONFIG=json.dumps(tf_config),
-    )
-    return env
-
-
-class _Process:
-    """A worker process whose output is collected; `started` is when it printed STARTING."""
-
-    def __init__(self, cluster: dict, index: int, *args: str):
-        tf_config = {"cluster": cluster, "task": {"type": "worker", "index": index}}
-        self.popen = subprocess.Popen(
-            [sys.executable, str(WORKER), *args],
-            env=_env(tf_config),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=ROOT,
-        )
-        self.lines: list[str] = []
-        self.started: float | None = None
-        self.ended: float | None = None
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            if line.startswith("STARTING") and self.started is None:
-                self.started = time.monotonic()
-            self.lines.append(line)
-        self.popen.wait()
-        self.ended = time.monotonic()
-
-    def wait_for(self, text: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not any(text in line for line in self.lines):
-            assert self.popen.poll() is None, "".join(self.lines)[-3000:]
-            assert time.monotonic() < deadline, "".join(self.lines)[-3000:]
-            time.sleep(0.05)
-
-    def finish(self, timeout: float) -> tuple[int, str, float]:
-        """(exit code, output, seconds from STARTING to exit)."""
-        try:
-            self.popen.wait(timeout=timeout)
-        finally:
-            if self.popen.poll() is None:
-                self.popen.kill()
-                self.popen.wait()
-        self._reader.join(timeout=10)
-        assert self.popen.stdout is not None
-        self.popen.stdout.close()
-        output = "".join(self.lines)
-        assert self.started is not None and self.ended is not None, output[-3000:]
-        return self.popen.returncode, output, self.ended - self.started
-
-
 @pytest.mark.timeout(150)
 def test_port_in_use_and_missing_peers_are_clear_errors_within_seconds():
     timeout = 5
@@ -254,12 +194,16 @@ def test_port_in_use_and_missing_peers_are_clear_errors_within_seconds():
     args = ("--timeout", str(timeout))
     with socket.create_server(("127.0.0.1", taken_ports[0])):  # another program holds it
         cases = {
-            "port taken, worker 0": _Process(taken, 0, *args),
-            "port taken, worker 1": _Process(taken, 1, *args),
-            "worker 1 never starts, worker 0": _Process(alone, 0, *args),
-            "worker 0 never starts, worker 1": _Process(lonely, 1, *args),
+            "port taken, worker 0": WorkerProcess(WORKER, taken, 0, *args),
+            "port taken, worker 1": WorkerProcess(WORKER, taken, 1, *args),
+            "worker 1 never starts, worker 0": WorkerProcess(WORKER, alone, 0, *args),
+            "worker 0 never starts, worker 1": WorkerProcess(WORKER, lonely, 1, *args),
         }
-        results = {name: proc.finish(timeout=120) for name, proc in cases.items()}
+        results = {}
+        for name, proc in cases.items():
+            code, output = proc.finish(timeout=120)
+            assert proc.started is not None and proc.ended is not None, output[-3000:]
+            results[name] = (code, output, proc.ended - proc.started)
     expected = {
         "port taken, worker 0": f"must listen on 127.0.0.1:{taken_ports[0]}, but that port is "
         "in use by another program",
@@ -331,7 +275,7 @@ def test_a_cluster_listens_on_the_addresses_tf_config_names():
     # 127.0.0.2 is a loopback address that this machine's hostname does not resolve to.
     host = "127.0.0.2"
     cluster = {"worker": [f"{host}:{_free_port(host)}" for _ in range(2)]}
-    procs = [_Process(cluster, i, "--timeout", "30", "--hold", "60") for i in range(2)]
+    procs = [WorkerProcess(WORKER, cluster, i, "--timeout", "30", "--hold", "60") for i in range(2)]
     try:
         for proc in procs:
             proc.wait_for("READY", timeout=120)

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jstrategy._src import context
+from jstrategy._src import coordination
 from jstrategy._src import dispatch
 from jstrategy._src.values import PerReplica
 from jstrategy._src.values import is_per_replica
@@ -446,7 +447,7 @@ def _plan_restore(
 ):
     """Decides how each leaf is read and placed; returns (plans, treedef of the result)."""
     if target is None:
-        strategy_ = strategy if strategy is not None else context.get_strategy()
+        strategy_ = strategy if strategy is not None else _current_strategy(location)
         target = abstract_from_orbax()
         flat, treedef = jax.tree_util.tree_flatten_with_path(target)
         plans = []
@@ -509,12 +510,24 @@ def _plan_restore(
             elif own is not None:
                 sharding = own
             else:
-                sharding = _target_sharding(context.get_strategy(), abstract, path=path)
+                sharding = _target_sharding(_current_strategy(location), abstract, path=path)
             plans.append(_Plan(path, rec, _JAX, dtype, sharding, leaf, key_impl))
         else:
             kind = _NUMPY if isinstance(leaf, (np.ndarray, np.generic)) else _PYTHON
             plans.append(_Plan(path, rec, kind, dtype, None, leaf))
     return plans, treedef
+
+
+def _current_strategy(location: str) -> Strategy:
+    """The strategy a restore without `strategy=` places leaves with."""
+    if jax.process_count() > 1 and not context.has_strategy():
+        # Outside any scope that is the default strategy: one device, process 0's.
+        raise ValueError(
+            f"Restoring {location} in a multi-worker job needs the job's strategy: pass "
+            "strategy=<your MultiWorkerMirroredStrategy>, or restore inside its scope(), on "
+            "every worker."
+        )
+    return context.get_strategy()
 
 
 def _key_impl(leaf: Any, record: dict, path: tuple[str, ...]) -> str:
@@ -892,6 +905,32 @@ class _Trash:
                 shutil.rmtree(os.path.join(self._path, name), ignore_errors=True)
 
 
+# Several workers ----------------------------------------------------------------------------------
+_EVERY_WORKER = (
+    "In a multi-worker job every worker opens the same checkpoints and calls save and "
+    "restore with the same steps, at the same point of the program: jstrategy writes what is "
+    "written once on the chief only, so do not guard them with `if strategy.is_chief`."
+)
+
+
+def _chief_directory(name: str, directory: str, what: str) -> str:
+    """The chief's `directory`, on every worker: the one a collective checkpoint lives in.
+
+    TF's multi-worker tutorials give each non-chief worker its own temporary directory and
+    discard what it writes there. Here every worker writes its part of the chief's
+    checkpoint, so a worker that names another directory writes into the chief's; its own
+    directory is created, and stays empty for the program to delete as TF's do.
+    """
+    chief = coordination.share_from_chief(
+        f"{name}/directory", directory, what=f"Opening {what}", fix=_EVERY_WORKER
+    )
+    coordination.barrier(f"{name}/open", what=f"Opening {what}", fix=_EVERY_WORKER)
+    if chief != directory:
+        with contextlib.suppress(OSError):
+            os.makedirs(directory, exist_ok=True)
+    return chief
+
+
 # CheckpointManager -------------------------------------------------------------------------------
 class CheckpointManager:
     """Numbered checkpoints of a training state in one directory, on orbax's CheckpointManager.
@@ -981,6 +1020,13 @@ class CheckpointManager:
             )
         if not isinstance(async_save, bool):
             raise TypeError(f"`async_save` must be a bool; got {async_save!r}.")
+        self._meeting: int | None = None
+        self._restores = 0
+        if coordination.active():
+            self._meeting = coordination.next_id()
+            directory = _chief_directory(
+                f"checkpoint-{self._meeting}", directory, f"CheckpointManager({directory!r})"
+            )
         self._directory = directory
         self._keep_best = keep_best
         self._best_mode = mode
@@ -1108,12 +1154,19 @@ class CheckpointManager:
         if not force and not self._manager.should_save(step):
             _flatten_state(_as_saveable(state), "state")  # the same errors on every step
             return False
-        state, flat, key_impls = _prepare(state, "state")
         if step in self._manager.all_steps():
             raise ValueError(
                 f"Step {step} is already saved in {self._directory}. Save a later step, or "
                 "delete that step's directory first."
             )
+        if self._meeting is not None:
+            # A checkpoint is written by every worker; orbax alone waits 10 min for one.
+            coordination.barrier(
+                f"checkpoint-{self._meeting}/save-{step}",
+                what=f"Saving step {step} in {self._directory}",
+                fix=_EVERY_WORKER,
+            )
+        state, flat, key_impls = _prepare(state, "state")
         args = _save_args(flat, state, metadata, metrics_, key_impls)
         self._trash.empty(background=True)  # the steps deleted by earlier saves
         _hold_until_committed(self._manager)
@@ -1230,6 +1283,13 @@ class CheckpointManager:
           ValueError: if `target` does not match the checkpoint's leaves or shapes.
         """
         step = self._resolve_step(step)
+        if self._meeting is not None:
+            self._restores += 1
+            coordination.barrier(
+                f"checkpoint-{self._meeting}/restore-{self._restores}",
+                what=f"Restoring step {step} from {self._directory}",
+                fix=_EVERY_WORKER,
+            )
         return _restore_into(self._reader(step), self._step_dir(step), target, strategy)
 
     def restore_metadata(self, step: int | None = None) -> dict[str, Any]:
@@ -1334,6 +1394,9 @@ def save_weights(path: os.PathLike | str, variables: Any, *, overwrite: bool = T
     path = os.path.abspath(os.fspath(path))
     if not isinstance(overwrite, bool):
         raise TypeError(f"`overwrite` must be a bool; got {overwrite!r}.")
+    if coordination.active():
+        name = f"weights-{coordination.next_id()}"
+        path = _chief_directory(name, path, f"save_weights({path!r})")
     variables, flat, key_impls = _prepare(variables, "variables")
     exists = os.path.exists(path)
     if exists and not overwrite:
@@ -1412,6 +1475,13 @@ def load_weights(
                 f"jstrategy.CheckpointManager({path!r}).restore().",
                 path=path,
             )
+    if coordination.active():
+        # Restoring is collective too (the fingerprints are checked across workers).
+        coordination.barrier(
+            f"weights-{coordination.next_id()}/load",
+            what=f"load_weights({path!r})",
+            fix=_EVERY_WORKER,
+        )
     checkpointer = _weights_checkpointer()
 
     def read(args, *, item=_STATE_ITEM, metadata=False):

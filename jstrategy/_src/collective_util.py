@@ -44,8 +44,11 @@ class CommunicationOptions:
         collective per buffer; 0 lets XLA pack.
       timeout_seconds: how long any wait on another worker may last before it becomes an
         error instead of a hang: the start-up (every task must arrive within it; the error
-        names the missing one) and a peer that stops responding (the distributed runtime's
-        heartbeat timeout). None keeps JAX's defaults: 300 s to start, 100 s of silence.
+        names the missing one), a peer that stops responding (the distributed runtime's
+        heartbeat), a collective on CPU that a peer does not join (XLA's
+        ``--xla_cpu_collective_timeout_seconds``, so leave room for the workers' skew,
+        compilation included), and checkpoints' coordination. None keeps the defaults:
+        300 s to start and for checkpoints, 100 s of silence, no bound on collectives.
       implementation: a `CommunicationImplementation` or its name.
 
     Example:

@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 
+from jstrategy._src import coordination
 from jstrategy._src import dispatch
 from jstrategy._src import rendezvous
 from jstrategy._src.collective_util import CommunicationImplementation
@@ -30,6 +31,22 @@ DEFAULT_STARTUP_TIMEOUT_S = 300.0
 
 class PeerFailureError(RuntimeError):
     """A collective failed because another worker died or stopped responding."""
+
+
+_COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
+
+
+def _bound_cpu_collectives(seconds: float) -> None:
+    """Makes a cross-process collective on CPU (gloo) that waits `seconds` an error.
+
+    A worker that is alive but never joins a collective (one worker skipped a step or a
+    `reduce`) otherwise blocks the others until it exits. XLA reads its flags when the
+    backend starts, which is after this. A flag the user set already wins.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if _COLLECTIVE_TIMEOUT_FLAG in flags:
+        return
+    os.environ["XLA_FLAGS"] = f"{flags} {_COLLECTIVE_TIMEOUT_FLAG}={max(1, math.ceil(seconds))}"
 
 
 # Private JAX internals, all in this one place ------------------------------------------------
@@ -125,6 +142,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         if participant:
             self._initialize_runtime()
             dispatch.add_error_translator(self._translate_error)
+            coordination.set_timeout_seconds(communication_options.timeout_seconds)
         devices = jax.devices() if participant else jax.local_devices()
         super().__init__(
             devices,
@@ -177,12 +195,18 @@ class MultiWorkerMirroredStrategy(Strategy):
         if timeout is not None:
             kwargs["heartbeat_timeout_seconds"] = max(1, int(timeout))
             kwargs["shutdown_timeout_seconds"] = max(1, int(timeout))
+            _bound_cpu_collectives(timeout)
         jax.distributed.initialize(
             coordinator_address=layout.coordinator_address,
             num_processes=layout.num_processes,
             process_id=layout.process_id,
             **kwargs,
         )
+        # JAX's preemption service now holds SIGTERM, which then no longer stops the
+        # process; it gets it only while something saves on preemption.
+        from jstrategy._src import fault_tolerance
+
+        fault_tolerance.take_sigterm_from_jax()
 
     def _translate_error(self, error: Exception) -> Exception | None:
         text = str(error)
@@ -193,8 +217,9 @@ class MultiWorkerMirroredStrategy(Strategy):
             f"MultiWorkerMirroredStrategy: a collective failed on worker "
             f"{self._layout.task_type}:{self._layout.task_id} (process "
             f"{self._layout.process_id} of {self._layout.num_processes}); another worker most "
-            "likely died or stopped responding. Restart the job (with BackupAndRestore it "
-            f"resumes from the last backup). Cause: {text.splitlines()[0]}"
+            "likely died or stopped responding, or skipped this collective (every worker must "
+            "run the same steps). Restart the job (with BackupAndRestore it resumes from the "
+            f"last backup). Cause: {text.splitlines()[0]}"
         )
         # The runtime may terminate this process moments later; say why first.
         print(message, file=sys.stderr, flush=True)
