@@ -130,7 +130,8 @@ def main() -> int:
     write_model_path = os.path.join(
         _write_dir(os.path.dirname(model_path), task_type, task_id), "weights"
     )
-    jstrategy.save_weights(write_model_path, params)
+    jstrategy.save_weights(write_model_path, jax.tree.map(jnp.zeros_like, params))
+    jstrategy.save_weights(write_model_path, params)  # overwrites: swapped on the chief
     if not _is_chief(task_type, task_id):
         # As the tutorial: `tf.io.gfile.rmtree(write_checkpoint_dir)`, and the model's.
         shutil.rmtree(write_checkpoint_dir)

@@ -1394,8 +1394,8 @@ def save_weights(path: os.PathLike | str, variables: Any, *, overwrite: bool = T
     path = os.path.abspath(os.fspath(path))
     if not isinstance(overwrite, bool):
         raise TypeError(f"`overwrite` must be a bool; got {overwrite!r}.")
-    if coordination.active():
-        name = f"weights-{coordination.next_id()}"
+    name = f"weights-{coordination.next_id()}" if coordination.active() else None
+    if name is not None:
         path = _chief_directory(name, path, f"save_weights({path!r})")
     variables, flat, key_impls = _prepare(variables, "variables")
     exists = os.path.exists(path)
@@ -1424,7 +1424,8 @@ def save_weights(path: os.PathLike | str, variables: Any, *, overwrite: bool = T
             os.rename(path, old)
             os.rename(new, path)
             shutil.rmtree(old)
-        multihost.sync_global_processes("jstrategy_save_weights_swap")
+        if name is not None:  # nobody reads `path` before the chief has swapped it
+            coordination.barrier(f"{name}/swap", what=f"save_weights({path!r})", fix=_EVERY_WORKER)
 
 
 def load_weights(
