@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import enum
 import json
 import math
@@ -824,6 +825,19 @@ def _committed(manager: Any) -> None:
         _IN_FLIGHT.pop(id(manager), None)
 
 
+def _async_options(ocp: Any) -> Any:
+    """Orbax's async options: step directories made in `save`, where orbax can.
+
+    An unwritable destination then raises in `save`. Made in the background (the default
+    of recent orbax), its failure left orbax's other background threads waiting 10 minutes
+    for the directory, and the process could not exit.
+    """
+    fields = {f.name for f in dataclasses.fields(ocp.AsyncOptions)}
+    if "create_directories_asynchronously" not in fields:
+        return None  # older orbax makes them in `save` anyway
+    return ocp.AsyncOptions(create_directories_asynchronously=False)
+
+
 # Deleted steps ------------------------------------------------------------------------------------
 # Where orbax moves the steps that `max_to_keep` drops. Deleting in place (orbax's default)
 # unlinks a step's files first and its directories last: a process killed in between left
@@ -1063,10 +1077,7 @@ class CheckpointManager:
             best_fn=metric if keep_best is not None else None,
             best_mode=mode.value,
             enable_async_checkpointing=async_save,
-            # The step directory is made in `save`, so an unwritable destination raises
-            # there. Made in the background, its failure left orbax's other background
-            # threads waiting 10 minutes for it, and the process could not exit.
-            async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+            async_options=_async_options(ocp),
             # `_Trash.repair` removes what a process killed mid-write left behind.
             cleanup_tmp_directories=False,
             # Old steps are renamed away (atomic), then emptied there: see `_Trash`.
