@@ -184,6 +184,8 @@ def _coordinate(
         # The others close first, so that the port is free at once for JAX's service.
         for conn in meeting.members.values():
             with contextlib.suppress(OSError):
+                conn.setblocking(True)
+                conn.settimeout(2.0)
                 conn.recv(1)
     finally:
         meeting.close()
