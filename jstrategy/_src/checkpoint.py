@@ -1047,12 +1047,23 @@ class CheckpointManager:
         self._max_to_keep = max_to_keep
         self._closed = False
         self._trash = _Trash(directory)
+        try:
+            os.makedirs(directory, exist_ok=True)
+            self._trash.repair()
+        except OSError as e:
+            raise _write_error(e, directory) from e
+        if self._meeting is not None:  # the others list the steps once the chief repaired
+            coordination.barrier(
+                f"checkpoint-{self._meeting}/repaired",
+                what=f"Opening {directory}",
+                fix=_EVERY_WORKER,
+            )
         self._manager = self._open(
-            directory, max_to_keep, keep_best, mode, save_interval_steps, async_save, self._trash
+            directory, max_to_keep, keep_best, mode, save_interval_steps, async_save
         )
 
     @staticmethod
-    def _open(directory, max_to_keep, keep_best, mode, save_interval_steps, async_save, trash):
+    def _open(directory, max_to_keep, keep_best, mode, save_interval_steps, async_save):
         import orbax.checkpoint as ocp
         from orbax.checkpoint import checkpoint_managers as cm
 
@@ -1092,11 +1103,6 @@ class CheckpointManager:
         registry.add(_STATE_ITEM, ocp.args.StandardRestore, state_handler)
         registry.add(_RECORD_ITEM, ocp.args.JsonSave, record_handler)
         registry.add(_RECORD_ITEM, ocp.args.JsonRestore, record_handler)
-        try:
-            os.makedirs(directory, exist_ok=True)
-            trash.repair()
-        except OSError as e:
-            raise _write_error(e, directory) from e
         try:
             return ocp.CheckpointManager(directory, options=options, handler_registry=registry)
         except _READ_ERRORS as e:
