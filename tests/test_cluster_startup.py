@@ -220,7 +220,7 @@ def test_port_in_use_and_missing_peers_are_clear_errors_within_seconds():
         assert expected[name] in output, output[-3000:]
         assert "READY" not in output
         # JAX's own start-up waited 300 s, then aborted.
-        assert seconds < timeout + 15, f"{name}: {seconds:.0f} s"
+        assert seconds < timeout + 20, f"{name}: {seconds:.0f} s"
 
 
 def _listeners(pids: list[int]) -> list[tuple[int, str, int]]:
