@@ -22,11 +22,7 @@ from jstrategy._src.strategy import Strategy
 if TYPE_CHECKING:
     from jstrategy._src.cluster_resolver import ClusterResolver
 
-__all__ = ["DEFAULT_STARTUP_TIMEOUT_S", "MultiWorkerMirroredStrategy", "PeerFailureError"]
-
-#: How long the processes wait for each other at start-up without
-#: `CommunicationOptions.timeout_seconds` (JAX's own default).
-DEFAULT_STARTUP_TIMEOUT_S = 300.0
+__all__ = ["MultiWorkerMirroredStrategy", "PeerFailureError"]
 
 
 class PeerFailureError(RuntimeError):
@@ -174,7 +170,8 @@ class MultiWorkerMirroredStrategy(Strategy):
             )
         assert layout.process_id is not None and layout.coordinator_address is not None
         timeout = self._communication_options.timeout_seconds
-        startup_timeout = timeout if timeout is not None else DEFAULT_STARTUP_TIMEOUT_S
+        # Without a setting, 300 s: JAX's own start-up timeout.
+        startup_timeout = timeout if timeout is not None else coordination.DEFAULT_TIMEOUT_S
         # Only the address TF_CONFIG names, not every interface (JAX's default): one stray
         # connection to the coordination service can abort the whole job.
         bind_address = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or (
