@@ -12,8 +12,15 @@ hundreds of arrays, so its write takes a while), and then:
   with the write in flight.
 
 Step 2's leaf ``wNNN`` is row NNN of ``noise()``.
+
+``python tests/checkpoint_writer.py DIRECTORY rounds SEED`` instead saves steps
+asynchronously with ``max_to_keep=3``, continuing after the latest step, every leaf of step
+``s`` equal to ``s``, until it kills itself with SIGKILL: at the first moment it sees a
+listed step directory without orbax's ``commit_success.txt`` (a step half written or half
+deleted: the worst moment to die), or else after a random time drawn from SEED.
 """
 
+import contextlib
 import glob
 import os
 import signal
@@ -72,5 +79,48 @@ def main(directory: str, mode: str) -> int:
     return 0  # unreachable
 
 
+def damaged_steps(directory: str) -> list[str]:
+    """Listed step directories that orbax did not mark committed."""
+    names = []
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if name.isdigit() and not os.path.exists(os.path.join(path, "commit_success.txt")):
+            names.append(name)
+    return names
+
+
+def rounds(directory: str, seed: int) -> int:
+    import random
+    import threading
+
+    import jax
+    import numpy as np
+
+    import jstrategy
+
+    manager = jstrategy.CheckpointManager(directory, max_to_keep=3, async_save=True)
+    print("STEPS", *manager.all_steps(), flush=True)
+    start = (manager.latest_step() or 0) + 1
+
+    def watch() -> None:
+        while True:
+            with contextlib.suppress(OSError):
+                if damaged_steps(directory):
+                    os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(0.0001)
+
+    threading.Thread(target=watch, daemon=True).start()
+    delay = random.Random(seed).uniform(0.2, 1.5)
+    threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    sharding = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"]).replicated_sharding()
+    for step in range(start, start + 100_000):
+        state = {f"w{i:02d}": jax.device_put(np.full(8192, step, np.float32), sharding)
+                 for i in range(40)}  # fmt: skip
+        manager.save(step, state)
+    return 5  # never reached: killed before
+
+
 if __name__ == "__main__":
+    if sys.argv[2] == "rounds":
+        sys.exit(rounds(sys.argv[1], int(sys.argv[3])))
     sys.exit(main(sys.argv[1], sys.argv[2]))

@@ -15,11 +15,13 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from flax import nnx
 from flax.training import train_state
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jstrategy
+import jstrategy.training
 from jstrategy._src import checkpoint as checkpoint_lib
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,12 +43,16 @@ def _train_state(strategy, seed=0):
     return jax.device_put(state, strategy.replicated_sharding())
 
 
-def _assert_equal_trees(actual, expected):
+def _assert_equal_trees(actual, expected, *, same_dtypes=False):
     # By leaf path: two TrainStates' treedefs differ in their static `tx` closures.
     actual = jax.tree_util.tree_flatten_with_path(actual)[0]
     expected = jax.tree_util.tree_flatten_with_path(expected)[0]
     assert [p for p, _ in actual] == [p for p, _ in expected]
     for (path, a), (_, e) in zip(actual, expected, strict=True):
+        if same_dtypes:
+            assert a.dtype == e.dtype, (path, a.dtype, e.dtype)  # typed keys stay typed keys
+        if jax.dtypes.issubdtype(e.dtype, jax.dtypes.prng_key):
+            a, e = jax.random.key_data(a), jax.random.key_data(e)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(e), err_msg=str(path))
 
 
@@ -241,6 +247,28 @@ def test_keep_best_keeps_the_best_and_the_latest(tmp_path, mode, best):
         assert manager.all_steps() == sorted({best, 5})
 
 
+@pytest.mark.parametrize(("mode", "sign"), [("min", 1.0), ("max", -1.0)])
+def test_keep_best_never_ranks_nan_or_inf_above_a_finite_metric(tmp_path, mode, sign):
+    # A run that diverged: the metric became NaN (and +-inf) after step 3, whose value was
+    # the best. Non-finite values rank below every finite one, in either direction.
+    bad = [float("nan"), float("inf"), float("-inf"), float("nan"), float("nan")]
+    values = [sign * 0.9, sign * 0.5, sign * 0.3, *bad]
+    state = {"w": jnp.ones(2)}
+    with jstrategy.CheckpointManager(
+        tmp_path, max_to_keep=2, keep_best="val_loss", best_mode=mode
+    ) as manager:
+        for step, value in enumerate(values, start=1):
+            manager.save(step, state, metrics={"val_loss": value})
+            manager.wait_until_finished()
+            kept = manager.all_steps()
+            print(f"after step {step} (val_loss {value}): kept {kept}")
+        assert manager.best_step() == 3
+        # The two best finite steps and the latest (to resume from).
+        assert manager.all_steps() == [2, 3, len(values)]
+    with jstrategy.CheckpointManager(tmp_path, max_to_keep=2, keep_best="val_loss") as manager:
+        assert manager.metrics(3) == {"val_loss": sign * 0.3}
+
+
 def test_latest_step_is_none_when_empty(tmp_path):
     with jstrategy.CheckpointManager(tmp_path / "new") as manager:
         assert manager.latest_step() is None
@@ -349,6 +377,89 @@ def test_process_killed_mid_write_leaves_the_previous_step_latest(tmp_path):
     assert not glob.glob(str(directory / "*.orbax-checkpoint-tmp*"))  # leftover cleaned
 
 
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode", ["wait", "exit", "weights"])
+def test_save_into_a_read_only_directory_reports_the_error_and_exits(tmp_path, mode):
+    # Orbax's background threads waited 10 minutes for a step directory that could not be
+    # created, keeping the process alive after its program ended.
+    directory = tmp_path / "read-only"
+    directory.mkdir()
+    directory.chmod(0o555)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=_ROOT)
+    try:
+        result = subprocess.run(
+            [sys.executable, os.path.join(_ROOT, "tests", "unwritable_save.py"), directory, mode],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        directory.chmod(0o755)
+    out = result.stdout
+    assert result.returncode == 0, (result.returncode, out, result.stderr[-3000:])
+    assert out.splitlines()[-1] == "END", out
+    assert f"ERROR PermissionError: [Errno 13] Cannot write the checkpoint {directory}" in out, out
+    assert "Make sure the directory is writable" in out, out
+    assert os.listdir(directory) == []
+
+
+def test_destination_below_a_file_is_a_clear_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(NotADirectoryError, match=r"Cannot write the checkpoint .*file/ckpt: "):
+        jstrategy.CheckpointManager(tmp_path / "file" / "ckpt")
+    with pytest.raises(NotADirectoryError, match=r"Cannot write the checkpoint .*file/w: .*free"):
+        jstrategy.save_weights(tmp_path / "file" / "w", {"w": jnp.ones(2)})
+
+
+@pytest.mark.timeout(280)
+def test_killed_async_saves_never_leave_a_damaged_step_listed(tmp_path):
+    # kill -9 at random moments (and at the worst one seen) while asynchronous saves with
+    # max_to_keep write new steps and delete old ones: every listed step must restore.
+    directory = tmp_path / "ckpt"
+    writer = _writer_module()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=_ROOT)
+    one_device = _STRATEGIES["one_device"]()
+    kept = []
+    for seed in range(6):
+        result = subprocess.run(
+            [sys.executable, _WRITER, str(directory), "rounds", str(seed)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert result.returncode == -signal.SIGKILL, (result.returncode, result.stderr[-3000:])
+        with jstrategy.CheckpointManager(directory, max_to_keep=3) as manager:
+            steps = manager.all_steps()
+            kept.append(steps)
+            for step in steps:
+                restored = manager.restore(step, strategy=one_device)
+                for leaf in jax.tree.leaves(restored):
+                    np.testing.assert_array_equal(leaf, np.full(8192, step, np.float32))
+            assert writer.damaged_steps(directory) == []
+    # The steps max_to_keep dropped are gone from the disk, not only from the list.
+    assert set(os.listdir(directory)) == set(map(str, kept[-1]))
+    print("steps kept after each kill:", kept)
+    assert kept[-1], "no step was ever committed"
+
+
+def test_a_half_deleted_step_is_repaired_when_the_directory_is_opened(tmp_path, capfd):
+    with jstrategy.CheckpointManager(tmp_path) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, {"w": jnp.full(3, float(step))})
+    # What an older version left when killed while deleting step 1: files gone, folders left.
+    for marker in ("commit_success.txt", "_CHECKPOINT_METADATA"):
+        os.remove(tmp_path / "1" / marker)
+    with jstrategy.CheckpointManager(tmp_path) as manager:
+        assert manager.all_steps() == [2, 3]
+        assert float(manager.restore(2)["w"][0]) == 2.0
+    assert "removed step 1 from" in capfd.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["2", "3"]
+
+
 def test_program_exiting_mid_write_finishes_the_write(tmp_path):
     directory = tmp_path / "ckpt"
     result = _run_writer(directory, "exit")
@@ -455,6 +566,166 @@ def test_damaged_checkpoint_raises_naming_the_path(tmp_path, damage, with_target
         earlier = manager.restore(1, target=weights)
     np.testing.assert_array_equal(np.asarray(earlier["w"]), np.zeros((10, 100)))
     gc.collect()
+
+
+# What a custom loop holds -------------------------------------------------------------------------------
+class _NNXNet(nnx.Module):
+    """Parameters, batch statistics and a dropout stream (a typed key in the state)."""
+
+    def __init__(self):
+        rngs = nnx.Rngs(params=0, dropout=1)
+        self.norm = nnx.BatchNorm(4, rngs=rngs)
+        self.out = nnx.Linear(4, 2, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.drop(self.norm(x)))
+
+
+def _custom_loop_state(kind, strategy):
+    """What a custom loop holds: jstrategy's train states, with typed PRNG keys."""
+    with strategy.scope():
+        if kind == "linen":
+            return jstrategy.training.create_train_state(
+                nn.Dense(3), optax.adam(0.1), jnp.ones((1, 4)), rng=7
+            )
+        if kind == "nnx":
+            return jstrategy.training.create_nnx_train_state(_NNXNet(), optax.adam(0.1))
+        if kind == "model":
+            model = jstrategy.Model(nn.Dense(3), input_shape=(4,))
+            model.compile(optax.sgd(0.1), loss="mse")
+            return model.state
+    keys = {"rbg": jax.random.key(3, impl="rbg"), "fry": jax.random.split(jax.random.key(1), 4)}
+    return jax.device_put(keys, strategy.replicated_sharding())
+
+
+@pytest.mark.parametrize("kind", ["linen", "nnx", "model", "keys"])
+def test_train_states_with_typed_keys_round_trip(tmp_path, kind):
+    strategy = _STRATEGIES["mirrored_2"]()
+    state = _custom_loop_state(kind, strategy)
+    assert any(  # the case at hand: a typed PRNG key array in the state
+        jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) for x in jax.tree.leaves(state)
+    )
+    with jstrategy.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.save(1, state)
+        _assert_equal_trees(manager.restore(target=state), state, same_dtypes=True)
+        abstract = jax.eval_shape(lambda: state)
+        _assert_equal_trees(
+            manager.restore(target=abstract, strategy=strategy), state, same_dtypes=True
+        )
+        untargeted = manager.restore(strategy=strategy)  # the saved structure, keys typed
+
+    def keys(tree):
+        leaves = jax.tree.leaves(tree)
+        return [
+            jax.random.key_data(x) for x in leaves if jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+        ]
+
+    assert len(keys(untargeted)) == len(keys(state))
+    for a, e in zip(keys(untargeted), keys(state), strict=True):
+        np.testing.assert_array_equal(a, e)
+    jstrategy.save_weights(tmp_path / "w", state)
+    _assert_equal_trees(
+        jstrategy.load_weights(tmp_path / "w", target=state), state, same_dtypes=True
+    )
+
+
+def test_per_replica_values_from_run_save_as_one_copy_when_replicas_agree(tmp_path):
+    strategy = _STRATEGIES["mirrored_8"]()
+    params = jax.device_put(
+        {"w": jnp.arange(3.0), "b": jnp.ones(2)}, strategy.replicated_sharding()
+    )
+
+    def step(params):
+        ctx = jstrategy.get_replica_context()
+        grad = ctx.all_reduce("MEAN", jnp.full(3, 1.0 + ctx.replica_id_in_sync_group))
+        return {"w": params["w"] - 0.5 * grad, "b": params["b"]}
+
+    updated = strategy.run(step, (params,))
+    assert isinstance(updated["w"], jstrategy.PerReplica)  # replicas agree: TF's Mirrored
+    state = {"params": updated, "step": 1}
+    with jstrategy.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.save(1, state)
+        restored = manager.restore(strategy=_STRATEGIES["one_device"]())
+    np.testing.assert_allclose(restored["params"]["w"], np.arange(3.0) - 0.5 * 4.5)
+    assert restored["params"]["w"].shape == (3,)
+    jstrategy.save_weights(tmp_path / "w", updated)
+    loaded = jstrategy.load_weights(tmp_path / "w", strategy=strategy)
+    assert loaded["w"].shape == (3,) and loaded["w"].sharding == strategy.replicated_sharding()
+    # The restored value goes back into `run` as parameters, as the PerReplica did.
+    again = strategy.run(step, (loaded,))
+    np.testing.assert_allclose(
+        strategy.experimental_local_results(again["w"])[0], np.arange(3.0) - 0.5 * 9.0
+    )
+
+
+def test_per_replica_values_that_differ_are_refused_with_the_fix(tmp_path):
+    strategy = _STRATEGIES["mirrored_8"]()
+
+    def step():
+        ctx = jstrategy.get_replica_context()
+        return {"w": jnp.full(3, 1.0 * ctx.replica_id_in_sync_group)}
+
+    state = strategy.run(step)
+    with jstrategy.CheckpointManager(tmp_path / "ckpt") as manager:
+        with pytest.raises(
+            ValueError,
+            match=r"leaf w is a PerReplica whose 8 replicas hold different values.*"
+            r'strategy.reduce\("MEAN", state, axis=None\)',
+        ):
+            manager.save(1, state)
+        assert manager.all_steps() == []
+        manager.save(1, strategy.reduce("MEAN", state, axis=None))  # the fix it names
+        np.testing.assert_allclose(manager.restore()["w"], np.full(3, 3.5))
+    batch = next(iter(strategy.experimental_distribute_dataset([np.ones((8, 2), np.float32)])))
+    with pytest.raises(TypeError, match=r"`variables` leaf <root> is a PerReplica of rows"):
+        jstrategy.save_weights(tmp_path / "w", batch)
+
+
+def test_a_program_that_opens_a_manager_and_ends_exits_quietly(tmp_path):
+    # Orbax cleaned up in a background thread that failed noisily when the program ended.
+    program = (
+        "import sys, jstrategy\n"
+        "manager = jstrategy.CheckpointManager(sys.argv[1])\n"
+        "try:\n"
+        "    manager.save(1, {'name': 'not an array'})\n"
+        "except TypeError:\n"
+        "    print('refused')\n"
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=_ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", program, str(tmp_path / "ckpt")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0 and done.stdout == "refused\n", done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "ERROR" not in done.stderr, done.stderr[-3000:]
+
+
+def test_restore_errors_name_the_path_and_the_fix(tmp_path):
+    state = {"w": jnp.ones(3)}
+    with jstrategy.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.save(1, state)
+        manager.save(2, state)
+    with pytest.raises(
+        jstrategy.CheckpointError,
+        match=r"ckpt holds the numbered steps \[1, 2\] of a CheckpointManager, and load_weights "
+        r"reads one checkpoint. Load the latest step with jstrategy.load_weights\('.*ckpt/2'\)",
+    ):
+        jstrategy.load_weights(tmp_path / "ckpt")
+    np.testing.assert_array_equal(jstrategy.load_weights(tmp_path / "ckpt" / "2")["w"], 1.0)
+    jstrategy.save_weights(tmp_path / "w", state)
+    with (
+        jstrategy.CheckpointManager(tmp_path / "w") as manager,
+        pytest.raises(FileNotFoundError, match=r"is one checkpoint itself .*load_weights\('"),
+    ):
+        manager.restore()
+    os.remove(tmp_path / "w" / "jstrategy" / "metadata")
+    with pytest.raises(jstrategy.CheckpointError, match=r"Save the weights again \(save_weights"):
+        jstrategy.load_weights(tmp_path / "w")
 
 
 # save_weights / load_weights ---------------------------------------------------------------------------

@@ -418,6 +418,11 @@ def test_layout_with_chief(monkeypatch, task_type, task_id, process_id, is_chief
         is_chief=is_chief,
         task_type=task_type,
         task_id=task_id,
+        tasks=(
+            ("chief", 0, "chief0:2222"),
+            ("worker", 0, "worker0:2222"),
+            ("worker", 1, "worker1:2222"),
+        ),
     )
 
 

@@ -182,3 +182,33 @@ def test_stress_5000_run_steps_on_8_devices_do_not_hang():
 def test_limiter_validates():
     with pytest.raises(ValueError, match="`max_in_flight` must be a positive int; got 0"):
         dispatch.InFlightLimiter(max_in_flight=0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "call, times",
+    [
+        (lambda s, v: s.reduce("SUM", v, axis=None), 250),
+        (lambda s, v: s.reduce("MEAN", v, axis=0), 250),
+        (lambda s, v: s.cross_device_ops.reduce("SUM", v), 250),
+        (lambda s, v: s.cross_device_ops.batch_reduce("SUM", [(v, None), (v, None)]), 250),
+        (lambda s, v: s.gather(v, axis=0), 2500),
+    ],
+    ids=["reduce", "reduce_axis", "cross_device_ops_reduce", "batch_reduce", "gather"],
+)
+def test_back_to_back_reduce_and_gather_on_8_devices_do_not_abort(call, times):
+    # Unbounded, 100 reduces or a few thousand gathers queued on 8 fake CPU devices abort
+    # the process in XLA's collective rendezvous.
+    strategy = jstrategy.MirroredStrategy()
+    value = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.full((4,), ctx.replica_id_in_sync_group, np.float32)
+    )
+    limiter = dispatch.get_limiter()
+    expected = jax.device_get(call(strategy, value))
+    limiter.wait_all()
+    call(strategy, value)
+    assert limiter.in_flight >= 1, "the collective was not tracked by the in-flight limiter"
+    for _ in range(times):
+        out = call(strategy, value)
+        assert limiter.in_flight <= limiter.max_in_flight
+    jax.tree.map(np.testing.assert_allclose, jax.device_get(out), expected)

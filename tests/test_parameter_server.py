@@ -21,6 +21,7 @@ from sklearn.datasets import load_digits
 import jstrategy
 import jstrategy.losses
 from jstrategy._src.parameter_server import model_fit
+from jstrategy._src.parameter_server import ray_backend
 from jstrategy.cluster_resolver import SimpleClusterResolver
 from jstrategy.coordinator import ClusterCoordinator
 from jstrategy.coordinator import FunctionCancelledError
@@ -732,7 +733,11 @@ def ray_instance():
         with warnings.catch_warnings():
             # Ray starts its daemons with fork+exec; JAX warns about any fork.
             warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+            # Loopback only, as the library's own local Ray (nothing listens on the world).
+            with ray_backend._loopback_node_address():
+                ray.init(
+                    address="local", num_cpus=2, include_dashboard=False, log_to_driver=False
+                )
     yield ray
     if started:
         ray.shutdown()

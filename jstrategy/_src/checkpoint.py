@@ -6,7 +6,8 @@ orbax items:
 * ``state``: the pytree, written by orbax's array handlers. Each process writes the shards it
   holds (replicated shards once), so a sharded state is never gathered on one host.
 * ``jstrategy``: a small JSON record with one entry per leaf (path, dtype, shape and a
-  32-bit fingerprint of its bits), the user's metadata and the metrics.
+  32-bit fingerprint of its bits, and for a typed PRNG key array, saved as its raw data,
+  the key's implementation), the user's metadata and the metrics.
 
 Restoring reads the record first, restores every leaf straight into the layout the target
 strategy wants (`_target_sharding`), then recomputes the fingerprints on the devices and
@@ -15,17 +16,24 @@ and tensorstore read a checkpoint whose data bytes were overwritten without any 
 
 Writes are atomic: orbax writes a step into ``<step>.orbax-checkpoint-tmp`` and renames it
 when every item is complete, so a process killed mid-write leaves the previous step as the
-latest; the next `CheckpointManager` on the directory removes the leftover.
+latest; the next `CheckpointManager` on the directory removes the leftover. Deletions are
+atomic too: a step dropped by `max_to_keep` is renamed into ``.jstrategy-deleted`` before
+its files are removed (see `_Trash`), so a listed step is always a whole one.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import dataclasses
 import enum
 import json
+import math
 import os
 import shutil
+import sys
 import threading
+import time
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -36,9 +44,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jstrategy._src import context
+from jstrategy._src import coordination
 from jstrategy._src import dispatch
 from jstrategy._src.names import path_names
 from jstrategy._src.placement import in_device_memory
+from jstrategy._src.values import PerReplica
+from jstrategy._src.values import is_per_replica
 
 if TYPE_CHECKING:
     from jstrategy._src.strategy import Strategy
@@ -106,6 +117,15 @@ def _target_sharding(
         raise TypeError(
             f"{type(strategy).__name__}.variable_sharding must return a "
             f"jax.sharding.Sharding for leaf {'/'.join(path)}; got {type(sharding).__name__}."
+        )
+    if not sharding.addressable_devices:
+        # E.g. the default strategy (JAX's first device, process 0's) on another worker.
+        raise ValueError(
+            f"Cannot restore into {strategy!r}: none of its devices belongs to this process "
+            f"(process {jax.process_index()} of {jax.process_count()}). In a multi-worker "
+            "job, pass "
+            "strategy=<the job's MultiWorkerMirroredStrategy> (or restore inside its "
+            "scope()) on every worker."
         )
     return sharding
 
@@ -217,26 +237,100 @@ def _flatten_state(state: Any, argname: str) -> list[tuple[tuple[str, ...], Any]
                 "out of the pytree (e.g. a flax.struct field with pytree_node=False) or put "
                 "JSON-able values in `metadata`."
             )
-        if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            raise TypeError(
-                f"`{argname}` leaf {_show(path)} is a typed PRNG key array; save "
-                "jax.random.key_data(key) and rebuild it with jax.random.wrap_key_data."
-            )
         out.append((path, leaf))
     return out
+
+
+def _is_key(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _prepare(state: Any, argname: str) -> tuple[Any, list[tuple[tuple[str, ...], Any]], dict]:
+    """What is written for `state`: (the pytree of arrays, its flat leaves, key impls).
+
+    Containers of variables give their arrays (`_as_saveable`); `PerReplica` values become
+    one copy (`_one_copy`); typed PRNG keys become their raw data, and the record keeps
+    their implementation so that a restore without a target gives keys back.
+    """
+    state = _as_saveable(state)
+
+    def arrays(keypath: Any, leaf: Any) -> Any:
+        if isinstance(leaf, PerReplica):
+            return _one_copy(leaf, path_names(keypath), argname)
+        return leaf
+
+    state = jax.tree_util.tree_map_with_path(arrays, state, is_leaf=is_per_replica)
+    impls: dict[tuple[str, ...], str] = {}
+
+    def key_data(keypath: Any, leaf: Any) -> Any:
+        if not _is_key(leaf):
+            return leaf
+        impls[path_names(keypath)] = str(jax.random.key_impl(leaf))
+        return jax.random.key_data(leaf)
+
+    state = jax.tree_util.tree_map_with_path(key_data, state)
+    return state, _flatten_state(state, argname), impls
+
+
+def _agreement(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    first = x[0]
+    same = x == first
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        same = same | (jnp.isnan(x) & jnp.isnan(first))  # NaN where every replica has NaN
+    return first, jnp.all(same)
+
+
+def _one_copy(value: PerReplica, path: tuple[str, ...], argname: str) -> jax.Array:
+    """The value of a `PerReplica` whose replicas agree, as one mirrored array.
+
+    This is what TF saves for a mirrored variable, and what `run` returns for parameters
+    updated from all-reduced gradients: a `PerReplica` whose replicas hold the same value.
+    Replicas that differ cannot be one checkpoint value, and are refused.
+    """
+    if not value.stacked:
+        raise TypeError(
+            f"`{argname}` leaf {_show(path)} is a PerReplica of rows (a distributed batch), "
+            "not a variable. Save variables; gather rows first with "
+            "strategy.gather(value, axis=0) if they must be kept."
+        )
+    x = value.value
+    keys = _is_key(x)
+    data = jax.random.key_data(x) if keys else x
+    sharding = x.sharding
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        raise TypeError(
+            f"`{argname}` leaf {_show(path)} is a PerReplica not laid over a strategy's mesh "
+            f"({sharding}). Save values made by a strategy's `run`."
+        )
+    replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    first, agree = jax.jit(_agreement, out_shardings=(replicated, replicated))(data)
+    if not bool(agree):  # every process computes and reads the same verdict
+        raise ValueError(
+            f"`{argname}` leaf {_show(path)} is a PerReplica whose {value.num_replicas} "
+            "replicas hold different values, but a checkpoint keeps one value per variable. "
+            f'Save their mean, `strategy.reduce("MEAN", {argname}, axis=None)` (in one '
+            "process or several), or make the replicas agree: all-reduce the gradients "
+            "inside `run` (jstrategy.get_replica_context().all_reduce)."
+        )
+    return jax.random.wrap_key_data(first, impl=jax.random.key_impl(x)) if keys else first
 
 
 def _record(
     flat: list[tuple[tuple[str, ...], Any]],
     metadata: Mapping[str, Any] | None,
     metrics: dict[str, float] | None,
+    key_impls: Mapping[tuple[str, ...], str],
 ) -> dict[str, Any]:
     fingerprints = _fingerprints([leaf for _, leaf in flat])
     leaves = []
     for (path, leaf), fp in zip(flat, fingerprints, strict=True):
         dtype = leaf.dtype if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) else None
         dtype = np.dtype(dtype) if dtype is not None else np.asarray(leaf).dtype
-        leaves.append([list(path), str(dtype), list(np.shape(leaf)), fp])
+        entry = [list(path), str(dtype), list(np.shape(leaf)), fp]
+        if path in key_impls:
+            # The raw data of a typed PRNG key array, and the key's implementation.
+            entry.append(key_impls[path])
+        leaves.append(entry)
     return {
         "format": _FORMAT,
         "leaves": leaves,
@@ -261,13 +355,13 @@ def _check_metadata(metadata: Any) -> None:
         ) from None
 
 
-def _save_args(flat, state, metadata, metrics):
+def _save_args(flat, state, metadata, metrics, key_impls):
     import orbax.checkpoint as ocp
 
     return ocp.args.Composite(
         **{
             _STATE_ITEM: ocp.args.StandardSave(state),
-            _RECORD_ITEM: ocp.args.JsonSave(_record(flat, metadata, metrics)),
+            _RECORD_ITEM: ocp.args.JsonSave(_record(flat, metadata, metrics, key_impls)),
         }
     )
 
@@ -279,11 +373,13 @@ _JAX, _NUMPY, _PYTHON = "jax", "numpy", "python"
 class _Plan:
     """How one leaf is read (`read`, a spec orbax understands) and what it becomes."""
 
-    __slots__ = ("dtype", "kind", "path", "read", "record", "sharding", "target")
+    __slots__ = ("dtype", "key_impl", "kind", "path", "read", "record", "sharding", "target")
 
-    def __init__(self, path, record, kind, dtype, sharding, target):
+    def __init__(self, path, record, kind, dtype, sharding, target, key_impl=None):
         self.path, self.record, self.kind = path, record, kind
         self.dtype, self.sharding, self.target = dtype, sharding, target
+        # The raw data read is wrapped into typed PRNG keys of this implementation.
+        self.key_impl = key_impl
         saved = _dtype(record["dtype"])
         shape = tuple(record["shape"])
         if kind == _JAX and jax.dtypes.canonicalize_dtype(saved) == saved:
@@ -302,20 +398,28 @@ def _dtype(name: str) -> np.dtype:
 
 def _leaf_records(record: dict, location: str) -> dict[tuple[str, ...], dict]:
     try:
-        records = {
-            tuple(path): {"dtype": dtype, "shape": shape, "fingerprint": fp}
-            for path, dtype, shape, fp in record["leaves"]
-        }
+        records = {}
+        for path, dtype, shape, fp, *key_impl in record["leaves"]:
+            records[tuple(path)] = {
+                "dtype": dtype,
+                "shape": shape,
+                "fingerprint": fp,
+                "key_impl": key_impl[0] if key_impl else None,
+            }
         for rec in records.values():
             _dtype(rec["dtype"])
         return records
     except (KeyError, TypeError, ValueError):
         raise CheckpointError(
-            f"The checkpoint record in {location} is malformed. {_ADVICE}", path=location
+            f"The checkpoint record in {location} is malformed. {_advice(location)}", path=location
         ) from None
 
 
-_ADVICE = "Restore another step (restore(step=...)), or delete this directory and save again."
+def _advice(location: str) -> str:
+    """What to do about a damaged checkpoint: a manager's step, or a weights directory."""
+    if os.path.basename(os.fspath(location)).isdigit():
+        return "Restore another step (restore(step=...)), or delete this directory and save again."
+    return "Save the weights again (save_weights), or load another copy of them."
 
 
 def _plan_restore(
@@ -327,7 +431,7 @@ def _plan_restore(
 ):
     """Decides how each leaf is read and placed; returns (plans, treedef of the result)."""
     if target is None:
-        strategy_ = strategy if strategy is not None else context.get_strategy()
+        strategy_ = strategy if strategy is not None else _current_strategy(location)
         target = abstract_from_orbax()
         flat, treedef = jax.tree_util.tree_flatten_with_path(target)
         plans = []
@@ -336,13 +440,12 @@ def _plan_restore(
             rec = _record_for(records, path, location)
             dtype = jax.dtypes.canonicalize_dtype(_dtype(rec["dtype"]))
             leaf = jax.ShapeDtypeStruct(tuple(rec["shape"]), dtype)
-            plans.append(
-                _Plan(path, rec, _JAX, dtype, _target_sharding(strategy_, leaf, path=path), meta)
-            )
+            sharding = _target_sharding(strategy_, leaf, path=path)
+            plans.append(_Plan(path, rec, _JAX, dtype, sharding, meta, rec["key_impl"]))
         if len(plans) != len(records):
             raise CheckpointError(
                 f"The checkpoint in {location} has {len(plans)} arrays but its record lists "
-                f"{len(records)}; the directory is damaged. {_ADVICE}",
+                f"{len(records)}; the directory is damaged. {_advice(location)}",
                 path=location,
             )
         return plans, treedef
@@ -356,6 +459,16 @@ def _plan_restore(
     for path, (_, leaf) in zip(paths, flat, strict=True):
         rec = records[path]
         shape = tuple(rec["shape"])
+        key_impl = None
+        if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) and jax.dtypes.issubdtype(
+            leaf.dtype, jax.dtypes.prng_key
+        ):
+            # A typed key is restored from its raw data (what was saved), then wrapped.
+            key_impl = _key_impl(leaf, rec, path)
+            data = jax.eval_shape(jax.random.key_data, leaf)
+            # The key's sharding fits its data: the data's extra last axis is not split.
+            own_sharding = getattr(leaf, "sharding", None)
+            leaf = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=own_sharding)
         if not isinstance(leaf, (*_SAVABLE, jax.ShapeDtypeStruct)) or isinstance(leaf, str):
             raise TypeError(
                 f"`target` leaf {_show(path)} is a {type(leaf).__name__}; pass arrays, "
@@ -381,12 +494,40 @@ def _plan_restore(
             elif own is not None:
                 sharding = own
             else:
-                sharding = _target_sharding(context.get_strategy(), abstract, path=path)
-            plans.append(_Plan(path, rec, _JAX, dtype, sharding, leaf))
+                sharding = _target_sharding(_current_strategy(location), abstract, path=path)
+            plans.append(_Plan(path, rec, _JAX, dtype, sharding, leaf, key_impl))
         else:
             kind = _NUMPY if isinstance(leaf, (np.ndarray, np.generic)) else _PYTHON
             plans.append(_Plan(path, rec, kind, dtype, None, leaf))
     return plans, treedef
+
+
+def _current_strategy(location: str) -> Strategy:
+    """The strategy a restore without `strategy=` places leaves with."""
+    if jax.process_count() > 1 and not context.has_strategy():
+        # Outside any scope that is the default strategy: one device, process 0's.
+        raise ValueError(
+            f"Restoring {location} in a multi-worker job needs the job's strategy: pass "
+            "strategy=<your MultiWorkerMirroredStrategy>, or restore inside its scope(), on "
+            "every worker."
+        )
+    return context.get_strategy()
+
+
+def _key_impl(leaf: Any, record: dict, path: tuple[str, ...]) -> str:
+    """The PRNG implementation of a typed-key `target` leaf (an array or an abstract one)."""
+    if isinstance(leaf, jax.Array):
+        return str(jax.random.key_impl(leaf))
+    if record["key_impl"] is not None:
+        return record["key_impl"]
+    # An abstract key says its implementation only through its dtype.
+    for name in ("threefry2x32", "rbg", "unsafe_rbg"):
+        if jax.random.key(0, impl=name).dtype == leaf.dtype:
+            return name
+    raise TypeError(
+        f"`target` leaf {_show(path)} is an abstract key array of {leaf.dtype}, whose "
+        "implementation cannot be told. Pass a concrete key array for this leaf."
+    )
 
 
 def _record_for(records, path, location):
@@ -394,7 +535,7 @@ def _record_for(records, path, location):
     if rec is None:
         raise CheckpointError(
             f"The checkpoint in {location} has a leaf {_show(path)} that its record does not "
-            f"list; the directory is damaged or not a jstrategy checkpoint. {_ADVICE}",
+            f"list; the directory is damaged or not a jstrategy checkpoint. {_advice(location)}",
             path=location,
         )
     return rec
@@ -427,7 +568,7 @@ def _finish(plans: list[_Plan], values: list[Any], location: str) -> list[Any]:
         shown = ", ".join(_show(p) for p in bad[:5]) + (" ..." if len(bad) > 5 else "")
         raise CheckpointError(
             f"The checkpoint in {location} is corrupt: the data read for {len(bad)} "
-            f"leaves ({shown}) differs from what was saved. {_ADVICE}",
+            f"leaves ({shown}) differs from what was saved. {_advice(location)}",
             path=location,
         )
     out = []
@@ -438,6 +579,8 @@ def _finish(plans: list[_Plan], values: list[Any], location: str) -> list[Any]:
             elif value.dtype != plan.dtype:
                 # Elementwise, so the cast keeps the layout the value was read into.
                 value = jax.device_put(value.astype(plan.dtype), plan.sharding)
+            if plan.key_impl is not None:
+                value = jax.random.wrap_key_data(value, impl=plan.key_impl)
         elif plan.kind == _NUMPY:
             value = np.asarray(value).astype(plan.dtype, copy=False)
             if isinstance(plan.target, np.generic):
@@ -454,7 +597,7 @@ def _wrap_read_error(e: Exception, location: str, what: str) -> CheckpointError:
         text = text[:400] + " ..."
     return CheckpointError(
         f"Cannot read {what} of the checkpoint in {location}: it is damaged or incomplete "
-        f"({type(e).__name__}: {text}). {_ADVICE}",
+        f"({type(e).__name__}: {text}). {_advice(location)}",
         path=location,
     )
 
@@ -519,7 +662,7 @@ def _restore(
             raise CheckpointError(
                 f"Cannot read the state's structure of the checkpoint in {location}: its "
                 "metadata (state/_METADATA) is missing or damaged. Pass `target=` (e.g. "
-                f"jax.eval_shape of the state's initializer) to restore without it. {_ADVICE}",
+                f"jax.eval_shape of the state's initializer) to restore without it. {_advice(location)}",
                 path=location,
             )
         # Orbax's metadata leaves are objects with shape and dtype; containers are dicts
@@ -536,7 +679,7 @@ def _restore(
     if len(values) != len(plans):
         raise CheckpointError(
             f"The checkpoint in {location} returned {len(values)} leaves for {len(plans)} "
-            f"expected. {_ADVICE}",
+            f"expected. {_advice(location)}",
             path=location,
         )
     return jax.tree.unflatten(treedef, _finish(plans, values, location)), record
@@ -551,13 +694,13 @@ def _read_record(read, location: str) -> dict:
         raise CheckpointError(
             f"The checkpoint in {location} has no readable jstrategy record (the "
             f"'{_RECORD_ITEM}' item): it is damaged, incomplete, or was not written by "
-            f"jstrategy ({type(e).__name__}: {str(e)[:300]}). {_ADVICE}",
+            f"jstrategy ({type(e).__name__}: {str(e)[:300]}). {_advice(location)}",
             path=location,
         ) from e
     if not isinstance(record, dict) or record.get("format") != _FORMAT:
         raise CheckpointError(
             f"The checkpoint record in {location} is not a {_FORMAT} record; got "
-            f"{str(record)[:200]}. {_ADVICE}",
+            f"{str(record)[:200]}. {_advice(location)}",
             path=location,
         )
     return record
@@ -590,6 +733,19 @@ def _metrics_dict(metrics: Any, keep_best: str | None) -> dict[str, float] | Non
     return out
 
 
+def _rank(value: float, mode: BestMode) -> float:
+    """A `keep_best` metric as orbax ranks it: NaN and +-inf rank below every finite value.
+
+    A run whose metric became NaN (or overflowed) must keep its best finite step; sorting
+    raw NaNs is undefined, and an infinite loss in "max" mode (or -inf in "min") is a
+    diverged run, not a good one.
+    """
+    value = float(value)
+    if math.isfinite(value):
+        return value
+    return math.inf if mode is BestMode.MIN else -math.inf
+
+
 # Orbax managers whose last save may still be writing, held until it is committed.
 _IN_FLIGHT: dict[int, Any] = {}
 _IN_FLIGHT_LOCK = threading.Lock()
@@ -603,8 +759,16 @@ def _finish_in_flight() -> None:
     for manager in managers:
         try:
             manager.wait_until_finished()
+        except Exception as e:  # at exit: say it once and let the process end
+            print(
+                f"jstrategy: a checkpoint save still being written at exit failed: "
+                f"{type(e).__name__}: {e}",
+                file=sys.stderr,
+                flush=True,
+            )
         finally:
-            manager.close()
+            with contextlib.suppress(Exception):
+                manager.close()
 
 
 def _hold_until_committed(manager: Any) -> None:
@@ -631,9 +795,140 @@ def _hold_until_committed(manager: Any) -> None:
         atexit.register(_finish_in_flight)
 
 
+def _write_error(e: OSError, location: str) -> OSError:
+    """`e` (same type and errno) with a message that names the checkpoint and the fix."""
+    where = f" ({e.filename})" if e.filename else ""
+    message = (
+        f"Cannot write the checkpoint {location}: {e.strerror or e}{where}. Make sure the "
+        "directory is writable, is not below a file and has free space, or pass another "
+        "directory."
+    )
+    return type(e)(e.errno, message) if e.errno is not None else type(e)(message)
+
+
 def _committed(manager: Any) -> None:
     with _IN_FLIGHT_LOCK:
         _IN_FLIGHT.pop(id(manager), None)
+
+
+def _async_options(ocp: Any) -> Any:
+    """Orbax's async options: step directories made in `save`, where orbax can.
+
+    An unwritable destination then raises in `save`. Made in the background (the default
+    of recent orbax), its failure left orbax's other background threads waiting 10 minutes
+    for the directory, and the process could not exit.
+    """
+    fields = {f.name for f in dataclasses.fields(ocp.AsyncOptions)}
+    if "create_directories_asynchronously" not in fields:
+        return None  # older orbax makes them in `save` anyway
+    return ocp.AsyncOptions(create_directories_asynchronously=False)
+
+
+# Deleted steps ------------------------------------------------------------------------------------
+# Where orbax moves the steps that `max_to_keep` drops. Deleting in place (orbax's default)
+# unlinks a step's files first and its directories last: a process killed in between left
+# a listed step without metadata that could not be read. A rename is atomic, so a listed
+# step is always whole; the renamed steps are removed from here afterwards.
+_TRASH = ".jstrategy-deleted"
+_COMMITTED_MARKERS = ("commit_success.txt", "_CHECKPOINT_METADATA")
+_TMP_MARK = ".orbax-checkpoint-tmp"
+
+
+class _Trash:
+    """Empties `_TRASH` and repairs what a killed deletion left, on the primary process."""
+
+    def __init__(self, directory: str):
+        self._directory = directory
+        self._path = os.path.join(directory, _TRASH)
+        self._thread: threading.Thread | None = None
+        # Orbax deletes steps on process 0 only; the others have nothing to do here.
+        self._primary = jax.process_index() == 0
+
+    def repair(self) -> None:
+        """Moves here, before orbax lists the steps, what interrupted processes left.
+
+        Orbax's temporary directories of unfinished writes go, and so do step directories
+        without orbax's commit markers.
+
+        Orbax writes both markers before it renames a finished step into place, so a step
+        directory that lacks one was half deleted by an older jstrategy (or half copied by
+        hand): it cannot be restored, and listing it would offer it to `restore`.
+        """
+        if not self._primary:
+            return
+        for name in sorted(os.listdir(self._directory)):
+            path = os.path.join(self._directory, name)
+            if _TMP_MARK in name and os.path.isdir(path):
+                # What a process killed mid-write left: never a committed step. (Orbax's
+                # own cleanup runs in a thread that fails noisily if the program ends soon.)
+                os.makedirs(self._path, exist_ok=True)
+                os.replace(path, os.path.join(self._path, f"{name}-{time.time_ns()}"))
+                continue
+            if not name.isdigit() or not os.path.isdir(path):
+                continue
+            if all(os.path.exists(os.path.join(path, m)) for m in _COMMITTED_MARKERS):
+                continue
+            os.makedirs(self._path, exist_ok=True)
+            os.replace(path, os.path.join(self._path, f"{name}.incomplete-{time.time_ns()}"))
+            print(
+                f"jstrategy: removed step {name} from {self._directory}: it is incomplete "
+                "(an interrupted deletion or copy left it without orbax's commit markers).",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.empty(background=True)
+
+    def empty(self, *, background: bool) -> None:
+        """Removes the steps moved here: in a daemon thread, or now and the folder too (the
+        manager must be closed then)."""
+        if not self._primary or not os.path.isdir(self._path):
+            return
+        if self._thread is not None and self._thread.is_alive():
+            if background:
+                return  # still emptying; the next call takes the rest
+            self._thread.join()
+        if background:
+            self._thread = threading.Thread(
+                target=self._remove_entries, name="jstrategy-trash", daemon=True
+            )
+            self._thread.start()
+        else:
+            self._remove_entries()
+            # Orbax is done (the manager is closed): the folder itself can go too.
+            with contextlib.suppress(OSError):
+                os.rmdir(self._path)
+
+    def _remove_entries(self) -> None:
+        # Entry by entry, not the folder, which orbax may be renaming a step into meanwhile.
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self._path):
+                shutil.rmtree(os.path.join(self._path, name), ignore_errors=True)
+
+
+# Several workers ----------------------------------------------------------------------------------
+_EVERY_WORKER = (
+    "In a multi-worker job every worker opens the same checkpoints and calls save and "
+    "restore with the same steps, at the same point of the program: jstrategy writes what is "
+    "written once on the chief only, so do not guard them with `if strategy.is_chief`."
+)
+
+
+def _chief_directory(name: str, directory: str, what: str) -> str:
+    """The chief's `directory`, on every worker: the one a collective checkpoint lives in.
+
+    TF's multi-worker tutorials give each non-chief worker its own temporary directory and
+    discard what it writes there. Here every worker writes its part of the chief's
+    checkpoint, so a worker that names another directory writes into the chief's; its own
+    directory is created, and stays empty for the program to delete as TF's do.
+    """
+    chief = coordination.share_from_chief(
+        f"{name}/directory", directory, what=f"Opening {what}", fix=_EVERY_WORKER
+    )
+    coordination.barrier(f"{name}/open", what=f"Opening {what}", fix=_EVERY_WORKER)
+    if chief != directory:
+        with contextlib.suppress(OSError):
+            os.makedirs(directory, exist_ok=True)
+    return chief
 
 
 # CheckpointManager -------------------------------------------------------------------------------
@@ -725,11 +1020,30 @@ class CheckpointManager:
             )
         if not isinstance(async_save, bool):
             raise TypeError(f"`async_save` must be a bool; got {async_save!r}.")
+        self._meeting: int | None = None
+        self._restores = 0
+        if coordination.active():
+            self._meeting = coordination.next_id()
+            directory = _chief_directory(
+                f"checkpoint-{self._meeting}", directory, f"CheckpointManager({directory!r})"
+            )
         self._directory = directory
         self._keep_best = keep_best
         self._best_mode = mode
         self._max_to_keep = max_to_keep
         self._closed = False
+        self._trash = _Trash(directory)
+        try:
+            os.makedirs(directory, exist_ok=True)
+            self._trash.repair()
+        except OSError as e:
+            raise _write_error(e, directory) from e
+        if self._meeting is not None:  # the others list the steps once the chief repaired
+            coordination.barrier(
+                f"checkpoint-{self._meeting}/repaired",
+                what=f"Opening {directory}",
+                fix=_EVERY_WORKER,
+            )
         self._manager = self._open(
             directory, max_to_keep, keep_best, mode, save_interval_steps, async_save
         )
@@ -740,7 +1054,7 @@ class CheckpointManager:
         from orbax.checkpoint import checkpoint_managers as cm
 
         def metric(metrics):
-            return metrics[keep_best]
+            return _rank(metrics[keep_best], mode)
 
         if keep_best is None:
             preservation = cm.LatestN(n=max_to_keep)
@@ -760,8 +1074,11 @@ class CheckpointManager:
             best_fn=metric if keep_best is not None else None,
             best_mode=mode.value,
             enable_async_checkpointing=async_save,
-            # Removes what a process killed mid-write left behind; never a committed step.
-            cleanup_tmp_directories=True,
+            async_options=_async_options(ocp),
+            # `_Trash.repair` removes what a process killed mid-write left behind.
+            cleanup_tmp_directories=False,
+            # Old steps are renamed away (atomic), then emptied there: see `_Trash`.
+            todelete_subdir=_TRASH,
             create=True,
         )
         # Registered up front so that a new process can read a step's metadata before any
@@ -809,8 +1126,12 @@ class CheckpointManager:
 
         Args:
           step: the step number (a non-negative int, larger than any saved before).
-          state: a pytree of jax.Arrays (any sharding), NumPy arrays and Python numbers,
-            e.g. a `flax.training.train_state.TrainState` with its optax state.
+          state: a pytree of jax.Arrays (any sharding, typed PRNG keys included), NumPy
+            arrays and Python numbers: e.g. `jstrategy.training.create_train_state`'s
+            state, `Model.state` or a Flax `TrainState` with its optax state. A `PerReplica`
+            value from `Strategy.run` whose replicas agree (parameters updated from
+            all-reduced gradients: TF's Mirrored) is saved as one copy; one whose replicas
+            differ is refused: save ``strategy.reduce("MEAN", state, axis=None)`` instead.
           metrics: numbers saved with the step; required to hold `keep_best` if set.
           metadata: JSON-able values saved with the step (e.g. the epoch and the data
             iterator's position), read back with `restore_metadata`.
@@ -821,9 +1142,11 @@ class CheckpointManager:
           is not after the latest step.
 
         Raises:
-          ValueError: if the step is invalid or already saved, or `metrics` lacks `keep_best`.
+          ValueError: if the step is invalid or already saved, `metrics` lacks `keep_best`,
+            or a `PerReplica` leaf's replicas differ.
           TypeError: if `state` holds something that is not an array or number, or
             `metadata` is not JSON-able.
+          OSError: if the directory cannot be written (the message names it).
         """
         self._check_open()
         if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
@@ -831,18 +1154,30 @@ class CheckpointManager:
         step = int(step)
         metrics_ = _metrics_dict(metrics, self._keep_best)
         _check_metadata(metadata)
-        state = _as_saveable(state)
-        flat = _flatten_state(state, "state")
         if not force and not self._manager.should_save(step):
+            _flatten_state(_as_saveable(state), "state")  # the same errors on every step
             return False
         if step in self._manager.all_steps():
             raise ValueError(
                 f"Step {step} is already saved in {self._directory}. Save a later step, or "
                 "delete that step's directory first."
             )
-        args = _save_args(flat, state, metadata, metrics_)
+        if self._meeting is not None:
+            # A checkpoint is written by every worker; orbax alone waits 10 min for one.
+            coordination.barrier(
+                f"checkpoint-{self._meeting}/save-{step}",
+                what=f"Saving step {step} in {self._directory}",
+                fix=_EVERY_WORKER,
+            )
+        state, flat, key_impls = _prepare(state, "state")
+        args = _save_args(flat, state, metadata, metrics_, key_impls)
+        self._trash.empty(background=True)  # the steps deleted by earlier saves
         _hold_until_committed(self._manager)
-        return bool(self._manager.save(step, args=args, metrics=metrics_, force=True))
+        try:
+            return bool(self._manager.save(step, args=args, metrics=metrics_, force=True))
+        except OSError as e:
+            _committed(self._manager)
+            raise _write_error(e, self._step_dir(step)) from e
 
     def wait_until_finished(self) -> None:
         """Blocks until every save started so far is written and committed.
@@ -850,8 +1185,12 @@ class CheckpointManager:
         Raises:
           Exception: the error of a background write that failed.
         """
-        self._manager.wait_until_finished()
-        _committed(self._manager)
+        try:
+            self._manager.wait_until_finished()
+        except OSError as e:
+            raise _write_error(e, self._directory) from e
+        finally:
+            _committed(self._manager)
 
     # Steps -------------------------------------------------------------------------------
     def all_steps(self) -> list[int]:
@@ -882,6 +1221,12 @@ class CheckpointManager:
         steps = self.all_steps()
         if step is None:
             if not steps:
+                if _is_single_checkpoint(self._directory):
+                    raise FileNotFoundError(
+                        f"No numbered steps in {self._directory}: it is one checkpoint itself "
+                        "(written by save_weights, or one step of a CheckpointManager). Read "
+                        f"it with jstrategy.load_weights({self._directory!r})."
+                    )
                 raise FileNotFoundError(
                     f"No checkpoint in {self._directory}. Save one first, or check the path."
                 )
@@ -941,6 +1286,13 @@ class CheckpointManager:
           ValueError: if `target` does not match the checkpoint's leaves or shapes.
         """
         step = self._resolve_step(step)
+        if self._meeting is not None:
+            self._restores += 1
+            coordination.barrier(
+                f"checkpoint-{self._meeting}/restore-{self._restores}",
+                what=f"Restoring step {step} from {self._directory}",
+                fix=_EVERY_WORKER,
+            )
         return _restore_into(self._reader(step), self._step_dir(step), target, strategy)
 
     def restore_metadata(self, step: int | None = None) -> dict[str, Any]:
@@ -976,6 +1328,7 @@ class CheckpointManager:
         finally:
             _committed(self._manager)
             self._manager.close()
+            self._trash.empty(background=False)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -1059,6 +1412,13 @@ def read_by_paths(
     return _pick(saved[root], like, step_dir)
 
 
+def _is_single_checkpoint(path: str) -> bool:
+    """Whether `path` is one checkpoint (a weights directory or a manager's step)."""
+    return os.path.isdir(os.path.join(path, _RECORD_ITEM)) or os.path.isdir(
+        os.path.join(path, _STATE_ITEM)
+    )
+
+
 def _weights_checkpointer():
     import orbax.checkpoint as ocp
 
@@ -1081,7 +1441,9 @@ def save_weights(path: os.PathLike | str, variables: Any, *, overwrite: bool = T
 
     Args:
       path: the directory to write.
-      variables: a pytree of arrays and numbers, under any strategy's sharding.
+      variables: a pytree of arrays and numbers, under any strategy's sharding (as
+        `CheckpointManager.save`'s `state`: typed PRNG keys and agreeing `PerReplica`
+        values included).
       overwrite: replace existing weights at `path`; if False, an existing `path` raises.
 
     Raises:
@@ -1103,8 +1465,10 @@ def save_weights(path: os.PathLike | str, variables: Any, *, overwrite: bool = T
     path = os.path.abspath(os.fspath(path))
     if not isinstance(overwrite, bool):
         raise TypeError(f"`overwrite` must be a bool; got {overwrite!r}.")
-    variables = _as_saveable(variables)
-    flat = _flatten_state(variables, "variables")
+    name = f"weights-{coordination.next_id()}" if coordination.active() else None
+    if name is not None:
+        path = _chief_directory(name, path, f"save_weights({path!r})")
+    variables, flat, key_impls = _prepare(variables, "variables")
     exists = os.path.exists(path)
     if exists and not overwrite:
         raise FileExistsError(
@@ -1118,7 +1482,9 @@ def save_weights(path: os.PathLike | str, variables: Any, *, overwrite: bool = T
         shutil.rmtree(path + _NEW_SUFFIX)  # from an earlier interrupted overwrite
     checkpointer = _weights_checkpointer()
     try:
-        checkpointer.save(new, args=_save_args(flat, variables, None, None))
+        checkpointer.save(new, args=_save_args(flat, variables, None, None, key_impls))
+    except OSError as e:
+        raise _write_error(e, path) from e
     finally:
         checkpointer.close()
     if exists:
@@ -1129,7 +1495,8 @@ def save_weights(path: os.PathLike | str, variables: Any, *, overwrite: bool = T
             os.rename(path, old)
             os.rename(new, path)
             shutil.rmtree(old)
-        multihost.sync_global_processes("jstrategy_save_weights_swap")
+        if name is not None:  # nobody reads `path` before the chief has swapped it
+            coordination.barrier(f"{name}/swap", what=f"save_weights({path!r})", fix=_EVERY_WORKER)
 
 
 def load_weights(
@@ -1169,6 +1536,24 @@ def load_weights(
                 path=path,
             )
         raise FileNotFoundError(f"No weights at {path}. Check the path or save_weights first.")
+    if not _is_single_checkpoint(path):
+        steps = sorted(int(n) for n in os.listdir(path) if n.isdigit())
+        if steps:
+            latest = os.path.join(path, str(steps[-1]))
+            raise CheckpointError(
+                f"{path} holds the numbered steps {steps} of a CheckpointManager, and "
+                f"load_weights reads one checkpoint. Load the latest step with "
+                f"jstrategy.load_weights({latest!r}), or restore it with "
+                f"jstrategy.CheckpointManager({path!r}).restore().",
+                path=path,
+            )
+    if coordination.active():
+        # Restoring is collective too (the fingerprints are checked across workers).
+        coordination.barrier(
+            f"weights-{coordination.next_id()}/load",
+            what=f"load_weights({path!r})",
+            fix=_EVERY_WORKER,
+        )
     checkpointer = _weights_checkpointer()
 
     def read(args, *, item=_STATE_ITEM, metadata=False):

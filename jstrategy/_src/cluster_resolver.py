@@ -1012,6 +1012,8 @@ class ProcessLayout:
         one that writes checkpoints and summaries.
       task_type: this process's task type; None for a single local process.
       task_id: this process's index within its task type; None for a single local process.
+      tasks: every training process as ``(task_type, task_index, "host:port")``, in process
+        id order (the chief first, then the workers); empty for a single local process.
     """
 
     coordinator_address: str | None
@@ -1020,6 +1022,7 @@ class ProcessLayout:
     is_chief: bool
     task_type: str | None
     task_id: int | None
+    tasks: tuple[tuple[str, int, str], ...] = ()
 
 
 def training_process_layout(resolver: ClusterResolver) -> ProcessLayout:
@@ -1086,6 +1089,8 @@ def training_process_layout(resolver: ClusterResolver) -> ProcessLayout:
     elif task_type == "worker":
         assert task_id is not None  # _validate_cluster checked it.
         process_id = task_id + num_chiefs
+    tasks = [(chief_job, 0, coordinator)] if chief_job is not None else []
+    tasks += [("worker", i, spec.task_address("worker", i)) for i in range(num_workers)]
     return ProcessLayout(
         coordinator_address=coordinator,
         num_processes=num_chiefs + num_workers,
@@ -1093,4 +1098,5 @@ def training_process_layout(resolver: ClusterResolver) -> ProcessLayout:
         is_chief=process_id == 0,
         task_type=task_type,
         task_id=task_id,
+        tasks=tuple(tasks),
     )

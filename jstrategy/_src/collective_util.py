@@ -42,9 +42,13 @@ class CommunicationOptions:
     Args:
       bytes_per_pack: concatenate gradients into buffers of at most this many bytes, one
         collective per buffer; 0 lets XLA pack.
-      timeout_seconds: a peer that stops responding for this long turns into an error on
-        every other worker instead of a hang (it sets the distributed runtime's heartbeat
-        timeout). None keeps JAX's default of 100 seconds.
+      timeout_seconds: how long any wait on another worker may last before it becomes an
+        error instead of a hang: the start-up (every task must arrive within it; the error
+        names the missing one), a peer that stops responding (the distributed runtime's
+        heartbeat), a collective on CPU that a peer does not join (XLA's
+        ``--xla_cpu_collective_timeout_seconds``, so leave room for the workers' skew,
+        compilation included), and checkpoints' coordination. None keeps the defaults:
+        300 s to start and for checkpoints, 100 s of silence, no bound on collectives.
       implementation: a `CommunicationImplementation` or its name.
 
     Example:

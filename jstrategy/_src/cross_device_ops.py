@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jstrategy._src import devices as devices_lib
+from jstrategy._src import dispatch
 from jstrategy._src.collective_util import CommunicationImplementation
 from jstrategy._src.context import _all_gather_invariant
 from jstrategy._src.reduce_util import ReduceOp
@@ -143,6 +144,7 @@ class CrossDeviceOps:
             )
             self._programs[key] = program
         out = program(*[leaf.value for leaf in leaves])
+        dispatch.track(out)  # a collective: bounded like `Strategy.run`'s steps
         if destinations is not None:
             out = jax.device_put(out, devices_lib.resolve_device(destinations))
         return jax.tree.unflatten(treedef, out)

@@ -6,7 +6,8 @@ with collectives deadlocks inside the collective rendezvous ("Expected 8 threads
 rendezvous, but only 7 of them arrived") and aborts the process. Waiting on a step's output
 every few dozen steps never hung in 20,000 steps and costs nothing, because a handful of
 queued steps already keeps the devices busy. Everything jstrategy dispatches repeatedly
-(`Strategy.run`, input prefetch, `Model.fit`) goes through `track`.
+(`Strategy.run`, `Strategy.reduce` and `gather`, `CrossDeviceOps.reduce`, input prefetch,
+`Model.fit`, checkpoint fingerprints) goes through `track`.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ boundary that all workers agree on:
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import signal
@@ -91,6 +92,37 @@ def from_savable(saved: Any, like: Any) -> Any:
     return jax.tree.map(back, saved, like)
 
 
+# SIGTERM and JAX's preemption service -------------------------------------------------------
+# `jax.distributed.initialize` starts JAX's preemption notifier, whose C signal handler keeps
+# SIGTERM for good: a multi-worker process no longer stopped on SIGTERM (a scheduler's usual
+# "stop"), even with nothing to save, and needed SIGKILL. MultiWorkerMirroredStrategy gives
+# SIGTERM its default action back right after starting the runtime (`take_sigterm_from_jax`);
+# `_PreemptionWatcher` hands it to JAX's handler while a preemption-aware `fit` or a
+# `PreemptionCheckpointHandler` runs, and puts back what it replaced when it closes.
+_JAX_SIGTERM_HANDLER: list[int] = []
+
+
+def _set_c_sigterm_handler(handler: int | None) -> int | None:
+    """Installs a C-level SIGTERM handler (None: the default action); returns the previous.
+
+    Python's `signal.signal` cannot name a handler installed from C, so libc's is used.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    install = libc.signal
+    install.restype = ctypes.c_void_p
+    install.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    return install(signal.SIGTERM, handler)
+
+
+def take_sigterm_from_jax() -> None:
+    """Gives SIGTERM its default action back, keeping JAX's handler for `_PreemptionWatcher`."""
+    if os.name != "posix" or threading.current_thread() is not threading.main_thread():
+        return
+    previous = _set_c_sigterm_handler(None)
+    if previous:
+        _JAX_SIGTERM_HANDLER[:] = [previous]
+
+
 # Watching for the notice -----------------------------------------------------------------
 class _PreemptionWatcher:
     """Says, at each step boundary, whether every process should save at this one.
@@ -111,6 +143,10 @@ class _PreemptionWatcher:
                     "at True (the default) before the strategy starts the distributed "
                     "runtime, or pass save_before_preemption=False to BackupAndRestore."
                 )
+            if _JAX_SIGTERM_HANDLER:
+                # SIGTERM is now a notice to save at the next step boundary.
+                self._previous = _set_c_sigterm_handler(_JAX_SIGTERM_HANDLER[0])
+                self._installed = True
             return
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError(
@@ -142,6 +178,9 @@ class _PreemptionWatcher:
         if not self._installed:
             return
         self._installed = False
+        if self._multi:
+            _set_c_sigterm_handler(self._previous)
+            return
         previous = signal.SIG_DFL if self._previous is None else self._previous
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, previous)

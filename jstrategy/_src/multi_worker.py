@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 import sys
 import warnings
 from typing import TYPE_CHECKING
@@ -9,8 +11,10 @@ from typing import Any
 
 import jax
 
+from jstrategy._src import coordination
 from jstrategy._src import dispatch
 from jstrategy._src import jax_compat
+from jstrategy._src import rendezvous
 from jstrategy._src.collective_util import CommunicationImplementation
 from jstrategy._src.collective_util import CommunicationOptions
 from jstrategy._src.cross_device_ops import CollectiveAllReduce
@@ -24,6 +28,22 @@ __all__ = ["MultiWorkerMirroredStrategy", "PeerFailureError"]
 
 class PeerFailureError(RuntimeError):
     """A collective failed because another worker died or stopped responding."""
+
+
+_COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
+
+
+def _bound_cpu_collectives(seconds: float) -> None:
+    """Makes a cross-process collective on CPU (gloo) that waits `seconds` an error.
+
+    A worker that is alive but never joins a collective (one worker skipped a step or a
+    `reduce`) otherwise blocks the others until it exits. XLA reads its flags when the
+    backend starts, which is after this. A flag the user set already wins.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if _COLLECTIVE_TIMEOUT_FLAG in flags:
+        return
+    os.environ["XLA_FLAGS"] = f"{flags} {_COLLECTIVE_TIMEOUT_FLAG}={max(1, math.ceil(seconds))}"
 
 
 class MultiWorkerMirroredStrategy(Strategy):
@@ -74,6 +94,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         if participant:
             self._initialize_runtime()
             dispatch.add_error_translator(self._translate_error)
+            coordination.set_timeout_seconds(communication_options.timeout_seconds)
         devices = jax.devices() if participant else jax.local_devices()
         super().__init__(
             devices,
@@ -96,26 +117,49 @@ class MultiWorkerMirroredStrategy(Strategy):
                     f"says process {layout.process_id} of {layout.num_processes}."
                 )
             return
+        if jax_compat.backends_started():
+            # Checked before meeting the others, who would otherwise wait for this process.
+            raise RuntimeError(
+                "MultiWorkerMirroredStrategy must be created before any other JAX "
+                "computation in the program, because JAX's distributed runtime has to start "
+                "before its backends. Move the strategy's creation earlier."
+            )
+        assert layout.process_id is not None and layout.coordinator_address is not None
         timeout = self._communication_options.timeout_seconds
-        kwargs: dict[str, Any] = {}
+        # Without a setting, 300 s: JAX's own start-up timeout.
+        startup_timeout = timeout if timeout is not None else coordination.DEFAULT_TIMEOUT_S
+        # Only the address TF_CONFIG names, not every interface (JAX's default): one stray
+        # connection to the coordination service can abort the whole job.
+        bind_address = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or (
+            layout.coordinator_address
+        )
+        rendezvous.meet(
+            layout.tasks, layout.process_id, bind_address=bind_address, timeout=startup_timeout
+        )
+        own_host = rendezvous.split_address(layout.tasks[layout.process_id][2])[0]
+        if rendezvous.is_loopback_host(own_host):
+            # A local job's collectives stay on loopback too, whatever the hostname says.
+            jax_compat.bind_cpu_collectives_to(own_host)
+        kwargs: dict[str, Any] = {
+            # Everyone is here already; this bounds what is left of the start-up.
+            "initialization_timeout": max(1, math.ceil(startup_timeout)),
+            "coordinator_bind_address": bind_address,
+        }
         if timeout is not None:
             kwargs["heartbeat_timeout_seconds"] = max(1, int(timeout))
             kwargs["shutdown_timeout_seconds"] = max(1, int(timeout))
-        try:
-            jax.distributed.initialize(
-                coordinator_address=layout.coordinator_address,
-                num_processes=layout.num_processes,
-                process_id=layout.process_id,
-                **kwargs,
-            )
-        except RuntimeError as e:
-            if "before any JAX" in str(e) or "backend" in str(e).lower():
-                raise RuntimeError(
-                    "MultiWorkerMirroredStrategy must be created before any other JAX "
-                    "computation in the program, because JAX's distributed runtime has to start "
-                    f"before its backends. Move the strategy's creation earlier. ({e})"
-                ) from e
-            raise
+            _bound_cpu_collectives(timeout)
+        jax.distributed.initialize(
+            coordinator_address=layout.coordinator_address,
+            num_processes=layout.num_processes,
+            process_id=layout.process_id,
+            **kwargs,
+        )
+        # JAX's preemption service now holds SIGTERM, which then no longer stops the
+        # process; it gets it only while something saves on preemption.
+        from jstrategy._src import fault_tolerance
+
+        fault_tolerance.take_sigterm_from_jax()
 
     def _translate_error(self, error: Exception) -> Exception | None:
         text = str(error)
@@ -126,8 +170,9 @@ class MultiWorkerMirroredStrategy(Strategy):
             f"MultiWorkerMirroredStrategy: a collective failed on worker "
             f"{self._layout.task_type}:{self._layout.task_id} (process "
             f"{self._layout.process_id} of {self._layout.num_processes}); another worker most "
-            "likely died or stopped responding. Restart the job (with BackupAndRestore it "
-            f"resumes from the last backup). Cause: {text.splitlines()[0]}"
+            "likely died or stopped responding, or skipped this collective (every worker must "
+            "run the same steps). Restart the job (with BackupAndRestore it resumes from the "
+            f"last backup). Cause: {text.splitlines()[0]}"
         )
         # The runtime may terminate this process moments later; say why first.
         print(message, file=sys.stderr, flush=True)

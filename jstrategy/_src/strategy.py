@@ -449,7 +449,9 @@ class Strategy:
                     _gather_fn(n, stacked, axis), out_shardings=self.replicated_sharding()
                 )
                 self._gather_programs[key] = program
-            return program(x)
+            out = program(x)
+            dispatch.track(out)  # an all-gather: bounded like `run`'s steps
+            return out
 
         return jax.tree.map(one, value, is_leaf=is_per_replica)
 

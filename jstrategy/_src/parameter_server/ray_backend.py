@@ -19,8 +19,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import os
 import socket
 import threading
+from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import Any
 
@@ -220,6 +222,52 @@ class RayWorker(backend_lib.WorkerHandle):
             ray.kill(self.actor, no_restart=True)
 
 
+def _start_ray(ray: Any, address: str | None) -> None:
+    """Joins the Ray cluster at `address` (or ``RAY_ADDRESS``), or starts a private one.
+
+    A Ray cluster's processes (GCS, raylet, workers, agents) listen on its node's address,
+    which Ray takes from the network, so a job meant for one machine listened on every
+    interface. A local instance started here has node address 127.0.0.1 and no dashboard:
+    everything listens on loopback only. Joining a cluster is the user's explicit choice,
+    with the cluster's own settings.
+    """
+    if address is not None or os.environ.get("RAY_ADDRESS"):
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        return
+    with _loopback_node_address():
+        ray.init(address="local", include_dashboard=False, log_to_driver=False)
+
+
+@contextlib.contextmanager
+def _loopback_node_address() -> Iterator[None]:
+    """Makes a Ray node started meanwhile take 127.0.0.1 as its address.
+
+    Ray gives a node the loopback address only where it does not support clusters
+    (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``, read into a private constant when Ray is
+    imported) and otherwise rewrites an explicit ``127.0.0.1`` to the network address.
+    This is the one place that touches Ray's internals; if they change, Ray's default
+    stays.
+    """
+    variable = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+    previous_env = os.environ.get(variable)
+    os.environ[variable] = "0"  # read by the processes the node starts
+    constants: Any = None
+    with contextlib.suppress(ImportError):
+        from ray._private import ray_constants as constants
+    previous = getattr(constants, "ENABLE_RAY_CLUSTER", None)
+    if previous is not None:
+        constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        if previous is not None:
+            constants.ENABLE_RAY_CLUSTER = previous
+        if previous_env is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = previous_env
+
+
 def _node_ids_by_host(ray: Any) -> dict[str, str]:
     nodes = {}
     for node in ray.nodes():
@@ -234,7 +282,8 @@ class RayBackend(backend_lib.Backend):
     Args:
       num_workers: worker actors.
       num_ps: parameter-server actors.
-      address: the Ray cluster to join; None joins the running one or starts a local one.
+      address: the Ray cluster to join; None joins ``RAY_ADDRESS`` if set, else starts a
+        private local instance that listens on loopback only (see `_start_ray`).
       cluster_spec: the cluster; a task whose host resolves to a Ray node's address is
         placed on that node (softly: elsewhere if the node cannot take it).
     """
@@ -242,7 +291,7 @@ class RayBackend(backend_lib.Backend):
     def __init__(self, num_workers: int, num_ps: int, *, address: str | None, cluster_spec):
         ray = _ray()
         if not ray.is_initialized():
-            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            _start_ray(ray, address)
         self.num_workers = num_workers
         self.num_ps = num_ps
         self._no_restart: set[int] = set()

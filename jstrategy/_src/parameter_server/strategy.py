@@ -104,7 +104,8 @@ class ParameterServerStrategy(Strategy):
     ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` every task has its own CPU
     device. With ``backend="ray"`` every parameter server and worker is a Ray actor, in
     the Ray cluster at `ray_address` (or the one this process already joined, or a new
-    local one); a task whose ``TF_CONFIG`` host is a Ray node's address is placed there.
+    local one that listens on 127.0.0.1 only); a task whose ``TF_CONFIG`` host is a Ray
+    node's address is placed there.
 
     Inside a scheduled function, `run` runs on the executing worker's device and
     `num_replicas_in_sync` is 1 (one replica per worker, as TF's CPU workers). Outside,
@@ -119,8 +120,9 @@ class ParameterServerStrategy(Strategy):
         callable ``(shape, dtype) -> [num_shards, 1, ...]``) that splits variables along
         their first axis; None keeps every variable whole.
       backend: ``"local"`` or ``"ray"`` (see `Backend`).
-      ray_address: the Ray cluster to join with the Ray backend (``"auto"``, or
-        ``"ray://host:10001"``); None joins the running one or starts a local one.
+      ray_address: the Ray cluster to join with the Ray backend (``"auto"`` for the one
+        running on this machine, or ``"ray://host:10001"``); None joins ``RAY_ADDRESS`` if
+        set, else starts a private local instance on loopback, without dashboard.
 
     Raises:
       ValueError: if the cluster has no worker or no ps task, or this process is a
