@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from jstrategy._src.input import DistributedDataset
 from jstrategy._src.input import pad_rows
-from jstrategy._src.numerics import round_up
+from jstrategy._src.numerics import static_rows
 from jstrategy._src.training.step import batch_rows
 from jstrategy._src.training.step import split_batch
 from jstrategy._src.training.step import unpack_batch
@@ -146,8 +146,9 @@ class ArrayAdapter:
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed
-        # The static global batch: batch_size rows rounded up to divide among replicas.
-        self.static_rows = round_up(min(batch_size, rows), strategy.num_replicas_in_sync)
+        # The static global batch: batch_size rows rounded up to divide among replicas, or
+        # for data smaller than a batch a power of two, so row counts share programs.
+        self.static_rows = static_rows(rows, batch_size, strategy.num_replicas_in_sync)
         self.steps: int | None = math.ceil(rows / batch_size)
         self.limit: int | None = None  # `fit`'s steps_per_epoch cuts epochs short instead
         self.exhausted = False
