@@ -11,6 +11,7 @@ inside the step (`jstrategy.config.enable_check_numerics`) covers what the host 
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 from typing import Any
 
@@ -114,6 +115,29 @@ def class_label_functions(spec: StepSpec) -> list[Any]:
     return [f for f in functions if isinstance(f, _CLASS_INDEX_TYPES)]
 
 
+# The number of classes by model and input layout, per trainer: tracing a large model
+# takes a tenth of a second, too much to repeat at every `evaluate`.
+_CLASSES: weakref.WeakKeyDictionary[Trainer, dict[Any, int | None]] = weakref.WeakKeyDictionary()
+
+
+def _num_classes(trainer: Trainer, x: Any) -> int | None:
+    """The last axis of the model's output for inputs like `x` (None: not one array)."""
+    # Shapes only: the variables may live in host memory (CentralStorageStrategy).
+    leaves, treedef = jax.tree.flatten(trainer.state.replica_view(with_params=True))
+    state = [jax.ShapeDtypeStruct(np.shape(a), a.dtype) for a in leaves]
+    row = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype), x)
+    key = (treedef, tuple(state), jax.tree.structure(row), tuple(jax.tree.leaves(row)))
+    cache = _CLASSES.setdefault(trainer, {})
+    if key not in cache:
+        out = jax.eval_shape(
+            lambda s, v: s.forward(s.params, v, train=False, axis_name=None)[0],
+            jax.tree.unflatten(treedef, state),
+            row,
+        )
+        cache[key] = int(out.shape[-1]) if len(getattr(out, "shape", ())) >= 2 else None
+    return cache[key]
+
+
 def check_class_labels(trainer: Trainer, data: Any, *, arg: str) -> None:
     """Integer labels in ``[0, num_classes)`` for sparse categorical losses and metrics.
 
@@ -129,18 +153,9 @@ def check_class_labels(trainer: Trainer, data: Any, *, arg: str) -> None:
     x, y, _ = data.data
     if not functions or not isinstance(y, np.ndarray) or y.size == 0:
         return
-    # Shapes only: the variables may live in host memory (CentralStorageStrategy).
-    state = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype),
-        trainer.state.replica_view(with_params=True),
-    )
-    row = jax.tree.map(lambda a: a[:1], x)
-    out = jax.eval_shape(
-        lambda s, v: s.forward(s.params, v, train=False, axis_name=None)[0], state, row
-    )
-    if not hasattr(out, "shape") or len(out.shape) < 2:
+    num_classes = _num_classes(trainer, x)
+    if num_classes is None:
         return  # the functions raise their own shape error in the step
-    num_classes = int(out.shape[-1])
     name = _names(arg)[1]
     users = ", ".join(type(f).__name__ for f in functions)
     if jnp.issubdtype(y.dtype, jnp.floating) and not np.all(np.floor(y) == y):
