@@ -41,7 +41,7 @@ def _measure(predict: Callable[[np.ndarray], object], x: np.ndarray) -> tuple[in
     """(compilations, resident memory growth in MB) of `predict` on 1..len(x) rows."""
     compiles: list[str] = []
 
-    def listener(event: str, duration: float, **kwargs: object) -> None:
+    def listener(event: str, duration_secs: float, **kwargs: str | int) -> None:
         if event == "/jax/core/compile/backend_compile_duration":
             compiles.append(event)
 

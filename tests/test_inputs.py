@@ -255,7 +255,7 @@ def test_check_numerics_is_off_by_default_and_per_compile():
 def _count_compiles():
     events = []
 
-    def listener(event, duration, **kwargs):
+    def listener(event: str, duration_secs: float, **kwargs: str | int) -> None:
         if event == "/jax/core/compile/backend_compile_duration":
             events.append(event)
 
