@@ -110,6 +110,26 @@ def test_gather(strategy):
     np.testing.assert_array_equal(in_replica, g0)  # identical on every replica: mirrored
 
 
+def test_outputs_on_a_single_device_sharding_reduce_and_gather():
+    # jit gives a one-device program's outputs a SingleDeviceSharding, which names no mesh:
+    # reduce raised AttributeError: 'SingleDeviceSharding' object has no attribute 'mesh'.
+    strategy = jstrategy.OneDeviceStrategy("cpu:1")
+    x = jax.device_put(jnp.arange(4.0), jax.devices()[1])
+    out = strategy.run(lambda a: a * 2, args=(x,))
+    assert not hasattr(out.value.sharding, "mesh")
+    expected = np.arange(4.0) * 2
+    np.testing.assert_array_equal(strategy.reduce("SUM", out, axis=None), expected)
+    np.testing.assert_array_equal(strategy.reduce("MEAN", out, axis=0), expected.mean())
+    np.testing.assert_array_equal(strategy.gather(out, axis=0), expected)
+    # The cross-device op alone: the devices holding the value are its replicas.
+    np.testing.assert_array_equal(jstrategy.NcclAllReduce().reduce("SUM", out), expected)
+    # A hand-made PerReplica on one device counts as the strategy's replicas.
+    mirrored = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    stacked = jstrategy.PerReplica(jax.device_put(np.array([[1.0], [2.0]]), jax.devices()[0]))
+    np.testing.assert_array_equal(mirrored.reduce("SUM", stacked, axis=None), [3.0])
+    np.testing.assert_array_equal(mirrored.gather(stacked, axis=0), [1.0, 2.0])
+
+
 def test_all_reduce_gradients_follow_tf(strategy):
     """TF's _test_all_reduce_*_gradients: inputs c=[1, 3, ...], y = all_reduce(x) * c."""
     n = strategy.num_replicas_in_sync

@@ -39,6 +39,7 @@ from jstrategy._src.context import _all_gather_invariant
 from jstrategy._src.reduce_util import ReduceOp
 from jstrategy._src.values import PerReplica
 from jstrategy._src.values import is_per_replica
+from jstrategy._src.values import on_a_mesh
 from jstrategy._src.values import replica_axis_of
 from jstrategy._src.values import varying_axes
 
@@ -124,6 +125,7 @@ class CrossDeviceOps:
           A pytree of arrays, the reduced values.
         """
         op = ReduceOp.from_value(reduce_op)
+        per_replica_value = on_a_mesh(per_replica_value)
         leaves, treedef = jax.tree.flatten(per_replica_value, is_leaf=is_per_replica)
         for leaf in leaves:
             if not isinstance(leaf, PerReplica):

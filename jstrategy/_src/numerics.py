@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["COUNT", "host_means", "means", "per_example", "round_up"]
+__all__ = ["COUNT", "host_means", "means", "per_example", "round_up", "static_rows"]
 
 #: The key of the count of real (unpadded) rows among a step's loss and metric sums.
 COUNT = "count"
@@ -28,6 +28,25 @@ def round_up(x: int, multiple: int) -> int:
     (32, 32)
     """
     return -(-x // multiple) * multiple
+
+
+def static_rows(rows: int, batch_size: int, replicas: int) -> int:
+    """The rows a batch of at most `batch_size` is padded to, split among `replicas`.
+
+    A full batch gets `batch_size` rounded up to divide among the replicas; fewer rows
+    (all of the data being less than one batch) get the next power of two per replica, no
+    more than a full batch. So `fit`, `evaluate` and `predict` compile at most
+    ``log2(batch_size / replicas) + 2`` programs whatever the number of rows, and pad a small
+    input less than twice over.
+
+    Example:
+
+    >>> static_rows(100, 32, 8), static_rows(10, 32, 8), static_rows(5, 32, 1), static_rows(30, 32, 1)
+    (32, 16, 8, 32)
+    """
+    per_replica = -(-min(rows, batch_size) // replicas)
+    full = -(-batch_size // replicas)
+    return replicas * min(1 << max(per_replica - 1, 0).bit_length(), full)
 
 
 def per_example(values: Any, rows: int, what: str) -> jax.Array:

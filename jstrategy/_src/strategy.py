@@ -34,6 +34,7 @@ from jstrategy._src.values import PerReplica
 from jstrategy._src.values import is_per_replica
 from jstrategy._src.values import local_replica_devices
 from jstrategy._src.values import local_results
+from jstrategy._src.values import on_a_mesh
 from jstrategy._src.values import varying_axes
 
 if TYPE_CHECKING:
@@ -408,6 +409,7 @@ class Strategy:
         3.0
         """
         op = ReduceOp.from_value(reduce_op)
+        value = on_a_mesh(value, self.batch_sharding())
         leaves, treedef = jax.tree.flatten(value, is_leaf=is_per_replica)
         distributed = [i for i, x in enumerate(leaves) if isinstance(x, PerReplica)]
         out = list(leaves)
@@ -435,6 +437,7 @@ class Strategy:
         Returns:
           A pytree of arrays, replicated on the strategy's devices.
         """
+        value = on_a_mesh(value, self.batch_sharding())
         n = self.num_replicas_in_sync
 
         def one(leaf):

@@ -31,7 +31,10 @@ def is_int(value: Any) -> bool:
 
 
 def _fail(name: str, expected: str, value: Any, fix: str) -> ValueError:
-    return ValueError(f"`{name}` must be {expected}; got {value!r}. {fix}".rstrip())
+    shown = repr(value)
+    if hasattr(value, "shape") and np.ndim(value) > 0:  # not a whole array's repr
+        shown = f"an array of shape {np.shape(value)}"
+    return ValueError(f"`{name}` must be {expected}; got {shown}. {fix}".rstrip())
 
 
 def check_positive_int(value: Any, name: str, fix: str = "") -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
     "is_per_replica",
     "local_devices_of",
     "local_replica_devices",
+    "on_a_mesh",
     "replica_axis_of",
     "replica_devices",
     "varying_axes",
@@ -109,6 +111,40 @@ def local_devices_of(array: jax.Array) -> list[jax.Device]:
         devices = sorted(sharding.device_set, key=lambda d: d.id)
     me = jax.process_index()
     return [d for d in devices if d.process_index == me]
+
+
+def on_a_mesh(tree: Any, sharding: jax.sharding.NamedSharding | None = None) -> Any:
+    """`tree` with each `PerReplica` whose array has no mesh laid out over one.
+
+    jit gives a one-device program's outputs a `SingleDeviceSharding`, which names no mesh
+    and so no replica axis to reduce or gather over. Such a value (and its mask) is put on
+    `sharding`, a strategy's per-replica layout, or when None on a one-axis mesh over the
+    devices holding it, in the order they hold its leading axis. Values already on a mesh
+    are returned as they are, and on the same devices nothing is copied.
+    """
+
+    def lay(leaf: Any) -> Any:
+        if not isinstance(leaf, PerReplica) or hasattr(
+            getattr(leaf.value, "sharding", None), "mesh"
+        ):
+            return leaf
+        target = sharding or _devices_mesh_sharding(jnp.asarray(leaf.value))
+        mask = None if leaf.mask is None else jax.device_put(leaf.mask, target)
+        return PerReplica(jax.device_put(leaf.value, target), stacked=leaf.stacked, mask=mask)
+
+    return jax.tree.map(lay, tree, is_leaf=is_per_replica)
+
+
+def _devices_mesh_sharding(array: jax.Array) -> jax.sharding.NamedSharding:
+    """Rows split over a one-axis mesh of `array`'s devices, in the order they hold them."""
+    index = array.sharding.devices_indices_map(array.shape)
+
+    def position(device: Any) -> tuple[int, int]:
+        rows = index[device]
+        return ((rows[0].start or 0) if rows else 0, device.id)
+
+    mesh = jax.sharding.Mesh(np.array(sorted(index, key=position)), ("replica",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("replica"))
 
 
 def replica_axis_of(sharding: Any) -> str | None:

@@ -1,5 +1,14 @@
-"""`jstrategy.config`: mirrors the cluster setup call of `tf.config`."""
+"""`jstrategy.config`: mirrors the cluster setup call of `tf.config`, and the numerics check
+of `tf.debugging`."""
 
 from jstrategy._src.tpu import experimental_connect_to_cluster
+from jstrategy._src.training.check_numerics import check_numerics_enabled
+from jstrategy._src.training.check_numerics import disable_check_numerics
+from jstrategy._src.training.check_numerics import enable_check_numerics
 
-__all__ = ["experimental_connect_to_cluster"]
+__all__ = [
+    "check_numerics_enabled",
+    "disable_check_numerics",
+    "enable_check_numerics",
+    "experimental_connect_to_cluster",
+]

@@ -29,12 +29,12 @@ from jax.sharding import PartitionSpec as P
 
 from jstrategy._src.input import DistributedDataset
 from jstrategy._src.input import pad_rows
-from jstrategy._src.numerics import round_up
+from jstrategy._src.numerics import static_rows
+from jstrategy._src.training import input_checks
 from jstrategy._src.training.step import batch_rows
 from jstrategy._src.training.step import split_batch
 from jstrategy._src.training.step import unpack_batch
 from jstrategy._src.validation import check_positive_int
-from jstrategy._src.validation import is_int
 
 if TYPE_CHECKING:
     from jstrategy._src.strategy import Strategy
@@ -138,6 +138,7 @@ class ArrayAdapter:
         batch_size: int,
         shuffle: bool,
         seed: int,
+        steps: int | None = None,
     ):
         self.strategy = strategy
         self.data = jax.tree.map(np.asarray, (x, y, w))
@@ -146,9 +147,11 @@ class ArrayAdapter:
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed
-        # The static global batch: batch_size rows rounded up to divide among replicas.
-        self.static_rows = round_up(min(batch_size, rows), strategy.num_replicas_in_sync)
-        self.steps: int | None = math.ceil(rows / batch_size)
+        # The static global batch: batch_size rows rounded up to divide among replicas, or
+        # for data smaller than a batch a power of two, so row counts share programs.
+        self.static_rows = static_rows(rows, batch_size, strategy.num_replicas_in_sync)
+        # `steps` (evaluate/predict's, fit's steps_per_epoch) takes the first batches, as Keras.
+        self.steps: int | None = min(math.ceil(rows / batch_size), steps or rows)
         self.limit: int | None = None  # `fit`'s steps_per_epoch cuts epochs short instead
         self.exhausted = False
         self.taken = 0
@@ -213,7 +216,8 @@ class ArrayAdapter:
     def batches(self) -> Iterator[tuple[Any, Any, int | None]]:
         """In order, unshuffled: (batch, mask, real rows) for evaluation and prediction."""
         bs = self.batch_size
-        for start in range(0, self.rows, bs):
+        assert self.steps is not None
+        for start in range(0, min(self.rows, self.steps * bs), bs):
             index = np.arange(start, min(start + bs, self.rows))
             batch, mask = self._place(index, ())
             yield batch, mask, len(index)
@@ -399,7 +403,8 @@ def split_validation(
         )
     if validation_split and not is_array_tree(x):
         raise ValueError(
-            "`validation_split` needs array inputs; for datasets pass validation_data."
+            f"`validation_split` needs array inputs; got validation_split={validation_split} "
+            f"with x of type {type(x).__name__}. For a dataset pass validation_data instead."
         )
     if not validation_split or validation_data is not None:
         return x, y, w, validation_data
@@ -422,12 +427,18 @@ def split_validation(
 
 def validation_inputs(validation_data: Any, batch_size: Any) -> tuple[Any, Any, Any, Any]:
     """``(x, y, sample_weight, batch_size)`` of `fit`'s ``validation_data``: arrays
-    ``(x, y[, w])`` batched like the training data, or a dataset as it is."""
-    if (
-        isinstance(validation_data, tuple)
-        and 2 <= len(validation_data) <= 3
-        and is_array_tree(validation_data[0])
-    ):
+    ``(x, y[, w])`` batched like the training data, or a dataset as it is.
+
+    Raises:
+      ValueError: for a tuple of arrays that is not ``(x, y)`` or ``(x, y, w)``.
+    """
+    if isinstance(validation_data, tuple) and validation_data and is_array_tree(validation_data[0]):
+        if not 2 <= len(validation_data) <= 3:
+            raise ValueError(
+                "`validation_data` must be (x_val, y_val) or (x_val, y_val, "
+                "sample_weight_val) arrays, or a dataset; got a tuple of "
+                f"{len(validation_data)} arrays."
+            )
         vx, vy, *vw = validation_data
         return vx, vy, vw[0] if vw else None, batch_size
     return validation_data, None, None, None
@@ -454,12 +465,14 @@ def make_adapter(
     """The adapter for `fit`/`evaluate`/`predict`'s inputs (`arg` names `x` in errors).
 
     Raises:
-      ValueError: for a bad `batch_size` or `steps`, or `y` given with a dataset.
+      ValueError: for a bad `batch_size` or `steps`, empty or inconsistent arrays, or `y`,
+        `sample_weight` or `batch_size` given with a dataset.
       TypeError: for inputs that are neither arrays nor an iterable of batches.
     """
+    if steps is not None:
+        steps = check_positive_int(steps, "steps", "Pass None for all the batches.")
     if is_array_tree(x):
-        if steps is not None and not is_int(steps):
-            raise ValueError(f"`steps` must be an int or None; got {steps!r}.")
+        input_checks.array_rows(x, y, w, arg=arg)
         return ArrayAdapter(
             strategy,
             x,
@@ -468,15 +481,24 @@ def make_adapter(
             batch_size=_check_batch_size(batch_size),
             shuffle=shuffle,
             seed=seed,
-        )
-    if y is not None:
-        raise ValueError(
-            f"`y` must be None when `{arg}` is a dataset (its batches hold (x, y)); got "
-            f"y of type {type(y).__name__}."
+            steps=steps,
         )
     if x is None or not hasattr(x, "__iter__"):
         raise TypeError(
             f"`{arg}` must be arrays (NumPy or JAX, or a dict/tuple of them), an iterable "
             f"of (x, y) batches or a distributed dataset; got {type(x).__name__}."
         )
+    # A dataset's batches hold everything; arguments meant for arrays would be ignored.
+    hint = " (its batches hold (x, y) or (x, y, sample_weight))"
+    if isinstance(x, list):
+        hint = (
+            ", since it is a list, read as a list of batches. For array data pass NumPy "
+            "arrays, e.g. np.asarray(x)"
+        )
+    for name, value in (("y", y), ("sample_weight", w), ("batch_size", batch_size)):
+        if value is not None:
+            raise ValueError(
+                f"`{name}` must be None when `{arg}` is a dataset{hint}; got {name} of type "
+                f"{type(value).__name__}."
+            )
     return DatasetAdapter(strategy, x, steps=steps, arg=arg)

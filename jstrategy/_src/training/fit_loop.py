@@ -27,6 +27,7 @@ from jstrategy._src import fault_tolerance
 from jstrategy._src.numerics import means
 from jstrategy._src.placement import place_state
 from jstrategy._src.training import callbacks as callbacks_lib
+from jstrategy._src.training import check_numerics
 from jstrategy._src.training import step as step_lib
 from jstrategy._src.training.data_adapters import DataAdapter
 from jstrategy._src.training.data_adapters import prefetch
@@ -211,6 +212,7 @@ class FitEpoch:
         )
         # As Keras, skip the per-batch hooks when no callback implements them.
         batch_hooks = implements(cbs, "train_batch")
+        watch = check_numerics.Watch(self.spec, "training step", f" of epoch {progress.epoch}")
         for execution in prefetch(executions):
             if batch_hooks:
                 cbs.on_train_batch_begin(step)
@@ -218,6 +220,7 @@ class FitEpoch:
             trainer.state, acc, logs = program(trainer.state, acc, execution.batch, execution.mask)
             progress.sums = acc
             dispatch.track(logs)
+            watch.add(logs, step, step + execution.steps - 1)
             step += execution.steps
             progress.step = step
             if batch_hooks:
@@ -235,6 +238,7 @@ class FitEpoch:
             return None
         if not logs:  # resumed after the epoch's last step: its sums are all there is
             logs = means(acc)
+        watch.finish()
         # The one host synchronization of the epoch.
         host = trainer.ordered(jax.device_get(logs))
         return FitEpochResult(trainer.state, {k: float(v) for k, v in host.items()})
@@ -323,13 +327,22 @@ def evaluate(
     logs: dict[str, Any] = {}
     cbs.on_test_begin()
     batch_hooks = implements(cbs, "test_batch")
+    watch = check_numerics.Watch(trainer.compiled_spec, "evaluation batch")
     for i, (batch, mask, _) in enumerate(prefetch(data.batches())):
         if batch_hooks:
             cbs.on_test_batch_begin(i)
         acc, logs = program(trainer.state, acc, batch, mask)
         dispatch.track(logs)
+        watch.add(logs, i)
         if batch_hooks:
             cbs.on_test_batch_end(i, trainer.ordered(logs))
+    if not logs:
+        raise ValueError(
+            f"`{getattr(data, 'arg', 'x')}` gave no batches to evaluate (an empty dataset, "
+            "or a one-shot iterator already used up). Pass a dataset that can be iterated "
+            "again, e.g. a list of batches."
+        )
+    watch.finish()
     result = {k: float(v) for k, v in trainer.ordered(jax.device_get(logs)).items()}
     cbs.on_test_end(dict(result))
     return result

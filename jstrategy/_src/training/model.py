@@ -27,6 +27,7 @@ from jstrategy._src.strategy import Strategy
 from jstrategy._src.training import callbacks as callbacks_lib
 from jstrategy._src.training import data_adapters
 from jstrategy._src.training import fit_loop
+from jstrategy._src.training import input_checks
 from jstrategy._src.training import step as step_lib
 from jstrategy._src.training import summary as summary_lib
 from jstrategy._src.training.nnx import create_nnx_train_state
@@ -395,6 +396,10 @@ class Model:
             self._ensure_ready(sample, training=False)
         return adapter
 
+    def _check_labels(self, data: data_adapters.DataAdapter, arg: str) -> None:
+        if isinstance(data, data_adapters.ArrayAdapter):
+            input_checks.check_class_labels(self._trainer, data, arg=arg)
+
     def _callbacks(self, callbacks: Any, verbose: Any, **params: Any) -> Any:
         return callbacks_lib.CallbackList(
             callbacks, model=self, add_progbar=verbose != 0, verbose=verbose, **params
@@ -448,6 +453,9 @@ class Model:
           ValueError: for inconsistent arguments or data.
         """
         epochs = check_non_negative_int(epochs, "epochs")
+        initial_epoch = check_non_negative_int(initial_epoch, "initial_epoch")
+        if steps_per_epoch is not None:
+            check_positive_int(steps_per_epoch, "steps_per_epoch", "Pass None for whole epochs.")
         x, y, sample_weight, validation_data = data_adapters.split_validation(
             x, y, sample_weight, validation_split, validation_data
         )
@@ -463,12 +471,14 @@ class Model:
             arg="x",
         )
         self._ensure_ready(training=True)
+        self._check_labels(data, "x")
         val_data = None
         if validation_data is not None:
             vx, vy, vw, vbatch = data_adapters.validation_inputs(validation_data, batch_size)
             val_data = self._adapter(
                 vx, vy, vw, batch_size=vbatch, shuffle=False, steps=None, arg="validation_data"
             )
+            self._check_labels(val_data, "validation_data")
         cbs = self._callbacks(
             callbacks,
             verbose,
@@ -524,6 +534,7 @@ class Model:
             x, y, sample_weight, batch_size=batch_size, shuffle=False, steps=steps, arg="x"
         )
         self._ensure_ready(training=True)
+        self._check_labels(data, "x")
         cbs = self._callbacks(callbacks, verbose, steps=data.steps)
         result = fit_loop.evaluate(self._trainer, data, cbs)
         if return_dict:

@@ -36,6 +36,7 @@ from jstrategy._src.staging import StepFunctions
 from jstrategy._src.staging import TrainProgram
 from jstrategy._src.staging import replica_map
 from jstrategy._src.staging import row_spec
+from jstrategy._src.training import check_numerics
 from jstrategy._src.training import losses as losses_lib
 from jstrategy._src.training import metrics as metrics_lib
 from jstrategy._src.training.train_state import TrainStateProtocol
@@ -81,11 +82,14 @@ class StepSpec:
       strategy: the strategy whose replicas run the step.
       loss: the per-example loss, or None (evaluation of metrics only).
       metrics: ``(name, metric)`` pairs of per-example metrics.
+      check_numerics: whether the step also counts labels out of range and non-finite
+        losses and gradients (`jstrategy.config.enable_check_numerics`).
     """
 
     strategy: Strategy
     loss: Metric | None
     metrics: tuple[tuple[str, Metric], ...]
+    check_numerics: bool = False
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -94,7 +98,8 @@ class StepSpec:
 
     def zero_sums(self) -> dict[str, Any]:
         """Running sums before the first step: zeros for each name and the count."""
-        return {name: np.float32(0) for name in (*self.names, COUNT)}
+        extra = check_numerics.KEYS if self.check_numerics else ()
+        return {name: np.float32(0) for name in (*self.names, COUNT, *extra)}
 
 
 def resolve_loss(loss: Any) -> losses_lib.Loss:
@@ -129,7 +134,8 @@ def resolve_metrics(metrics: Any, loss: Any = None) -> list[tuple[str, Metric]]:
 def make_spec(loss: Any, metrics: Any, strategy: Strategy) -> StepSpec:
     """The `StepSpec` of a loss (or None) and metrics given as `compile` takes them."""
     loss_fn = resolve_loss(loss) if loss is not None else None
-    return StepSpec(strategy, loss_fn, tuple(resolve_metrics(metrics, loss=loss_fn)))
+    metric_fns = tuple(resolve_metrics(metrics, loss=loss_fn))
+    return StepSpec(strategy, loss_fn, metric_fns, check_numerics.check_numerics_enabled())
 
 
 # ---------------------------------------------------------------------------------------
@@ -260,6 +266,8 @@ def replica_gradients(
         varying_params
     )
     sums = _sums(spec, y, y_pred, maskf, loss_sum)
+    if spec.check_numerics:
+        sums.update(check_numerics.step_flags(spec, y, y_pred, maskf, loss_sum, grads))
     leaves, tree = jax.tree.flatten(model_state)
     varying = [i for i, leaf in enumerate(leaves) if axis in varying_axes(leaf)]
     grads, sums, synced = strategy.cross_device_ops.all_reduce(
@@ -291,6 +299,8 @@ def eval_sums(
     weight = _weights(maskf, w)
     loss_sum = _loss_sum(spec, y, y_pred, weight) if spec.loss is not None else None
     sums = _sums(spec, y, y_pred, maskf, loss_sum)
+    if spec.check_numerics:
+        sums.update(check_numerics.step_flags(spec, y, y_pred, maskf, loss_sum))
     return strategy.cross_device_ops.all_reduce(ReduceOp.SUM, sums, mesh=strategy.mesh)
 
 

@@ -20,6 +20,7 @@ import jax
 from jstrategy._src import context
 from jstrategy._src import dispatch
 from jstrategy._src.placement import check_placed
+from jstrategy._src.training import check_numerics
 from jstrategy._src.training import data_adapters
 from jstrategy._src.training import step as step_lib
 from jstrategy._src.training.train_state import TrainStateProtocol
@@ -40,9 +41,18 @@ __all__ = [
 
 
 class _Step:
+    _what = "step"
+
     def __init__(self, spec: step_lib.StepSpec):
         self._spec = spec
         self._checked: set[Any] = set()
+        self._calls = 0
+        self._watch = check_numerics.Watch(spec, "call number", f" of this {self._what}")
+
+    def _watched(self, logs: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """The logs without the numerics counts, which the watch checks once ready."""
+        self._calls += 1
+        return self._watch.add(logs, self._calls)
 
     @property
     def strategy(self) -> Strategy:
@@ -66,6 +76,8 @@ class _Step:
 class TrainStep(_Step):
     """``train_step(state, batch) -> (state, metrics)``; see `make_train_step`."""
 
+    _what = "train step"
+
     def __init__(self, spec: step_lib.StepSpec):
         super().__init__(spec)
         self._program = step_lib.build_train_program(spec)
@@ -78,7 +90,7 @@ class TrainStep(_Step):
         state, values, mask = self._inputs(state, batch)
         state, _, logs = self._program(state, None, values, mask)
         dispatch.track(logs)
-        return state, logs
+        return state, self._watched(logs)
 
     def lower(self, state: Any, batch: Any) -> Any:
         """The lowered program (``jax.stages.Lowered``) for inspecting its HLO.
@@ -93,6 +105,8 @@ class TrainStep(_Step):
 class EvalStep(_Step):
     """``eval_step(state, batch) -> metrics``; see `make_eval_step`."""
 
+    _what = "evaluation step"
+
     def __init__(self, spec: step_lib.StepSpec):
         super().__init__(spec)
         self._program = step_lib.build_eval_program(spec)
@@ -102,7 +116,7 @@ class EvalStep(_Step):
         state, values, mask = self._inputs(state, batch)
         _, logs = self._program(state, None, values, mask)
         dispatch.track(logs)
-        return logs
+        return self._watched(logs)
 
 
 class PredictStep(_Step):

@@ -1,0 +1,174 @@
+"""The opt-in numerics check inside the step, as TF's ``tf.debugging.enable_check_numerics``.
+
+With `enable_check_numerics`, the train and eval steps compiled afterwards (`Model.compile`,
+`make_train_step`, `make_eval_step`) also count, on each replica and with the loss sums'
+one all-reduce, the real rows whose class labels fall outside ``[0, num_classes)`` of the
+predictions (for sparse categorical losses and metrics) and whether the loss sum and the
+gradients are finite. The host reads these counts when the step's outputs are ready,
+without waiting for them (`Watch`), and at the points where it waits anyway (the end of an
+epoch or an evaluation), then raises an error that names the first step where it went
+wrong. Steps compiled without the check are the same programs as before, bit for bit.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import TYPE_CHECKING
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jstrategy._src.training.input_checks import class_label_functions
+
+if TYPE_CHECKING:
+    from jstrategy._src.training.step import StepSpec
+
+__all__ = [
+    "KEYS",
+    "Watch",
+    "check_numerics_enabled",
+    "disable_check_numerics",
+    "enable_check_numerics",
+    "step_flags",
+]
+
+LABELS = "check_numerics/labels_out_of_range"
+LOSS = "check_numerics/non_finite_loss"
+GRADIENTS = "check_numerics/non_finite_gradients"
+#: The keys the check adds to a step's sums (and logs); `Model`'s logs leave them out.
+KEYS = (LABELS, LOSS, GRADIENTS)
+
+_ENABLED = False
+
+
+def enable_check_numerics() -> None:
+    """Checks labels, the loss and the gradients in every step compiled from now on.
+
+    The analogue of ``tf.debugging.enable_check_numerics``, for jstrategy's steps: a train
+    or eval step made afterwards (by `jstrategy.Model.compile`, `make_train_step` or
+    `make_eval_step`) raises, naming the step, when a real row's class label is outside
+    ``[0, num_classes)`` (sparse categorical losses and metrics: ``ValueError``) or the
+    loss or the gradients are NaN or infinite (``FloatingPointError``). The check adds a
+    few reductions to each step and no host synchronization: the error comes a few steps
+    after the faulty one, at the latest when the epoch (or evaluation) ends. Compile
+    again to turn it on for a model compiled before.
+
+    Example:
+
+    >>> import numpy as np, flax.linen as nn, jstrategy
+    >>> jstrategy.config.enable_check_numerics()
+    >>> model = jstrategy.Model(nn.Dense(3), input_shape=(2,))
+    >>> model.compile("sgd", loss="sparse_categorical_crossentropy")
+    >>> jstrategy.config.disable_check_numerics()
+    >>> x, y = np.ones((4, 2), np.float32), np.array([0, 1, 2, 1])
+    >>> x[2, 0] = np.nan
+    >>> model.fit(x, y, verbose=0)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    FloatingPointError: Check numerics: the loss is NaN or infinite at training step 0 of epoch 0...
+    """
+    global _ENABLED
+    _ENABLED = True
+
+
+def disable_check_numerics() -> None:
+    """Steps compiled from now on skip the check (the default)."""
+    global _ENABLED
+    _ENABLED = False
+
+
+def check_numerics_enabled() -> bool:
+    """Whether steps compiled now include the numerics check."""
+    return _ENABLED
+
+
+def step_flags(
+    spec: StepSpec, y: Any, y_pred: Any, maskf: jax.Array, loss_sum: Any, grads: Any = None
+) -> dict[str, jax.Array]:
+    """One replica's counts, traced in the step: rows with labels out of range, and 1.0 for
+    a non-finite loss sum or gradient. They are summed over replicas with the loss sums."""
+    zero = jnp.sum(maskf) * 0.0  # per replica, like the sums it joins
+    labels = zero
+    if class_label_functions(spec) and isinstance(y, jax.Array) and isinstance(y_pred, jax.Array):
+        classes = y_pred.shape[-1] if y_pred.ndim >= 2 else None
+        if y.ndim == y_pred.ndim and y.shape[-1] == 1:
+            y = jnp.squeeze(y, -1)
+        if classes is not None and y.shape == y_pred.shape[:-1]:
+            index = y.astype(jnp.int32)
+            bad = ((index < 0) | (index >= classes)).reshape(index.shape[0], -1).any(axis=1)
+            labels = jnp.sum(bad * maskf)
+    loss = zero if loss_sum is None else zero + (~jnp.isfinite(loss_sum)).astype(jnp.float32)
+    finite = [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]
+    gradients = zero
+    if finite:
+        gradients = zero + (~jnp.all(jnp.stack(finite))).astype(jnp.float32)
+    return {LABELS: labels, LOSS: loss, GRADIENTS: gradients}
+
+
+class Watch:
+    """The host's side of the check: reads each step's counts once they are ready.
+
+    `add` records a step's logs and checks those of earlier steps that have finished (a
+    test, not a wait); `finish` checks the rest, where the loop waits anyway. A disabled
+    watch (the step was compiled without the check) does nothing.
+
+    Args:
+      spec: the compiled step.
+      what: how a step is named in the error, e.g. ``"training step"``.
+      context: appended to the step's name, e.g. ``" of epoch 3"``.
+    """
+
+    def __init__(self, spec: StepSpec, what: str, context: str = ""):
+        self.enabled = spec.check_numerics
+        self._what = what
+        self._context = context
+        self._pending: collections.deque[tuple[int, int, dict[str, Any]]] = collections.deque()
+
+    def add(self, logs: dict[str, Any], first: int, last: int | None = None) -> dict[str, Any]:
+        """Records the logs of steps `first` to `last`; returns them without the counts.
+
+        Raises:
+          ValueError, FloatingPointError: for an earlier step that went wrong.
+        """
+        if not self.enabled:
+            return logs
+        self._pending.append((first, first if last is None else last, {k: logs[k] for k in KEYS}))
+        while self._pending and all(v.is_ready() for v in self._pending[0][2].values()):
+            self._check(*self._pending.popleft())
+        return {k: v for k, v in logs.items() if k not in KEYS}
+
+    def finish(self) -> None:
+        """Checks every step recorded (waiting for them)."""
+        while self._pending:
+            self._check(*self._pending.popleft())
+
+    def _check(self, first: int, last: int, flags: dict[str, Any]) -> None:
+        values = {k: float(v) for k, v in jax.device_get(flags).items()}
+        if first == last:
+            where = f"{self._what} {first}{self._context}"
+        else:
+            where = f"{self._what}s {first} to {last}{self._context} (one execution)"
+        if values[LABELS]:
+            self._pending.clear()
+            raise ValueError(
+                f"Check numerics: class labels outside [0, num_classes) at {where}: a sparse "
+                "categorical loss or metric got an integer label that is negative or not "
+                "below the model's number of outputs. Fix the labels, or give the model one "
+                "output per class."
+            )
+        if values[LOSS]:
+            self._pending.clear()
+            raise FloatingPointError(
+                f"Check numerics: the loss is NaN or infinite at {where}. Look for NaN or "
+                "inf in the inputs and labels, lower the learning rate, or compute the loss "
+                "from logits (from_logits=True)."
+            )
+        if values[GRADIENTS]:
+            self._pending.clear()
+            raise FloatingPointError(
+                f"Check numerics: the gradients are NaN or infinite at {where}, while the "
+                "loss is finite. Lower the learning rate, clip gradients (e.g. "
+                "optax.clip_by_global_norm), or look for an operation whose gradient "
+                "overflows (sqrt or log near 0, exp of large values)."
+            )
