@@ -181,10 +181,10 @@ def prepare_state(spec: StepSpec, state: TrainStateProtocol) -> Any:
     """`state` with what the train step keeps in it, added (placed) where it is missing.
 
     A float16 compute dtype needs a loss scale (``state.loss_scale``, a
-    `jstrategy.mixed_precision.DynamicLossScale` with Keras's defaults, as Keras wraps the optimizer in a
-    `LossScaleOptimizer`); ``accumulation_steps`` > 1 needs gradient accumulators
-    (``state.grad_accumulator``). A state that has them is returned as it is, so a cycle in
-    progress (e.g. restored from a checkpoint) continues.
+    `jstrategy.mixed_precision.DynamicLossScale` with Keras's defaults, as Keras wraps the
+    optimizer in a `LossScaleOptimizer`); ``accumulation_steps`` > 1 needs gradient
+    accumulators (``state.grad_accumulator``). A state that has them is returned as it is,
+    so a cycle in progress (e.g. restored from a checkpoint) continues.
 
     Raises:
       ValueError: if the state holds gradient accumulators but the step does not
@@ -408,8 +408,9 @@ def apply_update(spec: StepSpec, state: TrainStateProtocol, grads: Any, model_st
     if spec.accumulation_steps > 1:
         if state.grad_accumulator is None:
             raise ValueError(
-                f"accumulation_steps={spec.accumulation_steps} needs gradient accumulators "
-                "in the state; pass it through step.prepare_state first."
+                f"gradient_accumulation_steps={spec.accumulation_steps} needs gradient "
+                "accumulators in the state; pass the state through the train step's "
+                "prepare_state(state) first."
             )
         new = accumulation.accumulate(state, grads, model_state, spec.accumulation_steps)
     else:
