@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import jstrategy
-from jstrategy import mixed_precision as mp
 from jstrategy import training
 from jstrategy._src import dispatch
 from jstrategy._src.input import distribute_batch
@@ -284,4 +284,44 @@ def test_bad_accumulation_arguments_and_a_state_from_another_step():
     assert int(model.state.grad_accumulator.micro_steps) == 2
     model.compile("adam", loss=_loss, gradient_accumulation_steps=3)
     assert int(model.state.grad_accumulator.micro_steps) == 0
-    assert mp.global_policy().name == "float32"
+
+
+class NnxNet(nnx.Module):
+    def __init__(self, rngs, dropout=0.0):
+        self.dense1 = nnx.Linear(FEATURES, 8, rngs=rngs)
+        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+        self.dense2 = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dense2(self.dropout(jnp.tanh(self.dense1(x))))
+
+
+def test_nnx_accumulation_parity_and_a_float16_skip_with_random_streams():
+    strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    x, y = _data(4 * MICRO, seed=6)
+    micro = [(x[i * MICRO : (i + 1) * MICRO], y[i * MICRO : (i + 1) * MICRO]) for i in range(4)]
+    with strategy.scope():
+        state = training.create_nnx_train_state(NnxNet(nnx.Rngs(0)), _tx())
+    state = _run(strategy, micro, 2, state=state)
+    with jstrategy.OneDeviceStrategy("cpu:0").scope():
+        oracle = training.create_nnx_train_state(NnxNet(nnx.Rngs(0)), _tx())
+    big = [(x[: 2 * MICRO], y[: 2 * MICRO]), (x[2 * MICRO :], y[2 * MICRO :])]
+    oracle = _run(jstrategy.OneDeviceStrategy("cpu:0"), big, 1, state=oracle)
+    _assert_trees(state.params, oracle.params, atol=PARITY)
+    assert int(state.step) == 4
+    # Dropout's random streams live in the model state: an overflowing micro-batch under
+    # float16 keeps them (and everything else) as they were.
+    with strategy.scope():
+        state = training.create_nnx_train_state(
+            NnxNet(nnx.Rngs(0), dropout=0.5), _tx(), dtype_policy="mixed_float16"
+        )
+        step = training.make_train_step(
+            _loss, dtype_policy="mixed_float16", gradient_accumulation_steps=2
+        )
+    state = _run(strategy, micro[:1], 2, state=state, step=step)
+    before = _host((state.params, state.model_state, state.grad_accumulator))
+    state = _run(strategy, [(micro[1][0] * 1e5, micro[1][1])], 2, state=state, step=step)
+    _assert_trees((state.params, state.model_state, state.grad_accumulator), before)
+    assert float(state.loss_scale.loss_scale) == 2.0**14
+    state = _run(strategy, micro[2:3], 2, state=state, step=step)
+    assert int(state.step) == 2 and int(state.grad_accumulator.micro_steps) == 0
