@@ -26,10 +26,10 @@ so those are their peaks; with ``jax_default_matmul_precision="highest"`` a GPU'
 peak is used. On CPUs MFU is printed as n/a: the fake devices share a few cores and no
 datasheet peak applies (``--peak-tflops`` supplies one for any device).
 
-For mixed_bfloat16 the model computes in bfloat16 through Flax's own ``dtype`` (module
-dtype bfloat16, parameters and optimizer state float32) and the loss casts the bfloat16
-logits to float32 inside the fused cross-entropy. Once `make_train_step` takes a
-``dtype_policy``, `build_step` switches to it in one line (see there).
+Each policy is given to `create_train_state` and `make_train_step` (``dtype_policy=``):
+parameters and optimizer state stay float32, the step casts them and the inputs to the
+compute dtype inside the differentiated function (the model's ``dtype`` is None, so it
+follows), and the logits to float32 for the loss.
 """
 
 from __future__ import annotations
@@ -159,19 +159,15 @@ def build_step(preset: Preset, policy: str, strategy: Any, attention: str):
         n_heads=preset.n_heads,
         seq_len=preset.seq_len,
         mlp_ratio=preset.mlp_ratio,
-        # Flax-native compute dtype for now. With the policy in the step factory this
-        # line goes (the model's dtype=None follows the policy's casts) and build_step
-        # passes dtype_policy=policy to the factory.
-        dtype=jnp.dtype(mixed_precision.Policy(policy).compute_dtype),
-        attention=attention,
+        attention=attention,  # dtype None: the model computes in the policy's dtype
     )
     tx = optax.adamw(3e-4, b1=0.9, b2=0.95, weight_decay=0.1)
     with strategy.scope():
         # A short sample: initialization needs shapes only, and the position table's
         # size comes from seq_len.
         sample = jnp.zeros((1, min(8, preset.seq_len)), jnp.int32)
-        state = training.create_train_state(model, tx, sample, rng=0)
-        step = training.make_train_step(transformer_lm.lm_loss)
+        state = training.create_train_state(model, tx, sample, rng=0, dtype_policy=policy)
+        step = training.make_train_step(transformer_lm.lm_loss, dtype_policy=policy)
     return state, step
 
 

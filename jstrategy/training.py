@@ -8,6 +8,7 @@ True
 """
 
 from jstrategy._src.placement import place_state
+from jstrategy._src.training.accumulation import GradientAccumulator
 from jstrategy._src.training.fit_loop import FitState
 from jstrategy._src.training.model import Model
 from jstrategy._src.training.nnx import NNXTrainState
@@ -25,6 +26,7 @@ from jstrategy._src.training.train_step import make_train_step
 __all__ = [
     "EvalStep",
     "FitState",
+    "GradientAccumulator",
     "Model",
     "NNXTrainState",
     "PredictStep",

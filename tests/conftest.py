@@ -46,7 +46,11 @@ STRATEGIES = _strategies()
 # (test module, strategy) pairs that wait for other work. The compiled train step of the
 # training layer runs over a 1-D mesh; its multi-axis version lands with the training-layer
 # redesign (issue 12 item 4), which removes this entry.
-_PENDING = {("test_train_step", "model_parallel_2x4")}
+_PENDING = {
+    ("test_train_step", "model_parallel_2x4"),
+    ("test_mixed_precision_training", "model_parallel_2x4"),
+    ("test_gradient_accumulation", "model_parallel_2x4"),
+}
 
 
 @pytest.fixture(params=sorted(STRATEGIES))

@@ -735,9 +735,7 @@ def ray_instance():
             warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
             # Loopback only, as the library's own local Ray (nothing listens on the world).
             with ray_backend._loopback_node_address():
-                ray.init(
-                    address="local", num_cpus=2, include_dashboard=False, log_to_driver=False
-                )
+                ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     if started:
         ray.shutdown()

@@ -182,6 +182,7 @@ def run_fit_epoch(strategy: ParameterServerStrategy, epoch: FitEpoch) -> FitEpoc
         )
     steps_per_epoch = check_positive_int(steps_per_epoch, "steps_per_epoch")
     spec, state, cbs = epoch.spec, epoch.state, epoch.callbacks
+    _check_synchronous_options(spec, state)
     session = _session(strategy, epoch.owner, state)
     coordinator = session.coordinator
     # What the workers need of the state besides the variables (the dropout key, ...).
@@ -220,6 +221,24 @@ def run_fit_epoch(strategy: ParameterServerStrategy, epoch: FitEpoch) -> FitEpoc
     new = place_state(new.with_step(np.int32(session.step)), strategy)
     session.synced_params = new.params
     return FitEpochResult(new, host_means(running, names))
+
+
+def _check_synchronous_options(spec: step_lib.StepSpec, state: Any) -> None:
+    """Options that need every update to see all gradients of a step: not asynchronous ones."""
+    if spec.accumulation_steps > 1:
+        raise ValueError(
+            f"Model.fit with ParameterServerStrategy takes gradient_accumulation_steps=1; got "
+            f"{spec.accumulation_steps}. Each worker's gradients are applied on the parameter "
+            "servers as they arrive, so there is no cycle to accumulate over: use a larger "
+            "batch, or a synchronous strategy (MirroredStrategy) to accumulate."
+        )
+    if state.loss_scale is not None:
+        raise ValueError(
+            "Model.fit with ParameterServerStrategy has no dynamic loss scaling (policy "
+            f"{spec.policy.name!r}): the parameter servers apply each worker's gradients as "
+            "they arrive and cannot skip a non-finite step for all of them. Use "
+            "dtype_policy='mixed_bfloat16', which needs no loss scale."
+        )
 
 
 def _accumulate(running: dict[str, float], sums: dict[str, Any]) -> None:

@@ -23,6 +23,7 @@ from flax import nnx
 
 from jstrategy._src import checkpoint as checkpoint_lib
 from jstrategy._src import context
+from jstrategy._src import mixed_precision as mp
 from jstrategy._src.strategy import Strategy
 from jstrategy._src.training import callbacks as callbacks_lib
 from jstrategy._src.training import data_adapters
@@ -58,6 +59,12 @@ class Model:
       name: the name shown by `summary`; defaults to the module's class name.
       train_arg: the linen module's training-mode keyword (``"train"``, ``"training"``,
         ``"deterministic"``), found in ``__call__``'s signature by default (``"auto"``).
+      dtype_policy: the precision policy, as Keras's layer and model ``dtype`` argument: a
+        `jstrategy.mixed_precision.Policy` or its name (``"mixed_bfloat16"``, ...); None
+        means `jstrategy.mixed_precision.global_policy()`, read now. Variables (and the
+        optimizer state) are kept in its variable dtype; training, evaluation and
+        prediction run the module in its compute dtype, losses and metrics in float32. A
+        float16 compute dtype adds dynamic loss scaling (`loss_scale`).
 
     Attributes:
       history: the `History` of the latest `fit`.
@@ -84,6 +91,7 @@ class Model:
         seed: int = 0,
         name: str | None = None,
         train_arg: str | None = "auto",
+        dtype_policy: mp.Policy | str | None = None,
     ):
         is_nnx = isinstance(module, nnx.Module)
         if not is_nnx and not hasattr(module, "init"):
@@ -100,10 +108,13 @@ class Model:
         self._input_shape = None if input_shape is None else tuple(int(d) for d in input_shape)
         self._input_dtype = input_dtype
         self._train_arg = train_arg
-        self._trainer = Trainer(context.get_strategy(), int(seed))
+        policy = mp.as_policy(dtype_policy, argument="dtype_policy")
+        self._trainer = Trainer(context.get_strategy(), int(seed), policy)
         self.history: callbacks_lib.History | None = None
         if is_nnx:
-            state = create_nnx_train_state(module, optax.identity(), strategy=self.strategy)
+            state = create_nnx_train_state(
+                module, optax.identity(), strategy=self.strategy, dtype_policy=policy
+            )
             self._trainer.set_state(state)
         elif self._input_shape is not None:
             self._build(jnp.zeros((1, *self._input_shape), input_dtype))
@@ -113,6 +124,28 @@ class Model:
     def strategy(self) -> Strategy:
         """The strategy captured when the model was created."""
         return self._trainer.strategy
+
+    @property
+    def dtype_policy(self) -> mp.Policy:
+        """The precision policy (`jstrategy.mixed_precision.Policy`) the model runs under."""
+        return self._trainer.policy
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current dynamic loss scale (float16 compute), or None without loss scaling.
+
+        TF's ``LossScaleOptimizer.loss_scale``, read from the train state (a host read).
+        The whole `jstrategy.mixed_precision.DynamicLossScale`, with its count of finite
+        steps, is ``model.state.loss_scale``; checkpoints save it with the state.
+        """
+        loss_scale = self.state.loss_scale
+        return None if loss_scale is None else float(loss_scale.loss_scale)
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        """Batches per optimizer update, as given to `compile` (1 before it)."""
+        spec = self._trainer.spec
+        return 1 if spec is None else spec.accumulation_steps
 
     @property
     def built(self) -> bool:
@@ -219,6 +252,7 @@ class Model:
             rng=trainer.seed,
             strategy=self.strategy,
             train_arg=self._train_arg,
+            dtype_policy=trainer.policy,
         )
         trainer.set_state(state)
 
@@ -228,6 +262,7 @@ class Model:
         loss: Any = None,
         metrics: Sequence[Any] | None = None,
         steps_per_execution: int = 1,
+        gradient_accumulation_steps: int = 1,
     ) -> None:
         """Configures training, as Keras's ``compile``.
 
@@ -242,9 +277,17 @@ class Model:
             objects or callables returning per-example values.
           steps_per_execution: training steps fused into one dispatched program; larger
             values cut host overhead without changing the result.
+          gradient_accumulation_steps: batches per optimizer update (Keras 3's optimizer
+            argument of that name): k batches give the update of one k-times-larger batch,
+            each real row weighing the same (a padded batch counts its real rows only).
+            The sums live in the train state, so checkpoints and `BackupAndRestore` resume
+            a cycle exactly; any ``steps_per_execution`` works with any k. ``fit``'s steps,
+            ``steps_per_epoch`` and ``state.step`` count batches; the optimizer (and an
+            optax schedule) counts updates.
 
         Raises:
-          ValueError: for a missing loss, unknown names or a bad `steps_per_execution`.
+          ValueError: for a missing loss, unknown names, or a bad `steps_per_execution` or
+            `gradient_accumulation_steps`.
 
         Example:
 
@@ -260,7 +303,13 @@ class Model:
             "steps_per_execution",
             "1 dispatches every step; e.g. 8 fuses 8 steps into one program.",
         )
-        spec = step_lib.make_spec(step_lib.resolve_loss(loss), metrics, self.strategy)
+        spec = step_lib.make_spec(
+            step_lib.resolve_loss(loss),
+            metrics,
+            self.strategy,
+            dtype_policy=self._trainer.policy,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+        )
         self._trainer.compile(optimizer, spec, steps_per_execution)
 
     def _ensure_ready(self, x_sample: Any = None, *, training: bool) -> None:

@@ -25,9 +25,11 @@ from flax import nnx
 from flax import struct
 
 from jstrategy._src import context
+from jstrategy._src import mixed_precision as mp
 from jstrategy._src.placement import in_device_memory
 from jstrategy._src.placement import place_state
 from jstrategy._src.training import summary as summary_lib
+from jstrategy._src.training.train_state import loss_scale_for
 
 if TYPE_CHECKING:
     from jstrategy._src.strategy import Strategy
@@ -48,6 +50,10 @@ class NNXTrainState(struct.PyTreeNode):
       eval_graphdef: the module's structure in evaluation mode (static).
       opt_graphdef: the optimizer's structure (static).
       wrt: the filter selecting the trained variables (static).
+      loss_scale: the `jstrategy.mixed_precision.DynamicLossScale` the train step
+        applies, or None (no loss scaling; the default except for float16 compute).
+      grad_accumulator: the gradient-accumulation cycle in progress (a
+        `GradientAccumulator`, with ``gradient_accumulation_steps`` > 1), or None.
     """
 
     params: nnx.State
@@ -57,6 +63,8 @@ class NNXTrainState(struct.PyTreeNode):
     eval_graphdef: Any = struct.field(pytree_node=False)
     opt_graphdef: Any = struct.field(pytree_node=False)
     wrt: Any = struct.field(pytree_node=False, default=nnx.Param)
+    loss_scale: Any = None
+    grad_accumulator: Any = None
 
     @property
     def step(self) -> jax.Array:
@@ -110,7 +118,9 @@ class NNXTrainState(struct.PyTreeNode):
         return self.replace(params=params, model_state=model_state, opt_state=opt_state)
 
     def replica_view(self, *, with_params: bool = False) -> NNXTrainState:
-        return self.replace(params=self.params if with_params else None, opt_state=None)
+        return self.replace(
+            params=self.params if with_params else None, opt_state=None, grad_accumulator=None
+        )
 
     def with_variables(self, params: Any, model_state: Any) -> NNXTrainState:
         return self.replace(params=params, model_state=model_state)
@@ -125,7 +135,8 @@ class NNXTrainState(struct.PyTreeNode):
 
     def with_optimizer(self, tx: optax.GradientTransformation) -> NNXTrainState:
         model = in_device_memory(self).model
-        return _split_state(model, nnx.Optimizer(model, tx, wrt=self.wrt), self.wrt)
+        state = _split_state(model, nnx.Optimizer(model, tx, wrt=self.wrt), self.wrt)
+        return state.replace(loss_scale=self.loss_scale)
 
     def weights(self) -> dict[str, Any]:
         return {"params": self.params, "model_state": self.model_state}
@@ -219,6 +230,7 @@ def create_nnx_train_state(
     *,
     wrt: Any = nnx.Param,
     strategy: Strategy | None = None,
+    dtype_policy: mp.Policy | str | None = None,
 ) -> NNXTrainState:
     """Splits an NNX module and its optimizer into an `NNXTrainState` placed by the strategy.
 
@@ -232,6 +244,11 @@ def create_nnx_train_state(
       wrt: the filter of trained variables when `optimizer` is an optax transformation;
         an `nnx.Optimizer` brings its own.
       strategy: where to place the state; None means `jstrategy.get_strategy()`.
+      dtype_policy: a `jstrategy.mixed_precision.Policy` or its name; None means
+        `jstrategy.mixed_precision.global_policy()`. The state's variables are its
+        variable dtype (a copy of the module's, cast, if they differ; the optimizer is then
+        rebuilt on the copy with its transformation); a float16 compute dtype adds a
+        `DynamicLossScale` (``state.loss_scale``). Give the train step the same policy.
 
     Returns:
       The `NNXTrainState`, placed by `place_state`.
@@ -248,18 +265,29 @@ def create_nnx_train_state(
     ((3, 2), 0)
     """
     strategy = strategy if strategy is not None else context.get_strategy()
+    policy = mp.as_policy(dtype_policy, argument="dtype_policy")
     if not isinstance(model, nnx.Module):
         raise TypeError(
             f"`model` must be an nnx.Module; got {type(model).__name__}. For linen modules "
             "use create_train_state."
         )
-    if isinstance(optimizer, optax.GradientTransformation):
-        optimizer = nnx.Optimizer(model, optimizer, wrt=wrt)
-    elif isinstance(optimizer, nnx.Optimizer):
+    if isinstance(optimizer, nnx.Optimizer):
         wrt = optimizer.wrt
-    else:
+    elif not isinstance(optimizer, optax.GradientTransformation):
         raise TypeError(
             f"`optimizer` must be an nnx.Optimizer or an optax.GradientTransformation; got "
             f"{type(optimizer).__name__} {optimizer!r}."
         )
-    return place_state(_split_state(model, optimizer, wrt), strategy)
+    graphdef, variables = nnx.split(model)
+    cast = mp.cast_to_variable(variables, policy)
+    leaves = zip(jax.tree.leaves(cast), jax.tree.leaves(variables), strict=True)
+    if any(a is not b for a, b in leaves):
+        # Variables in another dtype: a cast copy (the user's module stays as it is), with
+        # the optimizer's state created anew for it.
+        model = nnx.merge(graphdef, cast)
+        if isinstance(optimizer, nnx.Optimizer):
+            optimizer = optimizer.tx
+    if isinstance(optimizer, optax.GradientTransformation):
+        optimizer = nnx.Optimizer(model, optimizer, wrt=wrt)
+    state = _split_state(model, optimizer, wrt).replace(loss_scale=loss_scale_for(policy))
+    return place_state(state, strategy)

@@ -14,6 +14,15 @@ per-replica mutable state are then combined by ONE call to
 program's communication, not the numbers). Dividing by the global count of real rows makes
 the loss the mean over real rows of the global batch: padding never skews it, and every
 strategy follows the same trajectory as `OneDeviceStrategy` up to float rounding.
+
+The step's options (`StepSpec`) act in two places. The precision policy casts the
+parameters and floating inputs to its compute dtype inside the differentiated function (so
+the gradients come back in the variable dtype) and the outputs to float32 before the loss
+and metrics (`_forward`). A `DynamicLossScale` in the state scales the loss before
+differentiating and unscales the all-reduced gradients (`replica_gradients`); the update
+(`apply_update`) is skipped, the scale halved, when they are not finite, a decision taken
+on values identical on every replica. With ``accumulation_steps`` k > 1 the gradient sums
+and counts of real rows go to `accumulation.accumulate`, which updates every k-th step.
 """
 
 from __future__ import annotations
@@ -28,18 +37,26 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jstrategy._src import mixed_precision as mp
+from jstrategy._src.loss_scale import all_finite
+from jstrategy._src.loss_scale import select_if_finite
 from jstrategy._src.numerics import COUNT
 from jstrategy._src.numerics import means
 from jstrategy._src.numerics import per_example
+from jstrategy._src.placement import in_device_memory
+from jstrategy._src.placement import place_state
 from jstrategy._src.reduce_util import ReduceOp
 from jstrategy._src.staging import StepFunctions
 from jstrategy._src.staging import TrainProgram
 from jstrategy._src.staging import replica_map
 from jstrategy._src.staging import row_spec
+from jstrategy._src.training import accumulation
 from jstrategy._src.training import check_numerics
 from jstrategy._src.training import losses as losses_lib
 from jstrategy._src.training import metrics as metrics_lib
 from jstrategy._src.training.train_state import TrainStateProtocol
+from jstrategy._src.training.train_state import loss_scale_for
+from jstrategy._src.validation import check_positive_int
 from jstrategy._src.values import PerReplica
 from jstrategy._src.values import is_per_replica
 from jstrategy._src.values import varying_axes
@@ -55,6 +72,7 @@ __all__ = [
     "build_train_program",
     "eval_sums",
     "predict_outputs",
+    "prepare_state",
     "replica_gradients",
     "resolve_loss",
     "resolve_metrics",
@@ -69,14 +87,16 @@ Metric = Callable[[Any, Any], Any]
 # ---------------------------------------------------------------------------------------
 # What a step computes
 # ---------------------------------------------------------------------------------------
+_FLOAT32 = mp.Policy("float32")
+
+
 @dataclasses.dataclass(frozen=True)
 class StepSpec:
-    """What a step computes: the loss and metrics, on which strategy.
+    """What a step computes: the loss and metrics, on which strategy, with which options.
 
-    The step's options live here, read by the step body below: a new option (a precision
-    policy, loss scaling, gradient accumulation) is a field with a default that keeps
-    today's step, and the body's one update path (`apply_update`) and one loss path
-    (`_loss_sum`) are where it acts.
+    The step's options live here, read by the step body below: a new option is a field
+    with a default that keeps today's step, and the body's one update path
+    (`apply_update`) and one loss path (`replica_gradients`) are where it acts.
 
     Attributes:
       strategy: the strategy whose replicas run the step.
@@ -84,12 +104,17 @@ class StepSpec:
       metrics: ``(name, metric)`` pairs of per-example metrics.
       check_numerics: whether the step also counts labels out of range and non-finite
         losses and gradients (`jstrategy.config.enable_check_numerics`).
+      policy: the precision policy (`jstrategy.mixed_precision.Policy`). Under
+        ``"float32"`` (the default) the step casts nothing.
+      accumulation_steps: micro-batches per optimizer update (1: update every step).
     """
 
     strategy: Strategy
     loss: Metric | None
     metrics: tuple[tuple[str, Metric], ...]
     check_numerics: bool = False
+    policy: mp.Policy = _FLOAT32
+    accumulation_steps: int = 1
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -131,11 +156,64 @@ def resolve_metrics(metrics: Any, loss: Any = None) -> list[tuple[str, Metric]]:
     return out
 
 
-def make_spec(loss: Any, metrics: Any, strategy: Strategy) -> StepSpec:
-    """The `StepSpec` of a loss (or None) and metrics given as `compile` takes them."""
+def make_spec(
+    loss: Any,
+    metrics: Any,
+    strategy: Strategy,
+    *,
+    dtype_policy: mp.Policy | str | None = None,
+    gradient_accumulation_steps: int = 1,
+) -> StepSpec:
+    """The `StepSpec` of a loss (or None), metrics and options given as `compile` takes them.
+
+    `dtype_policy` None means `jstrategy.mixed_precision.global_policy()`, read now.
+    """
     loss_fn = resolve_loss(loss) if loss is not None else None
-    metric_fns = tuple(resolve_metrics(metrics, loss=loss_fn))
-    return StepSpec(strategy, loss_fn, metric_fns, check_numerics.check_numerics_enabled())
+    return StepSpec(
+        strategy,
+        loss_fn,
+        tuple(resolve_metrics(metrics, loss=loss_fn)),
+        policy=mp.as_policy(dtype_policy, argument="dtype_policy"),
+        accumulation_steps=check_positive_int(
+            gradient_accumulation_steps,
+            "gradient_accumulation_steps",
+            "1 updates every step; k > 1 updates once every k micro-batches.",
+        ),
+        check_numerics=check_numerics.check_numerics_enabled(),
+    )
+
+
+def prepare_state(spec: StepSpec, state: TrainStateProtocol) -> Any:
+    """`state` with what the train step keeps in it, added (placed) where it is missing.
+
+    A float16 compute dtype needs a loss scale (``state.loss_scale``, a
+    `jstrategy.mixed_precision.DynamicLossScale` with Keras's defaults, as Keras wraps the
+    optimizer in a `LossScaleOptimizer`); ``accumulation_steps`` > 1 needs gradient
+    accumulators (``state.grad_accumulator``). A state that has them is returned as it is,
+    so a cycle in progress (e.g. restored from a checkpoint) continues.
+
+    Raises:
+      ValueError: if the state holds gradient accumulators but the step does not
+        accumulate (their pending sums would be ignored).
+    """
+    added: dict[str, Any] = {}
+    if state.loss_scale is None and (loss_scale := loss_scale_for(spec.policy)) is not None:
+        added["loss_scale"] = loss_scale
+    if spec.accumulation_steps > 1 and state.grad_accumulator is None:
+        added["grad_accumulator"] = accumulation.GradientAccumulator.zeros(
+            in_device_memory(state.params)
+        )
+    if spec.accumulation_steps == 1 and state.grad_accumulator is not None:
+        raise ValueError(
+            "The state holds gradient accumulators (`state.grad_accumulator`, from a step "
+            "with gradient_accumulation_steps > 1), but this step has "
+            "gradient_accumulation_steps=1 and would ignore their pending sums. Build the "
+            "step with the same gradient_accumulation_steps, or drop them with "
+            "state.replace(grad_accumulator=None)."
+        )
+    if not added:
+        return state
+    return state.replace(**place_state(added, spec.strategy))
 
 
 # ---------------------------------------------------------------------------------------
@@ -218,6 +296,40 @@ def _per_row(values: Any, rows: int, what: str) -> jax.Array:
     return per_example(values, rows, what).astype(jnp.float32)
 
 
+def _forward(
+    policy: mp.Policy,
+    state: TrainStateProtocol,
+    params: Any,
+    x: Any,
+    *,
+    train: bool,
+    axis_name: str | None,
+) -> tuple[Any, Any]:
+    """The model under `policy`: ``(y_pred in float32, model_state in the variable dtype)``.
+
+    Called inside the differentiated function, so the casts' gradients bring the gradients
+    back to the parameters' dtype. Under ``"float32"`` nothing is cast.
+    """
+    if policy == _FLOAT32:
+        return state.forward(params, x, train=train, axis_name=axis_name)
+    params, x = mp.cast_to_compute((params, x), policy)
+    y_pred, model_state = state.forward(params, x, train=train, axis_name=axis_name)
+    return mp.cast_to_float32(y_pred), mp.cast_to_variable(model_state, policy)
+
+
+def _loss_scale_factor(spec: StepSpec, rest: Any, mask: jax.Array) -> jax.Array | None:
+    """What a replica multiplies its loss *sum* by before differentiating, or None.
+
+    The loss scale divided by the global batch's (static) number of rows: the scale then
+    multiplies the mean loss, as in Keras, so a given scale overflows float16 at the same
+    gradients whatever the batch size.
+    """
+    ls = rest.loss_scale
+    if ls is None:
+        return None
+    return ls.loss_scale / (mask.shape[0] * spec.strategy.num_replicas_in_sync)
+
+
 def _loss_sum(spec: StepSpec, y: Any, y_pred: Any, weight: jax.Array) -> jax.Array:
     """One replica's weighted sum of per-example losses (training and evaluation alike)."""
     assert spec.loss is not None
@@ -247,7 +359,9 @@ def replica_gradients(
     to `params`; `rest` is the rest of the state (`TrainStateProtocol.replica_view`). The
     new mutable state (e.g. BatchNorm statistics) is averaged over replicas, as
     tf.distribute aggregates such variables with MEAN. Everything it returns is identical
-    on every replica.
+    on every replica. With ``spec.accumulation_steps`` > 1 the gradients are
+    `accumulation.GradientSums`: the gradient of the loss *sum* and the count of real rows,
+    which `apply_update` adds to the cycle's.
     """
     strategy = spec.strategy
     axis = strategy.axis_name
@@ -257,17 +371,23 @@ def replica_gradients(
     maskf = mask.astype(jnp.float32)
     weight = _weights(maskf, w)
 
-    def local_loss(params: Any) -> tuple[jax.Array, tuple[Any, Any]]:
-        y_pred, model_state = rest.forward(params, x, train=True, axis_name=axis)
-        return _loss_sum(spec, y, y_pred, weight), (y_pred, model_state)
+    scale = _loss_scale_factor(spec, rest, mask)
+
+    def local_loss(params: Any) -> tuple[jax.Array, tuple[Any, Any, Any]]:
+        y_pred, model_state = _forward(spec.policy, rest, params, x, train=True, axis_name=axis)
+        loss_sum = _loss_sum(spec, y, y_pred, weight)
+        scaled = loss_sum if scale is None else loss_sum * scale
+        return scaled, (loss_sum, y_pred, model_state)
 
     varying_params = _to_varying(params, axis)
-    (loss_sum, (y_pred, model_state)), grads = jax.value_and_grad(local_loss, has_aux=True)(
+    (_, (loss_sum, y_pred, model_state)), grads = jax.value_and_grad(local_loss, has_aux=True)(
         varying_params
     )
     sums = _sums(spec, y, y_pred, maskf, loss_sum)
     if spec.check_numerics:
-        sums.update(check_numerics.step_flags(spec, y, y_pred, maskf, loss_sum, grads))
+        # Under loss scaling, overflowing gradients are expected: the step is skipped.
+        checked = grads if scale is None else None
+        sums.update(check_numerics.step_flags(spec, y, y_pred, maskf, loss_sum, checked))
     leaves, tree = jax.tree.flatten(model_state)
     varying = [i for i, leaf in enumerate(leaves) if axis in varying_axes(leaf)]
     grads, sums, synced = strategy.cross_device_ops.all_reduce(
@@ -276,14 +396,39 @@ def replica_gradients(
     n = strategy.num_replicas_in_sync
     for i, leaf in zip(varying, synced, strict=True):
         leaves[i] = (leaf / n).astype(leaves[i].dtype)
+    model_state = jax.tree.unflatten(tree, leaves)
+    if scale is not None:  # an overflow stays inf or NaN: apply_update sees it
+        grads = jax.tree.map(lambda g: (g / scale).astype(g.dtype), grads)
+    if spec.accumulation_steps > 1:
+        return accumulation.GradientSums(grads, sums[COUNT]), model_state, sums
     denom = jnp.maximum(sums[COUNT], 1.0)
     grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
-    return grads, jax.tree.unflatten(tree, leaves), sums
+    return grads, model_state, sums
 
 
-def apply_update(state: TrainStateProtocol, grads: Any, model_state: Any) -> Any:
-    """The optimizer update: every staged step applies its update through this function."""
-    return state.apply_update(grads, model_state)
+def apply_update(spec: StepSpec, state: TrainStateProtocol, grads: Any, model_state: Any) -> Any:
+    """The optimizer update: every staged step applies its update through this function.
+
+    `grads` are what `replica_gradients` returned (identical on every replica, or global).
+    With a loss scale in the state, non-finite gradients skip the update: the state is
+    kept whole (parameters, optimizer state, step, accumulators, model state) and only the
+    scale is adjusted, so every replica takes the same decision in the same step.
+    """
+    ls = state.loss_scale
+    if spec.accumulation_steps > 1:
+        if state.grad_accumulator is None:
+            raise ValueError(
+                f"gradient_accumulation_steps={spec.accumulation_steps} needs gradient "
+                "accumulators in the state; pass the state through the train step's "
+                "prepare_state(state) first."
+            )
+        new = accumulation.accumulate(state, grads, model_state, spec.accumulation_steps)
+    else:
+        new = state.apply_update(grads, model_state)
+    if ls is None:
+        return new
+    finite = all_finite(grads)
+    return select_if_finite(finite, new, state).replace(loss_scale=ls.adjust(finite))
 
 
 def eval_sums(
@@ -295,7 +440,7 @@ def eval_sums(
     if y is None:
         raise ValueError("An evaluation batch must be (x, y) or (x, y, sample_weight).")
     maskf = mask.astype(jnp.float32)
-    y_pred, _ = state.forward(state.params, x, train=False, axis_name=None)
+    y_pred, _ = _forward(spec.policy, state, state.params, x, train=False, axis_name=None)
     weight = _weights(maskf, w)
     loss_sum = _loss_sum(spec, y, y_pred, weight) if spec.loss is not None else None
     sums = _sums(spec, y, y_pred, maskf, loss_sum)
@@ -304,9 +449,10 @@ def eval_sums(
     return strategy.cross_device_ops.all_reduce(ReduceOp.SUM, sums, mesh=strategy.mesh)
 
 
-def predict_outputs(state: TrainStateProtocol, x: Any) -> Any:
-    """The model's outputs in inference mode."""
-    y_pred, _ = state.forward(state.params, x, train=False, axis_name=None)
+def predict_outputs(policy: mp.Policy, state: TrainStateProtocol, x: Any) -> Any:
+    """The model's outputs in inference mode (floating outputs in float32 under a policy
+    other than ``"float32"``)."""
+    y_pred, _ = _forward(policy, state, state.params, x, train=False, axis_name=None)
     return y_pred
 
 
@@ -320,7 +466,10 @@ def step_functions(spec: StepSpec) -> StepFunctions:
     def gradients(params: Any, rest: Any, batch: Any, mask: Any) -> tuple[Any, Any, Any]:
         return replica_gradients(spec, params, rest, batch, mask)
 
-    return StepFunctions(split=_split, gradients=gradients, update=apply_update)
+    def update(state: Any, grads: Any, model_state: Any) -> Any:
+        return apply_update(spec, state, grads, model_state)
+
+    return StepFunctions(split=_split, gradients=gradients, update=update)
 
 
 # ---------------------------------------------------------------------------------------
@@ -374,8 +523,12 @@ def build_eval_program(spec: StepSpec) -> Callable[..., Any]:
     return _ReadingState(program, strategy)
 
 
-def build_predict_program(strategy: Strategy) -> Callable[..., Any]:
+def build_predict_program(strategy: Strategy, policy: mp.Policy = _FLOAT32) -> Callable[..., Any]:
     """``(state, x) -> y_pred`` with outputs split by rows like the inputs."""
     rows = row_spec(strategy)
-    program = jax.jit(replica_map(strategy, predict_outputs, in_specs=(P(), rows), out_specs=rows))
+
+    def predict(state: Any, x: Any) -> Any:
+        return predict_outputs(policy, state, x)
+
+    program = jax.jit(replica_map(strategy, predict, in_specs=(P(), rows), out_specs=rows))
     return _ReadingState(program, strategy)

@@ -24,6 +24,8 @@ from flax import struct
 from flax.training import train_state as flax_train_state
 
 from jstrategy._src import context
+from jstrategy._src import mixed_precision as mp
+from jstrategy._src.loss_scale import DynamicLossScale
 from jstrategy._src.placement import in_device_memory
 from jstrategy._src.placement import place_state
 from jstrategy._src.training import summary as summary_lib
@@ -31,7 +33,13 @@ from jstrategy._src.training import summary as summary_lib
 if TYPE_CHECKING:
     from jstrategy._src.strategy import Strategy
 
-__all__ = ["TrainState", "TrainStateProtocol", "as_train_state", "create_train_state"]
+__all__ = [
+    "TrainState",
+    "TrainStateProtocol",
+    "as_train_state",
+    "create_train_state",
+    "loss_scale_for",
+]
 
 _S = TypeVar("_S", bound="TrainStateProtocol")
 
@@ -77,6 +85,20 @@ class TrainStateProtocol(Protocol):
     @property
     def variables(self) -> Any:
         """The model's variables as Flax shows them (for users and `Model.variables`)."""
+        ...
+
+    @property
+    def loss_scale(self) -> DynamicLossScale | None:
+        """The dynamic loss scale the train step applies (float16 compute), or None."""
+        ...
+
+    @property
+    def grad_accumulator(self) -> Any:
+        """A gradient-accumulation cycle in progress (`GradientAccumulator`), or None."""
+        ...
+
+    def replace(self: _S, **updates: Any) -> _S:
+        """The state with fields replaced (a `flax.struct.PyTreeNode`'s ``replace``)."""
         ...
 
     def forward(
@@ -150,11 +172,17 @@ class TrainState(flax_train_state.TrainState):
         ``fold_in(fold_in(rng, s), r)``: different on every replica, reproducible.
       train_arg: the keyword of the module's ``__call__`` that switches training mode
         (``"train"``, ``"training"`` or ``"deterministic"``), or None if it has none.
+      loss_scale: the `jstrategy.mixed_precision.DynamicLossScale` the train step
+        applies, or None (no loss scaling; the default except for float16 compute).
+      grad_accumulator: the gradient-accumulation cycle in progress (a
+        `GradientAccumulator`, with ``gradient_accumulation_steps`` > 1), or None.
     """
 
     batch_stats: Any = None
     rng: Any = None
     train_arg: str | None = struct.field(pytree_node=False, default=None)
+    loss_scale: DynamicLossScale | None = None
+    grad_accumulator: Any = None
 
     @property
     def variables(self) -> dict[str, Any]:
@@ -198,7 +226,9 @@ class TrainState(flax_train_state.TrainState):
         return self.apply_gradients(grads=grads)
 
     def replica_view(self, *, with_params: bool = False) -> TrainState:
-        return self.replace(params=self.params if with_params else None, opt_state=None)
+        return self.replace(
+            params=self.params if with_params else None, opt_state=None, grad_accumulator=None
+        )
 
     def with_variables(self, params: Any, model_state: Any) -> TrainState:
         return self.replace(params=params, batch_stats=model_state)
@@ -208,7 +238,12 @@ class TrainState(flax_train_state.TrainState):
 
     def with_optimizer(self, tx: optax.GradientTransformation) -> TrainState:
         state = in_device_memory(self)
-        return state.replace(tx=tx, opt_state=tx.init(state.params), step=jnp.zeros((), jnp.int32))
+        return state.replace(
+            tx=tx,
+            opt_state=tx.init(state.params),
+            step=jnp.zeros((), jnp.int32),
+            grad_accumulator=None,
+        )
 
     def weights(self) -> dict[str, Any]:
         return self.variables
@@ -292,6 +327,7 @@ def create_train_state(
     rng: Any = 0,
     strategy: Strategy | None = None,
     train_arg: str | None = "auto",
+    dtype_policy: mp.Policy | str | None = None,
     **init_kwargs: Any,
 ) -> TrainState:
     """Initializes a linen module and its optimizer and places them as the strategy says.
@@ -308,6 +344,11 @@ def create_train_state(
       train_arg: the module's training-mode keyword (``"train"``, ``"training"`` or
         ``"deterministic"``); ``"auto"`` finds it in ``module.__call__``'s signature; None
         for modules without one.
+      dtype_policy: a `jstrategy.mixed_precision.Policy` or its name; None means
+        `jstrategy.mixed_precision.global_policy()`. The variables (and so the optimizer
+        state) are created in its variable dtype; a float16 compute dtype adds a
+        `DynamicLossScale` (``state.loss_scale``), as Keras wraps the optimizer in a
+        `LossScaleOptimizer`. Give the train step the same policy.
       **init_kwargs: extra keyword arguments for ``module.init``.
 
     Returns:
@@ -327,6 +368,7 @@ def create_train_state(
     ((4, 3), 0)
     """
     strategy = strategy if strategy is not None else context.get_strategy()
+    policy = mp.as_policy(dtype_policy, argument="dtype_policy")
     if not isinstance(tx, optax.GradientTransformation):
         raise TypeError(
             f"`tx` must be an optax.GradientTransformation such as optax.adam(1e-3); got "
@@ -347,6 +389,7 @@ def create_train_state(
         variables = dict(
             module.init({"params": params_key, "dropout": dropout_key}, *sample_args, **kwargs)
         )
+        variables = mp.cast_to_variable(variables, policy)
         opt_state = tx.init(variables["params"])
     unknown = sorted(set(variables) - {"params", "batch_stats"})
     if unknown:
@@ -364,5 +407,11 @@ def create_train_state(
         batch_stats=variables.get("batch_stats"),
         rng=dropout_key,
         train_arg=resolved,
+        loss_scale=loss_scale_for(policy),
     )
     return place_state(state, strategy)
+
+
+def loss_scale_for(policy: mp.Policy) -> DynamicLossScale | None:
+    """A new state's loss scale: Keras's dynamic one for float16 compute, else None."""
+    return DynamicLossScale.create() if policy.compute_dtype == "float16" else None

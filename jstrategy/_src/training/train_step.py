@@ -19,6 +19,7 @@ import jax
 
 from jstrategy._src import context
 from jstrategy._src import dispatch
+from jstrategy._src import mixed_precision as mp
 from jstrategy._src.placement import check_placed
 from jstrategy._src.training import check_numerics
 from jstrategy._src.training import data_adapters
@@ -82,6 +83,22 @@ class TrainStep(_Step):
         super().__init__(spec)
         self._program = step_lib.build_train_program(spec)
 
+    def prepare_state(self, state: Any) -> Any:
+        """`state` with what this step keeps in it: the state the step returns looks like it.
+
+        The step adds them itself on its first call, so a plain loop needs nothing; call
+        this to build the target a checkpoint is restored into (a loss scale for float16
+        compute, gradient accumulators for ``gradient_accumulation_steps`` > 1).
+
+        Raises:
+          ValueError: if `state` holds gradient accumulators and this step does not
+            accumulate.
+        """
+        return step_lib.prepare_state(self._spec, as_train_state(state))
+
+    def _inputs(self, state: Any, batch: Any) -> tuple[TrainStateProtocol, Any, Any]:
+        return super()._inputs(self.prepare_state(state), batch)
+
     def __call__(self, state: Any, batch: Any) -> tuple[Any, dict[str, jax.Array]]:
         """Runs one step: returns the new state and ``{"loss": ..., metric: ...}``.
 
@@ -124,7 +141,7 @@ class PredictStep(_Step):
 
     def __init__(self, spec: step_lib.StepSpec):
         super().__init__(spec)
-        self._program = step_lib.build_predict_program(spec.strategy)
+        self._program = step_lib.build_predict_program(spec.strategy, spec.policy)
 
     def __call__(self, state: Any, x: Any) -> Any:
         """The model's outputs for the inputs `x` (a distributed or global batch of inputs).
@@ -139,13 +156,18 @@ class PredictStep(_Step):
         return jax.tree.map(lambda v: PerReplica(v, stacked=False, mask=mask), y_pred)
 
 
-def _spec(loss: Any, metrics: Any, strategy: Strategy | None) -> step_lib.StepSpec:
+def _spec(loss: Any, metrics: Any, strategy: Strategy | None, **options: Any) -> step_lib.StepSpec:
     strategy = strategy if strategy is not None else context.get_strategy()
-    return step_lib.make_spec(loss, metrics, strategy)
+    return step_lib.make_spec(loss, metrics, strategy, **options)
 
 
 def make_train_step(
-    loss: Any, *, metrics: Sequence[Any] | None = None, strategy: Strategy | None = None
+    loss: Any,
+    *,
+    metrics: Sequence[Any] | None = None,
+    strategy: Strategy | None = None,
+    dtype_policy: mp.Policy | str | None = None,
+    gradient_accumulation_steps: int = 1,
 ) -> TrainStep:
     """Builds ``train_step(state, batch) -> (state, metrics)``, one compiled SPMD program.
 
@@ -161,12 +183,30 @@ def make_train_step(
     module built with ``nn.BatchNorm(axis_name=jstrategy.REPLICA_AXIS)`` synchronizes its
     statistics across replicas; unsynchronized statistics are averaged after the step.
 
+    Under a precision policy other than ``"float32"`` the step casts the parameters and
+    floating inputs to the compute dtype inside the differentiated function (gradients,
+    parameters and optimizer state stay in the variable dtype) and the outputs to float32
+    before the loss and metrics. When the state holds a loss scale (``state.loss_scale``;
+    added for float16 compute), the loss is scaled before differentiating, the gradients
+    unscaled, and a step whose gradients are not finite is skipped (the whole state kept)
+    and the scale halved; it doubles after ``dynamic_growth_steps`` (2000) finite steps.
+
+    With ``gradient_accumulation_steps=k``, the step adds each batch's gradient sums and
+    count of real rows to accumulators in the state (``state.grad_accumulator``) and
+    updates on every k-th batch with their mean: the update of one k-times-larger batch,
+    padded rows excluded. ``state.step`` counts batches; the optimizer's own count, which
+    drives optax schedules, counts updates.
+
     Args:
       loss: a per-example loss: a name (``"mse"``, ...), a `jstrategy.losses` object, or
         a callable ``(y_true, y_pred) -> (batch,)`` values.
       metrics: names, `jstrategy.metrics` objects or callables returning per-example values;
         each is reported as its mean over real rows.
       strategy: the strategy; None means `jstrategy.get_strategy()`.
+      dtype_policy: a `jstrategy.mixed_precision.Policy` or its name; None means
+        `jstrategy.mixed_precision.global_policy()` (read now). Create the state with the
+        same policy (`create_train_state`'s ``dtype_policy``).
+      gradient_accumulation_steps: batches (micro-batches) per optimizer update.
 
     Returns:
       A `TrainStep`. Call it with the state and a batch ``(x, y)`` or ``(x, y,
@@ -188,11 +228,23 @@ def make_train_step(
     >>> int(state.step), sorted(metrics)
     (1, ['loss'])
     """
-    return TrainStep(_spec(loss, metrics, strategy))
+    return TrainStep(
+        _spec(
+            loss,
+            metrics,
+            strategy,
+            dtype_policy=dtype_policy,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+        )
+    )
 
 
 def make_eval_step(
-    loss: Any = None, *, metrics: Sequence[Any] | None = None, strategy: Strategy | None = None
+    loss: Any = None,
+    *,
+    metrics: Sequence[Any] | None = None,
+    strategy: Strategy | None = None,
+    dtype_policy: mp.Policy | str | None = None,
 ) -> EvalStep:
     """Builds ``eval_step(state, batch) -> metrics`` (inference mode, one compiled program).
 
@@ -200,6 +252,8 @@ def make_eval_step(
       loss: as in `make_train_step`, or None to report metrics only.
       metrics: as in `make_train_step`.
       strategy: the strategy; None means `jstrategy.get_strategy()`.
+      dtype_policy: as in `make_train_step`: the model runs in its compute dtype, the
+        loss and metrics in float32.
 
     Returns:
       An `EvalStep` returning ``{"loss": ..., name: ...}``: means over the batch's real rows.
@@ -215,14 +269,18 @@ def make_eval_step(
     >>> sorted(evaluate(state, (np.ones((2, 3), np.float32), np.zeros(2, np.float32))))
     ['loss']
     """
-    return EvalStep(_spec(loss, metrics, strategy))
+    return EvalStep(_spec(loss, metrics, strategy, dtype_policy=dtype_policy))
 
 
-def make_predict_step(*, strategy: Strategy | None = None) -> PredictStep:
+def make_predict_step(
+    *, strategy: Strategy | None = None, dtype_policy: mp.Policy | str | None = None
+) -> PredictStep:
     """Builds ``predict_step(state, x) -> outputs`` (inference mode, one compiled program).
 
     Args:
       strategy: the strategy; None means `jstrategy.get_strategy()`.
+      dtype_policy: as in `make_train_step`: the model runs in its compute dtype; under a
+        policy other than ``"float32"`` floating outputs are returned in float32.
 
     Returns:
       A `PredictStep`; its outputs are split `PerReplica` values with the input's row mask.
@@ -239,4 +297,4 @@ def make_predict_step(*, strategy: Strategy | None = None) -> PredictStep:
     >>> predict(state, np.ones((4, 3), np.float32)).value.shape
     (4, 2)
     """
-    return PredictStep(_spec(None, None, strategy))
+    return PredictStep(_spec(None, None, strategy, dtype_policy=dtype_policy))

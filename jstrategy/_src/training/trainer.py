@@ -18,6 +18,7 @@ import optax
 
 from jstrategy._src import checkpoint as checkpoint_lib
 from jstrategy._src import fault_tolerance
+from jstrategy._src import mixed_precision as mp
 from jstrategy._src.placement import in_device_memory
 from jstrategy._src.placement import place_state
 from jstrategy._src.training import optimizers
@@ -37,6 +38,7 @@ class Trainer:
     Args:
       strategy: the model's strategy.
       seed: seeds the shuffling order of every epoch.
+      policy: the model's precision policy.
 
     Attributes:
       state: the train state (a `TrainStateProtocol`), placed by the strategy; None until
@@ -51,9 +53,10 @@ class Trainer:
       resume: a backup's position that the next `fit` starts from.
     """
 
-    def __init__(self, strategy: Strategy, seed: int):
+    def __init__(self, strategy: Strategy, seed: int, policy: mp.Policy):
         self.strategy = strategy
         self.seed = seed
+        self.policy = policy
         self.state: Any = None
         self.spec: step_lib.StepSpec | None = None
         self.optimizer: Any = None
@@ -101,7 +104,8 @@ class Trainer:
         # Optimizer state is created in device memory (JAX cannot build arrays "like" a
         # host-memory array outside a program); place_state then puts it where it lives.
         self._tx = optimizers.with_rate_control(self._raw_tx, in_device_memory(self.state.params))
-        self.set_state(place_state(self.state.with_optimizer(self._tx), self.strategy))
+        state = place_state(self.state.with_optimizer(self._tx), self.strategy)
+        self.set_state(step_lib.prepare_state(self.compiled_spec, state))
 
     def _learning_rate(self) -> optimizers.LearningRate:
         if self.spec is None or self.state is None or self._rate is None:
@@ -132,7 +136,7 @@ class Trainer:
             elif key[0] == "eval":
                 program = step_lib.build_eval_program(spec)
             else:
-                program = step_lib.build_predict_program(self.strategy)
+                program = step_lib.build_predict_program(self.strategy, self.policy)
             self.programs[key] = program
         return program
 
