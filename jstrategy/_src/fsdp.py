@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jstrategy._src import devices as devices_lib
-from jstrategy._src.strategy import Strategy
+from jstrategy._src.sharded import ShardedStrategy
 
 __all__ = ["DEFAULT_MIN_SHARD_SIZE", "FSDPStrategy"]
 
@@ -31,7 +31,7 @@ __all__ = ["DEFAULT_MIN_SHARD_SIZE", "FSDPStrategy"]
 DEFAULT_MIN_SHARD_SIZE = 1024
 
 
-class FSDPStrategy(Strategy):
+class FSDPStrategy(ShardedStrategy):
     """Data parallelism with parameters and optimizer state sharded over the replicas.
 
     Every variable with at least `min_shard_size` elements is split over the replicas

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
 
@@ -233,7 +234,12 @@ def _sums(
 
 
 def replica_gradients(
-    spec: StepSpec, params: Any, rest: TrainStateProtocol, batch: Any, mask: jax.Array
+    spec: StepSpec,
+    params: Any,
+    rest: TrainStateProtocol,
+    batch: Any,
+    mask: jax.Array,
+    scatter: Sequence[int | None] | None = None,
 ) -> tuple[Any, Any, dict[str, jax.Array]]:
     """One replica's gradients: ``(grads, model_state, sums)``, combined across replicas.
 
@@ -241,7 +247,12 @@ def replica_gradients(
     to `params`; `rest` is the rest of the state (`TrainStateProtocol.replica_view`). The
     new mutable state (e.g. BatchNorm statistics) is averaged over replicas, as
     tf.distribute aggregates such variables with MEAN. Everything it returns is identical
-    on every replica.
+    on every replica, except the gradients that `scatter` reduce-scatters.
+
+    `scatter` (see `StepFunctions.gradients`) gives, for each leaf of `params` in
+    ``jax.tree.leaves`` order, the dimension along which its gradient is reduce-scattered
+    over the data axis (this replica keeps its slice: the variable's own shard under a
+    sharded strategy), or None to all-reduce it with the rest.
     """
     strategy = spec.strategy
     axis = strategy.axis_name
@@ -262,15 +273,42 @@ def replica_gradients(
     sums = _sums(spec, y, y_pred, maskf, loss_sum)
     leaves, tree = jax.tree.flatten(model_state)
     varying = [i for i, leaf in enumerate(leaves) if axis in varying_axes(leaf)]
-    grads, sums, synced = strategy.cross_device_ops.all_reduce(
-        ReduceOp.SUM, (grads, sums, [leaves[i] for i in varying]), mesh=strategy.mesh
-    )
+    grads, sums, synced = _combine(strategy, grads, sums, [leaves[i] for i in varying], scatter)
     n = strategy.num_replicas_in_sync
     for i, leaf in zip(varying, synced, strict=True):
         leaves[i] = (leaf / n).astype(leaves[i].dtype)
     denom = jnp.maximum(sums[COUNT], 1.0)
     grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
     return grads, jax.tree.unflatten(tree, leaves), sums
+
+
+def _combine(
+    strategy: Strategy, grads: Any, sums: Any, synced: list[Any], scatter: Any
+) -> tuple[Any, Any, list[Any]]:
+    """Sums over the replicas: ONE all-reduce (the strategy's `cross_device_ops`) for
+    everything but the gradients `scatter` reduce-scatters (`replica_gradients`)."""
+    axis = strategy.axis_name
+    reduce = strategy.cross_device_ops.all_reduce
+    if scatter is None:
+        return reduce(ReduceOp.SUM, (grads, sums, synced), mesh=strategy.mesh, axis_name=axis)
+    leaves, tree = jax.tree.flatten(grads)
+    dims = list(scatter)
+    if len(dims) != len(leaves):
+        raise ValueError(
+            f"`scatter` must give one entry per gradient leaf ({len(leaves)}); got {len(dims)}."
+        )
+    kept = [g for g, d in zip(leaves, dims, strict=True) if d is None]
+    kept, sums, synced = reduce(
+        ReduceOp.SUM, (kept, sums, synced), mesh=strategy.mesh, axis_name=axis
+    )
+    summed = iter(kept)
+    leaves = [
+        next(summed)
+        if d is None
+        else jax.lax.psum_scatter(g, axis, scatter_dimension=d, tiled=True)
+        for g, d in zip(leaves, dims, strict=True)
+    ]
+    return jax.tree.unflatten(tree, leaves), sums, synced
 
 
 def apply_update(state: TrainStateProtocol, grads: Any, model_state: Any) -> Any:
@@ -291,7 +329,9 @@ def eval_sums(
     weight = _weights(maskf, w)
     loss_sum = _loss_sum(spec, y, y_pred, weight) if spec.loss is not None else None
     sums = _sums(spec, y, y_pred, maskf, loss_sum)
-    return strategy.cross_device_ops.all_reduce(ReduceOp.SUM, sums, mesh=strategy.mesh)
+    return strategy.cross_device_ops.all_reduce(
+        ReduceOp.SUM, sums, mesh=strategy.mesh, axis_name=strategy.axis_name
+    )
 
 
 def predict_outputs(state: TrainStateProtocol, x: Any) -> Any:
@@ -307,8 +347,10 @@ def _split(state: TrainStateProtocol) -> tuple[Any, Any]:
 def step_functions(spec: StepSpec) -> StepFunctions:
     """The step as `Strategy.stage_train_step` takes it."""
 
-    def gradients(params: Any, rest: Any, batch: Any, mask: Any) -> tuple[Any, Any, Any]:
-        return replica_gradients(spec, params, rest, batch, mask)
+    def gradients(
+        params: Any, rest: Any, batch: Any, mask: Any, scatter: Any = None
+    ) -> tuple[Any, Any, Any]:
+        return replica_gradients(spec, params, rest, batch, mask, scatter)
 
     return StepFunctions(split=_split, gradients=gradients, update=apply_update)
 
