@@ -27,6 +27,9 @@ def main() -> int:
     parser.add_argument("--fit", action="store_true", help="train with Model.fit instead")
     parser.add_argument("--tensorboard", help="with --fit: log to this TensorBoard directory")
     parser.add_argument("--restore", help="restore this checkpoint directory instead")
+    parser.add_argument(
+        "--fsdp", action="store_true", help="FSDPStrategy over every worker's devices instead"
+    )
     args = parser.parse_args()
 
     import jstrategy
@@ -35,7 +38,12 @@ def main() -> int:
         implementation=args.implementation, timeout_seconds=args.timeout
     )
     start = time.perf_counter()
-    strategy = jstrategy.MultiWorkerMirroredStrategy(communication_options=options)
+    if args.fsdp:
+        strategy = jstrategy.experimental.FSDPStrategy(
+            min_shard_size=0, communication_options=options
+        )
+    else:
+        strategy = jstrategy.MultiWorkerMirroredStrategy(communication_options=options)
     task = json.loads(os.environ["TF_CONFIG"])["task"]
     print(
         f"worker {task['index']}: {strategy.num_replicas_in_sync} replicas over "
@@ -116,6 +124,9 @@ def fit_model(strategy, tensorboard=None):
     if tensorboard:
         callbacks.append(jstrategy.callbacks.TensorBoard(tensorboard, update_freq="batch"))
     model.fit(x, y, batch_size=32, epochs=3, shuffle=True, verbose=0, callbacks=callbacks)
+    kernel = model.state.params["layers_0"]["kernel"]
+    local = sum(s.data.size for s in kernel.addressable_shards)
+    print(f"kernel {kernel.sharding.spec}: this process holds {local} of {kernel.size}", flush=True)
     return model.get_weights()
 
 

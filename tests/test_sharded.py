@@ -4,6 +4,8 @@ The Strategy API itself (run, reduce, gather, replica context, datasets) runs ov
 strategies in the parameterized suites (conftest's "fsdp_8" and "model_parallel_2x4").
 """
 
+import json
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -161,6 +163,20 @@ def test_fsdp_shards_the_largest_dimension_that_divides():
     with pytest.raises(ValueError, match=r"`min_shard_size` must be a non-negative int .* got -1"):
         FSDPStrategy(min_shard_size=-1)
     assert FSDPStrategy(devices=["cpu:0", "cpu:1"]).num_replicas_in_sync == 2
+
+
+def test_fsdp_joins_the_tf_config_job_or_runs_locally(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    local = FSDPStrategy()  # no TF_CONFIG: one process over the local devices
+    assert (local.num_workers, local.is_chief, local.num_replicas_in_sync) == (1, True, 8)
+    assert isinstance(local.cluster_resolver, jstrategy.cluster_resolver.TFConfigClusterResolver)
+    assert FSDPStrategy(devices=["cpu:0", "cpu:1"]).cluster_resolver is None
+    # An evaluator stays out of the training job (it would block joining it otherwise).
+    cluster = {"worker": ["127.0.0.1:1", "127.0.0.1:2"], "evaluator": ["127.0.0.1:3"]}
+    monkeypatch.setenv(
+        "TF_CONFIG", json.dumps({"cluster": cluster, "task": {"type": "evaluator", "index": 0}})
+    )
+    assert FSDPStrategy().num_workers == 1
 
 
 def _bytes_on(device, tree):

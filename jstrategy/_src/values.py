@@ -6,6 +6,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 __all__ = [
     "PerReplica",
@@ -14,6 +15,7 @@ __all__ = [
     "local_replica_devices",
     "replica_axis_of",
     "replica_devices",
+    "to_host",
     "varying_axes",
 ]
 
@@ -243,3 +245,29 @@ def device_put_global(tree: Any, sharding: jax.sharding.Sharding) -> Any:
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
     return jax.tree.map(put, tree)
+
+
+def to_host(tree: Any) -> Any:
+    """NumPy copies of a pytree's arrays, wherever their pieces live.
+
+    An array split across the devices of several processes (an FSDP variable) is gathered
+    from the other processes first, a collective: every process must call this together.
+    In one process, or for arrays each process holds whole, it is `jax.device_get`.
+
+    Example:
+
+    >>> import jax.numpy as jnp
+    >>> to_host({"w": jnp.ones(2)})["w"]
+    array([1., 1.], dtype=float32)
+    """
+
+    def gather(leaf: Any) -> Any:
+        if (
+            isinstance(leaf, jax.Array)
+            and not leaf.is_fully_addressable
+            and not leaf.sharding.is_fully_replicated
+        ):
+            return multihost_utils.process_allgather(leaf, tiled=True)
+        return leaf
+
+    return jax.device_get(jax.tree.map(gather, tree))
