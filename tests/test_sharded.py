@@ -463,3 +463,34 @@ def test_collective_counts_reads_every_replica_group_form():
         "all-reduce": 2,
         "reduce-scatter": 1,
     }
+
+
+def test_sharded_step_benchmark_smoke(capsys):
+    """`make bench`'s benchmarks/sharded_step.py runs end to end on a tiny transformer."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location(
+        "sharded_step", root / "benchmarks/sharded_step.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["sharded_step"] = bench  # dataclasses resolve annotations through it
+    spec.loader.exec_module(bench)
+    tiny = ["--d-model", "32", "--n-layers", "1", "--n-heads", "4", "--seq-len", "8"]
+    rows = bench.main([*tiny, "--vocab-size", "64", "--batch-size", "16", "--steps", "1",
+                       "--repeats", "1"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert [row.name for row in rows] == ["Mirrored", "FSDP", "ModelParallel (Megatron)"]
+    mirrored, fsdp, megatron = rows
+    assert mirrored.collectives == {"all-reduce[replica]": 1} and mirrored.per_device == 1.0
+    # Only the (64, 32) embedding reaches 1024 elements: gathered once, reduce-scattered once.
+    assert fsdp.collectives["all-gather[replica]"] == fsdp.collectives["reduce-scatter[replica]"]
+    assert fsdp.per_device < 1.0
+    # One block: Megatron's two forward and two backward all-reduces over "model".
+    assert megatron.collectives == {"all-reduce[batch]": 1, "all-reduce[model]": 4}
+    assert all(row.step_s > 0 for row in rows)
+    assert (
+        "| FSDP | replica 8 |" in out and "| ModelParallel (Megatron) | batch 2 x model 4 |" in out
+    )
