@@ -372,6 +372,32 @@ def test_custom_loop_follows_one_device(name, one_device):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_layouts_over_the_data_axis_too_follow_one_device(one_device):
+    # 2-D sharding: a kernel split over "batch" (reduce-scattered like FSDP's) and over
+    # "model"; another split over both axes on one dimension (all-reduced, then sliced).
+    layout_map = LayoutMap(DeviceMesh((2, 4), ("batch", "model")))
+    layout_map["Dense_0/kernel"] = ("batch", "model")
+    layout_map["Dense_1/kernel"] = (("batch", "model"), None)
+    hybrid = ModelParallelStrategy(layout_map)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 4)).astype(np.float32)
+    y = rng.normal(size=(8, 2)).astype(np.float32)
+    results = []
+    for strategy in (one_device, hybrid):
+        with strategy.scope():
+            state = jstrategy.training.create_train_state(_MLP(), optax.adam(0.05), x[:1])
+            step = jstrategy.training.make_train_step("mse")
+        for _ in range(10):
+            state, metrics = step(state, distribute_batch(strategy, (x, y)))
+        results.append((state, float(metrics["loss"])))
+    (expected, expected_loss), (got, loss) = results
+    assert _specs(got.params)["Dense_0"]["kernel"] == P("batch", "model")
+    assert _specs(got.params)["Dense_1"]["kernel"] == P(("batch", "model"), None)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(expected.params), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
 # The compiled train step: what XLA communicates ------------------------------------------
 class _Deep(nn.Module):
     """Three dense layers: kernels of 1024, 4096 and 512 elements, small biases."""
