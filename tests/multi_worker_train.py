@@ -56,14 +56,22 @@ def main() -> int:
         import jax
         import numpy as np
 
+        from jstrategy._src.values import to_host
+
         with jstrategy.CheckpointManager(args.restore) as manager:
             restored = manager.restore(strategy=strategy)
         leaves = jax.tree.leaves(restored)
-        assert all(leaf.sharding == strategy.replicated_sharding() for leaf in leaves)
         assert all(len(leaf.sharding.device_set) == 4 for leaf in leaves)
+        if args.fsdp:
+            # Read into the split layout: this process holds (and read) its rows only.
+            w = restored["w"]
+            rows = sorted({r for s in w.addressable_shards for r in range(4)[s.index[0]]})
+            print(f"worker {task['index']}: w {w.sharding.spec}, rows {rows} here", flush=True)
+        else:
+            assert all(leaf.sharding == strategy.replicated_sharding() for leaf in leaves)
         np.savez(
             Path(args.out) / f"worker-{task['index']}.npz",
-            **{f"w{i}": np.asarray(leaf) for i, leaf in enumerate(leaves)},
+            **{f"w{i}": np.asarray(leaf) for i, leaf in enumerate(to_host(leaves))},
         )
         print(f"worker {task['index']}: restored", flush=True)
         return 0

@@ -102,7 +102,8 @@ def test_model_fit_on_two_workers_matches_one_process(tmp_path):
 
 
 @pytest.mark.timeout(320)
-def test_checkpoint_saved_under_mirrored_8_restores_on_two_workers(tmp_path):
+@pytest.mark.parametrize("fsdp", [False, True], ids=["mirrored", "fsdp"])
+def test_checkpoint_saved_under_mirrored_8_restores_on_two_workers(tmp_path, fsdp):
     import jax
 
     mirrored = jstrategy.MirroredStrategy()
@@ -113,9 +114,13 @@ def test_checkpoint_saved_under_mirrored_8_restores_on_two_workers(tmp_path):
         sys.executable, "-m", "jstrategy.launch", "--num_workers", "2",
         "--devices_per_worker", "2", "--timeout", "240", str(WORKER),
         "--out", str(tmp_path), "--restore", str(tmp_path / "ckpt"),
+        *(["--fsdp"] if fsdp else []),
     ]  # fmt: skip
     done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    if fsdp:  # each worker read only its half of w, straight into FSDP's layout
+        assert "worker 0: w P('replica', None), rows [0, 1] here" in done.stdout
+        assert "worker 1: w P('replica', None), rows [2, 3] here" in done.stdout
     expected = jax.tree.leaves(params)
     for i in range(2):
         restored = np.load(tmp_path / f"worker-{i}.npz")
