@@ -1,15 +1,20 @@
 """Where parameters and optimizer state live between steps, by strategy.
 
-Trains the same MLP (64-256-256-10, Adam, so the optimizer state is twice the parameters)
-for a few steps with `OneDeviceStrategy`, `MirroredStrategy` (8 replicas) and
-`CentralStorageStrategy` (8 compute devices), then reads, from the live arrays of the
-train state, how many bytes sit in device memory and in host memory: every shard's
+Trains the same MLP (64-512-512-10, Adam, so the optimizer state is twice the parameters)
+for a few steps with `OneDeviceStrategy`, `MirroredStrategy` (8 replicas),
+`CentralStorageStrategy` (8 compute devices), `FSDPStrategy` (8 replicas) and
+`ModelParallelStrategy` (a 2x4 ``batch`` x ``model`` mesh, the first two kernels split
+Megatron-style over ``model``), then reads, from the live arrays of the train state, how
+many bytes sit in device memory and in host memory: every shard's
 ``shard.data.sharding.memory_kind`` and ``shard.data.nbytes``. "Copies" divides by the
-bytes of one copy of the state. The last column sums every other live array in device
-memory (the batch, metrics; any leftover copy of the parameters would show there).
+bytes of one copy of the state. "Per device" is the most bytes on any one device, as a
+ratio to one copy (OneDevice's footprint). The last column sums every other live array in
+device memory (the batch, metrics; any leftover copy of the parameters would show there).
 
-Expected: OneDevice keeps one copy in device memory, Mirrored eight, CentralStorage none
-in device memory and one in host memory.
+Expected: OneDevice keeps one copy in device memory, Mirrored eight (1.0x per device),
+CentralStorage none in device memory and one in host memory, FSDP one copy in all (about
+1/8 per device: the small biases stay replicated), ModelParallel two (one per replica),
+each split four ways where the layout splits it.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/memory.py
 """
@@ -35,15 +40,29 @@ from jstrategy._src.input import distribute_batch
 FEATURES, CLASSES, BATCH = 64, 10, 64
 HOST_KINDS = ("pinned_host", "unpinned_host")
 
+
+def megatron_2x4() -> jstrategy.Strategy:
+    """The MLP's first kernel split on its output, the second on its input, over "model"."""
+    layout_map = jstrategy.experimental.LayoutMap(
+        jstrategy.experimental.DeviceMesh((2, 4), ("batch", "model"))
+    )
+    layout_map["Dense_0/kernel"] = (None, "model")
+    layout_map["Dense_0/bias"] = ("model",)
+    layout_map["Dense_1/kernel"] = ("model", None)
+    return jstrategy.experimental.ModelParallelStrategy(layout_map)
+
+
 STRATEGIES: dict[str, Callable[[], jstrategy.Strategy]] = {
     "OneDevice": lambda: jstrategy.OneDeviceStrategy("cpu:0"),
     "Mirrored (8)": lambda: jstrategy.MirroredStrategy(),
     "CentralStorage (8)": lambda: jstrategy.CentralStorageStrategy(),
+    "FSDP (8)": lambda: jstrategy.experimental.FSDPStrategy(),
+    "ModelParallel (2x4)": megatron_2x4,
 }
 
 
 class MLP(nn.Module):
-    hidden: int = 256
+    hidden: int = 512
 
     @nn.compact
     def __call__(self, x):
@@ -62,6 +81,12 @@ class Figures:
     device: int  # bytes in device memory, over every shard on every device
     host: int  # bytes in host memory
     other_device: int  # every other live array's bytes in device memory
+    most_on_one_device: int  # the most bytes of the state on any one device
+
+    @property
+    def per_device(self) -> float:
+        """The most bytes on one device as a ratio to one copy (OneDevice's footprint)."""
+        return self.most_on_one_device / self.one_copy
 
     @property
     def device_copies(self) -> float:
@@ -104,7 +129,7 @@ def measure(
     make_strategy: Callable[[], jstrategy.Strategy],
     *,
     steps: int = 3,
-    hidden: int = 256,
+    hidden: int = 512,
 ) -> Figures:
     """Trains `steps` steps under the strategy and reads where the state lives."""
     strategy = make_strategy()
@@ -131,26 +156,36 @@ def measure(
     mine = _buffers(jax.tree.leaves(state))
     live = _buffers([a for a in jax.live_arrays() if not a.is_deleted()])
     other_device = sum(n for key, (kind, n) in live.items() if key not in mine and kind == "device")
-    return Figures(name, strategy.num_replicas_in_sync, one_copy, device, host, other_device)
+    on_device: dict[int, int] = {}
+    for (device_id, _), (kind, nbytes) in _buffers(arrays).items():
+        if kind == "device":
+            on_device[device_id] = on_device.get(device_id, 0) + nbytes
+    most = max(on_device.values(), default=0)
+    return Figures(name, strategy.num_replicas_in_sync, one_copy, device, host, other_device, most)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="training steps before reading")
+    parser.add_argument("--hidden", type=int, default=512, help="the MLP's hidden width")
     args = parser.parse_args()
     print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].platform}")
-    print("MLP 64-256-256-10 with Adam: parameters and optimizer state resident between steps")
+    print(
+        f"MLP 64-{args.hidden}-{args.hidden}-10 with Adam: parameters and optimizer state "
+        "resident between steps"
+    )
     header = (
-        f"{'strategy':<20}{'replicas':>9}{'one copy':>12}{'device mem':>13}{'host mem':>12}"
-        f"{'copies dev':>12}{'copies host':>13}{'other dev':>11}"
+        f"{'strategy':<21}{'replicas':>9}{'one copy':>12}{'device mem':>13}{'host mem':>12}"
+        f"{'copies dev':>12}{'copies host':>13}{'per device':>12}{'other dev':>11}"
     )
     print(header)
     print("-" * len(header))
     for name, make in STRATEGIES.items():
-        f = measure(name, make, steps=args.steps)
+        f = measure(name, make, steps=args.steps, hidden=args.hidden)
         print(
-            f"{f.strategy:<20}{f.replicas:>9}{f.one_copy:>12,}{f.device:>13,}{f.host:>12,}"
-            f"{f.device_copies:>12.2f}{f.host_copies:>13.2f}{f.other_device:>11,}"
+            f"{f.strategy:<21}{f.replicas:>9}{f.one_copy:>12,}{f.device:>13,}{f.host:>12,}"
+            f"{f.device_copies:>12.2f}{f.host_copies:>13.2f}{f.per_device:>11.3f}x"
+            f"{f.other_device:>11,}"
         )
         gc.collect()
 

@@ -23,6 +23,10 @@ learn to copy). Nothing is downloaded.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/transformer_lm.py \
         --strategy mirrored --steps 100
+
+``--strategy fsdp`` shards every parameter and optimizer moment over the devices;
+``--strategy megatron`` splits attention and MLP kernels over a ``"model"`` axis of 4
+devices (`megatron_strategy`), the batch over the rest.
 """
 
 from __future__ import annotations
@@ -42,10 +46,33 @@ import optax
 import jstrategy
 from jstrategy import training
 
+
+def megatron_strategy(model_axis: int = 4) -> jstrategy.experimental.ModelParallelStrategy:
+    """Megatron-style tensor parallelism over `model_axis` devices, data parallel over the rest.
+
+    Attention's ``query``, ``key`` and ``value`` kernels are split on their output (heads)
+    dimension and ``out`` on its input dimension over the ``"model"`` axis; likewise the
+    MLP's ``up`` (output) and ``down`` (input). Each block then needs one all-reduce over
+    ``"model"`` in attention and one in the MLP; embeddings and norms stay replicated.
+    ``n_heads`` must divide by `model_axis`.
+    """
+    n = len(jax.devices())
+    mesh = jstrategy.experimental.DeviceMesh((n // model_axis, model_axis), ("batch", "model"))
+    layout_map = jstrategy.experimental.LayoutMap(mesh)
+    layout_map["attn/(query|key|value)/kernel"] = (None, "model")
+    layout_map["attn/out/kernel"] = ("model", None)
+    layout_map["mlp/up/kernel"] = (None, "model")
+    layout_map["mlp/down/kernel"] = ("model", None)
+    return jstrategy.experimental.ModelParallelStrategy(layout_map)
+
+
 STRATEGIES = {
     "one_device": lambda: jstrategy.OneDeviceStrategy(jax.devices()[0]),
     "mirrored": lambda: jstrategy.MirroredStrategy(),
     "central_storage": lambda: jstrategy.CentralStorageStrategy(),
+    # Parameters and AdamW's moments split over every device (ZeRO-3).
+    "fsdp": lambda: jstrategy.experimental.FSDPStrategy(),
+    "megatron": megatron_strategy,
 }
 
 # Wait on a step's output at least this often: XLA's CPU collectives deadlock when too

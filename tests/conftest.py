@@ -32,32 +32,25 @@ def _strategies():
 
 
 def _model_parallel_2x4():
-    """Two replicas of four devices: a Megatron MLP's kernels split over "model"."""
+    """Two replicas of four devices: a Megatron MLP's kernels split over "model".
+
+    The keys match the first and second dense layers of the suites' linen (``Dense_0``)
+    and NNX (``dense1``) models. Models use ``strategy.axis_name`` (``"batch"`` here) for
+    their collectives, e.g. BatchNorm's.
+    """
     mesh = jstrategy.experimental.DeviceMesh((2, 4), ("batch", "model"))
     layout_map = jstrategy.experimental.LayoutMap(mesh)
-    layout_map["Dense_0/kernel"] = (None, "model")
-    layout_map["Dense_1/kernel"] = ("model", None)
+    layout_map["(Dense_0|dense1)/kernel"] = (None, "model")
+    layout_map["(Dense_1|dense2)/kernel"] = ("model", None)
     return jstrategy.experimental.ModelParallelStrategy(layout_map)
 
 
 STRATEGIES = _strategies()
 
 
-# (test module, strategy) pairs that wait for other work. The compiled train step of the
-# training layer runs over a 1-D mesh; its multi-axis version lands with the training-layer
-# redesign (issue 12 item 4), which removes this entry.
-_PENDING = {
-    ("test_train_step", "model_parallel_2x4"),
-    ("test_mixed_precision_training", "model_parallel_2x4"),
-    ("test_gradient_accumulation", "model_parallel_2x4"),
-}
-
-
 @pytest.fixture(params=sorted(STRATEGIES))
 def strategy(request):
     """Each strategy in turn: the one parameterized suite runs over all of them."""
-    if (request.module.__name__.rpartition(".")[2], request.param) in _PENDING:
-        pytest.skip(f"{request.param}: the train step on multi-axis meshes is issue 12 item 4")
     return STRATEGIES[request.param]()
 
 

@@ -27,6 +27,9 @@ def main() -> int:
     parser.add_argument("--fit", action="store_true", help="train with Model.fit instead")
     parser.add_argument("--tensorboard", help="with --fit: log to this TensorBoard directory")
     parser.add_argument("--restore", help="restore this checkpoint directory instead")
+    parser.add_argument(
+        "--fsdp", action="store_true", help="FSDPStrategy over every worker's devices instead"
+    )
     args = parser.parse_args()
 
     import jstrategy
@@ -35,7 +38,12 @@ def main() -> int:
         implementation=args.implementation, timeout_seconds=args.timeout
     )
     start = time.perf_counter()
-    strategy = jstrategy.MultiWorkerMirroredStrategy(communication_options=options)
+    if args.fsdp:
+        strategy = jstrategy.experimental.FSDPStrategy(
+            min_shard_size=0, communication_options=options
+        )
+    else:
+        strategy = jstrategy.MultiWorkerMirroredStrategy(communication_options=options)
     task = json.loads(os.environ["TF_CONFIG"])["task"]
     print(
         f"worker {task['index']}: {strategy.num_replicas_in_sync} replicas over "
@@ -48,14 +56,22 @@ def main() -> int:
         import jax
         import numpy as np
 
+        from jstrategy._src.values import to_host
+
         with jstrategy.CheckpointManager(args.restore) as manager:
             restored = manager.restore(strategy=strategy)
         leaves = jax.tree.leaves(restored)
-        assert all(leaf.sharding == strategy.replicated_sharding() for leaf in leaves)
         assert all(len(leaf.sharding.device_set) == 4 for leaf in leaves)
+        if args.fsdp:
+            # Read into the split layout: this process holds (and read) its rows only.
+            w = restored["w"]
+            rows = sorted({r for s in w.addressable_shards for r in range(4)[s.index[0]]})
+            print(f"worker {task['index']}: w {w.sharding.spec}, rows {rows} here", flush=True)
+        else:
+            assert all(leaf.sharding == strategy.replicated_sharding() for leaf in leaves)
         np.savez(
             Path(args.out) / f"worker-{task['index']}.npz",
-            **{f"w{i}": np.asarray(leaf) for i, leaf in enumerate(leaves)},
+            **{f"w{i}": np.asarray(leaf) for i, leaf in enumerate(to_host(leaves))},
         )
         print(f"worker {task['index']}: restored", flush=True)
         return 0
@@ -116,6 +132,9 @@ def fit_model(strategy, tensorboard=None):
     if tensorboard:
         callbacks.append(jstrategy.callbacks.TensorBoard(tensorboard, update_freq="batch"))
     model.fit(x, y, batch_size=32, epochs=3, shuffle=True, verbose=0, callbacks=callbacks)
+    kernel = model.state.params["layers_0"]["kernel"]
+    local = sum(s.data.size for s in kernel.addressable_shards)
+    print(f"kernel {kernel.sharding.spec}: this process holds {local} of {kernel.size}", flush=True)
     return model.get_weights()
 
 

@@ -141,6 +141,9 @@ def test_memory_benchmark_figures():
     assert (central.device, central.host) == (0, size)
     # Nothing parameter-sized lingers in device memory between CentralStorage steps.
     assert central.other_device < size
+    # Per device: a full copy under Mirrored, a fraction where variables are split.
+    assert one.per_device == mirrored.per_device == 1.0 and central.per_device == 0.0
+    assert figures["FSDP (8)"].per_device < 0.5 and figures["ModelParallel (2x4)"].per_device < 0.5
 
 
 def test_no_copy_of_the_parameters_stays_on_the_devices_between_steps():

@@ -185,6 +185,8 @@ _RESUME_CASES = {
     "dataset": ({"dataset": 10}, 1, (1, 3)),
     # 3 epochs of 4 steps from one iterator over 10 batches: it restarts in epoch 2.
     "dataset_steps_per_epoch": ({"dataset": 10, "steps_per_epoch": 4}, 1, (2, 2)),
+    # Variables split over the replicas; fused steps and the partial batch's remainder.
+    "fsdp_steps_per_execution_2": ({"fsdp": True}, 2, (1, 3)),
 }
 
 
@@ -195,7 +197,10 @@ def test_backup_resumes_exactly_after_an_interruption(tmp_path, case):
     batches = kwargs.get("dataset")
 
     def fit(callbacks):
-        model = ft_train.make_model(_two(), steps_per_execution=spe)
+        strategy = _two()
+        if kwargs.get("fsdp"):
+            strategy = jstrategy.experimental.FSDPStrategy(["cpu:0", "cpu:1"], min_shard_size=0)
+        model = ft_train.make_model(strategy, steps_per_execution=spe)
         ref[0] = model
         if batches is None:
             data = {"x": x, "y": y, "batch_size": ft_train.BATCH}
@@ -218,6 +223,9 @@ def test_backup_resumes_exactly_after_an_interruption(tmp_path, case):
     assert (saved["epoch"], saved["step"]) != (0, 0) and saved["step"] > 0
     resumed, history = fit([BackupAndRestore(backup_dir, save_freq=2)])
     _assert_same_weights(resumed.get_weights(), expected.get_weights())
+    if kwargs.get("fsdp"):  # resumed into the split layout, and trained on in it
+        kernel = resumed.state.params["layers_0"]["kernel"]
+        assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "replica")
     # The resumed epoch's running sums were restored too: its logs are the uninterrupted ones.
     for key, values in history.history.items():
         assert values == expected_history.history[key][-len(values) :]

@@ -102,7 +102,8 @@ def test_model_fit_on_two_workers_matches_one_process(tmp_path):
 
 
 @pytest.mark.timeout(320)
-def test_checkpoint_saved_under_mirrored_8_restores_on_two_workers(tmp_path):
+@pytest.mark.parametrize("fsdp", [False, True], ids=["mirrored", "fsdp"])
+def test_checkpoint_saved_under_mirrored_8_restores_on_two_workers(tmp_path, fsdp):
     import jax
 
     mirrored = jstrategy.MirroredStrategy()
@@ -113,9 +114,13 @@ def test_checkpoint_saved_under_mirrored_8_restores_on_two_workers(tmp_path):
         sys.executable, "-m", "jstrategy.launch", "--num_workers", "2",
         "--devices_per_worker", "2", "--timeout", "240", str(WORKER),
         "--out", str(tmp_path), "--restore", str(tmp_path / "ckpt"),
+        *(["--fsdp"] if fsdp else []),
     ]  # fmt: skip
     done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    if fsdp:  # each worker read only its half of w, straight into FSDP's layout
+        assert "worker 0: w P('replica', None), rows [0, 1] here" in done.stdout
+        assert "worker 1: w P('replica', None), rows [2, 3] here" in done.stdout
     expected = jax.tree.leaves(params)
     for i in range(2):
         restored = np.load(tmp_path / f"worker-{i}.npz")
@@ -281,3 +286,30 @@ def test_communication_options_validate():
         jstrategy.experimental.CommunicationOptions(timeout_seconds=0)
     with pytest.raises(ValueError, match="`bytes_per_pack` must be a non-negative int"):
         CollectiveAllReduce("RING", -5)
+
+
+@pytest.mark.timeout(320)
+def test_fsdp_on_two_workers_matches_one_process_over_four_devices(tmp_path):
+    # FSDPStrategy joins the TF_CONFIG job the launcher describes; each worker holds half of
+    # every variable (its two devices' slices), and get_weights gathers them.
+    cmd = [
+        sys.executable, "-m", "jstrategy.launch", "--num_workers", "2",
+        "--devices_per_worker", "2", "--timeout", "240", str(WORKER),
+        "--out", str(tmp_path), "--fit", "--fsdp",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "4 replicas over 2 workers, chief=True" in done.stdout
+    assert "4 replicas over 2 workers, chief=False" in done.stdout
+    # The (10, 16) kernel is split over the 4 replicas: each process holds 2 x 40 of 160.
+    assert done.stdout.count("kernel P(None, 'replica'): this process holds 80 of 160") == 2
+    workers = [np.load(tmp_path / f"worker-{i}.npz") for i in range(2)]
+    import multi_worker_train
+
+    expected = multi_worker_train.fit_model(
+        jstrategy.experimental.FSDPStrategy([f"cpu:{i}" for i in range(4)], min_shard_size=0)
+    )
+    assert len(workers[0].files) == len(expected) > 0
+    for i, w in enumerate(expected):
+        np.testing.assert_array_equal(workers[0][f"w{i}"], workers[1][f"w{i}"])
+        np.testing.assert_allclose(workers[0][f"w{i}"], w, rtol=1e-5, atol=1e-5)

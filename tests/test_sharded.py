@@ -4,6 +4,8 @@ The Strategy API itself (run, reduce, gather, replica context, datasets) runs ov
 strategies in the parameterized suites (conftest's "fsdp_8" and "model_parallel_2x4").
 """
 
+import json
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -11,10 +13,14 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import AxisType
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jstrategy
 import jstrategy.training
+from jstrategy._src.hlo import collective_counts
+from jstrategy._src.input import distribute_batch
+from jstrategy._src.training import step as step_lib
 from jstrategy.experimental import DeviceMesh
 from jstrategy.experimental import FSDPStrategy
 from jstrategy.experimental import LayoutMap
@@ -157,6 +163,20 @@ def test_fsdp_shards_the_largest_dimension_that_divides():
     with pytest.raises(ValueError, match=r"`min_shard_size` must be a non-negative int .* got -1"):
         FSDPStrategy(min_shard_size=-1)
     assert FSDPStrategy(devices=["cpu:0", "cpu:1"]).num_replicas_in_sync == 2
+
+
+def test_fsdp_joins_the_tf_config_job_or_runs_locally(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    local = FSDPStrategy()  # no TF_CONFIG: one process over the local devices
+    assert (local.num_workers, local.is_chief, local.num_replicas_in_sync) == (1, True, 8)
+    assert isinstance(local.cluster_resolver, jstrategy.cluster_resolver.TFConfigClusterResolver)
+    assert FSDPStrategy(devices=["cpu:0", "cpu:1"]).cluster_resolver is None
+    # An evaluator stays out of the training job (it would block joining it otherwise).
+    cluster = {"worker": ["127.0.0.1:1", "127.0.0.1:2"], "evaluator": ["127.0.0.1:3"]}
+    monkeypatch.setenv(
+        "TF_CONFIG", json.dumps({"cluster": cluster, "task": {"type": "evaluator", "index": 0}})
+    )
+    assert FSDPStrategy().num_workers == 1
 
 
 def _bytes_on(device, tree):
@@ -350,3 +370,153 @@ def test_custom_loop_follows_one_device(name, one_device):
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
     for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(expected), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_layouts_over_the_data_axis_too_follow_one_device(one_device):
+    # 2-D sharding: a kernel split over "batch" (reduce-scattered like FSDP's) and over
+    # "model"; another split over both axes on one dimension (all-reduced, then sliced).
+    layout_map = LayoutMap(DeviceMesh((2, 4), ("batch", "model")))
+    layout_map["Dense_0/kernel"] = ("batch", "model")
+    layout_map["Dense_1/kernel"] = (("batch", "model"), None)
+    hybrid = ModelParallelStrategy(layout_map)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 4)).astype(np.float32)
+    y = rng.normal(size=(8, 2)).astype(np.float32)
+    results = []
+    for strategy in (one_device, hybrid):
+        with strategy.scope():
+            state = jstrategy.training.create_train_state(_MLP(), optax.adam(0.05), x[:1])
+            step = jstrategy.training.make_train_step("mse")
+        for _ in range(10):
+            state, metrics = step(state, distribute_batch(strategy, (x, y)))
+        results.append((state, float(metrics["loss"])))
+    (expected, expected_loss), (got, loss) = results
+    assert _specs(got.params)["Dense_0"]["kernel"] == P("batch", "model")
+    assert _specs(got.params)["Dense_1"]["kernel"] == P(("batch", "model"), None)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(expected.params), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+# The compiled train step: what XLA communicates ------------------------------------------
+class _Deep(nn.Module):
+    """Three dense layers: kernels of 1024, 4096 and 512 elements, small biases."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(64)(x))
+        x = nn.relu(nn.Dense(64)(x))
+        return nn.Dense(8)(x)
+
+
+def _compiled_collectives(strategy, steps_per_execution=0):
+    """The collectives of the compiled train step, by kind and mesh axes; the state's specs.
+
+    With `steps_per_execution`, of the program `Model.fit` runs: a scan of that many steps.
+    """
+    x = np.ones((16, 16), np.float32)
+    y = np.zeros((16, 8), np.float32)
+    with strategy.scope():
+        state = jstrategy.training.create_train_state(_Deep(), optax.adam(1e-3), jnp.ones((1, 16)))
+    spec = step_lib.make_spec("mse", None, strategy)
+    if steps_per_execution:
+        program = step_lib.build_train_program(spec, steps=steps_per_execution)
+        acc = jax.device_put(spec.zero_sums(), strategy.replicated_sharding())
+        stacked = NamedSharding(strategy.mesh, P(None, strategy.axis_name))
+        n = steps_per_execution
+        batch, mask = jax.device_put(
+            ((np.stack([x] * n), np.stack([y] * n)), np.ones((n, 16), bool)), stacked
+        )
+        lowered = program.lower(state, acc, batch, mask)
+    else:
+        lowered = jstrategy.training.make_train_step("mse", strategy=strategy).lower(
+            state, distribute_batch(strategy, (x, y))
+        )
+    return collective_counts(lowered.compile().as_text(), strategy.mesh), _specs(state.params)
+
+
+def test_fsdp_step_gathers_parameters_and_reduce_scatters_gradients():
+    # The three kernels are split over the replicas (the biases are below min_shard_size):
+    # each is all-gathered once per step where it is read, its gradient reduce-scattered
+    # back to the slices; everything else (biases, loss, count) rides one all-reduce.
+    fsdp = FSDPStrategy(min_shard_size=256)
+    counts, specs = _compiled_collectives(fsdp)
+    assert [specs[f"Dense_{i}"]["kernel"] for i in range(3)] == [
+        P(None, "replica"),
+        P("replica", None),
+        P("replica", None),
+    ]
+    assert counts == {
+        "all-gather[replica]": 3,
+        "reduce-scatter[replica]": 3,
+        "all-reduce[replica]": 1,
+    }
+    # Several steps per execution: the same per step, inside the scan's loop body.
+    assert _compiled_collectives(fsdp, steps_per_execution=3)[0] == counts
+    # Mirrored: one all-reduce and nothing else.
+    assert _compiled_collectives(jstrategy.MirroredStrategy())[0] == {"all-reduce[replica]": 1}
+
+
+def test_megatron_step_communicates_over_model_inside_and_batch_between_replicas():
+    counts, specs = _compiled_collectives(_megatron())
+    assert specs["Dense_0"]["kernel"] == P(None, "model")
+    # Megatron's forward all-reduce of the row-split matmul's partial sums, over "model";
+    # the gradients' one all-reduce over "batch"; no reduce-scatter (nothing is split
+    # over the data axis).
+    assert counts["all-reduce[model]"] >= 1 and counts["all-reduce[batch]"] == 1
+    assert not any(k.startswith("reduce-scatter") for k in counts)
+    assert all(k.endswith(("[model]", "[batch]")) for k in counts)
+
+
+def test_collective_counts_reads_every_replica_group_form():
+    mesh = jax.make_mesh((2, 4), ("batch", "model"))
+    lines = [
+        "%a = f32[8] all-reduce(f32[8] %x), replica_groups={{0,4},{1,5},{2,6},{3,7}}",
+        "%b = f32[8] all-reduce(f32[8] %x), replica_groups=[2,4]<=[8]",
+        "%c = f32[64] all-gather(f32[16] %x), replica_groups=mesh['axis_0'=4,'axis_1'=2], "
+        "device_ids=([2,4]T(1,0)) {'axis_0'}, dimensions={0}",
+        "%d = f32[2] reduce-scatter-start(f32[8] %x), replica_groups=[4,2]<=[2,4]T(1,0)",
+        "%e = f32[2] reduce-scatter-done(f32[2] %d)",
+    ]
+    assert collective_counts("\n".join(lines), mesh) == {
+        "all-gather[model]": 1,
+        "all-reduce[batch]": 1,
+        "all-reduce[model]": 1,
+        "reduce-scatter[batch]": 1,
+    }
+    assert collective_counts("\n".join(lines)) == {
+        "all-gather": 1,
+        "all-reduce": 2,
+        "reduce-scatter": 1,
+    }
+
+
+def test_sharded_step_benchmark_smoke(capsys):
+    """`make bench`'s benchmarks/sharded_step.py runs end to end on a tiny transformer."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location(
+        "sharded_step", root / "benchmarks/sharded_step.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["sharded_step"] = bench  # dataclasses resolve annotations through it
+    spec.loader.exec_module(bench)
+    tiny = ["--d-model", "32", "--n-layers", "1", "--n-heads", "4", "--seq-len", "8"]
+    rows = bench.main([*tiny, "--vocab-size", "64", "--batch-size", "16", "--steps", "1",
+                       "--repeats", "1"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert [row.name for row in rows] == ["Mirrored", "FSDP", "ModelParallel (Megatron)"]
+    mirrored, fsdp, megatron = rows
+    assert mirrored.collectives == {"all-reduce[replica]": 1} and mirrored.per_device == 1.0
+    # Only the (64, 32) embedding reaches 1024 elements: gathered once, reduce-scattered once.
+    assert fsdp.collectives["all-gather[replica]"] == fsdp.collectives["reduce-scatter[replica]"]
+    assert fsdp.per_device < 1.0
+    # One block: Megatron's two forward and two backward all-reduces over "model".
+    assert megatron.collectives == {"all-reduce[batch]": 1, "all-reduce[model]": 4}
+    assert all(row.step_s > 0 for row in rows)
+    assert (
+        "| FSDP | replica 8 |" in out and "| ModelParallel (Megatron) | batch 2 x model 4 |" in out
+    )

@@ -14,6 +14,9 @@ import jstrategy
 from jstrategy import training
 from jstrategy._src import dispatch
 from jstrategy._src.input import distribute_batch
+from jstrategy._src.names import path_names
+from jstrategy.experimental import FSDPStrategy
+from jstrategy.experimental import ModelParallelStrategy
 
 STEPS = 20
 ROWS = 16  # divides among 1, 2, 4 and 8 replicas, so BatchNorm sees no padding
@@ -32,21 +35,23 @@ def _loss(y, logits):
 
 
 class LinenNet(nn.Module):
-    """Dense, synchronized BatchNorm, Dense."""
+    """Dense, BatchNorm synchronized over the strategy's data axis, Dense."""
+
+    axis_name: str = jstrategy.REPLICA_AXIS
 
     @nn.compact
     def __call__(self, x, train: bool = False):
         x = nn.Dense(8)(x)
-        x = nn.BatchNorm(use_running_average=not train, axis_name=jstrategy.REPLICA_AXIS)(x)
+        x = nn.BatchNorm(use_running_average=not train, axis_name=self.axis_name)(x)
         return nn.Dense(3)(nn.relu(x))
 
 
 class NnxNet(nnx.Module):
     """The same network in NNX."""
 
-    def __init__(self, rngs):
+    def __init__(self, rngs, axis_name=jstrategy.REPLICA_AXIS):
         self.dense1 = nnx.Linear(FEATURES, 8, rngs=rngs)
-        self.norm = nnx.BatchNorm(8, axis_name=jstrategy.REPLICA_AXIS, rngs=rngs)
+        self.norm = nnx.BatchNorm(8, axis_name=axis_name, rngs=rngs)
         self.dense2 = nnx.Linear(8, 3, rngs=rngs)
 
     def __call__(self, x):
@@ -58,11 +63,14 @@ def _tx():
 
 
 def _linen_state():
-    return training.create_train_state(LinenNet(), _tx(), jnp.ones((1, FEATURES)), rng=0)
+    # BatchNorm synchronizes over the data axis of the strategy in scope.
+    net = LinenNet(axis_name=jstrategy.get_strategy().axis_name)
+    return training.create_train_state(net, _tx(), jnp.ones((1, FEATURES)), rng=0)
 
 
 def _nnx_state():
-    return training.create_nnx_train_state(NnxNet(nnx.Rngs(0)), _tx())
+    net = NnxNet(nnx.Rngs(0), axis_name=jstrategy.get_strategy().axis_name)
+    return training.create_nnx_train_state(net, _tx())
 
 
 def _arrays(state):
@@ -88,6 +96,14 @@ def _train(strategy, make_state, steps=STEPS):
     return state, [jax.device_get(m) for m in history]
 
 
+def _assert_where_the_strategy_keeps_it(state, strategy):
+    """Every leaf after training: `variable_sharding`'s layout (sharded ones stay sharded)."""
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        want = strategy.variable_sharding(leaf, path_names(keypath))
+        assert leaf.sharding.is_equivalent_to(want, leaf.ndim), (keypath, leaf.sharding, want)
+        assert leaf.sharding.memory_kind == want.memory_kind
+
+
 @functools.cache
 def _oracle(kind):
     make_state = _linen_state if kind == "linen" else _nnx_state
@@ -100,6 +116,9 @@ def test_every_strategy_matches_one_device_after_20_steps(strategy, kind):
     make_state = _linen_state if kind == "linen" else _nnx_state
     expected, expected_history = _oracle(kind)
     state, history = _train(strategy, make_state)
+    _assert_where_the_strategy_keeps_it(state, strategy)
+    if isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):  # really split
+        assert any(not p.sharding.is_fully_replicated for p in jax.tree.leaves(state.params))
     got = _arrays(state)
     assert len(got) == len(expected)
     for a, b in zip(got, expected, strict=True):

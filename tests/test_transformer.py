@@ -1,5 +1,6 @@
 """The transformer example (`examples/transformer_lm.py`) and its benchmark (smoke test)."""
 
+import functools
 import importlib.util
 import re
 import sys
@@ -9,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jstrategy
 from jstrategy import mixed_precision
@@ -30,16 +32,41 @@ bench = _load("transformer_bench", "benchmarks/transformer.py")
 SMALL = {"vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4, "seq_len": 32}
 
 
-def test_loss_falls_and_strategies_agree():
+@functools.cache
+def _one_device_losses(steps=20):
     model = lm.TransformerLM(**SMALL)
-    steps = 20
-    one = lm.train(jstrategy.OneDeviceStrategy("cpu:0"), model, steps=steps, batch_size=16)
-    mirrored = lm.train(jstrategy.MirroredStrategy(), model, steps=steps, batch_size=16)
-    for losses in (one, mirrored):
-        assert losses[0] == pytest.approx(np.log(SMALL["vocab_size"]), rel=0.05)
-        assert np.mean(losses[-3:]) < 0.8 * losses[0]
-    # The same global batches: the same trajectory on 1 and 8 devices.
-    np.testing.assert_allclose(mirrored, one, rtol=1e-5)
+    return lm.train(jstrategy.OneDeviceStrategy("cpu:0"), model, steps=steps, batch_size=16)
+
+
+@pytest.mark.parametrize("strategy", ["mirrored", "fsdp", "megatron"])
+def test_loss_falls_and_strategies_agree(strategy):
+    model = lm.TransformerLM(**SMALL)
+    one = _one_device_losses()
+    losses = lm.train(lm.STRATEGIES[strategy](), model, steps=20, batch_size=16)
+    for run in (one, losses):
+        assert run[0] == pytest.approx(np.log(SMALL["vocab_size"]), rel=0.05)
+        assert np.mean(run[-3:]) < 0.8 * run[0]
+    # The same global batches: the same trajectory on 1 and 8 devices, with the
+    # parameters replicated, split over every device, or split Megatron-style.
+    np.testing.assert_allclose(losses, one, rtol=1e-5)
+
+
+def test_megatron_layout_splits_attention_heads_and_the_mlp():
+    strategy = lm.megatron_strategy()
+    assert dict(strategy.mesh.shape) == {"batch": 2, "model": 4}
+    params = jax.eval_shape(
+        lm.TransformerLM(**SMALL).init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32)
+    )["params"]
+    specs = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        names = tuple(k.key for k in path)
+        specs["/".join(names)] = strategy.variable_sharding(leaf, ("params", *names)).spec
+    for name in ("query", "key", "value"):
+        assert specs[f"blocks_1/attn/{name}/kernel"] == P(None, "model")
+    assert specs["blocks_1/attn/out/kernel"] == P("model", None)
+    assert specs["blocks_0/mlp/up/kernel"] == P(None, "model")
+    assert specs["blocks_0/mlp/down/kernel"] == P("model", None)
+    assert specs["embed/embedding"] == specs["blocks_0/ln1/scale"] == P()
 
 
 def test_parameter_names_are_regular():

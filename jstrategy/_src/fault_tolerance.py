@@ -86,6 +86,10 @@ def from_savable(saved: Any, like: Any) -> Any:
 
     def back(s: Any, original: Any) -> Any:
         if _is_key(original):
+            if isinstance(s, jax.Array) and isinstance(original, jax.Array):
+                # Laid out as the keys are: a key's data must be whole on each device, and
+                # a strategy that splits small arrays (FSDP) may have read it split.
+                s = jax.device_put(s, original.sharding)
             return jax.random.wrap_key_data(s, impl=jax.random.key_impl(original))
         return s
 

@@ -16,13 +16,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jstrategy._src import devices as devices_lib
-from jstrategy._src.strategy import Strategy
+from jstrategy._src.collective_util import CommunicationOptions
+from jstrategy._src.multi_worker import MultiWorkerMirroredStrategy
+from jstrategy._src.sharded import ShardedStrategy
+
+if TYPE_CHECKING:
+    from jstrategy._src.cluster_resolver import ClusterResolver
 
 __all__ = ["DEFAULT_MIN_SHARD_SIZE", "FSDPStrategy"]
 
@@ -31,7 +37,7 @@ __all__ = ["DEFAULT_MIN_SHARD_SIZE", "FSDPStrategy"]
 DEFAULT_MIN_SHARD_SIZE = 1024
 
 
-class FSDPStrategy(Strategy):
+class FSDPStrategy(ShardedStrategy):
     """Data parallelism with parameters and optimizer state sharded over the replicas.
 
     Every variable with at least `min_shard_size` elements is split over the replicas
@@ -40,13 +46,27 @@ class FSDPStrategy(Strategy):
     dimension, are replicated. The decision depends on the shape only, so an optimizer's
     moments are laid out like their parameters.
 
+    Several processes (workers) train together as under `MultiWorkerMirroredStrategy`:
+    with ``devices=None`` the strategy joins the job that `cluster_resolver` (by default
+    ``TF_CONFIG``) describes, starting JAX's distributed runtime exactly as
+    `MultiWorkerMirroredStrategy` does (so create it before any other JAX computation),
+    and lays one replica on every device of every worker; each process then holds only its
+    devices' slices of every variable. Without ``TF_CONFIG`` it is one process over the
+    local devices. `jstrategy.launch` runs such a job on one machine.
+
     Args:
       devices: the devices (TF-style strings or `jax.Device`s), one replica each. None
-        means every device of JAX's default backend, of every process.
+        means every device of JAX's default backend, of every process of the job.
       min_shard_size: the fewest elements a variable must have to be sharded.
+      cluster_resolver: the job to join, as for `MultiWorkerMirroredStrategy`; defaults to
+        `TFConfigClusterResolver()` when `devices` is None.
+      communication_options: `jstrategy.experimental.CommunicationOptions` for the
+        collectives across workers (implementation, packing, ``timeout_seconds``), as for
+        `MultiWorkerMirroredStrategy`.
 
     Raises:
       ValueError: if `devices` is invalid or `min_shard_size` is not a non-negative int.
+      RuntimeError: if it must start the distributed runtime after JAX's backends started.
 
     Example:
 
@@ -68,6 +88,8 @@ class FSDPStrategy(Strategy):
         devices: Sequence[devices_lib.DeviceSpec] | None = None,
         *,
         min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
+        cluster_resolver: ClusterResolver | None = None,
+        communication_options: CommunicationOptions | None = None,
     ):
         if (
             isinstance(min_shard_size, bool)
@@ -80,9 +102,36 @@ class FSDPStrategy(Strategy):
                 f"min_shard_size={DEFAULT_MIN_SHARD_SIZE}, or 0 to shard every variable "
                 "that divides."
             )
+        self._cluster: MultiWorkerMirroredStrategy | None = None
+        if devices is None or cluster_resolver is not None or communication_options is not None:
+            # Joins the job as MultiWorkerMirroredStrategy does (one place starts JAX's
+            # distributed runtime); that strategy is kept only for its cluster.
+            self._cluster = MultiWorkerMirroredStrategy(cluster_resolver, communication_options)
+        # After joining, JAX's devices are every worker's.
         resolved = jax.devices() if devices is None else devices_lib.resolve_devices(devices)
-        super().__init__(resolved)
+        cross_device_ops = None
+        if self._cluster is not None and self._cluster.num_workers > 1:
+            cross_device_ops = self._cluster.cross_device_ops  # across processes
+        super().__init__(resolved, cross_device_ops=cross_device_ops)
         self._min_shard_size = min_shard_size
+
+    @property
+    def cluster_resolver(self) -> ClusterResolver | None:
+        """The job's resolver (None when given explicit devices and no resolver)."""
+        return self._cluster.cluster_resolver if self._cluster is not None else None
+
+    @property
+    def num_workers(self) -> int:
+        """How many processes train together (whose devices hold replicas)."""
+        return len({d.process_index for d in self.devices})
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this process is the chief (or worker 0 without a chief): it writes what
+        is written once."""
+        if self._cluster is not None and self._cluster.num_workers > 1:
+            return self._cluster.is_chief
+        return jax.process_index() == 0
 
     @property
     def min_shard_size(self) -> int:

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from jstrategy._src.cross_device_ops import CrossDeviceOps
 from jstrategy._src.layout_map import LayoutMap
 from jstrategy._src.mesh import DeviceMesh
-from jstrategy._src.strategy import Strategy
+from jstrategy._src.sharded import ShardedStrategy
 
 __all__ = ["ModelParallelStrategy"]
 
@@ -28,7 +28,7 @@ __all__ = ["ModelParallelStrategy"]
 _PARAMS = "params"
 
 
-class ModelParallelStrategy(Strategy):
+class ModelParallelStrategy(ShardedStrategy):
     """Variables laid out over a multi-axis mesh by a `LayoutMap`; the batch split over one axis.
 
     Which layout a leaf of a train state gets (`variable_sharding`, hence `place_state`,

@@ -11,11 +11,12 @@ here:
 * `host_update_train_program` (`CentralStorageStrategy`): variables live elsewhere (one copy
   in host memory), so each step is two programs: the gradients on the replicas, then the
   update where the variables live.
-
-A strategy whose variables are sharded across devices adds its variant here and overrides
-the hook to return it: the gradients in `replica_map` (manual over the data axis only),
-then ``fns.update`` in the global view inside the same ``jax.jit``, with
-``out_shardings`` from `Strategy.variable_sharding`, so XLA partitions the update.
+* `sharded_train_program` (`FSDPStrategy`, `ModelParallelStrategy`): variables are split
+  across devices, so ONE ``jax.jit`` holds, per step, the gradients in `replica_map`
+  (manual over the data axis only; a variable split over the data axis is gathered where
+  it is read and its gradient reduce-scattered back to its slices), then ``fns.update``
+  in the global view, with ``out_shardings`` from `Strategy.variable_sharding`, so XLA
+  partitions the update and every variable stays where the strategy keeps it.
 
 A program is ``program(state, acc, batch, mask) -> (state, acc, logs)``: `acc` holds running
 loss and metric sums (with the count of real rows) that each step adds to, or None to start
@@ -49,6 +50,7 @@ __all__ = [
     "replica_map",
     "replicated_train_program",
     "row_spec",
+    "sharded_train_program",
 ]
 
 
@@ -69,18 +71,27 @@ class StepFunctions:
     Attributes:
       split: ``state -> (params, rest)``: the trained parameters, and what else the
         replicas read (the state without its parameters and optimizer state).
-      gradients: ``(params, rest, batch, mask) -> (grads, model_state, sums)`` for one
-        replica, traced inside `replica_map`: the gradients of the mean loss over the
-        global batch's real rows, the new mutable state (e.g. BatchNorm statistics) and
-        the loss and metric sums with the count of real rows, all combined across replicas
-        (identical on every replica).
+      gradients: ``(params, rest, batch, mask, scatter=None) -> (grads, model_state,
+        sums)`` for one replica, traced inside `replica_map`: the gradients of the mean
+        loss over the global batch's real rows, the new mutable state (e.g. BatchNorm
+        statistics) and the loss and metric sums with the count of real rows, all combined
+        across replicas (identical on every replica). `scatter`, one entry per leaf of
+        `params` (``jax.tree.leaves`` order), names the dimension along which that leaf's
+        gradient is reduce-scattered over the data axis instead (the replica gets its
+        slice), or None for the all-reduce.
       update: ``(state, grads, model_state) -> state``: the optimizer update; every staged
         step applies its update through it.
+      gradients_like: ``(per_param, scalar) -> tree``: what `gradients` returns for its
+        gradients, given what to put for each parameter and for a scalar (e.g. partition
+        specs): the gradients are shaped like the parameters, except under gradient
+        accumulation (``GradientSums(sums, rows)``). A staging that lays the gradients out
+        leaf by leaf (`sharded_train_program`) builds its specs with it.
     """
 
     split: Callable[[Any], tuple[Any, Any]]
-    gradients: Callable[[Any, Any, Any, Any], tuple[Any, Any, Any]]
+    gradients: Callable[..., tuple[Any, Any, Any]]
     update: Callable[[Any, Any, Any], Any]
+    gradients_like: Callable[[Any, Any], Any] = lambda per_param, scalar: per_param
 
 
 def row_spec(strategy: Strategy, lead: int = 0) -> P:
@@ -103,6 +114,29 @@ def replica_map(strategy: Strategy, fn: Callable[..., Any], in_specs: Any, out_s
 
 def _accumulate(acc: Any, sums: Any) -> Any:
     return sums if acc is None else jax.tree.map(jnp.add, acc, sums)
+
+
+def _step_loop(
+    one: Callable[[Any, Any, Any, Any], tuple[Any, Any]], *, steps: int, stacked: bool
+) -> Callable[[Any, Any, Any, Any], tuple[Any, Any, Any]]:
+    """``program(state, acc, batch, mask) -> (state, acc, logs)`` running `one` step, or a
+    ``lax.scan`` of `steps` steps over stacked (or a tuple of) batches."""
+
+    def program(state: Any, acc: Any, batch: Any, mask: Any) -> tuple[Any, Any, Any]:
+        if not steps:
+            state, acc = one(state, acc, batch, mask)
+            return state, acc, means(acc)
+        if not stacked:
+            batch = jax.tree.map(lambda *xs: jnp.stack(xs), *batch)
+            mask = jnp.stack(mask)
+
+        def scan_step(carry: Any, inputs: Any) -> tuple[Any, None]:
+            return one(*carry, *inputs), None
+
+        (state, acc), _ = jax.lax.scan(scan_step, (state, acc), (batch, mask))
+        return state, acc, means(acc)
+
+    return program
 
 
 def replicated_train_program(
@@ -128,25 +162,117 @@ def replicated_train_program(
         grads, model_state, sums = fns.gradients(params, rest, batch, mask)
         return fns.update(state, grads, model_state), _accumulate(acc, sums)
 
-    def program(state: Any, acc: Any, batch: Any, mask: Any) -> tuple[Any, Any, Any]:
-        if not steps:
-            state, acc = one(state, acc, batch, mask)
-            return state, acc, means(acc)
-        if not stacked:
-            batch = jax.tree.map(lambda *xs: jnp.stack(xs), *batch)
-            mask = jnp.stack(mask)
-
-        def scan_step(carry: Any, inputs: Any) -> tuple[Any, None]:
-            return one(*carry, *inputs), None
-
-        (state, acc), _ = jax.lax.scan(scan_step, (state, acc), (batch, mask))
-        return state, acc, means(acc)
-
+    program = _step_loop(one, steps=steps, stacked=stacked)
     rows = row_spec(strategy, lead)
     return jax.jit(
         replica_map(strategy, program, in_specs=(P(), P(), rows, rows), out_specs=(P(), P(), P())),
         donate_argnums=(0, 1),
     )
+
+
+# FSDP and ModelParallel: variables split across devices, the update in the global view ------
+def data_dim(sharding: jax.sharding.Sharding, axis_name: str) -> int | None:
+    """The dimension a variable is split over the data axis `axis_name` alone, if any.
+
+    A dimension split over the data axis together with another axis (``("batch",
+    "model")``) counts as none: its gradient is all-reduced and ``out_shardings`` slices it.
+    """
+    for dim, entry in enumerate(getattr(sharding, "spec", ())):
+        if entry == axis_name or entry == (axis_name,):
+            return dim
+    return None
+
+
+def _spec_at(dim: int | None, axis_name: str) -> P:
+    return P() if dim is None else P(*([None] * dim), axis_name)
+
+
+class _ShardedTrainProgram:
+    """`sharded_train_program`'s program: one ``jax.jit`` per train-state structure.
+
+    Its ``out_shardings`` are the state's `variable_shardings`, which depend on the state,
+    so the jitted function is made for the first state of each structure.
+    """
+
+    def __init__(self, strategy: Strategy, fns: StepFunctions, *, steps: int, stacked: bool):
+        self._strategy = strategy
+        self._fns = fns
+        self._steps = steps
+        self._stacked = stacked
+        self._programs: dict[Any, Any] = {}
+
+    def _build(self, state: Any) -> Any:
+        strategy, fns, steps, stacked = self._strategy, self._fns, self._steps, self._stacked
+        axis = strategy.axis_name
+        shardings = variable_shardings(state, strategy)
+        params, _ = fns.split(shardings)
+        leaves, tree = jax.tree.flatten(params)
+        scatter = tuple(data_dim(s, axis) for s in leaves)
+        grad_specs = jax.tree.unflatten(tree, [_spec_at(d, axis) for d in scatter])
+        rows = row_spec(strategy)
+
+        def gradients(params: Any, rest: Any, batch: Any, mask: Any) -> Any:
+            return fns.gradients(params, rest, batch, mask, scatter)
+
+        replica_gradients = replica_map(
+            strategy,
+            gradients,
+            in_specs=(P(), P(), rows, rows),
+            out_specs=(fns.gradients_like(grad_specs, P()), P(), P()),
+        )
+
+        def one(state: Any, acc: Any, batch: Any, mask: Any) -> tuple[Any, Any]:
+            params, rest = fns.split(state)
+            grads, model_state, sums = replica_gradients(params, rest, batch, mask)
+            state = fns.update(state, grads, model_state)
+            # Where the strategy keeps each variable, after every step of a scan too.
+            state = jax.lax.with_sharding_constraint(state, shardings)
+            return state, _accumulate(acc, sums)
+
+        replicated = strategy.replicated_sharding()
+        return jax.jit(
+            _step_loop(one, steps=steps, stacked=stacked),
+            out_shardings=(shardings, replicated, replicated),
+            donate_argnums=(0, 1),
+        )
+
+    def _program(self, state: Any) -> Any:
+        key = jax.tree.structure(state)
+        program = self._programs.get(key)
+        if program is None:
+            program = self._programs[key] = self._build(state)
+        return program
+
+    def __call__(self, state: Any, acc: Any, batch: Any, mask: Any) -> tuple[Any, Any, Any]:
+        return self._program(state)(state, acc, batch, mask)
+
+    def lower(self, state: Any, acc: Any, batch: Any, mask: Any) -> Any:
+        """The lowered program (gradients, their reduction and the update)."""
+        return self._program(state).lower(state, acc, batch, mask)
+
+
+def sharded_train_program(
+    strategy: Strategy, fns: StepFunctions, *, steps: int, stacked: bool
+) -> TrainProgram:
+    """The staging of strategies whose variables are split across devices.
+
+    ONE compiled program (a ``lax.scan`` of `steps` steps when ``steps > 0``), each step:
+
+    1. In `replica_map` (manual over the data axis; other mesh axes automatic), each
+       replica's gradients (`StepFunctions.gradients`). The parameters enter whole over the
+       data axis, so a variable split over it (FSDP) is all-gathered where it is read;
+       split over other axes (a `LayoutMap`'s ``"model"``), it stays split and XLA
+       partitions the computation. Gradients of variables split over the data axis are
+       reduce-scattered (``psum_scatter``) to their slices; the others, with the loss and
+       metric sums, go through the strategy's ``cross_device_ops.all_reduce``.
+    2. ``fns.update`` in the global view: gradients, parameters and optimizer state share
+       their layouts, so each device updates its own slices.
+
+    Every variable comes out where `Strategy.variable_sharding` keeps it (the program's
+    ``out_shardings``); the state and `acc` are donated. Same arguments and result as
+    `replicated_train_program`.
+    """
+    return _ShardedTrainProgram(strategy, fns, steps=steps, stacked=stacked)
 
 
 # CentralStorage: the gradients on the replicas, the update where the variables live --------

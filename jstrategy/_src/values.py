@@ -7,6 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 __all__ = [
     "PerReplica",
@@ -16,6 +17,7 @@ __all__ = [
     "on_a_mesh",
     "replica_axis_of",
     "replica_devices",
+    "to_host",
     "varying_axes",
 ]
 
@@ -279,3 +281,29 @@ def device_put_global(tree: Any, sharding: jax.sharding.Sharding) -> Any:
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
     return jax.tree.map(put, tree)
+
+
+def to_host(tree: Any) -> Any:
+    """NumPy copies of a pytree's arrays, wherever their pieces live.
+
+    An array split across the devices of several processes (an FSDP variable) is gathered
+    from the other processes first, a collective: every process must call this together.
+    In one process, or for arrays each process holds whole, it is `jax.device_get`.
+
+    Example:
+
+    >>> import jax.numpy as jnp
+    >>> to_host({"w": jnp.ones(2)})["w"]
+    array([1., 1.], dtype=float32)
+    """
+
+    def gather(leaf: Any) -> Any:
+        if (
+            isinstance(leaf, jax.Array)
+            and not leaf.is_fully_addressable
+            and not leaf.sharding.is_fully_replicated
+        ):
+            return multihost_utils.process_allgather(leaf, tiled=True)
+        return leaf
+
+    return jax.device_get(jax.tree.map(gather, tree))

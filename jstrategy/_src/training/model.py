@@ -37,6 +37,7 @@ from jstrategy._src.training.trainer import Trainer
 from jstrategy._src.validation import check_non_negative_int
 from jstrategy._src.validation import check_positive_int
 from jstrategy._src.validation import is_int
+from jstrategy._src.values import to_host
 
 __all__ = ["Model"]
 
@@ -351,8 +352,12 @@ class Model:
 
     # Weights ----------------------------------------------------------------------------
     def get_weights(self) -> list[np.ndarray]:
-        """The variables' values as NumPy arrays (parameters and statistics), in a fixed order."""
-        return [np.asarray(w) for w in jax.device_get(self.state.get_weights())]
+        """The variables' values as NumPy arrays (parameters and statistics), in a fixed order.
+
+        Every process of a multi-worker job must call it: variables split across processes
+        (FSDP) are gathered from all of them.
+        """
+        return [np.asarray(w) for w in to_host(self.state.get_weights())]
 
     def set_weights(self, weights: Sequence[Any]) -> None:
         """Sets the variables from a list like `get_weights` returns.

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
 
@@ -351,7 +352,12 @@ def _sums(
 
 
 def replica_gradients(
-    spec: StepSpec, params: Any, rest: TrainStateProtocol, batch: Any, mask: jax.Array
+    spec: StepSpec,
+    params: Any,
+    rest: TrainStateProtocol,
+    batch: Any,
+    mask: jax.Array,
+    scatter: Sequence[int | None] | None = None,
 ) -> tuple[Any, Any, dict[str, jax.Array]]:
     """One replica's gradients: ``(grads, model_state, sums)``, combined across replicas.
 
@@ -362,6 +368,14 @@ def replica_gradients(
     on every replica. With ``spec.accumulation_steps`` > 1 the gradients are
     `accumulation.GradientSums`: the gradient of the loss *sum* and the count of real rows,
     which `apply_update` adds to the cycle's.
+
+    The gradients that `scatter` reduce-scatters are the exception: each replica keeps
+    its slice.
+
+    `scatter` (see `StepFunctions.gradients`) gives, for each leaf of `params` in
+    ``jax.tree.leaves`` order, the dimension along which its gradient is reduce-scattered
+    over the data axis (this replica keeps its slice: the variable's own shard under a
+    sharded strategy), or None to all-reduce it with the rest.
     """
     strategy = spec.strategy
     axis = strategy.axis_name
@@ -390,9 +404,7 @@ def replica_gradients(
         sums.update(check_numerics.step_flags(spec, y, y_pred, maskf, loss_sum, checked))
     leaves, tree = jax.tree.flatten(model_state)
     varying = [i for i, leaf in enumerate(leaves) if axis in varying_axes(leaf)]
-    grads, sums, synced = strategy.cross_device_ops.all_reduce(
-        ReduceOp.SUM, (grads, sums, [leaves[i] for i in varying]), mesh=strategy.mesh
-    )
+    grads, sums, synced = _combine(strategy, grads, sums, [leaves[i] for i in varying], scatter)
     n = strategy.num_replicas_in_sync
     for i, leaf in zip(varying, synced, strict=True):
         leaves[i] = (leaf / n).astype(leaves[i].dtype)
@@ -404,6 +416,35 @@ def replica_gradients(
     denom = jnp.maximum(sums[COUNT], 1.0)
     grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
     return grads, model_state, sums
+
+
+def _combine(
+    strategy: Strategy, grads: Any, sums: Any, synced: list[Any], scatter: Any
+) -> tuple[Any, Any, list[Any]]:
+    """Sums over the replicas: ONE all-reduce (the strategy's `cross_device_ops`) for
+    everything but the gradients `scatter` reduce-scatters (`replica_gradients`)."""
+    axis = strategy.axis_name
+    reduce = strategy.cross_device_ops.all_reduce
+    if scatter is None:
+        return reduce(ReduceOp.SUM, (grads, sums, synced), mesh=strategy.mesh, axis_name=axis)
+    leaves, tree = jax.tree.flatten(grads)
+    dims = list(scatter)
+    if len(dims) != len(leaves):
+        raise ValueError(
+            f"`scatter` must give one entry per gradient leaf ({len(leaves)}); got {len(dims)}."
+        )
+    kept = [g for g, d in zip(leaves, dims, strict=True) if d is None]
+    kept, sums, synced = reduce(
+        ReduceOp.SUM, (kept, sums, synced), mesh=strategy.mesh, axis_name=axis
+    )
+    summed = iter(kept)
+    leaves = [
+        next(summed)
+        if d is None
+        else jax.lax.psum_scatter(g, axis, scatter_dimension=d, tiled=True)
+        for g, d in zip(leaves, dims, strict=True)
+    ]
+    return jax.tree.unflatten(tree, leaves), sums, synced
 
 
 def apply_update(spec: StepSpec, state: TrainStateProtocol, grads: Any, model_state: Any) -> Any:
@@ -446,7 +487,9 @@ def eval_sums(
     sums = _sums(spec, y, y_pred, maskf, loss_sum)
     if spec.check_numerics:
         sums.update(check_numerics.step_flags(spec, y, y_pred, maskf, loss_sum))
-    return strategy.cross_device_ops.all_reduce(ReduceOp.SUM, sums, mesh=strategy.mesh)
+    return strategy.cross_device_ops.all_reduce(
+        ReduceOp.SUM, sums, mesh=strategy.mesh, axis_name=strategy.axis_name
+    )
 
 
 def predict_outputs(policy: mp.Policy, state: TrainStateProtocol, x: Any) -> Any:
@@ -463,13 +506,22 @@ def _split(state: TrainStateProtocol) -> tuple[Any, Any]:
 def step_functions(spec: StepSpec) -> StepFunctions:
     """The step as `Strategy.stage_train_step` takes it."""
 
-    def gradients(params: Any, rest: Any, batch: Any, mask: Any) -> tuple[Any, Any, Any]:
-        return replica_gradients(spec, params, rest, batch, mask)
+    def gradients(
+        params: Any, rest: Any, batch: Any, mask: Any, scatter: Any = None
+    ) -> tuple[Any, Any, Any]:
+        return replica_gradients(spec, params, rest, batch, mask, scatter)
 
     def update(state: Any, grads: Any, model_state: Any) -> Any:
         return apply_update(spec, state, grads, model_state)
 
-    return StepFunctions(split=_split, gradients=gradients, update=update)
+    def gradients_like(per_param: Any, scalar: Any) -> Any:
+        if spec.accumulation_steps > 1:
+            return accumulation.GradientSums(per_param, scalar)
+        return per_param
+
+    return StepFunctions(
+        split=_split, gradients=gradients, update=update, gradients_like=gradients_like
+    )
 
 
 # ---------------------------------------------------------------------------------------

@@ -21,10 +21,11 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jstrategy._src.names import path_str
 from jstrategy._src.names import snake_case
 from jstrategy._src.strategy import REPLICA_AXIS
 
-__all__ = ["model_table", "summarize"]
+__all__ = ["layout_table", "model_table", "summarize"]
 
 
 @dataclasses.dataclass
@@ -402,4 +403,52 @@ def model_table(
         table = state.summary_table(module, sample)
     if name and table.startswith("Model: "):
         table = f'Model: "{name}"' + table[table.index("\n") :]
-    return table
+    layouts = layout_table(state.weights())
+    return table if layouts is None else f"{table}\n{layouts}"
+
+
+def layout_table(weights: Any) -> str | None:
+    """Where each variable of `weights` lives, when any is split across devices.
+
+    One row per variable: its path, its shape, its layout (the `PartitionSpec` over the
+    mesh's axes, or ``replicated``) and the shape of the piece each device holds. None
+    when every variable is whole on each of its devices (nothing to show).
+
+    Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((8,), ("replica",))
+    >>> w = jax.device_put(jnp.zeros((4, 16)), NamedSharding(mesh, P(None, "replica")))
+    >>> print(layout_table({"params": {"kernel": w, "bias": jnp.zeros(16)}}))
+    Variable layouts over mesh {'replica': 8}:
+     Variable                    Shape         Layout                   Per device
+     params/bias                 (16,)         replicated               (16,)
+     params/kernel               (4, 16)       P(None, 'replica')       (4, 2)
+    Optimizer state is laid out like its parameter.
+    """
+    flat = [
+        (path_str(keypath), leaf)
+        for keypath, leaf in jax.tree_util.tree_flatten_with_path(weights)[0]
+        if isinstance(leaf, jax.Array)
+    ]
+    split = [leaf for _, leaf in flat if not leaf.sharding.is_fully_replicated]
+    if not split:
+        return None
+    mesh = getattr(split[0].sharding, "mesh", None)
+    where = f" over mesh {dict(mesh.shape)}" if mesh is not None else ""
+    rows = [("Variable", "Shape", "Layout", "Per device")]
+    for path, leaf in flat:
+        spec = getattr(leaf.sharding, "spec", None)
+        replicated = leaf.sharding.is_fully_replicated or spec is None
+        layout = "replicated" if replicated else str(spec)
+        piece = leaf.sharding.shard_shape(leaf.shape)
+        rows.append((path, str(tuple(leaf.shape)), layout, str(tuple(piece))))
+    widths = [max(len(r[i]) for r in rows) + 2 for i in range(3)]
+    widths = [max(w, m) for w, m in zip(widths, (28, 14, 25), strict=True)]
+    lines = [f"Variable layouts{where}:"]
+    for row in rows:
+        cells = "".join(c.ljust(w) for c, w in zip(row[:3], widths, strict=True))
+        lines.append(f" {cells}{row[3]}")
+    lines.append("Optimizer state is laid out like its parameter.")
+    return "\n".join(lines)
