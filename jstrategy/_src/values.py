@@ -44,14 +44,19 @@ class PerReplica:
       mask: for split values, which rows are real (None: all of them).
     """
 
-    __slots__ = ("mask", "stacked", "value")
+    __slots__ = ("mask", "mirrored", "stacked", "value")
 
-    def __init__(self, value: Any, *, stacked: bool = True, mask: Any = None):
+    def __init__(
+        self, value: Any, *, stacked: bool = True, mask: Any = None, mirrored: bool = False
+    ):
         if stacked and mask is not None:
             raise ValueError("`mask` is only meaningful for split (stacked=False) values.")
         self.value = value
         self.stacked = stacked
         self.mask = mask
+        # Set by `Strategy.run` under `jstrategy.config.experimental_check_mirrored` for an
+        # output found the same on every replica; passed back to `run`, it is checked again.
+        self.mirrored = mirrored
 
     def tree_flatten(self):
         if self.mask is None:
