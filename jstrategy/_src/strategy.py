@@ -465,8 +465,8 @@ class Strategy:
             ]
         planned = written + read_only
 
-        def body(*values):
-            *values, written_values, read_values = values
+        def body(*inputs):
+            *values, written_values, read_values = inputs
             frame = tracked.RunFrame(self, planned, [*written_values, *read_values])
             try:
                 flat, _ = call(values, frame)

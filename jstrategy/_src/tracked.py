@@ -141,7 +141,7 @@ class TrackedState:
     def check_like(self, value: Any) -> None:
         """Raises a `ValueError` if `value` is not shaped like the holder's value."""
         spec = jax.tree.map(_spec_of, value)
-        if jax.tree.structure(spec) != jax.tree.structure(self._spec) or any(
+        if jax.tree.structure(spec) != jax.tree.structure(self._spec) or any(  # type: ignore[operator]
             (a.shape, a.dtype) != (b.shape, b.dtype)
             for a, b in zip(jax.tree.leaves(spec), jax.tree.leaves(self._spec), strict=True)
         ):
