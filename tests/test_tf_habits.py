@@ -166,10 +166,10 @@ def test_stateful_metrics_inside_run_count_the_real_rows_of_every_replica():
         accuracy.update_state(labels, predictions)
         test_loss.update_state(loss_object(labels, predictions))
 
-    for epoch in range(2):
+    for _epoch in range(2):
         for inputs in strategy.experimental_distribute_dataset(batches):
             strategy.run(test_step, args=(inputs,))
-        total, count = accuracy.variables
+        _, count = accuracy.variables
         assert float(count) == 100.0  # not 128: padding rows do not count
         expected = np.mean(np.argmax(logits, -1) == labels)
         np.testing.assert_allclose(accuracy.result(), expected, rtol=1e-6)
