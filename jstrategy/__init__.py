@@ -7,6 +7,7 @@ from jstrategy import experimental
 from jstrategy import losses
 from jstrategy import metrics
 from jstrategy import mixed_precision
+from jstrategy import optimizers
 from jstrategy import tpu
 from jstrategy._src.central_storage import CentralStorageStrategy
 from jstrategy._src.checkpoint import CheckpointError
@@ -79,5 +80,6 @@ __all__ = [
     "losses",
     "metrics",
     "mixed_precision",
+    "optimizers",
     "tpu",
 ]

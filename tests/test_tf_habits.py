@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import jstrategy
+from jstrategy import training
 
 
 def _xy(rows=24, features=3, seed=0):
@@ -192,3 +193,225 @@ def test_stateful_metrics_outside_run_and_keras_call():
     mean = jstrategy.metrics.Mean()
     mean(np.float32(2.0))
     assert float(mean(np.array([4.0, 6.0]))) == 4.0
+
+
+# Finding 1: the rate set, read and logged is the rate applied --------------------------
+def _fit(model, epochs=2, callbacks=()):
+    x, y = _xy(24)
+    return model.fit(
+        x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0, callbacks=list(callbacks)
+    )
+
+
+def test_a_plain_optax_optimizer_refuses_rate_control_and_shows_the_fix():
+    # Before: the scheduler's 0.1 multiplied optax.sgd(0.1)'s own rate: 0.01 applied.
+    model = _dense_model(jstrategy.OneDeviceStrategy("cpu:0"), optax.sgd(0.1))
+    scheduler = jstrategy.callbacks.LearningRateScheduler(lambda epoch: 0.1)
+    fix = r"jstrategy\.optimizers\.SGD\(learning_rate=0\.1\).*inject_hyperparams"
+    with pytest.raises(TypeError, match=fix):
+        _fit(model, callbacks=[scheduler])
+    with pytest.raises(TypeError, match=fix):
+        model.learning_rate  # noqa: B018
+    with pytest.raises(TypeError, match=fix):
+        model.learning_rate = 0.1
+    with pytest.raises(TypeError, match=fix):
+        _fit(model, callbacks=[jstrategy.callbacks.ReduceLROnPlateau(monitor="loss")])
+
+
+def test_the_scheduled_rate_is_the_rate_applied_and_logged():
+    strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    rates = [0.1, 0.02, 0.05]
+    scheduled = _dense_model(strategy, jstrategy.optimizers.SGD(learning_rate=0.3))
+    history = _fit(
+        scheduled,
+        epochs=3,
+        callbacks=[jstrategy.callbacks.LearningRateScheduler(lambda epoch: rates[epoch])],
+    )
+    assert history.history["learning_rate"] == pytest.approx(rates)
+    assert scheduled.learning_rate == pytest.approx(0.05)
+    # The same three epochs, each with optax's own SGD at that rate.
+    for a, b in zip(scheduled.get_weights(), _sgd_epochs(strategy, rates), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_names_are_keras_optimizers_with_keras_defaults():
+    model = _dense_model(jstrategy.OneDeviceStrategy("cpu:0"), "adam")
+    assert isinstance(model.optimizer, jstrategy.optimizers.Adam)
+    assert model.optimizer.get_config()["epsilon"] == 1e-7
+    assert model.learning_rate == pytest.approx(1e-3) == model.optimizer.learning_rate
+    model.optimizer.learning_rate = 0.01  # Keras: model.optimizer.learning_rate = ...
+    assert model.learning_rate == pytest.approx(0.01)
+    with pytest.raises(ValueError, match="Unknown optimizer 'adamm'.*'adam'"):
+        _dense_model(jstrategy.OneDeviceStrategy("cpu:0"), "adamm")
+
+
+@pytest.mark.parametrize(
+    "keras, reference",
+    [
+        (
+            jstrategy.optimizers.SGD(0.1, momentum=0.9, nesterov=True),
+            optax.sgd(0.1, momentum=0.9, nesterov=True),
+        ),
+        (jstrategy.optimizers.Adam(0.01), optax.adam(0.01, eps=1e-7)),
+        (jstrategy.optimizers.RMSprop(0.01), optax.rmsprop(0.01, decay=0.9, eps=1e-7)),
+        (jstrategy.optimizers.Adagrad(0.1), optax.adagrad(0.1, eps=1e-7)),
+        (jstrategy.optimizers.Adadelta(1.0), optax.adadelta(1.0, rho=0.95, eps=1e-7)),
+        (jstrategy.optimizers.Adamax(0.01), optax.adamax(0.01, eps=1e-7)),
+        (jstrategy.optimizers.Nadam(0.01), optax.nadam(0.01, eps=1e-7)),
+        (jstrategy.optimizers.Lion(0.01), optax.lion(0.01, weight_decay=0.0)),
+        (
+            jstrategy.optimizers.AdamW(0.01),
+            optax.adamw(0.01, eps=1e-7, weight_decay=0.004),
+        ),
+        (
+            jstrategy.optimizers.SGD(0.1, global_clipnorm=0.5),
+            optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.1)),
+        ),
+        (
+            jstrategy.optimizers.SGD(0.1, clipvalue=0.05),
+            optax.chain(optax.clip(0.05), optax.sgd(0.1)),
+        ),
+    ],
+    ids=lambda v: type(v).__name__,
+)
+def test_keras_optimizers_follow_optax(keras, reference):
+    strategy = jstrategy.OneDeviceStrategy("cpu:0")
+    ours, theirs = _dense_model(strategy, keras), _dense_model(strategy, reference)
+    _fit(ours), _fit(theirs)
+    for a, b in zip(ours.get_weights(), theirs.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_clipnorm_clips_each_gradient_on_its_own():
+    tx = jstrategy.optimizers.SGD(1.0, clipnorm=1.0).tx
+    grads = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([0.3, 0.4])}
+    params = jax.tree.map(jnp.zeros_like, grads)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    np.testing.assert_allclose(updates["a"], [-0.6, -0.8], rtol=1e-6)  # norm 5 -> 1
+    np.testing.assert_allclose(updates["b"], [-0.3, -0.4], rtol=1e-6)  # norm 0.5 kept
+
+
+def test_a_schedule_sets_the_rate_from_the_step_and_cannot_be_set():
+    schedule = jstrategy.optimizers.schedules.PiecewiseConstantDecay([3], [0.1, 0.01])
+    model = _dense_model(jstrategy.OneDeviceStrategy("cpu:0"), jstrategy.optimizers.SGD(schedule))
+    assert model.learning_rate == pytest.approx(0.1)
+    _fit(model, epochs=2)  # 6 steps
+    assert model.learning_rate == pytest.approx(0.01)
+    with pytest.raises(TypeError, match="schedule"):
+        model.learning_rate = 0.5
+    with pytest.raises(TypeError, match="schedule"):
+        _fit(model, callbacks=[jstrategy.callbacks.LearningRateScheduler(lambda e: 0.1)])
+    # An optax schedule injected by the user is refused too, not silently overwritten.
+    injected = optax.inject_hyperparams(optax.sgd)(learning_rate=optax.constant_schedule(0.1))
+    with pytest.raises(TypeError, match="schedule"):
+        _dense_model(jstrategy.OneDeviceStrategy("cpu:0"), injected).learning_rate = 0.5
+
+
+def _sgd_epochs(strategy, rates):
+    """The weights after one epoch of optax's SGD at each rate in turn."""
+    weights = None
+    for rate in rates:
+        reference = _dense_model(strategy, optax.sgd(rate))
+        if weights is not None:
+            reference.set_weights(weights)
+        _fit(reference, epochs=1)
+        weights = reference.get_weights()
+    return weights
+
+
+def test_reduce_lr_on_plateau_reduces_the_applied_rate():
+    strategy = jstrategy.OneDeviceStrategy("cpu:0")
+    model = _dense_model(strategy, jstrategy.optimizers.SGD(0.2))
+    # No epoch after the first improves by 1e9: the rate halves after each.
+    reduce = jstrategy.callbacks.ReduceLROnPlateau(
+        monitor="loss", factor=0.5, patience=1, min_delta=1e9, min_lr=0.06
+    )
+    history = _fit(model, epochs=4, callbacks=[reduce])
+    assert history.history["learning_rate"] == pytest.approx([0.2, 0.2, 0.1, 0.06])
+    for a, b in zip(model.get_weights(), _sgd_epochs(strategy, [0.2, 0.2, 0.1, 0.06]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match=r"`factor` must be in \(0, 1\)"):
+        jstrategy.callbacks.ReduceLROnPlateau(factor=1.0)
+
+
+def test_keras_optimizers_in_create_train_state():
+    with jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"]).scope():
+        state = training.create_train_state(
+            nn.Dense(1), jstrategy.optimizers.SGD(0.1, momentum=0.9), jnp.ones((1, 3))
+        )
+        step = training.make_train_step("mse")
+    x, y = _xy(8)
+    state, logs = step(state, (x, y))
+    assert int(state.step) == 1 and "loss" in logs
+
+
+# Finding 2 (b): optimizer.apply_gradients inside run aggregates as TF's ---------------
+def _custom_loop(strategy, *, all_reduce_first=False, steps=3):
+    """TF's custom-loop train step on a Dense model; returns per-step losses and weights."""
+    x, y = _classification(40, seed=3)
+    batches = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 40, 16)]  # 16, 16, 8 rows
+    with strategy.scope():
+        model = jstrategy.Model(nn.Dense(10), input_shape=(10,), seed=0)
+        optimizer = jstrategy.optimizers.SGD(0.5, momentum=0.9)
+        loss_object = jstrategy.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction="none"
+        )
+
+    def train_step(inputs):
+        features, labels = inputs
+
+        def loss_fn(variables):
+            predictions = model(features, training=True, trainable_variables=variables)
+            return jstrategy.compute_average_loss(loss_object(labels, predictions))
+
+        loss, gradients = jax.value_and_grad(loss_fn)(model.trainable_variables)
+        if all_reduce_first:  # already combined: apply_gradients must not sum them again
+            gradients = jstrategy.get_replica_context().all_reduce("SUM", gradients)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables, strict=True))
+        return loss
+
+    losses = []
+    for _ in range(steps):
+        for inputs in strategy.experimental_distribute_dataset(batches):
+            per_replica = strategy.run(train_step, args=(inputs,))
+            losses.append(float(strategy.reduce("SUM", per_replica, axis=None)))
+    return np.array(losses), model.get_weights(), optimizer
+
+
+def test_apply_gradients_in_run_follows_one_device_and_counts_each_gradient_once():
+    one_losses, one_weights, _ = _custom_loop(jstrategy.OneDeviceStrategy("cpu:0"))
+    for strategy in (
+        jstrategy.MirroredStrategy(),
+        jstrategy.CentralStorageStrategy(compute_devices=[f"cpu:{i}" for i in range(4)]),
+    ):
+        for all_reduce_first in (False, True):
+            losses, weights, optimizer = _custom_loop(strategy, all_reduce_first=all_reduce_first)
+            np.testing.assert_allclose(losses, one_losses, rtol=1e-5, atol=1e-6)
+            for a, b in zip(weights, one_weights, strict=True):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+            assert optimizer.iterations == 9 and optimizer.learning_rate == 0.5
+
+
+def test_apply_gradients_errors_show_the_fix():
+    strategy = jstrategy.OneDeviceStrategy("cpu:0")
+    with strategy.scope():
+        model = jstrategy.Model(nn.Dense(1), input_shape=(3,))
+        model.compile(jstrategy.optimizers.SGD(0.1), loss="mse")
+    grads = {"kernel": jnp.zeros((3, 1)), "bias": jnp.zeros(1)}
+    optimizer = jstrategy.optimizers.SGD(0.1)
+    with pytest.raises(ValueError, match="a zip of two dicts pairs their keys"):
+        optimizer.apply_gradients(zip(grads, model.state.params, strict=True))
+    with pytest.raises(ValueError, match="must be a model's trainable_variables"):
+        optimizer.apply_gradients(zip(jax.tree.leaves(grads), jax.tree.leaves(grads), strict=True))
+    with pytest.raises(ValueError, match="compiled into a model"):
+        model.optimizer.apply_gradients(
+            zip(jax.tree.leaves(grads), model.trainable_variables, strict=True)
+        )
+    optimizer.apply_gradients(zip(jax.tree.leaves(grads), model.trainable_variables, strict=True))
+    assert optimizer.iterations == 1
+
+    def step(x):
+        return model(x)
+
+    with pytest.raises(RuntimeError, match="TF's @tf.function is not needed"):
+        jax.jit(lambda x: strategy.run(step, args=(x,)))(np.ones((2, 3), np.float32))

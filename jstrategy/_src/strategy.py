@@ -332,6 +332,10 @@ class Strategy:
                 self._run_cache[key] = program
                 if len(self._run_cache) > _RUN_CACHE_SIZE:
                     self._run_cache.popitem(last=False)
+        if (program.written or program.read_only) and any(
+            isinstance(x, jax.core.Tracer) for x in dynamic
+        ):
+            self._refuse_outer_trace(program)
         outs, written, flags = program.compiled(*dynamic, *self._held_values(program))
         if program.written:
             self._store_written(program, written)
@@ -350,15 +354,18 @@ class Strategy:
         read_only = [h.value_on(self) for h in program.read_only]
         return self.read_on_replicas(written), self.read_on_replicas(read_only)
 
+    def _refuse_outer_trace(self, program: _RunProgram) -> None:
+        names = [h.name for h in (*program.written, *program.read_only)]
+        raise RuntimeError(
+            f"strategy.run was called inside a function that JAX compiles (jax.jit, ...) "
+            f"and uses {names}: their values would be frozen into that program when it is "
+            "traced and their updates never applied. run compiles its function itself "
+            "(TF's @tf.function is not needed): call it outside jax.jit."
+        )
+
     def _store_written(self, program: _RunProgram, values: list[Any]) -> None:
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(values)):
-            names = [h.name for h in program.written]
-            raise RuntimeError(
-                f"strategy.run was called inside a function that JAX compiles (jax.jit, ...) "
-                f"and updates {names}: the update would be traced, not applied. run compiles "
-                "its function itself (TF's @tf.function is not needed): call it outside "
-                "jax.jit."
-            )
+            self._refuse_outer_trace(program)
         for holder, value in zip(program.written, values, strict=True):
             holder.store(value, self)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -42,7 +43,15 @@ from jstrategy._src.values import varying_axes
 if TYPE_CHECKING:
     from jstrategy._src.strategy import Strategy
 
-__all__ = ["Replan", "RunFrame", "TrackedState", "current_frame", "run_frame"]
+__all__ = [
+    "Replan",
+    "RunFrame",
+    "TrackedState",
+    "TrainableHolder",
+    "current_frame",
+    "owner_of_trainable",
+    "run_frame",
+]
 
 _LOCAL = threading.local()
 
@@ -93,6 +102,10 @@ class TrackedState:
             self._place(strategy)
         return self._get()
 
+    def current_value(self) -> Any:
+        """The placed arrays outside any program (even while `run` traces)."""
+        return self.value_on(self._placed_for() or context.get_strategy())
+
     def read(self) -> Any:
         """The current value: inside `run`, this replica's view of it in the program.
 
@@ -135,7 +148,11 @@ class TrackedState:
                 for x, target in zip(jax.tree.leaves(value), shardings, strict=True)
             )
             self._outputs_placed = cached = (strategy, placed)
-        self._set(value if cached[1] else place_state(value, strategy))
+        if not cached[1]:
+            # The replicas' copies agree; one of them moves (JAX moves arrays between
+            # memory kinds on one device, not from several devices to one).
+            value = place_state(jax.tree.map(_one_copy, value), strategy)
+        self._set(value)
         self._strategy = strategy
 
     def check_like(self, value: Any) -> None:
@@ -162,6 +179,87 @@ class TrackedState:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, value={_describe(self._spec)})"
+
+
+class TrainableHolder(TrackedState):
+    """A holder of variables that an optimizer trains (a `jstrategy.Model`'s).
+
+    Its value holds the trainable variables (`trainable`) and what goes with them;
+    `trainable_variables` hands them out as a list, as TF's ``model.trainable_variables``,
+    and `owner_of_trainable` finds the holder again from that list, so
+    ``optimizer.apply_gradients(zip(grads, model.trainable_variables))`` knows what to
+    update. Inside `run` the list holds this replica's own copies (typed per-replica), so
+    gradients with respect to them are the replica's, as with `run`'s replicated arguments.
+    """
+
+    def __init__(self, value: Any, *, name: str):
+        super().__init__(value, name=name)
+        self._listed: tuple[Any, list[Any]] | None = None
+        _TRAINABLE.add(self)
+
+    def trainable(self, value: Any) -> Any:
+        """The trainable variables in the holder's `value`."""
+        raise NotImplementedError
+
+    def with_trainable(self, value: Any, new: Any) -> Any:
+        """The holder's value after an optimizer step that gave `new` trainable variables."""
+        raise NotImplementedError
+
+    def trainable_variables(self) -> list[Any]:
+        """The trainable variables as a list (the same list while they are unchanged)."""
+        trainable = self.trainable(self.read())
+        frame = current_frame()
+        cached = frame.listed.get(id(self)) if frame is not None else self._listed
+        if cached is not None and cached[0] is trainable:
+            return cached[1]
+        leaves = jax.tree.leaves(trainable)
+        if frame is not None:
+            leaves = [_per_replica(x, frame.strategy.axis_name) for x in leaves]
+            frame.listed[id(self)] = (trainable, leaves)
+        else:
+            self._listed = (trainable, leaves)
+        return leaves
+
+
+_TRAINABLE: weakref.WeakSet[TrainableHolder] = weakref.WeakSet()
+
+
+def _per_replica(x: Any, axis: str) -> Any:
+    if axis in varying_axes(x):
+        return x
+    return jax.lax.pcast(x, axis, to="varying")
+
+
+def owner_of_trainable(variables: Sequence[Any]) -> TrainableHolder:
+    """The holder whose `trainable_variables` list is `variables` (element by element).
+
+    Raises:
+      ValueError: if no holder handed out this list.
+    """
+    frame = current_frame()
+    if frame is not None:
+        holders = [h for h in _TRAINABLE if id(h) in frame.listed]
+        listed = {id(h): frame.listed[id(h)][1] for h in holders}
+    else:
+        holders = [h for h in _TRAINABLE if h._listed is not None]
+        listed = {id(h): h._listed[1] for h in holders}  # type: ignore[index]
+    for holder in holders:
+        leaves = listed[id(holder)]
+        if len(leaves) == len(variables) and all(
+            a is b for a, b in zip(leaves, variables, strict=True)
+        ):
+            return holder
+    raise ValueError(
+        "apply_gradients' variables must be a model's trainable_variables, all of them in "
+        "their order, as the model gave them (inside strategy.run, read inside the function "
+        "given to run): zip(gradients, model.trainable_variables)."
+    )
+
+
+def _one_copy(x: Any) -> Any:
+    if isinstance(x, jax.Array) and x.sharding.is_fully_replicated:
+        return x.addressable_data(0)
+    return x
 
 
 def _all_host(value: Any) -> bool:
@@ -204,6 +302,8 @@ class RunFrame:
         self.touched: list[TrackedState] = []
         self._current: dict[int, Any] = {}
         self.written: dict[int, TrackedState] = {}
+        # TrainableHolder id -> (its trainable tree, the list handed out in this trace).
+        self.listed: dict[int, tuple[Any, list[Any]]] = {}
 
     def _enter(self, state: TrackedState) -> None:
         key = id(state)

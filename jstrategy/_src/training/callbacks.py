@@ -41,6 +41,7 @@ __all__ = [
     "Mode",
     "ModelCheckpoint",
     "ProgbarLogger",
+    "ReduceLROnPlateau",
 ]
 
 _HOOKS = (
@@ -321,6 +322,27 @@ def _to_float(value: Any) -> float:
     return float(np.asarray(value, dtype=np.float64))
 
 
+def _check_monitor(monitor: Any) -> None:
+    if not isinstance(monitor, str) or not monitor:
+        raise ValueError(f"`monitor` must be a log key such as 'val_loss'; got {monitor!r}.")
+
+
+def _monitored(logs: dict[str, Any] | None, monitor: str, owner: str) -> float | None:
+    """The monitored value in `logs`, or None (with a warning) if it is missing."""
+    logs = logs or {}
+    value = logs.get(monitor)
+    if value is None:
+        warnings.warn(
+            f"{owner} is conditioned on {monitor!r}, which is not in the logs (available: "
+            f"{sorted(logs)}). Pass validation data for 'val_' keys or pick one of the "
+            "available keys.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    return _to_float(value)
+
+
 def _parse_mode(mode: Any) -> Mode:
     try:
         return Mode(mode)
@@ -404,8 +426,7 @@ class EarlyStopping(Callback):
         start_from_epoch: int = 0,
     ):
         super().__init__()
-        if not isinstance(monitor, str) or not monitor:
-            raise ValueError(f"`monitor` must be a log key such as 'val_loss'; got {monitor!r}.")
+        _check_monitor(monitor)
         if isinstance(min_delta, bool) or not isinstance(min_delta, (int, float)):
             raise ValueError(f"`min_delta` must be a number; got {min_delta!r}. E.g. 1e-3.")
         patience = check_non_negative_int(patience, "patience")
@@ -449,18 +470,7 @@ class EarlyStopping(Callback):
 
     def get_monitor_value(self, logs: dict[str, Any] | None) -> float | None:
         """The monitored value in `logs`, or None (with a warning) if it is missing."""
-        logs = logs or {}
-        value = logs.get(self.monitor)
-        if value is None:
-            warnings.warn(
-                f"EarlyStopping is conditioned on {self.monitor!r}, which is not in the logs "
-                f"(available: {sorted(logs)}). Pass validation data for 'val_' keys or pick "
-                "one of the available keys.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            return None
-        return _to_float(value)
+        return _monitored(logs, self.monitor, "EarlyStopping")
 
     def on_epoch_end(self, epoch, logs=None):
         if self._lower_is_better is None:
@@ -564,6 +574,9 @@ class LearningRateScheduler(Callback):
             )
         return _to_float(self.model.learning_rate)
 
+    def on_train_begin(self, logs=None):
+        _check_settable_rate(self.model, "LearningRateScheduler")
+
     def on_epoch_begin(self, epoch, logs=None):
         if self._pass_lr:
             rate = self.schedule(epoch, self._current_rate())
@@ -590,6 +603,139 @@ class LearningRateScheduler(Callback):
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
             logs["learning_rate"] = self._current_rate()
+
+
+def _check_settable_rate(model: Any, owner: str) -> None:
+    """Raises before training when `model`'s learning rate cannot be read and set back.
+
+    Raises:
+      ValueError: if the model has no `learning_rate`.
+      TypeError: if it cannot be read (a plain optax transformation) or set (a schedule);
+        the model's message shows the fix.
+    """
+    if not hasattr(type(model), "learning_rate") and not hasattr(model, "learning_rate"):
+        raise ValueError(
+            f"{owner} needs `model.learning_rate` (a float property the model reads and "
+            f"sets); {type(model).__name__} has none."
+        )
+    model.learning_rate = model.learning_rate
+
+
+class ReduceLROnPlateau(Callback):
+    """Reduces the learning rate when a monitored quantity stops improving, as Keras's.
+
+    After `patience` epochs without an improvement larger than `min_delta`, the rate
+    (``model.learning_rate``) is multiplied by `factor`, not below `min_lr`; then `cooldown`
+    epochs pass before counting again. Each epoch's logs get the rate the epoch used
+    (``logs["learning_rate"]``).
+
+    Args:
+      monitor: the log key to watch.
+      factor: the multiplier of the rate, in (0, 1).
+      patience: epochs without improvement before reducing.
+      verbose: 1 prints each reduction.
+      mode: ``"min"``, ``"max"`` or ``"auto"`` (see `EarlyStopping`).
+      min_delta: the smallest change that counts as an improvement.
+      cooldown: epochs to wait after a reduction before counting again.
+      min_lr: the lowest rate.
+
+    Raises:
+      ValueError: for a bad argument, e.g. ``factor >= 1``.
+      TypeError: at the start of `fit`, if the model's rate cannot be read or set (a plain
+        optax transformation, or a schedule); the message shows the fix.
+
+    Example:
+
+    >>> class FakeModel:
+    ...     learning_rate = 0.1
+    >>> reduce = ReduceLROnPlateau(monitor="loss", factor=0.5, patience=1)
+    >>> reduce.set_model(FakeModel())
+    >>> reduce.on_train_begin()
+    >>> for epoch, loss in enumerate([1.0, 1.0, 1.0]):
+    ...     reduce.on_epoch_end(epoch, {"loss": loss})
+    >>> reduce.model.learning_rate
+    0.025
+    """
+
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        factor: float = 0.1,
+        patience: int = 10,
+        verbose: int = 0,
+        mode: Mode | str = "auto",
+        min_delta: float = 1e-4,
+        cooldown: int = 0,
+        min_lr: float = 0.0,
+    ):
+        super().__init__()
+        _check_monitor(monitor)
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < 1:
+            raise ValueError(
+                f"`factor` must be in (0, 1) (ReduceLROnPlateau reduces the rate); got "
+                f"{factor!r}. E.g. 0.1."
+            )
+        for name, value in (("min_delta", min_delta), ("min_lr", min_lr)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"`{name}` must be a non-negative number; got {value!r}.")
+        self.monitor = monitor
+        self.factor = float(factor)
+        self.patience = check_non_negative_int(patience, "patience")
+        self.verbose = verbose
+        self.mode = _parse_mode(mode)
+        self.min_delta = float(min_delta)
+        self.cooldown = check_non_negative_int(cooldown, "cooldown")
+        self.min_lr = float(min_lr)
+        self._lower_is_better: bool | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.wait = 0
+        self.cooldown_counter = 0
+        self.best: float | None = None
+
+    def on_train_begin(self, logs=None):
+        self._reset()
+        _check_settable_rate(self.model, "ReduceLROnPlateau")
+
+    def _improved(self, value: float) -> bool:
+        if self.best is None:
+            return True
+        if self._lower_is_better:
+            return value < self.best - self.min_delta
+        return value > self.best + self.min_delta
+
+    def on_epoch_end(self, epoch, logs=None):
+        rate = _to_float(self.model.learning_rate)
+        if logs is not None:
+            logs["learning_rate"] = rate
+        current = _monitored(logs, self.monitor, "ReduceLROnPlateau")
+        if current is None:
+            return
+        if self._lower_is_better is None:
+            self._lower_is_better = _infer_lower_is_better(
+                self.mode, self.monitor, self.model, "ReduceLROnPlateau", "reduce on"
+            )
+        if self.cooldown_counter > 0:
+            self.cooldown_counter -= 1
+            self.wait = 0
+        if self._improved(current):
+            self.best = current
+            self.wait = 0
+            return
+        if self.cooldown_counter > 0:
+            return
+        self.wait += 1
+        if self.wait >= self.patience and rate > self.min_lr:
+            new = max(rate * self.factor, self.min_lr)
+            self.model.learning_rate = new
+            if self.verbose > 0:
+                print(
+                    f"\nEpoch {epoch + 1}: ReduceLROnPlateau reducing learning rate to {new}.",
+                    flush=True,
+                )
+            self.cooldown_counter = self.cooldown
+            self.wait = 0
 
 
 class LambdaCallback(Callback):

@@ -27,6 +27,7 @@ from flax import struct
 from jstrategy._src import context
 from jstrategy._src.placement import in_device_memory
 from jstrategy._src.placement import place_state
+from jstrategy._src.training import keras_optimizers
 from jstrategy._src.training import summary as summary_lib
 
 if TYPE_CHECKING:
@@ -215,7 +216,7 @@ def _split_state(model: nnx.Module, optimizer: nnx.Optimizer, wrt: Any) -> NNXTr
 
 def create_nnx_train_state(
     model: nnx.Module,
-    optimizer: nnx.Optimizer | optax.GradientTransformation,
+    optimizer: Any,
     *,
     wrt: Any = nnx.Param,
     strategy: Strategy | None = None,
@@ -228,7 +229,7 @@ def create_nnx_train_state(
     Args:
       model: the `nnx.Module` (already initialized, e.g. with ``rngs=nnx.Rngs(0)``).
       optimizer: an ``nnx.Optimizer(model, tx, wrt=...)`` for this model, or an optax
-        transformation to build one with.
+        transformation or `jstrategy.optimizers` object to build one with.
       wrt: the filter of trained variables when `optimizer` is an optax transformation;
         an `nnx.Optimizer` brings its own.
       strategy: where to place the state; None means `jstrategy.get_strategy()`.
@@ -253,13 +254,16 @@ def create_nnx_train_state(
             f"`model` must be an nnx.Module; got {type(model).__name__}. For linen modules "
             "use create_train_state."
         )
+    if isinstance(optimizer, keras_optimizers.Optimizer):
+        optimizer = optimizer.tx
     if isinstance(optimizer, optax.GradientTransformation):
         optimizer = nnx.Optimizer(model, optimizer, wrt=wrt)
     elif isinstance(optimizer, nnx.Optimizer):
         wrt = optimizer.wrt
     else:
         raise TypeError(
-            f"`optimizer` must be an nnx.Optimizer or an optax.GradientTransformation; got "
+            f"`optimizer` must be an nnx.Optimizer, an optax.GradientTransformation or a "
+            f"jstrategy.optimizers object; got "
             f"{type(optimizer).__name__} {optimizer!r}."
         )
     return place_state(_split_state(model, optimizer, wrt), strategy)

@@ -26,6 +26,7 @@ from flax.training import train_state as flax_train_state
 from jstrategy._src import context
 from jstrategy._src.placement import in_device_memory
 from jstrategy._src.placement import place_state
+from jstrategy._src.training import keras_optimizers
 from jstrategy._src.training import summary as summary_lib
 
 if TYPE_CHECKING:
@@ -287,7 +288,7 @@ def _rng_key(rng: Any) -> jax.Array:
 
 def create_train_state(
     module: Any,
-    tx: optax.GradientTransformation,
+    tx: Any,
     *sample_args: Any,
     rng: Any = 0,
     strategy: Strategy | None = None,
@@ -298,7 +299,8 @@ def create_train_state(
 
     Args:
       module: a `flax.linen.Module`.
-      tx: an Optax gradient transformation.
+      tx: an optax gradient transformation, or a `jstrategy.optimizers` object (its
+        ``tx``).
       *sample_args: example inputs for ``module.init`` (only their shapes matter; a batch
         of one row is enough).
       rng: an int seed or a PRNG key. Split into the ``"params"`` init key and the base
@@ -327,10 +329,12 @@ def create_train_state(
     ((4, 3), 0)
     """
     strategy = strategy if strategy is not None else context.get_strategy()
+    if isinstance(tx, keras_optimizers.Optimizer):
+        tx = tx.tx
     if not isinstance(tx, optax.GradientTransformation):
         raise TypeError(
-            f"`tx` must be an optax.GradientTransformation such as optax.adam(1e-3); got "
-            f"{type(tx).__name__} {tx!r}."
+            f"`tx` must be an optax.GradientTransformation such as optax.adam(1e-3) or a "
+            f"jstrategy.optimizers object; got {type(tx).__name__} {tx!r}."
         )
     key = _rng_key(rng)
     params_key, dropout_key = jax.random.split(key)
