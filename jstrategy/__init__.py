@@ -28,6 +28,7 @@ from jstrategy._src.input import InputContext
 from jstrategy._src.input import InputOptions
 from jstrategy._src.input import InputReplicationMode
 from jstrategy._src.loss_reduction import compute_average_loss
+from jstrategy._src.loss_reduction import scale_regularization_loss
 from jstrategy._src.mirrored import MirroredStrategy
 from jstrategy._src.multi_worker import MultiWorkerMirroredStrategy
 from jstrategy._src.one_device import OneDeviceStrategy
@@ -77,6 +78,7 @@ __all__ = [
     "in_cross_replica_context",
     "load_weights",
     "save_weights",
+    "scale_regularization_loss",
     "losses",
     "metrics",
     "mixed_precision",
