@@ -92,10 +92,10 @@ def main(
         print(f"Number of devices: {strategy.num_replicas_in_sync}")
 
     # Setup input pipeline.
-    BUFFER_SIZE = len(train_images)  # noqa: N806  (the tutorial's names)
-    BATCH_SIZE_PER_REPLICA = batch_size_per_replica  # noqa: N806
-    GLOBAL_BATCH_SIZE = BATCH_SIZE_PER_REPLICA * strategy.num_replicas_in_sync  # noqa: N806
-    EPOCHS = epochs  # noqa: N806
+    BUFFER_SIZE = len(train_images)  # (the tutorial's names)
+    BATCH_SIZE_PER_REPLICA = batch_size_per_replica
+    GLOBAL_BATCH_SIZE = BATCH_SIZE_PER_REPLICA * strategy.num_replicas_in_sync
+    EPOCHS = epochs
     shuffle = np.random.default_rng(1)
 
     def train_dataset():  # .shuffle(BUFFER_SIZE).batch(GLOBAL_BATCH_SIZE)
