@@ -10,6 +10,7 @@ import numpy as np
 __all__ = [
     "PerReplica",
     "is_per_replica",
+    "local_copy",
     "local_devices_of",
     "local_replica_devices",
     "replica_axis_of",
@@ -103,6 +104,19 @@ class PerReplica:
 
 def is_per_replica(x: Any) -> bool:
     return isinstance(x, PerReplica)
+
+
+def local_copy(x: Any) -> Any:
+    """This process's copy of a replicated (mirrored) array, readable on the host even when
+    the array spans other processes' devices; anything else as it is.
+
+    Example:
+
+    >>> import jax.numpy as jnp
+    >>> float(local_copy(jnp.float32(2.0)))
+    2.0
+    """
+    return x.addressable_data(0) if isinstance(x, jax.Array) else x
 
 
 def local_devices_of(array: jax.Array) -> list[jax.Device]:

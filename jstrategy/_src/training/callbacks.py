@@ -29,6 +29,7 @@ from jstrategy._src import fault_tolerance
 from jstrategy._src.training.progress import Progbar
 from jstrategy._src.training.progress import resolve_verbose
 from jstrategy._src.validation import check_non_negative_int
+from jstrategy._src.values import local_copy
 
 __all__ = [
     "BackupAndRestore",
@@ -318,8 +319,20 @@ _UPWARD = ("acc", "accuracy", "auc", "precision", "recall", "f1", "iou", "r2")
 _DOWNWARD = ("loss", "error", "crossentropy", "mse", "mae", "mape", "msle", "hinge", "huber")
 
 
-def _to_float(value: Any) -> float:
-    return float(np.asarray(value, dtype=np.float64))
+def host_float(value: Any) -> float:
+    """`value` (a number, or a replicated device array: this process's copy) as a float."""
+    return float(np.asarray(local_copy(value), dtype=np.float64))
+
+
+def log_numbers(logs: dict[str, Any] | None) -> dict[str, float]:
+    """The entries of `logs` that are numbers, as floats (others, e.g. strings, dropped)."""
+    out = {}
+    for key, value in (logs or {}).items():
+        try:
+            out[str(key)] = host_float(value)
+        except (TypeError, ValueError):
+            continue
+    return out
 
 
 def _check_monitor(monitor: Any) -> None:
@@ -340,7 +353,7 @@ def _monitored(logs: dict[str, Any] | None, monitor: str, owner: str) -> float |
             stacklevel=3,
         )
         return None
-    return _to_float(value)
+    return host_float(value)
 
 
 def _parse_mode(mode: Any) -> Mode:
@@ -572,7 +585,7 @@ class LearningRateScheduler(Callback):
                 f"model reads and sets); {type(self.model).__name__} has none. Compile the "
                 "model with an optimizer whose learning rate can be changed."
             )
-        return _to_float(self.model.learning_rate)
+        return host_float(self.model.learning_rate)
 
     def on_train_begin(self, logs=None):
         _check_settable_rate(self.model, "LearningRateScheduler")
@@ -584,7 +597,7 @@ class LearningRateScheduler(Callback):
             self._current_rate()
             rate = self.schedule(epoch)
         try:
-            value = _to_float(rate)
+            value = host_float(rate)
         except (TypeError, ValueError):
             value = math.nan
         if not math.isfinite(value) or value < 0:
@@ -706,7 +719,7 @@ class ReduceLROnPlateau(Callback):
         return value > self.best + self.min_delta
 
     def on_epoch_end(self, epoch, logs=None):
-        rate = _to_float(self.model.learning_rate)
+        rate = host_float(self.model.learning_rate)
         if logs is not None:
             logs["learning_rate"] = rate
         current = _monitored(logs, self.monitor, "ReduceLROnPlateau")
@@ -961,23 +974,6 @@ def _check_save_freq(save_freq: Any) -> str | int:
     return int(save_freq)
 
 
-def _host_int(x: Any) -> int:
-    # A replicated value may span other processes' devices: read this process's copy.
-    if isinstance(x, jax.Array):
-        x = x.addressable_data(0)
-    return int(np.asarray(x))
-
-
-def _numbers(logs: dict[str, Any] | None) -> dict[str, float]:
-    out = {}
-    for k, v in (logs or {}).items():
-        try:
-            out[str(k)] = _to_float(v)
-        except (TypeError, ValueError):
-            continue
-    return out
-
-
 def _is_chief() -> bool:
     return jax.process_index() == 0
 
@@ -1140,14 +1136,14 @@ class ModelCheckpoint(Callback):
         self._counter.batch_end(self.model)
         if self._counter.due(self.save_freq):
             epoch = _fit_state(self.model, "ModelCheckpoint").epoch
-            self._save(epoch, _host_int(self.model.state.step), logs)
+            self._save(epoch, int(np.asarray(local_copy(self.model.state.step))), logs)
 
     def on_epoch_end(self, epoch, logs=None):
         if self.save_freq == "epoch":
             self._save(epoch, epoch + 1, logs)
 
     def _save(self, epoch: int, step: int, logs: dict[str, Any] | None) -> None:
-        metrics = _numbers(logs)
+        metrics = log_numbers(logs)
         where = f"Epoch {epoch + 1}: "
         if self.save_best_only:
             current = metrics.get(self.monitor)

@@ -36,6 +36,7 @@ from jstrategy._src.tracked import TrackedState
 from jstrategy._src.tracked import TrainableHolder
 from jstrategy._src.tracked import owner_of_trainable
 from jstrategy._src.training import schedules as schedules_lib
+from jstrategy._src.values import local_copy
 from jstrategy._src.values import varying_axes
 
 __all__ = [
@@ -222,7 +223,7 @@ class Optimizer:
             return None
         value = self._slots.read()
         if context.inside_run() is None:
-            value = jax.tree.map(_local_copy, value)
+            value = jax.tree.map(local_copy, value)
         return value
 
     @property
@@ -399,10 +400,6 @@ def _non_negative(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
         raise ValueError(f"`{name}` must be a non-negative float; got {value!r}.")
     return float(value)
-
-
-def _local_copy(x: Any) -> Any:
-    return x.addressable_data(0) if isinstance(x, jax.Array) else x
 
 
 def _combine_across_replicas(grads: list[Any]) -> list[Any]:

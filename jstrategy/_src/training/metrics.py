@@ -38,6 +38,7 @@ from jstrategy._src.training.per_example import require_class_axis
 from jstrategy._src.training.per_example import require_same_shape
 from jstrategy._src.training.per_example import sparse_labels
 from jstrategy._src.validation import check_bool
+from jstrategy._src.values import local_copy
 
 __all__ = [
     "Accuracy",
@@ -223,7 +224,7 @@ class _Totals:
         assert self._holder is not None
         value = self._holder.read()
         if context.inside_run() is None:  # this process's copy: readable on the host
-            value = jax.tree.map(_local_copy, value)
+            value = jax.tree.map(local_copy, value)
         return value
 
     def values(self) -> tuple[Any, Any]:
@@ -242,10 +243,6 @@ class _Totals:
             return
         assert self._holder is not None
         self._holder.write(zeros if context.inside_run() else jax.device_get(zeros))
-
-
-def _local_copy(x: Any) -> Any:
-    return x.addressable_data(0) if isinstance(x, jax.Array) else x
 
 
 class Mean(Metric):

@@ -23,6 +23,7 @@ import optax
 
 from jstrategy._src.names import path_names
 from jstrategy._src.training import keras_optimizers
+from jstrategy._src.values import local_copy
 
 __all__ = ["LearningRate", "resolve_optimizer"]
 
@@ -140,8 +141,8 @@ class LearningRate:
         index, count = self._index()
         leaves = jax.tree.leaves(state)
         if self._schedule is not None and count >= 0:
-            return float(self._schedule(_host(leaves[count])))
-        return float(_host(leaves[index]))
+            return float(self._schedule(np.asarray(local_copy(leaves[count]))))
+        return float(np.asarray(local_copy(leaves[index])))
 
     def set(self, state: Any, value: float) -> Any:
         """`state` with the rate set to `value`, in place of the old value's buffer.
@@ -160,8 +161,3 @@ class LearningRate:
         old = leaves[index]
         leaves[index] = jax.device_put(np.asarray(value, old.dtype), old.sharding)
         return jax.tree.unflatten(treedef, leaves)
-
-
-def _host(x: Any) -> Any:
-    # A replicated value may span other processes' devices: read this process's copy.
-    return np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x)
