@@ -10,6 +10,7 @@ import pytest
 
 import jstrategy
 from jstrategy import training
+from jstrategy.coordinator import local_cluster_resolver
 
 
 def _xy(rows=24, features=3, seed=0):
@@ -415,3 +416,69 @@ def test_apply_gradients_errors_show_the_fix():
 
     with pytest.raises(RuntimeError, match="TF's @tf.function is not needed"):
         jax.jit(lambda x: strategy.run(step, args=(x,)))(np.ones((2, 3), np.float32))
+
+
+# Finding 7: BackupAndRestore under ParameterServerStrategy -----------------------------
+class _Crash(Exception):
+    pass
+
+
+def _ps_model(num_workers=1):
+    strategy = jstrategy.ParameterServerStrategy(
+        local_cluster_resolver(num_workers=num_workers, num_ps=2),
+        variable_partitioner=jstrategy.experimental.partitioners.FixedShardsPartitioner(2),
+    )
+    with strategy.scope():
+        model = jstrategy.Model(nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(1)]), (3,))
+        model.compile(jstrategy.optimizers.Adam(0.05), loss="mse")
+    return model
+
+
+def test_backup_and_restore_under_parameter_servers_resumes_the_epoch_exactly(tmp_path):
+    x, y = _xy(32)
+    fit = dict(batch_size=8, epochs=4, steps_per_epoch=4, verbose=0)
+    uninterrupted = _ps_model()
+    uninterrupted.fit(x, y, **fit)
+
+    backup_dir = str(tmp_path / "backup")
+
+    def crash(epoch, logs):
+        if epoch == 1:
+            raise _Crash()
+
+    interrupted = _ps_model()
+    with pytest.raises(_Crash):
+        interrupted.fit(
+            x,
+            y,
+            callbacks=[
+                jstrategy.callbacks.BackupAndRestore(backup_dir),
+                jstrategy.callbacks.LambdaCallback(on_epoch_end=crash),
+            ],
+            **fit,
+        )
+    resumed = _ps_model()  # a new process would build the same model
+    history = resumed.fit(x, y, callbacks=[jstrategy.callbacks.BackupAndRestore(backup_dir)], **fit)
+    assert history.epoch == [2, 3]  # epochs 0 and 1 were backed up
+    # One worker applies its updates in order: the optimizer state (Adam's moments on the
+    # parameter servers) came back too, so the run ends where the uninterrupted one did.
+    for a, b in zip(resumed.get_weights(), uninterrupted.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_learning_rate_schedule_reaches_the_parameter_servers():
+    # Before, the rate was set in the coordinator's copy of the optimizer state only.
+    x, y = _xy(32)
+    fit = dict(batch_size=8, steps_per_epoch=4, verbose=0)
+    scheduled, untrained = _ps_model(), _ps_model()
+    scheduled.fit(
+        x,
+        y,
+        epochs=2,
+        callbacks=[jstrategy.callbacks.LearningRateScheduler(lambda epoch: 0.0)],
+        **fit,
+    )
+    before = untrained.get_weights()
+    assert all(
+        np.array_equal(a, b) for a, b in zip(scheduled.get_weights(), before, strict=True)
+    )  # a zero rate applied: nothing moved

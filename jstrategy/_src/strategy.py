@@ -818,10 +818,38 @@ class Strategy:
     def fit_resumes_exactly(self) -> bool:
         """Whether `Model.fit` can stop after any step and resume it exactly.
 
-        True by default (`jstrategy.callbacks.BackupAndRestore` relies on it); False for
-        `ParameterServerStrategy`, whose workers train asynchronously.
+        True by default (`jstrategy.callbacks.BackupAndRestore` backs up at any step);
+        False for `ParameterServerStrategy`, whose workers train asynchronously: its
+        backups are taken between epochs only.
         """
         return True
+
+    def fit_backup_state(self, owner: Any, state: Any) -> Any:
+        """What a `BackupAndRestore` backup of `owner`'s `Model.fit` holds besides its train
+        state `state`: None by default (the train state is all there is).
+        `ParameterServerStrategy` returns each variable's optimizer state on the parameter
+        servers.
+
+        Args:
+          owner: the `jstrategy.Model` being trained.
+          state: its train state.
+
+        Returns:
+          A pytree of arrays, or None.
+        """
+        del owner, state
+        return None
+
+    def restore_fit_backup_state(self, owner: Any, state: Any, saved: Any) -> None:
+        """Puts back what `fit_backup_state` saved, after the train state `state` was
+        restored (nothing to do by default).
+
+        Args:
+          owner: the `jstrategy.Model` being trained.
+          state: the restored train state.
+          saved: the restored `fit_backup_state`.
+        """
+        del owner, state, saved
 
     def restore_variables(self, read: Callable[[Strategy | None], Any]) -> Any:
         """How a checkpoint's variables are laid out when restored under this strategy.

@@ -438,8 +438,17 @@ class ParameterServerStrategy(Strategy):
 
     @property
     def fit_resumes_exactly(self) -> bool:
-        """False: the workers train asynchronously, so a step cannot be resumed exactly."""
+        """False: the workers train asynchronously, so `BackupAndRestore` backs up between
+        epochs only (a resumed job restarts the interrupted epoch)."""
         return False
+
+    def fit_backup_state(self, owner: Any, state: Any) -> Any:
+        """Each variable's optimizer state on the parameter servers (see `Strategy`)."""
+        return model_fit.backup_state(self, owner, state)
+
+    def restore_fit_backup_state(self, owner: Any, state: Any, saved: Any) -> None:
+        """Puts the restored variables and optimizer states on the parameter servers."""
+        model_fit.restore_backup_state(self, owner, state, saved)
 
     def restore_variables(self, read: Callable[[Strategy | None], Any]) -> Any:
         """A checkpoint saved under any strategy lands on the parameter servers, round-robin

@@ -1214,6 +1214,13 @@ class BackupAndRestore(Callback):
     right step with other batches. At the end of training the backup is deleted (unless
     ``delete_checkpoint=False``); after an exception or a preemption it is kept.
 
+    Under `ParameterServerStrategy`, whose workers train asynchronously, backups are
+    taken between epochs only (``save_freq="epoch"``): the train state, each variable's
+    optimizer state on the parameter servers, the epoch and the data order. A restarted job
+    restarts the interrupted epoch, with that epoch's data order; with one worker it then
+    follows the uninterrupted run exactly, with several the order of their updates differs
+    from run to run (as it does between any two runs). SIGTERM is not intercepted there.
+
     With `save_before_preemption` (the default), SIGTERM (the usual preemption notice) no
     longer kills the process: training goes on to the next step boundary (between
     executions of ``steps_per_execution`` steps), where every worker saves a backup of that
@@ -1234,7 +1241,8 @@ class BackupAndRestore(Callback):
       save_before_preemption: on SIGTERM, back up at the next step boundary and exit.
 
     Raises:
-      ValueError: for an invalid argument.
+      ValueError: for an invalid argument; at the start of `fit`, for an int `save_freq`
+        under a strategy whose workers train asynchronously.
 
     Example:
 
@@ -1273,12 +1281,13 @@ class BackupAndRestore(Callback):
     def on_train_begin(self, logs=None):
         _check_model(self.model, "BackupAndRestore")
         strategy = self.model.strategy
-        if not strategy.fit_resumes_exactly:
-            raise NotImplementedError(
-                f"BackupAndRestore does not support {type(strategy).__name__} yet: its "
-                "workers train asynchronously, so a step cannot be resumed exactly. Use "
-                "ModelCheckpoint and Model.restore_checkpoint to restart from the last saved "
-                "epoch."
+        exact = strategy.fit_resumes_exactly
+        if not exact and self.save_freq != "epoch":
+            raise ValueError(
+                f"BackupAndRestore(save_freq={self.save_freq!r}) cannot back up in the "
+                f"middle of an epoch under {type(strategy).__name__}: its workers train "
+                "asynchronously, so no step is a point every update has reached. Pass "
+                "save_freq='epoch': a restarted job resumes from the last completed epoch."
             )
         self._manager = checkpoint_lib.CheckpointManager(self.backup_dir, max_to_keep=1)
         self._counter = _StepCounter()
@@ -1292,7 +1301,9 @@ class BackupAndRestore(Callback):
                     f"epoch {where['epoch'] + 1}, step {where['step']}.",
                     flush=True,
                 )
-        if self.save_before_preemption:
+        # Without exact resumption there is no step to save at a preemption notice: the
+        # process stops at once, and the last epoch's backup is where it resumes.
+        if self.save_before_preemption and exact:
             self._watcher = fault_tolerance._PreemptionWatcher(owner="BackupAndRestore")
 
     def on_epoch_begin(self, epoch, logs=None):
