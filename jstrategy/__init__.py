@@ -7,6 +7,7 @@ from jstrategy import experimental
 from jstrategy import losses
 from jstrategy import metrics
 from jstrategy import mixed_precision
+from jstrategy import models
 from jstrategy import optimizers
 from jstrategy import tpu
 from jstrategy._src.central_storage import CentralStorageStrategy
@@ -82,6 +83,7 @@ __all__ = [
     "losses",
     "metrics",
     "mixed_precision",
+    "models",
     "optimizers",
     "tpu",
 ]

@@ -482,3 +482,84 @@ def test_a_learning_rate_schedule_reaches_the_parameter_servers():
     assert all(
         np.array_equal(a, b) for a, b in zip(scheduled.get_weights(), before, strict=True)
     )  # a zero rate applied: nothing moved
+
+
+# Finding 7: model.save / jstrategy.models.load_model -------------------------------------
+class _Classifier(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.Dense(8)(x)
+        x = nn.BatchNorm(use_running_average=not train, axis_name=jstrategy.REPLICA_AXIS)(x)
+        return nn.Dense(10)(nn.relu(x))
+
+
+def test_save_and_load_model_keep_weights_optimizer_state_and_compile_config(tmp_path):
+    x, y = _classification(64, seed=5)
+    mirrored = jstrategy.MirroredStrategy(devices=[f"cpu:{i}" for i in range(4)])
+    with mirrored.scope():
+        model = jstrategy.Model(_Classifier(), input_shape=(10,), seed=3)
+        model.compile(
+            jstrategy.optimizers.Adam(
+                jstrategy.optimizers.schedules.ExponentialDecay(0.01, 10, 0.5)
+            ),
+            loss=jstrategy.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=[
+                "accuracy",
+                "sparse_categorical_accuracy",
+                jstrategy.metrics.MeanMetricWrapper(
+                    jstrategy.losses.SparseCategoricalCrossentropy(from_logits=True), name="xent"
+                ),
+            ],
+            steps_per_execution=2,
+        )
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    saved = model.get_weights()
+    path = str(tmp_path / "model")
+    model.save(path)
+    with jstrategy.OneDeviceStrategy("cpu:0").scope():  # any strategy loads it
+        elsewhere = jstrategy.models.load_model(path, _Classifier())
+    for a, b in zip(elsewhere.get_weights(), saved, strict=True):
+        np.testing.assert_array_equal(a, b)
+    with mirrored.scope():
+        loaded = jstrategy.models.load_model(path, _Classifier())
+    assert loaded.metrics_names == model.metrics_names
+    assert loaded.steps_per_execution == 2 and int(loaded.state.step) == 4
+    assert isinstance(loaded.optimizer.schedule, jstrategy.optimizers.schedules.ExponentialDecay)
+    assert loaded.learning_rate == pytest.approx(model.learning_rate)
+    for a, b in zip(loaded.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)  # parameters and BatchNorm statistics
+    # The optimizer state came back: one more epoch from both lands on the same weights.
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    loaded.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    for a, b in zip(loaded.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    weights_only = jstrategy.models.load_model(path, _Classifier(), compile=False)
+    assert not weights_only.compiled
+    for a, b in zip(weights_only.get_weights(), saved, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_load_model_errors_name_the_path_and_the_fix(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"No saved model at .*missing.*model\.save"):
+        jstrategy.models.load_model(tmp_path / "missing", nn.Dense(1))
+    model = _dense_model(jstrategy.OneDeviceStrategy("cpu:0"), loss=lambda y, p: (y - p) ** 2)
+    model.save_weights(tmp_path / "weights")
+    with pytest.raises(ValueError, match=r"weights.*not a directory written by model\.save"):
+        jstrategy.models.load_model(tmp_path / "weights", nn.Dense(1))
+    model.save(tmp_path / "custom")
+    with pytest.raises(ValueError, match=r"loss 'lambda'.*custom_objects=\{'lambda': \.\.\.\}"):
+        jstrategy.models.load_model(tmp_path / "custom", nn.Dense(1))
+    with pytest.raises(ValueError, match=r"custom_objects=\{'optimizer': \.\.\.\}"):
+        jstrategy.models.load_model(
+            tmp_path / "custom", nn.Dense(1), custom_objects={"lambda": lambda y, p: y - p}
+        )
+    loaded = jstrategy.models.load_model(
+        tmp_path / "custom",
+        nn.Dense(1),
+        custom_objects={"optimizer": optax.sgd(0.1), "lambda": lambda y, p: (y - p) ** 2},
+    )
+    assert loaded.compiled
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not a directory written by model.save"):
+        model.save(tmp_path / "other")

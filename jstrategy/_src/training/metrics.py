@@ -604,6 +604,12 @@ def get(identifier: Metric | str | Callable[[Any, Any], Any], *, loss: Any = Non
     >>> get("mae").name
     'mae'
     """
+    if isinstance(identifier, Mean) or identifier is Mean:
+        raise ValueError(
+            "Mean averages the values given to update_state(values) in a custom loop; a "
+            "compiled metric is a function of (y_true, y_pred). Wrap one in "
+            "MeanMetricWrapper, e.g. MeanMetricWrapper(fn, name='...')."
+        )
     if isinstance(identifier, Metric):
         return identifier
     if isinstance(identifier, str):

@@ -27,6 +27,7 @@ from jstrategy._src.strategy import Strategy
 from jstrategy._src.training import callbacks as callbacks_lib
 from jstrategy._src.training import data_adapters
 from jstrategy._src.training import fit_loop
+from jstrategy._src.training import saving
 from jstrategy._src.training import step as step_lib
 from jstrategy._src.training import summary as summary_lib
 from jstrategy._src.training.model_variables import ModelVariables
@@ -418,12 +419,36 @@ class Model:
         self._require_built("save_weights")
         checkpoint_lib.save_weights(filepath, self._trainer.weights_tree(), overwrite=overwrite)
 
+    def save(self, filepath: os.PathLike | str, overwrite: bool = True) -> None:
+        """Writes the whole model to the directory `filepath`, as Keras's ``model.save``.
+
+        The directory holds the variables, the optimizer state and the step (written with
+        orbax, from wherever the strategy keeps them) and a JSON configuration: the
+        model's ``input_shape``, dtype, seed and name, and how it was compiled (the
+        optimizer by its Keras config, the loss and metrics by class and config,
+        ``steps_per_execution``). `jstrategy.models.load_model(filepath, module)` builds,
+        compiles and restores it; the module's code is not saved. Every process of a
+        multi-worker job must call it.
+
+        Args:
+          filepath: the directory to write.
+          overwrite: replace a model saved there before; if False, an existing `filepath`
+            raises.
+
+        Raises:
+          ValueError: if the model has no variables yet.
+          FileExistsError: if `filepath` exists and `overwrite` is False, or it holds
+            something other than a saved model.
+        """
+        self._require_built("save")
+        saving.save_model(self, filepath, overwrite=overwrite)
+
     def load_weights(self, filepath: os.PathLike | str) -> None:
         """Loads variables saved by `save_weights`, `ModelCheckpoint` or `BackupAndRestore`.
 
-        `filepath` is a `save_weights` directory, or a checkpoint directory of
+        `filepath` is a `save_weights` directory, a checkpoint directory of
         `jstrategy.callbacks.ModelCheckpoint` (weights only or the full training state) or
-        `BackupAndRestore`, whose latest step is read. The variables are placed as this
+        `BackupAndRestore`, whose latest step is read, or a `save` directory. The variables are placed as this
         model's strategy keeps them, whatever strategy saved them; the optimizer state is
         left as it is. Every process of a multi-worker job must call it.
 

@@ -21,6 +21,7 @@ from jstrategy._src import fault_tolerance
 from jstrategy._src.placement import place_state
 from jstrategy._src.training import keras_optimizers
 from jstrategy._src.training import optimizers
+from jstrategy._src.training import saving
 from jstrategy._src.training import step as step_lib
 
 if TYPE_CHECKING:
@@ -181,6 +182,8 @@ class Trainer:
         target = fault_tolerance.to_savable(like)
         path = os.path.abspath(os.fspath(filepath))
         step_dir = checkpoint_lib.latest_step_dir(path)
+        if step_dir is None and os.path.isfile(os.path.join(path, saving.CONFIG_FILE)):
+            step_dir = os.path.join(path, saving.STATE_DIR)  # a model.save directory
         if step_dir is None:
             saved = checkpoint_lib.load_weights(path, target=target, strategy=self.strategy)
         else:
