@@ -506,7 +506,7 @@ class VariableTree:
           ValueError: if `tree` does not match the variables' optimizer states.
         """
         run_capture.refuse_inside_trace("VariableTree.assign_opt_state()", captured=False)
-        per_leaf = jax.tree.structure(self.variables).flatten_up_to(tree)
+        per_leaf = jax.tree.structure(self.variables).flatten_up_to(tree)  # type: ignore[attr-defined]
         groups: dict[Any, tuple[list[int], list[Any]]] = {}
         for leaf, state in zip(self._leaves, per_leaf, strict=True):
             shards = leaf.shards if isinstance(leaf, ShardedVariable) else [leaf]
