@@ -767,9 +767,9 @@ class Strategy:
         this method decides where each runs. The default, for variables that live on
         every replica, is ONE ``jax.jit(jax.shard_map(...))`` program in which every
         replica computes its gradients, all-reduces them and applies the same update (a
-        ``lax.scan`` of `steps` steps when ``steps > 0``): see
-        `staging.replicated_train_program`. `CentralStorageStrategy` stages two programs
-        per step, the update where the variables live (`staging.host_update_train_program`).
+        ``lax.scan`` of `steps` steps when ``steps > 0``). `CentralStorageStrategy` stages
+        two programs per step: the gradients on the replicas, then the update applied once
+        where the variables live.
 
         Args:
           fns: the step.
@@ -778,7 +778,8 @@ class Strategy:
             (else as a tuple of batches).
 
         Returns:
-          ``program(state, acc, batch, mask) -> (state, acc, logs)``; see `staging`.
+          ``program(state, acc, batch, mask) -> (state, acc, logs)``: the new state, the
+          running loss and metric sums `acc` plus this call's, and their means.
         """
         return staging.replicated_train_program(self, fns, steps=steps, stacked=stacked)
 
@@ -806,8 +807,9 @@ class Strategy:
         schedules the epoch's steps on its workers instead.
 
         Args:
-          epoch: what the epoch needs: the train state, the compiled step, the data, the
-            callbacks (see `jstrategy._src.training.fit_loop.FitEpoch`).
+          epoch: what the epoch needs (a ``FitEpoch``): ``state`` (the train state),
+            ``spec`` (the compiled step), ``data`` (``train_executions`` cuts it into
+            executions), ``callbacks``, ``steps_per_epoch``, and ``run()``, the default.
 
         Returns:
           The new train state and the epoch's logs, or None when the data gave no batch.

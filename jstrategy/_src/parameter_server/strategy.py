@@ -433,7 +433,8 @@ class ParameterServerStrategy(Strategy):
 
     # Hooks (see `Strategy`) ---------------------------------------------------------------
     def run_fit_epoch(self, epoch: FitEpoch) -> FitEpochResult | None:
-        """`jstrategy.Model.fit`'s epoch: steps scheduled on the workers (`model_fit.py`)."""
+        """`jstrategy.Model.fit`'s epoch: one step scheduled on the workers per batch; each
+        pulls the variables, computes its gradients and pushes them to the ps."""
         return model_fit.run_fit_epoch(self, epoch)
 
     @property
