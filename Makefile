@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(FAKE_DEVICES) $(BIN)/python benchmarks/fit_throughput.py
 	$(FAKE_DEVICES) $(BIN)/python benchmarks/memory.py
 	$(FAKE_DEVICES) $(BIN)/python benchmarks/parameter_server.py
+	$(FAKE_DEVICES) $(BIN)/python benchmarks/tf_custom_loop.py
 	$(BIN)/python benchmarks/multi_worker.py
 
 clean:

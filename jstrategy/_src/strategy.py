@@ -490,8 +490,11 @@ class Strategy:
                 flags = mirrored_check.disagreement([flat[i] for i in checked], data)
             return outs, new_values, flags
 
-        out_specs = ([P(data) if v else P() for v in varying], P(), P())
-        in_specs = (*user_specs, P(), P())
+        def holder_specs(holders: list[tracked.TrackedState]) -> list[P]:
+            return [P(data) if h.per_replica else P() for h in holders]
+
+        out_specs = ([P(data) if v else P() for v in varying], holder_specs(written), P())
+        in_specs = (*user_specs, holder_specs(written), holder_specs(read_only))
         compiled = jax.jit(
             shard_map(body, in_specs=in_specs, out_specs=out_specs),
             donate_argnums=(len(user_specs),) if written else (),

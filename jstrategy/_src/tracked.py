@@ -38,6 +38,7 @@ from jstrategy._src import context
 from jstrategy._src.jax_compat import inside_staging_trace
 from jstrategy._src.placement import place_state
 from jstrategy._src.placement import variable_shardings
+from jstrategy._src.values import device_put_global
 from jstrategy._src.values import varying_axes
 
 if TYPE_CHECKING:
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Replan",
     "RunFrame",
+    "SummedOnRead",
     "TrackedState",
     "TrainableHolder",
     "current_frame",
@@ -68,6 +70,9 @@ class TrackedState:
       value: the initial pytree of arrays.
       name: names the holder in errors, e.g. ``"train_accuracy"``.
     """
+
+    #: Whether each replica keeps its own part (`SummedOnRead`), or one mirrored value.
+    per_replica = False
 
     def __init__(self, value: Any, *, name: str):
         self.name = name
@@ -179,6 +184,76 @@ class TrackedState:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, value={_describe(self._spec)})"
+
+
+class SummedOnRead(TrackedState):
+    """A holder whose replicas each keep their own part; its value is the sum of the parts.
+
+    TF's ``SyncOnRead`` variables with SUM aggregation, as its metrics use: inside `run`
+    each replica reads and writes its own part with no collective (so a metric's update
+    costs no all-reduce per step), and reading it elsewhere sums the parts. Between calls
+    the parts are one array stacked over the replicas, split over the strategy's data axis.
+    Outside `run`, a write sets the sum (the first replica's part; the others are zero).
+
+    Args:
+      value: the initial value (the sum).
+      name: names the holder in errors.
+    """
+
+    per_replica = True
+
+    def _place(self, strategy: Strategy) -> None:
+        current = self._get()
+        if self._strategy is not None:  # parts for another strategy's replicas: their sum
+            current = jax.tree.map(lambda x: np.asarray(x).sum(axis=0), jax.device_get(current))
+        self._set(_stacked(current, strategy))
+        self._strategy = strategy
+
+    def read(self) -> Any:
+        """Inside `run`, this replica's part; elsewhere, the sum of the parts."""
+        frame = current_frame()
+        if frame is not None:
+            return frame.read(self)
+        self._refuse_inside_trace("Reading")
+        parts = self.value_on(self._placed_for() or context.get_strategy())
+        return jax.tree.map(lambda x: jnp.sum(x, axis=0), parts)
+
+    def write(self, value: Any) -> None:
+        """Inside `run`, sets this replica's part; elsewhere, sets the sum.
+
+        Raises:
+          ValueError: if `value` differs from the holder's structure, shapes or dtypes.
+          RuntimeError: inside a user's `jax.jit` outside `run`.
+        """
+        self.check_like(value)
+        frame = current_frame()
+        if frame is not None:
+            frame.write(self, value)
+            return
+        self._refuse_inside_trace("Updating")
+        strategy = self._placed_for() or context.get_strategy()
+        self._set(_stacked(jax.device_get(value), strategy))
+        self._strategy = strategy
+
+    def store(self, value: Any, strategy: Strategy) -> None:
+        """Keeps the parts a `run` program returned (already split over the replicas)."""
+        self._set(value)
+        self._strategy = strategy
+
+
+def _stacked(total: Any, strategy: Strategy) -> Any:
+    """Parts over `strategy`'s replicas whose sum is `total`: it, then zeros."""
+    n = strategy.num_replicas_in_sync
+
+    def parts(x: Any) -> Any:
+        x = np.asarray(x)
+        out = np.zeros((n, *x.shape), x.dtype)
+        out[0] = x
+        return out
+
+    return jax.tree.map(
+        lambda x: device_put_global(parts(x), strategy.batch_sharding()), total
+    )
 
 
 class TrainableHolder(TrackedState):
@@ -311,12 +386,19 @@ class RunFrame:
             return
         self.touched.append(state)
         index = self._planned.get(key)
+        axis = self.strategy.axis_name
         if self._values is not None and index is not None:
-            self._current[key] = self._values[index]
+            value = self._values[index]
+            if state.per_replica:  # this replica's block of the parts: (1, ...)
+                value = jax.tree.map(lambda x: x[0], value)
+            self._current[key] = value
         elif self._values is not None:
             raise Replan()
         else:
-            self._current[key] = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), state.spec)
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), state.spec)
+            if state.per_replica:
+                zeros = jax.tree.map(lambda x: _per_replica(x, axis), zeros)
+            self._current[key] = zeros
 
     def read(self, state: TrackedState) -> Any:
         """The holder's value in this trace: the program's input, or the latest write."""
@@ -332,7 +414,7 @@ class RunFrame:
         self._enter(state)
         axis = self.strategy.axis_name
         leaves = jax.tree.leaves(value)
-        if any(axis in varying_axes(x) for x in leaves):
+        if not state.per_replica and any(axis in varying_axes(x) for x in leaves):
             raise ValueError(
                 f"{state.name} is mirrored (one value on every replica), but the value "
                 "written to it inside strategy.run differs across replicas (it depends on "
@@ -344,8 +426,13 @@ class RunFrame:
         self.written[id(state)] = state
 
     def final(self, state: TrackedState) -> Any:
-        """The holder's value at the end of the trace."""
-        return self._current[id(state)]
+        """The holder's value at the end of the trace (a per-replica holder's: this
+        replica's block of the parts)."""
+        value = self._current[id(state)]
+        if state.per_replica:
+            axis = self.strategy.axis_name
+            value = jax.tree.map(lambda x: _per_replica(x, axis)[None], value)
+        return value
 
 
 def current_frame() -> RunFrame | None:

@@ -9,11 +9,11 @@ end of the epoch.
 The same objects are Keras's stateful metrics in a custom loop: `Metric.update_state`
 adds a batch to a running total and count, `result` divides them, `reset_state` zeroes
 them. Inside `Strategy.run` an update counts only the replica's real rows (the row mask of
-a padded batch) and the replicas' sums are combined with one all-reduce, so `result` is
-the value over every replica and worker: the global batch's, as TF's metrics under a
-strategy. The total and count are kept as `tracked.TrackedState`, threaded through `run`'s
-compiled program; under `ParameterServerStrategy` they are parameter-server variables that
-every worker adds to.
+a padded batch). As TF's metric variables (synchronized on read, by a sum), each replica
+adds to its own part of the total and count, threaded through `run`'s compiled program
+(`tracked.SummedOnRead`) with no collective per update, and `result` sums the parts: the
+value over every replica and worker, the global batch's. Under `ParameterServerStrategy`
+they are parameter-server variables that every worker adds to.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import numpy as np
 
 from jstrategy._src import context
 from jstrategy._src.reduce_util import ReduceOp
-from jstrategy._src.tracked import TrackedState
+from jstrategy._src.tracked import SummedOnRead
 from jstrategy._src.training import losses as losses_lib
 from jstrategy._src.training.per_example import PerExampleFunction
 from jstrategy._src.training.per_example import align_ranks
@@ -110,8 +110,8 @@ class Metric(PerExampleFunction):
         """Adds a batch to the running total and count.
 
         Inside `Strategy.run`: this replica's real rows only (padding rows of a
-        distributed dataset's batch count for nothing), summed over the replicas with one
-        all-reduce, so the metric is the global batch's, as TF's.
+        distributed dataset's batch count for nothing), added to the replica's own part;
+        `result` sums the parts, so the metric is the global batch's, as TF's.
 
         Args:
           y_true: labels, batch axis first.
@@ -189,7 +189,7 @@ class _Totals:
 
     def __init__(self, name: str):
         self.name = name
-        self._holder: TrackedState | None = None
+        self._holder: SummedOnRead | None = None
         self._ps_variables: Any = None
 
     @classmethod
@@ -200,32 +200,30 @@ class _Totals:
         if ps is not None:
             totals._ps_variables = ps.create_variables(zeros)
         else:
-            totals._holder = TrackedState(zeros, name=f"the metric {name!r}")
+            totals._holder = SummedOnRead(zeros, name=f"the metric {name!r}")
         return totals
 
     def add(self, values: Any, sample_weight: Any, *, rows: bool) -> None:
         total, count = _totals_of(values, sample_weight, rows=rows)
-        ctx = context.inside_run()
-        if ctx is not None:  # every replica's contribution, as TF's SUM-synchronized variables
-            total, count = ctx.all_reduce(ReduceOp.SUM, (total, count))
         delta = {"total": total.astype(jnp.float32), "count": count.astype(jnp.float32)}
         if self._ps_variables is not None:
             self._ps_variables.assign_add(delta)
             return
+        # Inside run each replica adds to its own part, with no collective (TF's metric
+        # variables are SUM-synchronized on read, too).
         assert self._holder is not None
         old = self._holder.read()
         self._holder.write(jax.tree.map(jnp.add, old, delta))
 
     def _current(self) -> dict[str, Any]:
+        ctx = context.inside_run()
         if self._ps_variables is not None:
-            if context.inside_run() is not None:
-                return self._ps_variables.read()
-            return self._ps_variables.numpy()
+            return self._ps_variables.read() if ctx is not None else self._ps_variables.numpy()
         assert self._holder is not None
         value = self._holder.read()
-        if context.inside_run() is None:  # this process's copy: readable on the host
-            value = jax.tree.map(local_copy, value)
-        return value
+        if ctx is not None:  # this replica's part: the sum over the replicas
+            return ctx.all_reduce(ReduceOp.SUM, value)
+        return jax.tree.map(local_copy, value)  # this process's copy: readable on the host
 
     def values(self) -> tuple[Any, Any]:
         current = self._current()
