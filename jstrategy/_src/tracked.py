@@ -251,9 +251,7 @@ def _stacked(total: Any, strategy: Strategy) -> Any:
         out[0] = x
         return out
 
-    return jax.tree.map(
-        lambda x: device_put_global(parts(x), strategy.batch_sharding()), total
-    )
+    return jax.tree.map(lambda x: device_put_global(parts(x), strategy.batch_sharding()), total)
 
 
 class TrainableHolder(TrackedState):

@@ -437,7 +437,7 @@ class SGD(Optimizer):
     (0.9, 0.1)
     """
 
-    _hyperparameters = ("momentum", "nesterov")
+    _hyperparameters: tuple[str, ...] = ("momentum", "nesterov")
 
     def __init__(
         self,
@@ -457,7 +457,7 @@ class SGD(Optimizer):
 class _AdamFamily(Optimizer):
     """What Adam, AdamW, Adamax and Nadam share: two moments and an epsilon."""
 
-    _hyperparameters = ("beta_1", "beta_2", "epsilon")
+    _hyperparameters: tuple[str, ...] = ("beta_1", "beta_2", "epsilon")
 
     _factory: Callable[..., optax.GradientTransformation]
 
@@ -495,7 +495,7 @@ class Adam(_AdamFamily):
     1e-07
     """
 
-    _hyperparameters = ("beta_1", "beta_2", "epsilon", "amsgrad")
+    _hyperparameters: tuple[str, ...] = ("beta_1", "beta_2", "epsilon", "amsgrad")
 
     def __init__(
         self,
@@ -602,7 +602,7 @@ class RMSprop(Optimizer):
     0.9
     """
 
-    _hyperparameters = ("rho", "momentum", "epsilon", "centered")
+    _hyperparameters: tuple[str, ...] = ("rho", "momentum", "epsilon", "centered")
 
     def __init__(
         self,
@@ -645,7 +645,7 @@ class Adagrad(Optimizer):
     0.1
     """
 
-    _hyperparameters = ("initial_accumulator_value", "epsilon")
+    _hyperparameters: tuple[str, ...] = ("initial_accumulator_value", "epsilon")
 
     def __init__(
         self,
@@ -683,7 +683,7 @@ class Adadelta(Optimizer):
     0.95
     """
 
-    _hyperparameters = ("rho", "epsilon")
+    _hyperparameters: tuple[str, ...] = ("rho", "epsilon")
 
     def __init__(
         self, learning_rate: Any = 0.001, rho: float = 0.95, epsilon: float = 1e-7, **kwargs: Any
@@ -711,7 +711,7 @@ class Lion(Optimizer):
     0.99
     """
 
-    _hyperparameters = ("beta_1", "beta_2")
+    _hyperparameters: tuple[str, ...] = ("beta_1", "beta_2")
 
     def __init__(
         self, learning_rate: Any = 0.001, beta_1: float = 0.9, beta_2: float = 0.99, **kwargs: Any
