@@ -22,7 +22,6 @@ import functools
 import sys
 from pathlib import Path
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,20 +31,11 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common
+from overhead import MLP
 
 import jstrategy
 
 SAME = "hand-written, TF's program"
-
-
-class MLP(nn.Module):
-    width: int
-
-    @nn.compact
-    def __call__(self, x):
-        x = nn.relu(nn.Dense(self.width)(x))
-        x = nn.relu(nn.Dense(self.width)(x))
-        return nn.Dense(10)(x)
 
 
 def main(argv: list[str] | None = None) -> None:

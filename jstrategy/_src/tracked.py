@@ -121,7 +121,7 @@ class TrackedState:
         if frame is not None:
             return frame.read(self)
         self._refuse_inside_trace("Reading")
-        return self.value_on(self._placed_for() or context.get_strategy())
+        return self._read_outside(self.value_on(self._placed_for() or context.get_strategy()))
 
     def write(self, value: Any) -> None:
         """Sets the value: inside `run`, the program's output for this holder.
@@ -138,8 +138,16 @@ class TrackedState:
             return
         self._refuse_inside_trace("Updating")
         strategy = self._placed_for() or context.get_strategy()
-        self._set(place_state(value, strategy))
+        self._set(self._placed_value(value, strategy))
         self._strategy = strategy
+
+    def _read_outside(self, placed: Any) -> Any:
+        """The value read outside `run`, from the placed arrays."""
+        return placed
+
+    def _placed_value(self, value: Any, strategy: Strategy) -> Any:
+        """The arrays kept for `value` written outside `run`."""
+        return place_state(value, strategy)
 
     def store(self, value: Any, strategy: Strategy) -> None:
         """Keeps `value`, a `run` program's output for this holder, where `strategy` keeps
@@ -209,31 +217,13 @@ class SummedOnRead(TrackedState):
         self._set(_stacked(current, strategy))
         self._strategy = strategy
 
-    def read(self) -> Any:
-        """Inside `run`, this replica's part; elsewhere, the sum of the parts."""
-        frame = current_frame()
-        if frame is not None:
-            return frame.read(self)
-        self._refuse_inside_trace("Reading")
-        parts = self.value_on(self._placed_for() or context.get_strategy())
-        return jax.tree.map(lambda x: jnp.sum(x, axis=0), parts)
+    def _read_outside(self, placed: Any) -> Any:
+        # Outside run, the value is the sum of the parts (inside, a replica reads its own).
+        return jax.tree.map(lambda x: jnp.sum(x, axis=0), placed)
 
-    def write(self, value: Any) -> None:
-        """Inside `run`, sets this replica's part; elsewhere, sets the sum.
-
-        Raises:
-          ValueError: if `value` differs from the holder's structure, shapes or dtypes.
-          RuntimeError: inside a user's `jax.jit` outside `run`.
-        """
-        self.check_like(value)
-        frame = current_frame()
-        if frame is not None:
-            frame.write(self, value)
-            return
-        self._refuse_inside_trace("Updating")
-        strategy = self._placed_for() or context.get_strategy()
-        self._set(_stacked(jax.device_get(value), strategy))
-        self._strategy = strategy
+    def _placed_value(self, value: Any, strategy: Strategy) -> Any:
+        # Written outside run, `value` is the sum (inside, a replica writes its own part).
+        return _stacked(jax.device_get(value), strategy)
 
     def store(self, value: Any, strategy: Strategy) -> None:
         """Keeps the parts a `run` program returned (already split over the replicas)."""
