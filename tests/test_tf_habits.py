@@ -563,3 +563,31 @@ def test_load_model_errors_name_the_path_and_the_fix(tmp_path):
     (tmp_path / "other" / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="not a directory written by model.save"):
         model.save(tmp_path / "other")
+
+
+def test_tensorboard_logs_the_rate_applied_and_none_it_cannot_know(tmp_path):
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    rates = [0.1, 0.02]
+    strategy = jstrategy.OneDeviceStrategy("cpu:0")
+    keras = _dense_model(strategy, jstrategy.optimizers.SGD(0.3))
+    _fit(
+        keras,
+        callbacks=[
+            jstrategy.callbacks.LearningRateScheduler(lambda epoch: rates[epoch]),
+            jstrategy.callbacks.TensorBoard(tmp_path / "keras"),
+        ],
+    )
+    plain = _dense_model(strategy, optax.sgd(0.1))
+    _fit(plain, callbacks=[jstrategy.callbacks.TensorBoard(tmp_path / "plain")])
+    logged = {}
+    for name in ("keras", "plain"):
+        reader = accumulator.EventAccumulator(str(tmp_path / name / "train"))
+        reader.Reload()
+        logged[name] = reader
+    keras_rates = [e.value for e in logged["keras"].Scalars("epoch_learning_rate")]
+    np.testing.assert_allclose(keras_rates, rates, rtol=1e-6)
+    for a, b in zip(keras.get_weights(), _sgd_epochs(strategy, rates), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    # optax.sgd(0.1) keeps its rate inside its code: nothing is logged rather than a guess.
+    assert "epoch_learning_rate" not in logged["plain"].Tags()["scalars"]
+    assert "epoch_loss" in logged["plain"].Tags()["scalars"]
