@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(FAKE_DEVICES) $(BIN)/python benchmarks/row_counts.py
 	$(FAKE_DEVICES) $(BIN)/python benchmarks/sharded_step.py
 	$(FAKE_DEVICES) $(BIN)/python benchmarks/parameter_server.py
+	$(FAKE_DEVICES) $(BIN)/python benchmarks/tf_custom_loop.py
 	$(BIN)/python benchmarks/multi_worker.py
 
 clean:

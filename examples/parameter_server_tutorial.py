@@ -17,8 +17,9 @@ What differs, and why:
 * ``strategy.run`` compiles ``replica_fn`` (as ``tf.function`` traces it): the reads become
   the compiled program's inputs, pulled at every call, and the updates its outputs, pushed
   after it. ``replica_fn`` is defined inside ``step_fn`` as in TF, and compiles once.
-* ``Accuracy`` keeps its two counters on the parameter servers, as TF's metric variables
-  created in ``strategy.scope()``; it counts only the real rows of a padded partial batch.
+* ``jstrategy.metrics.Accuracy`` created in ``strategy.scope()`` keeps its two counters on
+  the parameter servers, as TF's metric variables; it counts only the real rows of a
+  padded partial batch.
 * The string lookups are dictionaries; the ``tf.data`` pipeline is a Python iterable.
 
     python examples/parameter_server_tutorial.py                 # threads of this process
@@ -132,31 +133,6 @@ def model_loss(params, batch_data, labels):
     return loss, pred
 
 
-class Accuracy:
-    """``tf.keras.metrics.Accuracy`` created in ``strategy.scope()``: its counters live on
-    the parameter servers, and every worker adds to them.
-
-    A distributed dataset pads a partial batch to the static batch shape; the replica
-    context's row mask tells the real rows, which alone are counted.
-    """
-
-    def __init__(self, strategy):
-        self.counts = strategy.create_variables({"total": jnp.zeros(()), "count": jnp.zeros(())})
-
-    def update_state(self, labels, pred):
-        matches = (labels == pred).astype(jnp.float32)[:, 0]
-        mask = jstrategy.get_replica_context().row_mask
-        weights = jnp.ones_like(matches) if mask is None else mask.astype(jnp.float32)
-        self.counts.assign_add({"total": jnp.sum(matches * weights), "count": jnp.sum(weights)})
-
-    def reset_state(self):
-        self.counts.assign({"total": 0.0, "count": 0.0})
-
-    def result(self):
-        counts = self.counts.numpy()
-        return float(counts["total"] / max(counts["count"], 1.0))
-
-
 def main(
     num_epochs: int = 4, steps_per_epoch: int = 5, backend: str = "local", verbose: bool = True
 ) -> dict:
@@ -173,7 +149,7 @@ def main(
         params = model.init(jax.random.key(0), {"features": FEATURES[:1]})["params"]
         optimizer = optax.rmsprop(learning_rate=0.1, decay=0.9, eps=1e-7)
         variables = strategy.create_variables(params, optimizer=optimizer)
-        accuracy = Accuracy(strategy)
+        accuracy = jstrategy.metrics.Accuracy()
 
     def step_fn(iterator):
         def replica_fn(batch_data, labels):
@@ -205,7 +181,7 @@ def main(
             coordinator.schedule(step_fn, args=(per_worker_iterator,))
         # Wait at epoch boundaries.
         coordinator.join()
-        accuracies.append(accuracy.result())
+        accuracies.append(float(accuracy.result()))
         if verbose:
             print(f"Finished epoch {i}, accuracy is {accuracies[-1]:f}.")
 

@@ -7,6 +7,8 @@ from jstrategy import experimental
 from jstrategy import losses
 from jstrategy import metrics
 from jstrategy import mixed_precision
+from jstrategy import models
+from jstrategy import optimizers
 from jstrategy import tpu
 from jstrategy._src.central_storage import CentralStorageStrategy
 from jstrategy._src.checkpoint import CheckpointError
@@ -27,6 +29,7 @@ from jstrategy._src.input import InputContext
 from jstrategy._src.input import InputOptions
 from jstrategy._src.input import InputReplicationMode
 from jstrategy._src.loss_reduction import compute_average_loss
+from jstrategy._src.loss_reduction import scale_regularization_loss
 from jstrategy._src.mirrored import MirroredStrategy
 from jstrategy._src.multi_worker import MultiWorkerMirroredStrategy
 from jstrategy._src.one_device import OneDeviceStrategy
@@ -76,8 +79,11 @@ __all__ = [
     "in_cross_replica_context",
     "load_weights",
     "save_weights",
+    "scale_regularization_loss",
     "losses",
     "metrics",
     "mixed_precision",
+    "models",
+    "optimizers",
     "tpu",
 ]

@@ -17,6 +17,7 @@ from jstrategy._src.training.callbacks import LearningRateScheduler
 from jstrategy._src.training.callbacks import Mode
 from jstrategy._src.training.callbacks import ModelCheckpoint
 from jstrategy._src.training.callbacks import ProgbarLogger
+from jstrategy._src.training.callbacks import ReduceLROnPlateau
 from jstrategy._src.training.progress import Progbar
 from jstrategy._src.training.tensorboard import TensorBoard
 
@@ -32,5 +33,6 @@ __all__ = [
     "ModelCheckpoint",
     "Progbar",
     "ProgbarLogger",
+    "ReduceLROnPlateau",
     "TensorBoard",
 ]

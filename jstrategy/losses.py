@@ -1,4 +1,5 @@
-"""Keras-compatible losses returning one value per example (see `jstrategy.Model.compile`).
+"""Keras-compatible losses: per-example values for the train step, Keras's `reduction` when
+called (see `jstrategy.Model.compile` and `Reduction`).
 
 Example:
 
@@ -14,6 +15,7 @@ from jstrategy._src.training.losses import Loss
 from jstrategy._src.training.losses import LossFunctionWrapper
 from jstrategy._src.training.losses import MeanAbsoluteError
 from jstrategy._src.training.losses import MeanSquaredError
+from jstrategy._src.training.losses import Reduction
 from jstrategy._src.training.losses import SparseCategoricalCrossentropy
 from jstrategy._src.training.losses import get
 
@@ -25,6 +27,7 @@ __all__ = [
     "LossFunctionWrapper",
     "MeanAbsoluteError",
     "MeanSquaredError",
+    "Reduction",
     "SparseCategoricalCrossentropy",
     "get",
 ]

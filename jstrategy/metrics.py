@@ -1,4 +1,6 @@
-"""Keras-compatible metrics as per-example values (see `jstrategy.Model.compile`).
+"""Keras-compatible metrics: per-example values for `jstrategy.Model.compile`, and Keras's
+stateful `update_state` / `result` / `reset_state` for custom loops (inside `Strategy.run`
+or outside).
 
 Example:
 
@@ -10,6 +12,7 @@ Example:
 from jstrategy._src.training.metrics import Accuracy
 from jstrategy._src.training.metrics import BinaryAccuracy
 from jstrategy._src.training.metrics import CategoricalAccuracy
+from jstrategy._src.training.metrics import Mean
 from jstrategy._src.training.metrics import MeanAbsoluteError
 from jstrategy._src.training.metrics import MeanMetricWrapper
 from jstrategy._src.training.metrics import MeanSquaredError
@@ -21,6 +24,7 @@ __all__ = [
     "Accuracy",
     "BinaryAccuracy",
     "CategoricalAccuracy",
+    "Mean",
     "MeanAbsoluteError",
     "MeanMetricWrapper",
     "MeanSquaredError",

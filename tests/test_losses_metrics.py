@@ -63,8 +63,10 @@ def test_binary_crossentropy_matches_keras_for_probabilities_and_logits(label_sh
     y = rng.integers(0, 2, size=label_shape).astype(np.float32)
     expected = _np_bce(y.reshape(B, 1), _sigmoid(logits), smoothing)[:, 0]
 
-    probs_loss = losses.BinaryCrossentropy(label_smoothing=smoothing)
-    logit_loss = losses.BinaryCrossentropy(from_logits=True, label_smoothing=smoothing)
+    probs_loss = losses.BinaryCrossentropy(label_smoothing=smoothing, reduction="none")
+    logit_loss = losses.BinaryCrossentropy(
+        from_logits=True, label_smoothing=smoothing, reduction="none"
+    )
     out = probs_loss(y, _sigmoid(logits).astype(np.float32))
     assert out.shape == (B,)
     _close(out, expected, rtol=1e-4)
@@ -72,7 +74,7 @@ def test_binary_crossentropy_matches_keras_for_probabilities_and_logits(label_sh
 
 
 def test_binary_crossentropy_from_logits_is_stable_for_large_logits():
-    loss = losses.BinaryCrossentropy(from_logits=True)
+    loss = losses.BinaryCrossentropy(from_logits=True, reduction="none")
     out = loss(np.array([0.0, 1.0, 1.0]), np.array([[100.0], [100.0], [-100.0]]))
     _close(out, [100.0, 0.0, 100.0], atol=1e-4)
     grad = jax.grad(lambda z: loss(jnp.array([0.0]), z).sum())(jnp.array([[100.0]]))
@@ -83,9 +85,9 @@ def test_binary_crossentropy_multilabel_averages_labels_and_rank1_stays_per_exam
     rng = _rng(1)
     p = rng.uniform(0.05, 0.95, size=(B, 4))
     y = rng.integers(0, 2, size=(B, 4)).astype(np.float64)
-    _close(losses.BinaryCrossentropy()(y, p), _np_bce(y, p).mean(axis=1))
+    _close(losses.BinaryCrossentropy(reduction="none")(y, p), _np_bce(y, p).mean(axis=1))
     p1, y1 = p[:, 0], y[:, 0]
-    _close(losses.BinaryCrossentropy()(y1, p1), _np_bce(y1, p1))
+    _close(losses.BinaryCrossentropy(reduction="none")(y1, p1), _np_bce(y1, p1))
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
@@ -95,12 +97,16 @@ def test_categorical_crossentropy_matches_keras(smoothing):
     y = np.eye(5)[rng.integers(0, 5, size=B)]
     expected = _np_cce(y, _softmax(logits), smoothing)
     _close(
-        losses.CategoricalCrossentropy(label_smoothing=smoothing)(y, _softmax(logits)),
+        losses.CategoricalCrossentropy(label_smoothing=smoothing, reduction="none")(
+            y, _softmax(logits)
+        ),
         expected,
         rtol=1e-4,
     )
     _close(
-        losses.CategoricalCrossentropy(from_logits=True, label_smoothing=smoothing)(y, logits),
+        losses.CategoricalCrossentropy(
+            from_logits=True, label_smoothing=smoothing, reduction="none"
+        )(y, logits),
         expected,
         rtol=1e-4,
     )
@@ -109,7 +115,7 @@ def test_categorical_crossentropy_matches_keras(smoothing):
 def test_categorical_crossentropy_renormalizes_and_keeps_zero_rows_finite():
     y = np.eye(3)[[0, 1]]
     p = np.array([[2.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
-    out = np.asarray(losses.CategoricalCrossentropy()(y, p))
+    out = np.asarray(losses.CategoricalCrossentropy(reduction="none")(y, p))
     _close(out[0], -np.log(0.5))
     assert np.isfinite(out[1])
 
@@ -120,7 +126,7 @@ def test_sparse_categorical_crossentropy_labels_with_or_without_trailing_axis():
     labels = rng.integers(0, 4, size=B)
     expected = -np.log(_softmax(logits.astype(np.float64))[np.arange(B), labels])
     for from_logits, pred in ((True, logits), (False, _softmax(logits))):
-        loss = losses.SparseCategoricalCrossentropy(from_logits=from_logits)
+        loss = losses.SparseCategoricalCrossentropy(from_logits=from_logits, reduction="none")
         _close(loss(labels, pred), expected, rtol=1e-4)
         _close(loss(labels[:, None], pred), expected, rtol=1e-4)
         _close(loss(labels.astype(np.float32), pred), expected, rtol=1e-4)
@@ -131,7 +137,7 @@ def test_sparse_categorical_crossentropy_averages_sequence_axes():
     logits = rng.normal(size=(B, 3, 7))
     labels = rng.integers(0, 7, size=(B, 3))
     per_token = optax.softmax_cross_entropy_with_integer_labels(jnp.asarray(logits), labels)
-    out = losses.SparseCategoricalCrossentropy(from_logits=True)(labels, logits)
+    out = losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")(labels, logits)
     assert out.shape == (B,)
     _close(out, np.asarray(per_token).mean(axis=1), rtol=1e-5)
 
@@ -142,27 +148,29 @@ def test_regression_losses_match_keras_and_reconcile_trailing_axis(y_shape, p_sh
     y = rng.normal(size=y_shape)
     p = rng.normal(size=p_shape) * 2
     err = p.reshape(B, -1) - y.reshape(B, -1)
-    _close(losses.MeanSquaredError()(y, p), (err**2).mean(axis=1))
-    _close(losses.MeanAbsoluteError()(y, p), np.abs(err).mean(axis=1))
-    _close(losses.Huber(delta=0.7)(y, p), _np_huber(err, 0.7).mean(axis=1))
+    _close(losses.MeanSquaredError(reduction="none")(y, p), (err**2).mean(axis=1))
+    _close(losses.MeanAbsoluteError(reduction="none")(y, p), np.abs(err).mean(axis=1))
+    _close(losses.Huber(delta=0.7, reduction="none")(y, p), _np_huber(err, 0.7).mean(axis=1))
 
 
 def test_losses_average_all_non_batch_axes():
     rng = _rng(6)
     y, p = rng.normal(size=(B, 2, 3)), rng.normal(size=(B, 2, 3))
-    _close(losses.MeanSquaredError()(y, p), ((p - y) ** 2).reshape(B, -1).mean(axis=1))
+    _close(
+        losses.MeanSquaredError(reduction="none")(y, p), ((p - y) ** 2).reshape(B, -1).mean(axis=1)
+    )
 
 
 def test_bfloat16_predictions_are_computed_in_float32():
     y = np.zeros((B,), np.float32)
     p = jnp.full((B, 1), 3.0, jnp.bfloat16)
-    out = losses.MeanSquaredError()(y, p)
+    out = losses.MeanSquaredError(reduction="none")(y, p)
     assert out.dtype == jnp.float32
     _close(out, np.full(B, 9.0))
 
 
 def test_losses_are_jittable_and_differentiable():
-    loss = losses.SparseCategoricalCrossentropy(from_logits=True)
+    loss = losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
     labels = jnp.array([0, 2])
     logits = jnp.array([[1.0, 0.0, -1.0], [0.5, 0.5, 0.5]])
     _close(jax.jit(loss)(labels, logits), np.asarray(loss(labels, logits)))
@@ -174,12 +182,42 @@ def test_losses_are_jittable_and_differentiable():
 @pytest.mark.parametrize(
     "loss,y,p,match",
     [
-        (losses.MeanSquaredError(), np.zeros((B, 3)), np.zeros((B, 2)), "same shape"),
-        (losses.MeanSquaredError(), np.zeros((B,)), np.zeros((B + 1,)), "same batch size"),
-        (losses.MeanSquaredError(), np.float32(0), np.float32(1), "leading batch axis"),
-        (losses.CategoricalCrossentropy(), np.zeros(B), np.ones((B, 3)), "SparseCategorical"),
-        (losses.SparseCategoricalCrossentropy(), np.zeros((B, 2)), np.ones((B, 3)), "integer"),
-        (losses.SparseCategoricalCrossentropy(), np.zeros(B), np.ones(B), "class axis"),
+        (
+            losses.MeanSquaredError(reduction="none"),
+            np.zeros((B, 3)),
+            np.zeros((B, 2)),
+            "same shape",
+        ),
+        (
+            losses.MeanSquaredError(reduction="none"),
+            np.zeros((B,)),
+            np.zeros((B + 1,)),
+            "same batch size",
+        ),
+        (
+            losses.MeanSquaredError(reduction="none"),
+            np.float32(0),
+            np.float32(1),
+            "leading batch axis",
+        ),
+        (
+            losses.CategoricalCrossentropy(reduction="none"),
+            np.zeros(B),
+            np.ones((B, 3)),
+            "SparseCategorical",
+        ),
+        (
+            losses.SparseCategoricalCrossentropy(reduction="none"),
+            np.zeros((B, 2)),
+            np.ones((B, 3)),
+            "integer",
+        ),
+        (
+            losses.SparseCategoricalCrossentropy(reduction="none"),
+            np.zeros(B),
+            np.ones(B),
+            "class axis",
+        ),
     ],
 )
 def test_losses_reject_mismatched_shapes(loss, y, p, match):
@@ -190,10 +228,16 @@ def test_losses_reject_mismatched_shapes(loss, y, p, match):
 @pytest.mark.parametrize(
     "make,match",
     [
-        (lambda: losses.BinaryCrossentropy(label_smoothing=1.5), "label_smoothing"),
-        (lambda: losses.CategoricalCrossentropy(from_logits="yes"), "from_logits"),
-        (lambda: losses.Huber(delta=0.0), "delta"),
-        (lambda: losses.MeanSquaredError(name=""), "name"),
+        (
+            lambda: losses.BinaryCrossentropy(label_smoothing=1.5, reduction="none"),
+            "label_smoothing",
+        ),
+        (
+            lambda: losses.CategoricalCrossentropy(from_logits="yes", reduction="none"),
+            "from_logits",
+        ),
+        (lambda: losses.Huber(delta=0.0, reduction="none"), "delta"),
+        (lambda: losses.MeanSquaredError(name="", reduction="none"), "name"),
     ],
 )
 def test_loss_constructors_validate(make, match):
@@ -232,7 +276,7 @@ def test_get_resolves_names_to_keras_named_losses(name, cls):
 
 
 def test_get_returns_instances_instantiates_classes_and_wraps_functions():
-    bce = losses.BinaryCrossentropy(from_logits=True)
+    bce = losses.BinaryCrossentropy(from_logits=True, reduction="none")
     assert losses.get(bce) is bce
     assert type(losses.get(losses.Huber)) is losses.Huber
 
@@ -243,7 +287,7 @@ def test_get_returns_instances_instantiates_classes_and_wraps_functions():
     assert isinstance(wrapped, losses.Loss)
     assert wrapped.name == "squared_log_error"
     y, p = np.array([[0.0, 1.0], [2.0, 3.0]]), np.array([[1.0, 1.0], [1.0, 1.0]])
-    _close(wrapped(y, p), ((np.log1p(p) - np.log1p(y)) ** 2).mean(axis=1))
+    _close(wrapped.per_example(y, p), ((np.log1p(p) - np.log1p(y)) ** 2).mean(axis=1))
     assert losses.get(lambda y, p: p - y).name == "lambda"
 
 
@@ -266,7 +310,7 @@ def test_subclassing_loss_implements_call():
             return jnp.abs(y_pred - y_true) ** 3
 
     assert AbsCube().name == "abs_cube" and AbsCube(name="cube").name == "cube"
-    _close(AbsCube()(np.zeros((2, 2)), np.array([[1.0, 2.0], [0.0, 1.0]])), [4.5, 0.5])
+    _close(AbsCube().per_example(np.zeros((2, 2)), np.array([[1.0, 2.0], [0.0, 1.0]])), [4.5, 0.5])
     with pytest.raises(NotImplementedError, match="must implement"):
         losses.Loss(name="base")(np.zeros(2), np.zeros(2))
 
@@ -275,7 +319,9 @@ def test_subclassing_loss_implements_call():
 
 
 def test_accuracy_is_exact_equality():
-    out = metrics.Accuracy()(np.array([1, 2, 3, 4]), np.array([[1.0], [2.0], [0.0], [4.0]]))
+    out = metrics.Accuracy().per_example(
+        np.array([1, 2, 3, 4]), np.array([[1.0], [2.0], [0.0], [4.0]])
+    )
     _close(out, [1, 1, 0, 1])
 
 
@@ -286,8 +332,8 @@ def test_binary_accuracy_thresholds_probabilities_and_logits_alike(label_shape):
     y = rng.integers(0, 2, size=label_shape)
     for threshold in (0.5, 0.8):
         expected = ((_sigmoid(logits[:, 0]) > threshold) == y.reshape(B)).astype(float)
-        _close(metrics.BinaryAccuracy(threshold)(y, _sigmoid(logits)), expected)
-        _close(metrics.BinaryAccuracy(threshold, from_logits=True)(y, logits), expected)
+        _close(metrics.BinaryAccuracy(threshold).per_example(y, _sigmoid(logits)), expected)
+        _close(metrics.BinaryAccuracy(threshold, from_logits=True).per_example(y, logits), expected)
 
 
 def test_binary_accuracy_from_logits_is_exact_where_sigmoid_saturates():
@@ -304,26 +350,36 @@ def test_categorical_and_sparse_accuracy_use_argmax():
     logits = rng.normal(size=(B, 4))
     labels = rng.integers(0, 4, size=B)
     expected = (logits.argmax(-1) == labels).astype(float)
-    _close(metrics.CategoricalAccuracy()(np.eye(4)[labels], logits), expected)
-    _close(metrics.SparseCategoricalAccuracy()(labels, logits), expected)
-    _close(metrics.SparseCategoricalAccuracy()(labels[:, None].astype(float), logits), expected)
+    _close(metrics.CategoricalAccuracy().per_example(np.eye(4)[labels], logits), expected)
+    _close(metrics.SparseCategoricalAccuracy().per_example(labels, logits), expected)
+    _close(
+        metrics.SparseCategoricalAccuracy().per_example(labels[:, None].astype(float), logits),
+        expected,
+    )
 
 
 def test_error_metrics_equal_losses():
     rng = _rng(9)
     y, p = rng.normal(size=(B, 3)), rng.normal(size=(B, 3))
-    _close(metrics.MeanSquaredError()(y, p), np.asarray(losses.MeanSquaredError()(y, p)))
-    _close(metrics.MeanAbsoluteError()(y, p), np.abs(p - y).mean(axis=1))
+    _close(
+        metrics.MeanSquaredError().per_example(y, p),
+        np.asarray(losses.MeanSquaredError(reduction="none")(y, p)),
+    )
+    _close(metrics.MeanAbsoluteError().per_example(y, p), np.abs(p - y).mean(axis=1))
 
 
 @pytest.mark.parametrize(
     "loss,cls,from_logits",
     [
-        (losses.BinaryCrossentropy(), metrics.BinaryAccuracy, False),
-        (losses.BinaryCrossentropy(from_logits=True), metrics.BinaryAccuracy, True),
+        (losses.BinaryCrossentropy(reduction="none"), metrics.BinaryAccuracy, False),
+        (
+            losses.BinaryCrossentropy(from_logits=True, reduction="none"),
+            metrics.BinaryAccuracy,
+            True,
+        ),
         ("binary_crossentropy", metrics.BinaryAccuracy, False),
         (
-            losses.SparseCategoricalCrossentropy(from_logits=True),
+            losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none"),
             metrics.SparseCategoricalAccuracy,
             None,
         ),
@@ -340,9 +396,9 @@ def test_accuracy_resolves_from_the_loss_and_keeps_its_name(loss, cls, from_logi
 
 
 def test_accuracy_for_binary_logits_loss_thresholds_logits_at_zero():
-    m = metrics.get("accuracy", loss=losses.BinaryCrossentropy(from_logits=True))
+    m = metrics.get("accuracy", loss=losses.BinaryCrossentropy(from_logits=True, reduction="none"))
     # A 0.5 threshold on raw logits would call the logit 0.3 negative; sigmoid(0.3) > 0.5.
-    _close(m(np.array([0, 1, 1]), np.array([[-0.3], [0.3], [0.7]])), [1, 1, 1])
+    _close(m.per_example(np.array([0, 1, 1]), np.array([[-0.3], [0.3], [0.7]])), [1, 1, 1])
 
 
 @pytest.mark.parametrize(
@@ -354,10 +410,10 @@ def test_accuracy_for_binary_logits_loss_thresholds_logits_at_zero():
     ],
 )
 def test_accuracy_without_a_known_loss_decides_from_shapes(y, p, expected):
-    for loss in (None, losses.MeanSquaredError(), lambda a, b: b - a):
+    for loss in (None, losses.MeanSquaredError(reduction="none"), lambda a, b: b - a):
         m = metrics.get("accuracy", loss=loss)
         assert m.name == "accuracy"
-        _close(m(y, p), expected)
+        _close(m.per_example(y, p), expected)
 
 
 @pytest.mark.parametrize(
@@ -388,16 +444,18 @@ def test_get_metric_objects_classes_functions_and_losses():
 
     wrapped = metrics.get(max_error)
     assert wrapped.name == "max_error" and wrapped.direction is None
-    _close(wrapped(np.zeros((2, 2)), np.array([[1.0, -3.0], [0.5, 0.0]])), [3.0, 0.5])
+    _close(wrapped.per_example(np.zeros((2, 2)), np.array([[1.0, -3.0], [0.5, 0.0]])), [3.0, 0.5])
 
-    as_metric = metrics.get(losses.Huber())
+    as_metric = metrics.get(losses.Huber())  # tracked by its per-example values
     assert as_metric.name == "huber_loss" and as_metric.direction == "down"
-    _close(as_metric(np.zeros(2), np.array([0.5, 2.0])), [0.125, 1.5])
+    _close(as_metric.per_example(np.zeros(2), np.array([0.5, 2.0])), [0.125, 1.5])
 
 
 def test_metric_values_are_float_per_example_and_jittable():
     m = metrics.get("accuracy", loss="sparse_categorical_crossentropy")
-    out = jax.jit(m)(jnp.array([0, 1, 1]), jnp.array([[2.0, 1.0], [0.0, 1.0], [3.0, 1.0]]))
+    out = jax.jit(m.per_example)(
+        jnp.array([0, 1, 1]), jnp.array([[2.0, 1.0], [0.0, 1.0], [3.0, 1.0]])
+    )
     assert out.shape == (3,) and jnp.issubdtype(out.dtype, jnp.floating)
     _close(out, [1, 1, 0])
 
@@ -421,12 +479,12 @@ def test_masked_replica_aggregation_equals_the_mean_over_real_rows():
     labels = np.zeros(16, np.int32)
     labels[:real] = rng.integers(0, 3, size=real)
     mask = np.arange(16) < real
-    loss = losses.SparseCategoricalCrossentropy(from_logits=True)
+    loss = losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
     acc = metrics.get("accuracy", loss=loss)
 
     def body(y, z, m):
         w = m.astype(jnp.float32)
-        sums = [jnp.sum(jnp.where(m, f(y, z), 0.0)) for f in (loss, acc)]
+        sums = [jnp.sum(jnp.where(m, f.per_example(y, z), 0.0)) for f in (loss, acc)]
         total = jax.lax.psum(jnp.stack([*sums, jnp.sum(w)]), strategy.axis_name)
         return total[:2] / total[2]
 

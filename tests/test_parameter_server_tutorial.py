@@ -60,7 +60,7 @@ def test_one_worker_step_fn_follows_the_hand_written_loop():
     tx = optax.rmsprop(0.1, decay=0.9, eps=1e-7)
     with strategy.scope():
         variables = strategy.create_variables(init, optimizer=tx)
-        accuracy = tutorial.Accuracy(strategy)
+        accuracy = jstrategy.metrics.Accuracy()
     coordinator = ClusterCoordinator(strategy)
     traces = []
     try:
@@ -114,8 +114,8 @@ def test_one_worker_step_fn_follows_the_hand_written_loop():
             variables.numpy(),
             params,
         )
-        counts = accuracy.counts.numpy()
-        assert (float(counts["total"]), float(counts["count"])) == (total, count)
+        total_seen, count_seen = accuracy.variables
+        assert (float(total_seen), float(count_seen)) == (total, count)
         assert count == 7 * 32 + 8  # padding rows of the partial batch are not counted
     finally:
         coordinator.shutdown()

@@ -141,8 +141,11 @@ class CentralStorageStrategy(Strategy):
     ) -> staging.TrainProgram:
         """The gradients on the replicas, the update applied once where the variables live.
 
-        See `Strategy.stage_train_step` and `staging.host_update_train_program`. With one
-        compute device (variables in its memory) the default single program.
+        Two programs per step: on the compute devices, the variables are copied in, each
+        replica differentiates its rows and the gradients are all-reduced; on the parameter
+        device, the update is applied once, in place, where the variables live. With one
+        compute device (variables in its memory), the default single program (see
+        `Strategy.stage_train_step`).
         """
         if not self._central():
             return super().stage_train_step(fns, steps=steps, stacked=stacked)

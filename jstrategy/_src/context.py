@@ -207,6 +207,12 @@ def in_cross_replica_context() -> bool:
     return _top().replica_context is None
 
 
+def inside_run() -> ReplicaContext | None:
+    """The replica context of the function `Strategy.run` is tracing, or None outside one."""
+    ctx = _top().replica_context
+    return ctx if ctx is not None and ctx._in_run else None
+
+
 def get_replica_context() -> ReplicaContext | None:
     """The current `ReplicaContext`; None in a cross-replica context (a `scope()` outside `run`).
 

@@ -867,6 +867,11 @@ class DistributedDataset:
         return self._options
 
     @property
+    def one_shot(self) -> bool:
+        """Whether the source is an iterator (e.g. a generator object): one pass only."""
+        return any(source.one_shot for source in self._sources)
+
+    @property
     def global_batch_size(self) -> int | None:
         """The static rows of every element; None until the first batch has been seen."""
         return self._placer.global_batch_size

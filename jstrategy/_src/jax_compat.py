@@ -5,9 +5,12 @@ JAX does not expose these publicly; when a JAX release moves one, only this modu
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import jax
+import jax.extend.core
+import jax.numpy as jnp
 from jax._src import distributed as _distributed
 from jax._src import xla_bridge as _xla_bridge
 from jax._src.lax import parallel as _parallel
@@ -17,6 +20,7 @@ __all__ = [
     "backends_started",
     "bind_cpu_collectives_to",
     "distributed_client",
+    "inside_staging_trace",
     "preemption_sync_manager",
 ]
 
@@ -68,3 +72,30 @@ def bind_cpu_collectives_to(host: str) -> None:
         return make_cpu_client(collectives=collectives)
 
     register("cpu", make_client, priority=0, fail_quietly=False)
+
+
+_TOP_LEVEL: list[Any] = []
+
+
+def _top_level_state() -> Any:
+    # Taken on a fresh thread, which is outside any trace whatever this one is doing.
+    if not _TOP_LEVEL:
+        box: list[Any] = []
+        thread = threading.Thread(
+            target=lambda: box.append(jax.extend.core.get_opaque_trace_state())
+        )
+        thread.start()
+        thread.join()
+        _TOP_LEVEL.append(box[0])
+    return _TOP_LEVEL[0]
+
+
+def inside_staging_trace() -> bool:
+    """Whether this thread is tracing a program that JAX compiles (`jit`, `eval_shape`, ...).
+
+    Eager transformations (`grad`, `vmap` outside `jit`) run their reads each call, so they
+    do not count.
+    """
+    if jax.extend.core.get_opaque_trace_state() == _top_level_state():
+        return False
+    return isinstance(jnp.zeros((), jnp.int32), jax.core.Tracer)

@@ -1,4 +1,5 @@
-"""Loss scaling for synchronous training, as `tf.nn.compute_average_loss`, aware of padding."""
+"""Loss scaling for synchronous training, as `tf.nn.compute_average_loss` (aware of padding)
+and `tf.nn.scale_regularization_loss`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 
 from jstrategy._src import context
 
-__all__ = ["compute_average_loss"]
+__all__ = ["compute_average_loss", "scale_regularization_loss"]
 
 
 def compute_average_loss(
@@ -101,3 +102,28 @@ def compute_average_loss(
     real = ctx.all_reduce("SUM", jnp.sum(mask.astype(jnp.int32)))
     # A batch of padding only (possible on uneven per-replica pipelines) contributes zero.
     return total / jnp.maximum(real, 1).astype(dtype)
+
+
+def scale_regularization_loss(regularization_loss: Any) -> jnp.ndarray:
+    """Scales a regularization loss so that summing over replicas counts it once.
+
+    As `tf.nn.scale_regularization_loss`: inside `Strategy.run` it returns
+    ``regularization_loss / num_replicas_in_sync`` (every replica adds the same penalty, and
+    the gradients are summed across replicas); elsewhere it returns it as it is.
+
+    Args:
+      regularization_loss: a scalar, e.g. ``1e-5 * sum(jnp.sum(w ** 2) for w in kernels)``.
+
+    Returns:
+      The scaled scalar.
+
+    Example:
+
+    >>> float(scale_regularization_loss(0.5))
+    0.5
+    """
+    loss = jnp.asarray(regularization_loss)
+    ctx = context.inside_run()
+    if ctx is None:
+        return loss
+    return loss / jnp.asarray(ctx.num_replicas_in_sync, loss.dtype)

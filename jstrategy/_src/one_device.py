@@ -41,10 +41,11 @@ class OneDeviceStrategy(Strategy):
 
 
 class _DefaultStrategy(OneDeviceStrategy):
-    """The strategy in force outside any `scope()`: JAX's default device."""
+    """The strategy in force outside any `scope()`: JAX's default device, this process's
+    first (in a multi-process job, ``jax.devices()[0]`` belongs to process 0)."""
 
     def __init__(self) -> None:
-        super().__init__(jax.devices()[0])
+        super().__init__(jax.local_devices()[0])
 
     def __repr__(self) -> str:
         return "DefaultStrategy()"

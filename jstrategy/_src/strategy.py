@@ -24,7 +24,9 @@ from jax.sharding import PartitionSpec as P
 
 from jstrategy._src import context
 from jstrategy._src import dispatch
+from jstrategy._src import mirrored_check
 from jstrategy._src import staging
+from jstrategy._src import tracked
 from jstrategy._src.cross_device_ops import CrossDeviceOps
 from jstrategy._src.cross_device_ops import NcclAllReduce
 from jstrategy._src.mesh import DeviceMesh
@@ -53,6 +55,9 @@ _RUN_CACHE_SIZE = 256
 
 # How each leaf of `run`'s arguments reaches the replicas.
 _STACKED = "stacked"  # PerReplica with a replica axis: replica i gets value[i].
+# A stacked PerReplica that `experimental_check_mirrored` found the same on every replica
+# (an output of `run` that must be mirrored), passed back: checked again as mirrored.
+_STACKED_MIRRORED = "stacked_mirrored"
 _SPLIT = "split"  # PerReplica of rows: replica i gets the i-th contiguous slice.
 _WHOLE = "whole"  # an array or number: every replica gets all of it.
 _STATIC = "static"  # any other Python object: passed as is, part of the cache key.
@@ -78,6 +83,12 @@ class _RunProgram:
     compiled: Callable[..., Any]
     out_tree: Any
     varying: list[bool]
+    # Stateful objects' holders the function touched (`tracked.py`): those it wrote are
+    # donated inputs and outputs of the program, the others inputs only.
+    written: list[tracked.TrackedState] = dataclasses.field(default_factory=list)
+    read_only: list[tracked.TrackedState] = dataclasses.field(default_factory=list)
+    # With `experimental_check_mirrored`: the output leaves that must be mirrored.
+    checked: list[int] = dataclasses.field(default_factory=list)
 
 
 class Strategy:
@@ -287,10 +298,14 @@ class Strategy:
         dynamic: list[Any] = []
         statics: list[Any] = []
         mask = None
+        check = mirrored_check.enabled()
         for leaf in leaves:
             if isinstance(leaf, PerReplica):
                 self._check_per_replica(leaf)
-                kinds.append(_STACKED if leaf.stacked else _SPLIT)
+                if not leaf.stacked:
+                    kinds.append(_SPLIT)
+                else:
+                    kinds.append(_STACKED_MIRRORED if check and leaf.mirrored else _STACKED)
                 dynamic.append(leaf.value)
                 if mask is None:
                     mask = leaf.mask
@@ -303,7 +318,7 @@ class Strategy:
         has_mask = mask is not None
         if has_mask:
             dynamic.append(mask)
-        key = (fn, treedef, tuple(kinds), tuple(statics), has_mask)
+        key = (fn, treedef, tuple(kinds), tuple(statics), has_mask, check)
         try:
             program = self._run_cache.get(key)
         except TypeError:
@@ -318,13 +333,64 @@ class Strategy:
                 self._run_cache[key] = program
                 if len(self._run_cache) > _RUN_CACHE_SIZE:
                     self._run_cache.popitem(last=False)
-        outs = program.compiled(*dynamic)
+        if (program.written or program.read_only) and any(
+            isinstance(x, jax.core.Tracer) for x in dynamic
+        ):
+            self._refuse_outer_trace(program)
+        outs, written, flags = program.compiled(*dynamic, *self._held_values(program))
+        if program.written:
+            self._store_written(program, written)
         dispatch.track(outs)
+        if program.checked:
+            self._raise_if_disagree(program, flags)
         wrapped = [
-            PerReplica(o, stacked=True) if v else o
-            for o, v in zip(outs, program.varying, strict=True)
+            PerReplica(o, stacked=True, mirrored=i in program.checked) if v else o
+            for i, (o, v) in enumerate(zip(outs, program.varying, strict=True))
         ]
         return jax.tree.unflatten(program.out_tree, wrapped)
+
+    def _held_values(self, program: _RunProgram) -> tuple[list[Any], list[Any]]:
+        """The current values of the holders a `run` program takes, as the replicas read them."""
+        written = [h.value_on(self) for h in program.written]
+        read_only = [h.value_on(self) for h in program.read_only]
+        return self.read_on_replicas(written), self.read_on_replicas(read_only)
+
+    def _refuse_outer_trace(self, program: _RunProgram) -> None:
+        names = [h.name for h in (*program.written, *program.read_only)]
+        raise RuntimeError(
+            f"strategy.run was called inside a function that JAX compiles (jax.jit, ...) "
+            f"and uses {names}: their values would be frozen into that program when it is "
+            "traced and their updates never applied. run compiles its function itself "
+            "(TF's @tf.function is not needed): call it outside jax.jit."
+        )
+
+    def _store_written(self, program: _RunProgram, values: list[Any]) -> None:
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(values)):
+            self._refuse_outer_trace(program)
+        for holder, value in zip(program.written, values, strict=True):
+            holder.store(value, self)
+
+    def _raise_if_disagree(self, program: _RunProgram, flags: Any) -> None:
+        disagree = np.asarray(jax.device_get(flags))
+        if disagree.any():
+            paths = jax.tree_util.tree_unflatten(
+                program.out_tree, [f"leaf {i}" for i in range(len(program.varying))]
+            )
+            flat = jax.tree_util.tree_flatten_with_path(paths)[0]
+            names = [
+                jax.tree_util.keystr(flat[i][0]) or "the output"
+                for i, bad in zip(program.checked, disagree, strict=True)
+                if bad
+            ]
+            raise ValueError(
+                f"The replicas disagree on {names}, outputs of the function given to "
+                "strategy.run that are computed only from replicated arguments, constants "
+                "and collectives, and so must be the same on every replica (e.g. parameters "
+                "updated from gradients). Were the gradients combined across replicas? Use "
+                "get_replica_context().all_reduce('SUM', grads), or a "
+                "jstrategy.optimizers optimizer's apply_gradients, which does it. "
+                "(jstrategy.config.experimental_check_mirrored is on.)"
+            )
 
     def _check_per_replica(self, value: PerReplica) -> None:
         sharding = getattr(value.value, "sharding", None)
@@ -338,16 +404,15 @@ class Strategy:
 
     def _build_run(self, fn, treedef, kinds, statics, has_mask, example) -> _RunProgram:
         data = self._data_axis
-        in_specs = tuple(
-            P(data) if k in (_STACKED, _SPLIT) else P() for k in kinds if k != _STATIC
+        per_replica_kinds = (_STACKED, _STACKED_MIRRORED, _SPLIT)
+        user_specs = tuple(
+            P(data) if k in per_replica_kinds else P() for k in kinds if k != _STATIC
         ) + ((P(data),) if has_mask else ())
         # Manual over the data axis only: a mesh's other axes stay automatic, so variables
         # split over them keep their layout inside `fn` and XLA partitions the math.
-        shard_map = functools.partial(
-            jax.shard_map, mesh=self._mesh, in_specs=in_specs, axis_names=frozenset({data})
-        )
+        shard_map = functools.partial(jax.shard_map, mesh=self._mesh, axis_names=frozenset({data}))
 
-        def call(*values):
+        def call(values, frame, *, shared=False):
             row_mask = values[-1] if has_mask else None
             replica_context = context.ReplicaContext(self, row_mask=row_mask)
             value_iter, static_iter = iter(values), iter(statics)
@@ -357,33 +422,85 @@ class Strategy:
                     leaves.append(next(static_iter))
                 else:
                     value = next(value_iter)
-                    if kind == _STACKED:
+                    if kind == _STACKED or (kind == _STACKED_MIRRORED and not shared):
                         value = value[0]
-                    elif kind == _WHOLE:
+                    elif kind == _WHOLE and not shared:
                         value = _per_replica_copy(value, data)
                     leaves.append(value)
             args, kwargs = jax.tree.unflatten(treedef, leaves)
-            with context.replica_scope(self, replica_context):
+            with context.replica_scope(self, replica_context), tracked.run_frame(frame):
                 return jax.tree.flatten(fn(*args, **kwargs))
 
+        # First trace (shapes only): the outputs' structure, which of them are per-replica,
+        # and the holders of stateful objects the function touches.
         info: list[Any] = []
 
-        def probe(*values):
-            flat, out_tree = call(*values)
+        def probe(*values, shared=False):
+            frame = tracked.RunFrame(self, (), None)
+            flat, out_tree = call(values, frame, shared=shared)
             flat = [jnp.asarray(x) for x in flat]
-            info.append((out_tree, [data in varying_axes(x) for x in flat]))
+            info.append((out_tree, [data in varying_axes(x) for x in flat], frame))
             return [x[None] for x in flat]
 
-        jax.eval_shape(shard_map(probe, out_specs=P(data)), *example)
-        out_tree, varying = info[0]
+        jax.eval_shape(shard_map(probe, in_specs=user_specs, out_specs=P(data)), *example)
+        out_tree, varying, frame = info[0]
+        written = list(frame.written.values())
+        read_only = [h for h in frame.touched if id(h) not in frame.written]
+        checked: list[int] = []
+        if mirrored_check.enabled():
+            # With replicated (and checked-mirrored) arguments typed as one shared value,
+            # which outputs come out the same on every replica?
+            shared_specs, shared_example = [], []
+            dynamic_kinds = [k for k in kinds if k != _STATIC] + ([_SPLIT] if has_mask else [])
+            for kind, spec, value in zip(dynamic_kinds, user_specs, example, strict=True):
+                if kind == _STACKED_MIRRORED:
+                    spec, value = P(), jax.ShapeDtypeStruct(value.shape[1:], value.dtype)
+                shared_specs.append(spec)
+                shared_example.append(value)
+            jax.eval_shape(
+                shard_map(
+                    functools.partial(probe, shared=True),
+                    in_specs=tuple(shared_specs),
+                    out_specs=P(data),
+                ),
+                *shared_example,
+            )
+            shared_varying = info[1][1]
+            checked = [
+                i
+                for i, (v, s) in enumerate(zip(varying, shared_varying, strict=True))
+                if v and not s
+            ]
+        planned = written + read_only
 
-        def body(*values):
-            flat, _ = call(*values)
-            return [jnp.asarray(x)[None] if v else x for x, v in zip(flat, varying, strict=True)]
+        def body(*inputs):
+            *values, written_values, read_values = inputs
+            frame = tracked.RunFrame(self, planned, [*written_values, *read_values])
+            try:
+                flat, _ = call(values, frame)
+            except tracked.Replan:
+                raise RuntimeError(
+                    "The function given to strategy.run used other metrics, optimizers or "
+                    "models when it was traced again (for new argument shapes) than the "
+                    "first time. Use the same stateful objects on every call."
+                ) from None
+            outs = [jnp.asarray(x)[None] if v else x for x, v in zip(flat, varying, strict=True)]
+            new_values = [frame.final(h) for h in written]
+            flags = None
+            if checked:
+                flags = mirrored_check.disagreement([flat[i] for i in checked], data)
+            return outs, new_values, flags
 
-        out_specs = [P(data) if v else P() for v in varying]
-        compiled = jax.jit(shard_map(body, out_specs=out_specs))
-        return _RunProgram(compiled, out_tree, varying)
+        def holder_specs(holders: list[tracked.TrackedState]) -> list[P]:
+            return [P(data) if h.per_replica else P() for h in holders]
+
+        out_specs = ([P(data) if v else P() for v in varying], holder_specs(written), P())
+        in_specs = (*user_specs, holder_specs(written), holder_specs(read_only))
+        compiled = jax.jit(
+            shard_map(body, in_specs=in_specs, out_specs=out_specs),
+            donate_argnums=(len(user_specs),) if written else (),
+        )
+        return _RunProgram(compiled, out_tree, varying, written, read_only, checked)
 
     # Cross-replica reductions -----------------------------------------------------------
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
@@ -658,9 +775,9 @@ class Strategy:
         this method decides where each runs. The default, for variables that live on
         every replica, is ONE ``jax.jit(jax.shard_map(...))`` program in which every
         replica computes its gradients, all-reduces them and applies the same update (a
-        ``lax.scan`` of `steps` steps when ``steps > 0``): see
-        `staging.replicated_train_program`. `CentralStorageStrategy` stages two programs
-        per step, the update where the variables live (`staging.host_update_train_program`).
+        ``lax.scan`` of `steps` steps when ``steps > 0``). `CentralStorageStrategy` stages
+        two programs per step: the gradients on the replicas, then the update applied once
+        where the variables live.
 
         Args:
           fns: the step.
@@ -669,7 +786,8 @@ class Strategy:
             (else as a tuple of batches).
 
         Returns:
-          ``program(state, acc, batch, mask) -> (state, acc, logs)``; see `staging`.
+          ``program(state, acc, batch, mask) -> (state, acc, logs)``: the new state, the
+          running loss and metric sums `acc` plus this call's, and their means.
         """
         return staging.replicated_train_program(self, fns, steps=steps, stacked=stacked)
 
@@ -697,8 +815,9 @@ class Strategy:
         schedules the epoch's steps on its workers instead.
 
         Args:
-          epoch: what the epoch needs: the train state, the compiled step, the data, the
-            callbacks (see `jstrategy._src.training.fit_loop.FitEpoch`).
+          epoch: what the epoch needs (a ``FitEpoch``): ``state`` (the train state),
+            ``spec`` (the compiled step), ``data`` (``train_executions`` cuts it into
+            executions), ``callbacks``, ``steps_per_epoch``, and ``run()``, the default.
 
         Returns:
           The new train state and the epoch's logs, or None when the data gave no batch.
@@ -709,10 +828,38 @@ class Strategy:
     def fit_resumes_exactly(self) -> bool:
         """Whether `Model.fit` can stop after any step and resume it exactly.
 
-        True by default (`jstrategy.callbacks.BackupAndRestore` relies on it); False for
-        `ParameterServerStrategy`, whose workers train asynchronously.
+        True by default (`jstrategy.callbacks.BackupAndRestore` backs up at any step);
+        False for `ParameterServerStrategy`, whose workers train asynchronously: its
+        backups are taken between epochs only.
         """
         return True
+
+    def fit_backup_state(self, owner: Any, state: Any) -> Any:
+        """What a `BackupAndRestore` backup of `owner`'s `Model.fit` holds besides its train
+        state `state`: None by default (the train state is all there is).
+        `ParameterServerStrategy` returns each variable's optimizer state on the parameter
+        servers.
+
+        Args:
+          owner: the `jstrategy.Model` being trained.
+          state: its train state.
+
+        Returns:
+          A pytree of arrays, or None.
+        """
+        del owner, state
+        return None
+
+    def restore_fit_backup_state(self, owner: Any, state: Any, saved: Any) -> None:
+        """Puts back what `fit_backup_state` saved, after the train state `state` was
+        restored (nothing to do by default).
+
+        Args:
+          owner: the `jstrategy.Model` being trained.
+          state: the restored train state.
+          saved: the restored `fit_backup_state`.
+        """
+        del owner, state, saved
 
     def restore_variables(self, read: Callable[[Strategy | None], Any]) -> Any:
         """How a checkpoint's variables are laid out when restored under this strategy.

@@ -12,6 +12,7 @@ from jax.experimental import multihost_utils
 __all__ = [
     "PerReplica",
     "is_per_replica",
+    "local_copy",
     "local_devices_of",
     "local_replica_devices",
     "on_a_mesh",
@@ -48,14 +49,19 @@ class PerReplica:
       mask: for split values, which rows are real (None: all of them).
     """
 
-    __slots__ = ("mask", "stacked", "value")
+    __slots__ = ("mask", "mirrored", "stacked", "value")
 
-    def __init__(self, value: Any, *, stacked: bool = True, mask: Any = None):
+    def __init__(
+        self, value: Any, *, stacked: bool = True, mask: Any = None, mirrored: bool = False
+    ):
         if stacked and mask is not None:
             raise ValueError("`mask` is only meaningful for split (stacked=False) values.")
         self.value = value
         self.stacked = stacked
         self.mask = mask
+        # Set by `Strategy.run` under `jstrategy.config.experimental_check_mirrored` for an
+        # output found the same on every replica; passed back to `run`, it is checked again.
+        self.mirrored = mirrored
 
     def tree_flatten(self):
         if self.mask is None:
@@ -102,6 +108,19 @@ class PerReplica:
 
 def is_per_replica(x: Any) -> bool:
     return isinstance(x, PerReplica)
+
+
+def local_copy(x: Any) -> Any:
+    """This process's copy of a replicated (mirrored) array, readable on the host even when
+    the array spans other processes' devices; anything else as it is.
+
+    Example:
+
+    >>> import jax.numpy as jnp
+    >>> float(local_copy(jnp.float32(2.0)))
+    2.0
+    """
+    return x.addressable_data(0) if isinstance(x, jax.Array) else x
 
 
 def local_devices_of(array: jax.Array) -> list[jax.Device]:

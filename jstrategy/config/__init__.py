@@ -1,6 +1,7 @@
-"""`jstrategy.config`: mirrors the cluster setup call of `tf.config`, and the numerics check
-of `tf.debugging`."""
+"""`jstrategy.config`: mirrors the cluster setup call of `tf.config`, the numerics check
+of `tf.debugging`, and debug switches."""
 
+from jstrategy._src.mirrored_check import experimental_check_mirrored
 from jstrategy._src.tpu import experimental_connect_to_cluster
 from jstrategy._src.training.check_numerics import check_numerics_enabled
 from jstrategy._src.training.check_numerics import disable_check_numerics
@@ -10,5 +11,6 @@ __all__ = [
     "check_numerics_enabled",
     "disable_check_numerics",
     "enable_check_numerics",
+    "experimental_check_mirrored",
     "experimental_connect_to_cluster",
 ]

@@ -230,6 +230,34 @@ class ArrayStore:
     def read_opt_states(self, ids: Sequence[int]) -> list[Any]:
         return [self._opt_states[i] for i in ids]
 
+    def assign_opt_states(self, ids: Sequence[int], states: Sequence[Any]) -> None:
+        """Replaces variables' optimizer states (a restored backup, a new learning rate).
+
+        Raises:
+          ValueError: if a state is not shaped like the one it replaces.
+        """
+        for i, state in zip(ids, states, strict=True):
+            old = self._opt_states[i]
+            same = jax.tree.structure(old) == jax.tree.structure(state) and all(  # type: ignore[operator]
+                np.shape(a) == np.shape(b)
+                for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(state), strict=True)
+            )
+            if not same:
+                raise ValueError(
+                    f"The optimizer state for variable {i} does not match the optimizer's "
+                    "(another optimizer, or another variable layout)."
+                )
+        placed = jax.device_put(
+            [
+                jax.tree.map(lambda a, b: np.asarray(b, a.dtype), self._opt_states[i], s)
+                for i, s in zip(ids, states, strict=True)
+            ],
+            self.device,
+        )
+        for i, state in zip(ids, placed, strict=True):
+            with self._locks[i]:
+                self._opt_states[i] = state
+
     def apply(self, ids: Sequence[int], kind: str, args: Sequence[Any]) -> None:
         if not ids:
             return
@@ -288,6 +316,9 @@ class StoreClient(abc.ABC):
     @abc.abstractmethod
     def read_opt_states(self, ids: Sequence[int]) -> list[Any]: ...
 
+    @abc.abstractmethod
+    def assign_opt_states(self, ids: Sequence[int], states: Sequence[Any]) -> None: ...
+
 
 def _unavailable(ps_index: int) -> ParameterServerFailureError:
     return ParameterServerFailureError(
@@ -333,6 +364,10 @@ class LocalStoreClient(StoreClient):
     def read_opt_states(self, ids):
         self._check()
         return self.store.read_opt_states(ids)
+
+    def assign_opt_states(self, ids, states):
+        self._check()
+        self.store.assign_opt_states(ids, states)
 
     def __repr__(self) -> str:
         return f"LocalStoreClient(ps:{self.ps_index}, {self.store.device})"

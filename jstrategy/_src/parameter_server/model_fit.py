@@ -36,15 +36,17 @@ from jstrategy._src.placement import place_state
 from jstrategy._src.staging import replica_map
 from jstrategy._src.staging import row_spec
 from jstrategy._src.strategy import Strategy
+from jstrategy._src.training import keras_optimizers
 from jstrategy._src.training import step as step_lib
 from jstrategy._src.training.fit_loop import FitEpoch
 from jstrategy._src.training.fit_loop import FitEpochResult
 from jstrategy._src.validation import check_positive_int
+from jstrategy._src.values import local_copy
 
 if TYPE_CHECKING:
     from jstrategy._src.parameter_server.strategy import ParameterServerStrategy
 
-__all__ = ["run_fit_epoch"]
+__all__ = ["backup_state", "restore_backup_state", "run_fit_epoch"]
 
 
 def _is_key(x: Any) -> bool:
@@ -89,6 +91,8 @@ class _Session:
     synced_params: Any  # the model's params object the variables were last copied into
     step: int
     token: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+    # The learning rate last set in the variables' optimizer states (None: never set).
+    rate: float | None = None
 
 
 _SESSIONS: weakref.WeakKeyDictionary[Any, _Session] = weakref.WeakKeyDictionary()
@@ -184,6 +188,8 @@ def run_fit_epoch(strategy: ParameterServerStrategy, epoch: FitEpoch) -> FitEpoc
     spec, state, cbs = epoch.spec, epoch.state, epoch.callbacks
     _check_synchronous_options(spec, state)
     session = _session(strategy, epoch.owner, state)
+    _sync_rate(session, state)
+    epoch.begin()
     coordinator = session.coordinator
     # What the workers need of the state besides the variables (the dropout key, ...).
     template = state.replica_view().with_variables(None, None)
@@ -218,7 +224,8 @@ def run_fit_epoch(strategy: ParameterServerStrategy, epoch: FitEpoch) -> FitEpoc
         values = session.mutable.read() if session.mutable is not None else []
         model_state = session.layout.merge([k for _, k in session.layout.keys], values)
     new = state.with_variables(session.params.read(), model_state)
-    new = place_state(new.with_step(np.int32(session.step)), strategy)
+    new = _with_update_count(new.with_step(np.int32(session.step)), session.step)
+    new = place_state(new, strategy)
     session.synced_params = new.params
     return FitEpochResult(new, host_means(running, names))
 
@@ -239,6 +246,68 @@ def _check_synchronous_options(spec: step_lib.StepSpec, state: Any) -> None:
             "they arrive and cannot skip a non-finite step for all of them. Use "
             "dtype_policy='mixed_bfloat16', which needs no loss scale."
         )
+
+
+def _injected(tree: Any) -> bool:
+    return isinstance(tree, keras_optimizers._INJECTED)
+
+
+def _with_update_count(state: Any, count: int) -> Any:
+    """`state` whose injected learning rate's step count is `count`, the updates the
+    parameter servers applied (so a schedule's current rate reads right)."""
+    if keras_optimizers.injected_state(state.opt_state) is None:
+        return state
+
+    def recount(x: Any) -> Any:
+        if _injected(x):
+            return x._replace(count=np.asarray(count, np.asarray(x.count).dtype))
+        return x
+
+    opt_state = jax.tree.map(recount, jax.device_get(state.opt_state), is_leaf=_injected)
+    return state.replace(opt_state=opt_state)
+
+
+def _sync_rate(session: _Session, state: Any) -> None:
+    """Sets the learning rate of the train state (`Model.learning_rate`, a scheduler) in
+    every variable's optimizer state on the parameter servers, when it changed."""
+    injected = keras_optimizers.injected_state(state.opt_state)
+    if injected is None or "learning_rate" not in injected.hyperparams:
+        return
+    rate = float(np.asarray(local_copy(injected.hyperparams["learning_rate"])))
+    if session.rate == rate:
+        return
+
+    def with_rate(x: Any) -> Any:
+        if _injected(x):
+            hyper = dict(x.hyperparams)
+            hyper["learning_rate"] = np.asarray(rate, np.asarray(hyper["learning_rate"]).dtype)
+            return x._replace(hyperparams=hyper)
+        return x
+
+    states = session.params.opt_state()
+    session.params.assign_opt_state(jax.tree.map(with_rate, states, is_leaf=_injected))
+    session.rate = rate
+
+
+def backup_state(strategy: ParameterServerStrategy, owner: Any, state: Any) -> Any:
+    """What `BackupAndRestore` saves besides the train state `state`: each variable's
+    optimizer state on the parameter servers (sharded variables: one per shard)."""
+    return {"opt_state": _session(strategy, owner, state).params.opt_state()}
+
+
+def restore_backup_state(
+    strategy: ParameterServerStrategy, owner: Any, state: Any, saved: Any
+) -> None:
+    """Puts a restored backup on the parameter servers: the train state's variables, and
+    each variable's optimizer state."""
+    session = _session(strategy, owner, state)
+    session.params.assign(jax.device_get(state.params))
+    if session.mutable is not None:
+        session.mutable.assign(jax.device_get(session.layout.values(state.model_state)))
+    session.params.assign_opt_state(saved["opt_state"])
+    session.synced_params = state.params
+    session.step = int(np.asarray(local_copy(state.step)))
+    session.rate = None
 
 
 def _accumulate(running: dict[str, float], sums: dict[str, Any]) -> None:

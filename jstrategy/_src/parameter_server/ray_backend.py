@@ -70,6 +70,9 @@ class _ParameterServerActor:
     def read_opt_states(self, ids) -> list[Any]:
         return backend_lib.to_numpy(self._store.read_opt_states(ids))
 
+    def assign_opt_states(self, ids, states) -> None:
+        self._store.assign_opt_states(ids, states)
+
     def apply(self, ids, kind, args) -> None:
         self._store.apply(ids, kind, args)
         # Finish before acknowledging, so an acknowledged update is applied.
@@ -157,6 +160,10 @@ class RayStoreClient(backend_lib.StoreClient):
 
     def read_opt_states(self, ids):
         return self._get([self.actor.read_opt_states.remote(list(ids))], [self])[0]
+
+    def assign_opt_states(self, ids, states):
+        states = backend_lib.to_numpy(list(states))
+        self._get([self.actor.assign_opt_states.remote(list(ids), states)], [self])
 
     def __repr__(self) -> str:
         return f"RayStoreClient(ps:{self.ps_index})"

@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING
 from typing import Any
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 
+from jstrategy._src.jax_compat import inside_staging_trace
 from jstrategy._src.strategy import REPLICA_AXIS
 from jstrategy._src.values import varying_axes
 
@@ -53,31 +53,6 @@ _RECOMPILES_WARNED = 8
 _MAX_REPLANS = 3
 
 _LOCAL = threading.local()
-_TOP_LEVEL: list[Any] = []
-
-
-def _top_level_state() -> Any:
-    # Taken on a fresh thread, which is outside any trace whatever this one is doing.
-    if not _TOP_LEVEL:
-        box: list[Any] = []
-        thread = threading.Thread(
-            target=lambda: box.append(jax.extend.core.get_opaque_trace_state())
-        )
-        thread.start()
-        thread.join()
-        _TOP_LEVEL.append(box[0])
-    return _TOP_LEVEL[0]
-
-
-def _inside_staging_trace() -> bool:
-    """Whether this thread is tracing a program that JAX compiles (`jit`, `eval_shape`, ...).
-
-    Eager transformations (`grad`, `vmap` outside `jit`) run their reads each call, so they
-    do not count.
-    """
-    if jax.extend.core.get_opaque_trace_state() == _top_level_state():
-        return False
-    return isinstance(jnp.zeros((), jnp.int32), jax.core.Tracer)
 
 
 def refuse_inside_trace(what: str, *, captured: bool = True) -> None:
@@ -100,7 +75,7 @@ def refuse_inside_trace(what: str, *, captured: bool = True) -> None:
             "the host yet. Use variables.read() inside run (its arrays are this call's "
             "values), and numpy() outside."
         )
-    if _inside_staging_trace():
+    if inside_staging_trace():
         raise RuntimeError(
             f"{what} was called while JAX traces a compiled function (jax.jit, eval_shape, "
             "...). It would run once, when the function is traced, and never again: a read "

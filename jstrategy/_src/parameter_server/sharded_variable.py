@@ -498,6 +498,31 @@ class VariableTree:
             out.append(states if isinstance(leaf, ShardedVariable) else states[0])
         return jax.tree.unflatten(self._treedef, out)
 
+    def assign_opt_state(self, tree: Any) -> None:
+        """Sets each variable's optimizer state from a tree shaped like `opt_state`'s (a
+        backup's, or one with a new learning rate).
+
+        Raises:
+          ValueError: if `tree` does not match the variables' optimizer states.
+        """
+        run_capture.refuse_inside_trace("VariableTree.assign_opt_state()", captured=False)
+        per_leaf = jax.tree.structure(self.variables).flatten_up_to(tree)  # type: ignore[attr-defined]
+        groups: dict[Any, tuple[list[int], list[Any]]] = {}
+        for leaf, state in zip(self._leaves, per_leaf, strict=True):
+            shards = leaf.shards if isinstance(leaf, ShardedVariable) else [leaf]
+            shard_states = state if isinstance(leaf, ShardedVariable) else [state]
+            if len(shard_states) != len(shards):
+                raise ValueError(
+                    f"The optimizer state of {leaf.name!r} has {len(shard_states)} shards; "
+                    f"the variable has {len(shards)}."
+                )
+            for shard, shard_state in zip(shards, shard_states, strict=True):
+                ids, values = groups.setdefault(shard._store, ([], []))
+                ids.append(shard._id)
+                values.append(shard_state)
+        for store, (ids, values) in groups.items():
+            store.assign_opt_states(ids, values)
+
     def __repr__(self) -> str:
         shards = sum(isinstance(v, ShardedVariable) for v in self._leaves)
         return (

@@ -435,13 +435,23 @@ class ParameterServerStrategy(Strategy):
 
     # Hooks (see `Strategy`) ---------------------------------------------------------------
     def run_fit_epoch(self, epoch: FitEpoch) -> FitEpochResult | None:
-        """`jstrategy.Model.fit`'s epoch: steps scheduled on the workers (`model_fit.py`)."""
+        """`jstrategy.Model.fit`'s epoch: one step scheduled on the workers per batch; each
+        pulls the variables, computes its gradients and pushes them to the ps."""
         return model_fit.run_fit_epoch(self, epoch)
 
     @property
     def fit_resumes_exactly(self) -> bool:
-        """False: the workers train asynchronously, so a step cannot be resumed exactly."""
+        """False: the workers train asynchronously, so `BackupAndRestore` backs up between
+        epochs only (a resumed job restarts the interrupted epoch)."""
         return False
+
+    def fit_backup_state(self, owner: Any, state: Any) -> Any:
+        """Each variable's optimizer state on the parameter servers (see `Strategy`)."""
+        return model_fit.backup_state(self, owner, state)
+
+    def restore_fit_backup_state(self, owner: Any, state: Any, saved: Any) -> None:
+        """Puts the restored variables and optimizer states on the parameter servers."""
+        model_fit.restore_backup_state(self, owner, state, saved)
 
     def restore_variables(self, read: Callable[[Strategy | None], Any]) -> Any:
         """A checkpoint saved under any strategy lands on the parameter servers, round-robin

@@ -29,6 +29,7 @@ from jstrategy._src import fault_tolerance
 from jstrategy._src.training.progress import Progbar
 from jstrategy._src.training.progress import resolve_verbose
 from jstrategy._src.validation import check_non_negative_int
+from jstrategy._src.values import local_copy
 
 __all__ = [
     "BackupAndRestore",
@@ -41,6 +42,7 @@ __all__ = [
     "Mode",
     "ModelCheckpoint",
     "ProgbarLogger",
+    "ReduceLROnPlateau",
 ]
 
 _HOOKS = (
@@ -317,8 +319,41 @@ _UPWARD = ("acc", "accuracy", "auc", "precision", "recall", "f1", "iou", "r2")
 _DOWNWARD = ("loss", "error", "crossentropy", "mse", "mae", "mape", "msle", "hinge", "huber")
 
 
-def _to_float(value: Any) -> float:
-    return float(np.asarray(value, dtype=np.float64))
+def host_float(value: Any) -> float:
+    """`value` (a number, or a replicated device array: this process's copy) as a float."""
+    return float(np.asarray(local_copy(value), dtype=np.float64))
+
+
+def log_numbers(logs: dict[str, Any] | None) -> dict[str, float]:
+    """The entries of `logs` that are numbers, as floats (others, e.g. strings, dropped)."""
+    out = {}
+    for key, value in (logs or {}).items():
+        try:
+            out[str(key)] = host_float(value)
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+def _check_monitor(monitor: Any) -> None:
+    if not isinstance(monitor, str) or not monitor:
+        raise ValueError(f"`monitor` must be a log key such as 'val_loss'; got {monitor!r}.")
+
+
+def _monitored(logs: dict[str, Any] | None, monitor: str, owner: str) -> float | None:
+    """The monitored value in `logs`, or None (with a warning) if it is missing."""
+    logs = logs or {}
+    value = logs.get(monitor)
+    if value is None:
+        warnings.warn(
+            f"{owner} is conditioned on {monitor!r}, which is not in the logs (available: "
+            f"{sorted(logs)}). Pass validation data for 'val_' keys or pick one of the "
+            "available keys.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    return host_float(value)
 
 
 def _parse_mode(mode: Any) -> Mode:
@@ -404,8 +439,7 @@ class EarlyStopping(Callback):
         start_from_epoch: int = 0,
     ):
         super().__init__()
-        if not isinstance(monitor, str) or not monitor:
-            raise ValueError(f"`monitor` must be a log key such as 'val_loss'; got {monitor!r}.")
+        _check_monitor(monitor)
         if isinstance(min_delta, bool) or not isinstance(min_delta, (int, float)):
             raise ValueError(f"`min_delta` must be a number; got {min_delta!r}. E.g. 1e-3.")
         patience = check_non_negative_int(patience, "patience")
@@ -449,18 +483,7 @@ class EarlyStopping(Callback):
 
     def get_monitor_value(self, logs: dict[str, Any] | None) -> float | None:
         """The monitored value in `logs`, or None (with a warning) if it is missing."""
-        logs = logs or {}
-        value = logs.get(self.monitor)
-        if value is None:
-            warnings.warn(
-                f"EarlyStopping is conditioned on {self.monitor!r}, which is not in the logs "
-                f"(available: {sorted(logs)}). Pass validation data for 'val_' keys or pick "
-                "one of the available keys.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            return None
-        return _to_float(value)
+        return _monitored(logs, self.monitor, "EarlyStopping")
 
     def on_epoch_end(self, epoch, logs=None):
         if self._lower_is_better is None:
@@ -562,7 +585,10 @@ class LearningRateScheduler(Callback):
                 f"model reads and sets); {type(self.model).__name__} has none. Compile the "
                 "model with an optimizer whose learning rate can be changed."
             )
-        return _to_float(self.model.learning_rate)
+        return host_float(self.model.learning_rate)
+
+    def on_train_begin(self, logs=None):
+        _check_settable_rate(self.model, "LearningRateScheduler")
 
     def on_epoch_begin(self, epoch, logs=None):
         if self._pass_lr:
@@ -571,7 +597,7 @@ class LearningRateScheduler(Callback):
             self._current_rate()
             rate = self.schedule(epoch)
         try:
-            value = _to_float(rate)
+            value = host_float(rate)
         except (TypeError, ValueError):
             value = math.nan
         if not math.isfinite(value) or value < 0:
@@ -590,6 +616,139 @@ class LearningRateScheduler(Callback):
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
             logs["learning_rate"] = self._current_rate()
+
+
+def _check_settable_rate(model: Any, owner: str) -> None:
+    """Raises before training when `model`'s learning rate cannot be read and set back.
+
+    Raises:
+      ValueError: if the model has no `learning_rate`.
+      TypeError: if it cannot be read (a plain optax transformation) or set (a schedule);
+        the model's message shows the fix.
+    """
+    if not hasattr(type(model), "learning_rate") and not hasattr(model, "learning_rate"):
+        raise ValueError(
+            f"{owner} needs `model.learning_rate` (a float property the model reads and "
+            f"sets); {type(model).__name__} has none."
+        )
+    model.learning_rate = model.learning_rate
+
+
+class ReduceLROnPlateau(Callback):
+    """Reduces the learning rate when a monitored quantity stops improving, as Keras's.
+
+    After `patience` epochs without an improvement larger than `min_delta`, the rate
+    (``model.learning_rate``) is multiplied by `factor`, not below `min_lr`; then `cooldown`
+    epochs pass before counting again. Each epoch's logs get the rate the epoch used
+    (``logs["learning_rate"]``).
+
+    Args:
+      monitor: the log key to watch.
+      factor: the multiplier of the rate, in (0, 1).
+      patience: epochs without improvement before reducing.
+      verbose: 1 prints each reduction.
+      mode: ``"min"``, ``"max"`` or ``"auto"`` (see `EarlyStopping`).
+      min_delta: the smallest change that counts as an improvement.
+      cooldown: epochs to wait after a reduction before counting again.
+      min_lr: the lowest rate.
+
+    Raises:
+      ValueError: for a bad argument, e.g. ``factor >= 1``.
+      TypeError: at the start of `fit`, if the model's rate cannot be read or set (a plain
+        optax transformation, or a schedule); the message shows the fix.
+
+    Example:
+
+    >>> class FakeModel:
+    ...     learning_rate = 0.1
+    >>> reduce = ReduceLROnPlateau(monitor="loss", factor=0.5, patience=1)
+    >>> reduce.set_model(FakeModel())
+    >>> reduce.on_train_begin()
+    >>> for epoch, loss in enumerate([1.0, 1.0, 1.0]):
+    ...     reduce.on_epoch_end(epoch, {"loss": loss})
+    >>> reduce.model.learning_rate
+    0.025
+    """
+
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        factor: float = 0.1,
+        patience: int = 10,
+        verbose: int = 0,
+        mode: Mode | str = "auto",
+        min_delta: float = 1e-4,
+        cooldown: int = 0,
+        min_lr: float = 0.0,
+    ):
+        super().__init__()
+        _check_monitor(monitor)
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < 1:
+            raise ValueError(
+                f"`factor` must be in (0, 1) (ReduceLROnPlateau reduces the rate); got "
+                f"{factor!r}. E.g. 0.1."
+            )
+        for name, value in (("min_delta", min_delta), ("min_lr", min_lr)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"`{name}` must be a non-negative number; got {value!r}.")
+        self.monitor = monitor
+        self.factor = float(factor)
+        self.patience = check_non_negative_int(patience, "patience")
+        self.verbose = verbose
+        self.mode = _parse_mode(mode)
+        self.min_delta = float(min_delta)
+        self.cooldown = check_non_negative_int(cooldown, "cooldown")
+        self.min_lr = float(min_lr)
+        self._lower_is_better: bool | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.wait = 0
+        self.cooldown_counter = 0
+        self.best: float | None = None
+
+    def on_train_begin(self, logs=None):
+        self._reset()
+        _check_settable_rate(self.model, "ReduceLROnPlateau")
+
+    def _improved(self, value: float) -> bool:
+        if self.best is None:
+            return True
+        if self._lower_is_better:
+            return value < self.best - self.min_delta
+        return value > self.best + self.min_delta
+
+    def on_epoch_end(self, epoch, logs=None):
+        rate = host_float(self.model.learning_rate)
+        if logs is not None:
+            logs["learning_rate"] = rate
+        current = _monitored(logs, self.monitor, "ReduceLROnPlateau")
+        if current is None:
+            return
+        if self._lower_is_better is None:
+            self._lower_is_better = _infer_lower_is_better(
+                self.mode, self.monitor, self.model, "ReduceLROnPlateau", "reduce on"
+            )
+        if self.cooldown_counter > 0:
+            self.cooldown_counter -= 1
+            self.wait = 0
+        if self._improved(current):
+            self.best = current
+            self.wait = 0
+            return
+        if self.cooldown_counter > 0:
+            return
+        self.wait += 1
+        if self.wait >= self.patience and rate > self.min_lr:
+            new = max(rate * self.factor, self.min_lr)
+            self.model.learning_rate = new
+            if self.verbose > 0:
+                print(
+                    f"\nEpoch {epoch + 1}: ReduceLROnPlateau reducing learning rate to {new}.",
+                    flush=True,
+                )
+            self.cooldown_counter = self.cooldown
+            self.wait = 0
 
 
 class LambdaCallback(Callback):
@@ -815,23 +974,6 @@ def _check_save_freq(save_freq: Any) -> str | int:
     return int(save_freq)
 
 
-def _host_int(x: Any) -> int:
-    # A replicated value may span other processes' devices: read this process's copy.
-    if isinstance(x, jax.Array):
-        x = x.addressable_data(0)
-    return int(np.asarray(x))
-
-
-def _numbers(logs: dict[str, Any] | None) -> dict[str, float]:
-    out = {}
-    for k, v in (logs or {}).items():
-        try:
-            out[str(k)] = _to_float(v)
-        except (TypeError, ValueError):
-            continue
-    return out
-
-
 def _is_chief() -> bool:
     return jax.process_index() == 0
 
@@ -994,14 +1136,14 @@ class ModelCheckpoint(Callback):
         self._counter.batch_end(self.model)
         if self._counter.due(self.save_freq):
             epoch = _fit_state(self.model, "ModelCheckpoint").epoch
-            self._save(epoch, _host_int(self.model.state.step), logs)
+            self._save(epoch, int(np.asarray(local_copy(self.model.state.step))), logs)
 
     def on_epoch_end(self, epoch, logs=None):
         if self.save_freq == "epoch":
             self._save(epoch, epoch + 1, logs)
 
     def _save(self, epoch: int, step: int, logs: dict[str, Any] | None) -> None:
-        metrics = _numbers(logs)
+        metrics = log_numbers(logs)
         where = f"Epoch {epoch + 1}: "
         if self.save_best_only:
             current = metrics.get(self.monitor)
@@ -1072,6 +1214,13 @@ class BackupAndRestore(Callback):
     right step with other batches. At the end of training the backup is deleted (unless
     ``delete_checkpoint=False``); after an exception or a preemption it is kept.
 
+    Under `ParameterServerStrategy`, whose workers train asynchronously, backups are
+    taken between epochs only (``save_freq="epoch"``): the train state, each variable's
+    optimizer state on the parameter servers, the epoch and the data order. A restarted job
+    restarts the interrupted epoch, with that epoch's data order; with one worker it then
+    follows the uninterrupted run exactly, with several the order of their updates differs
+    from run to run (as it does between any two runs). SIGTERM is not intercepted there.
+
     With `save_before_preemption` (the default), SIGTERM (the usual preemption notice) no
     longer kills the process: training goes on to the next step boundary (between
     executions of ``steps_per_execution`` steps), where every worker saves a backup of that
@@ -1092,7 +1241,8 @@ class BackupAndRestore(Callback):
       save_before_preemption: on SIGTERM, back up at the next step boundary and exit.
 
     Raises:
-      ValueError: for an invalid argument.
+      ValueError: for an invalid argument; at the start of `fit`, for an int `save_freq`
+        under a strategy whose workers train asynchronously.
 
     Example:
 
@@ -1131,12 +1281,13 @@ class BackupAndRestore(Callback):
     def on_train_begin(self, logs=None):
         _check_model(self.model, "BackupAndRestore")
         strategy = self.model.strategy
-        if not strategy.fit_resumes_exactly:
-            raise NotImplementedError(
-                f"BackupAndRestore does not support {type(strategy).__name__} yet: its "
-                "workers train asynchronously, so a step cannot be resumed exactly. Use "
-                "ModelCheckpoint and Model.restore_checkpoint to restart from the last saved "
-                "epoch."
+        exact = strategy.fit_resumes_exactly
+        if not exact and self.save_freq != "epoch":
+            raise ValueError(
+                f"BackupAndRestore(save_freq={self.save_freq!r}) cannot back up in the "
+                f"middle of an epoch under {type(strategy).__name__}: its workers train "
+                "asynchronously, so no step is a point every update has reached. Pass "
+                "save_freq='epoch': a restarted job resumes from the last completed epoch."
             )
         self._manager = checkpoint_lib.CheckpointManager(self.backup_dir, max_to_keep=1)
         self._counter = _StepCounter()
@@ -1150,7 +1301,9 @@ class BackupAndRestore(Callback):
                     f"epoch {where['epoch'] + 1}, step {where['step']}.",
                     flush=True,
                 )
-        if self.save_before_preemption:
+        # Without exact resumption there is no step to save at a preemption notice: the
+        # process stops at once, and the last epoch's backup is where it resumes.
+        if self.save_before_preemption and exact:
             self._watcher = fault_tolerance._PreemptionWatcher(owner="BackupAndRestore")
 
     def on_epoch_begin(self, epoch, logs=None):

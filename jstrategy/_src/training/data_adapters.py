@@ -228,13 +228,15 @@ class DatasetAdapter:
 
     def __init__(self, strategy: Strategy, dataset: Any, *, steps: int | None, arg: str):
         self.strategy = strategy
-        # A one-shot iterator (e.g. a generator) gives one pass; later epochs get nothing.
-        self.one_shot = not isinstance(dataset, DistributedDataset) and iter(dataset) is dataset
         self._passes = 0
         if isinstance(dataset, DistributedDataset):
             self.dataset = dataset
         else:
+            # The one rule of what a dataset may be: experimental_distribute_dataset's.
             self.dataset = strategy.experimental_distribute_dataset(dataset)
+        # A one-shot iterator (e.g. a generator object) gives one pass; later epochs get
+        # nothing. A generator function gives a fresh pass each epoch.
+        self.one_shot = self.dataset.one_shot
         self.limit = steps
         self.arg = arg
         self._iterator: Iterator[Any] | None = None
@@ -483,10 +485,11 @@ def make_adapter(
             seed=seed,
             steps=steps,
         )
-    if x is None or not hasattr(x, "__iter__"):
+    if x is None or not (hasattr(x, "__iter__") or callable(x)):
         raise TypeError(
             f"`{arg}` must be arrays (NumPy or JAX, or a dict/tuple of them), an iterable "
-            f"of (x, y) batches or a distributed dataset; got {type(x).__name__}."
+            f"of (x, y) batches, a generator function or a distributed dataset; got "
+            f"{type(x).__name__}."
         )
     # A dataset's batches hold everything; arguments meant for arrays would be ignored.
     hint = " (its batches hold (x, y) or (x, y, sample_weight))"

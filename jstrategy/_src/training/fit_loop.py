@@ -73,6 +73,8 @@ class FitState:
       position_base: for a dataset read through one persistent iterator
         (``steps_per_epoch``), the elements drawn from it before this epoch; else None.
       sums: the epoch's running loss and metric sums (on the devices), or None.
+      owner: the `jstrategy.Model` being trained (what a strategy keys its own fit state
+        by, see `Strategy.fit_backup_state`).
     """
 
     trainer: Trainer = dataclasses.field(repr=False)
@@ -81,6 +83,7 @@ class FitState:
     order_index: int = 0
     position_base: int | None = None
     sums: Any = dataclasses.field(default=None, repr=False)
+    owner: Any = dataclasses.field(default=None, repr=False)
 
     def metadata(self, *, epoch_end: bool) -> dict[str, Any]:
         """The JSON-able position saved with a backup: at this step, or after the epoch."""
@@ -108,6 +111,9 @@ class FitState:
         tree: dict[str, Any] = {"train_state": fault_tolerance.to_savable(trainer.state)}
         if epoch_sums:
             tree["epoch_sums"] = self.sums if self.sums is not None else trainer.zero_sums()
+            extra = trainer.strategy.fit_backup_state(self.owner, trainer.state)
+            if extra is not None:
+                tree["strategy_state"] = extra
         return tree
 
     def restore_backup(self, manager: checkpoint_lib.CheckpointManager) -> dict[str, Any]:
@@ -121,10 +127,17 @@ class FitState:
         """
         trainer = self.trainer
         target = self.checkpoint_tree(epoch_sums=True)
-        restored = manager.restore(target=target, strategy=trainer.strategy)
+        # The target holds the train state as the strategy places it, and every leaf is
+        # restored there (strategy=None: a ParameterServerStrategy would create variables
+        # on its parameter servers, where a Model keeps none).
+        restored = manager.restore(target=target)
         metadata = manager.restore_metadata()
         state = fault_tolerance.from_savable(restored["train_state"], trainer.state)
         trainer.state = place_state(state, trainer.strategy)
+        if "strategy_state" in restored:
+            trainer.strategy.restore_fit_backup_state(
+                self.owner, trainer.state, restored["strategy_state"]
+            )
         missing = [k for k in _FIT_KEYS if k not in metadata]
         if missing:
             raise checkpoint_lib.CheckpointError(
@@ -190,6 +203,18 @@ class FitEpoch:
         """Whether a callback asked training to stop (``model.stop_training``)."""
         return self.trainer.stop_training
 
+    def begin(self, sums: Any = None) -> FitState:
+        """Records where the epoch starts in `FitState` (before `next_order_seed`), so a
+        backup taken during or after it resumes with the same data; every runner calls it."""
+        trainer = self.trainer
+        progress = trainer.fit_state or FitState(trainer, owner=self.owner)
+        progress.order_index = trainer.epochs_run
+        progress.step = self.skip
+        data = self.data
+        progress.position_base = None if data.limit is None else data.taken - self.skip
+        progress.sums = sums
+        return progress
+
     def run(self) -> FitEpochResult | None:
         """The default epoch: the compiled programs on the replicas, asynchronously.
 
@@ -200,11 +225,7 @@ class FitEpoch:
         trainer, cbs, data, skip = self.trainer, self.callbacks, self.data, self.skip
         acc = trainer.zero_sums() if self.sums is None else self.sums
         logs: dict[str, Any] = {}
-        progress = trainer.fit_state or FitState(trainer)
-        progress.order_index = trainer.epochs_run
-        progress.step = skip
-        progress.position_base = None if data.limit is None else data.taken - skip
-        progress.sums = acc
+        progress = self.begin(acc)
         epoch_seed = trainer.next_order_seed()
         step = skip
         executions = data.train_executions(
@@ -275,7 +296,7 @@ def fit(
     the shuffling order and dataset position the interrupted run had there.
     """
     trainer.stop_training = False
-    trainer.fit_state = fit_state = FitState(trainer)
+    trainer.fit_state = fit_state = FitState(trainer, owner=owner)
     logs: dict[str, Any] = {}
     try:
         cbs.on_train_begin()

@@ -1,14 +1,17 @@
-"""Keras-compatible losses that return one value per example.
+"""Keras-compatible losses: one value per example, reduced as Keras's `reduction` says.
 
-Every loss maps ``(y_true, y_pred)`` to a ``(batch,)`` array and does no reduction over
-the batch: the train step owns that, because only it knows which rows are padding and how
-many real rows all replicas hold together. Non-batch axes are averaged, as Keras averages
-them before its batch reduction, so ``mean(loss(y_true, y_pred))`` over real rows equals
-Keras's ``sum_over_batch_size`` value.
+Every loss maps ``(y_true, y_pred)`` to a ``(batch,)`` array (`Loss.per_example`); non-batch
+axes are averaged, as Keras averages them before its batch reduction. The train step
+(`Model.compile`, `make_train_step`) always uses those per-example values: only it knows
+which rows are padding and how many real rows all replicas hold together, and it takes the
+mean over the real rows of the global batch. Calling a loss object directly reduces them as
+Keras does (`Reduction`); inside `Strategy.run` the default ``"sum_over_batch_size"`` is
+an error, as in TF, because it would average one replica's rows only.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jstrategy._src import context
 from jstrategy._src.training.per_example import PerExampleFunction
 from jstrategy._src.training.per_example import align_ranks
 from jstrategy._src.training.per_example import callable_name
@@ -34,6 +38,7 @@ __all__ = [
     "LossFunctionWrapper",
     "MeanAbsoluteError",
     "MeanSquaredError",
+    "Reduction",
     "SparseCategoricalCrossentropy",
     "get",
 ]
@@ -55,13 +60,53 @@ def _check_label_smoothing(value: Any) -> float:
     return float(value)
 
 
+class Reduction(enum.Enum):
+    """How a loss object called directly reduces its per-example values (Keras's names).
+
+    * ``NONE``: the per-example values, shape ``(batch,)``.
+    * ``SUM``: their sum.
+    * ``SUM_OVER_BATCH_SIZE`` (the default): their mean over the batch.
+    * ``AUTO``: TF's name for ``SUM_OVER_BATCH_SIZE``.
+
+    Inside `Strategy.run`, rows that a distributed dataset added as padding count for
+    nothing (their values are 0 with ``NONE``), and ``SUM_OVER_BATCH_SIZE`` is an error, as
+    in TF: it would average this replica's rows only, not the global batch. Use ``NONE``
+    and `jstrategy.compute_average_loss`, as TF's custom-training tutorial does. `compile`
+    and the train step ignore the reduction (``SUM`` aside, which they refuse): they take
+    the per-example values and their mean over the real rows of the global batch.
+    """
+
+    NONE = "none"
+    SUM = "sum"
+    SUM_OVER_BATCH_SIZE = "sum_over_batch_size"
+    AUTO = "auto"
+
+
+def _reduction(value: Any) -> Reduction:
+    if value is None:
+        return Reduction.NONE
+    if isinstance(value, Reduction):
+        return value
+    try:
+        return Reduction(value)
+    except ValueError:
+        raise ValueError(
+            f"`reduction` must be one of {[r.value for r in Reduction]} (or a "
+            f"jstrategy.losses.Reduction); got {value!r}. Use 'none' for per-example losses."
+        ) from None
+
+
 class Loss(PerExampleFunction):
     """Base class: a loss mapping ``(y_true, y_pred)`` to per-example values ``(batch,)``.
 
     Subclasses implement `call`, which may return any shape with the batch axis first;
-    `__call__` checks the inputs and averages the non-batch axes.
+    `per_example` checks the inputs and averages the non-batch axes. Calling the loss
+    reduces the per-example values as `reduction` says (Keras's meaning); `compile` and
+    the train step use `per_example` (see `Reduction`).
 
     Args:
+      reduction: a `Reduction` or its value: ``"sum_over_batch_size"`` (the default, a
+        mean over the batch), ``"sum"`` or ``"none"``.
       name: the loss's name; defaults to the class name in snake case, as in Keras.
 
     Example:
@@ -70,17 +115,72 @@ class Loss(PerExampleFunction):
     >>> class AbsCube(Loss):
     ...     def call(self, y_true, y_pred):
     ...         return jnp.abs(y_pred - y_true) ** 3
-    >>> loss = AbsCube()
+    >>> loss = AbsCube(reduction="none")
     >>> loss.name, loss(jnp.zeros((2, 3)), jnp.ones((2, 3))).tolist()
     ('abs_cube', [1.0, 1.0])
+    >>> float(AbsCube()(jnp.zeros(2), jnp.array([1.0, 2.0])))  # sum_over_batch_size
+    4.5
     """
+
+    def __init__(self, *, reduction: Any = "sum_over_batch_size", name: str | None = None):
+        super().__init__(name=name)
+        self.reduction = _reduction(reduction)
+
+    def __call__(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> jax.Array:
+        """The loss, reduced as `reduction` says (Keras's ``loss(y_true, y_pred)``).
+
+        Args:
+          y_true: labels, batch axis first.
+          y_pred: predictions, batch axis first.
+          sample_weight: optional weights: a scalar, or one per example (``(batch,)``).
+
+        Returns:
+          A scalar, or the ``(batch,)`` values with ``reduction="none"``.
+
+        Raises:
+          ValueError: if the shapes do not fit, or for ``"sum_over_batch_size"`` inside
+            `Strategy.run`.
+        """
+        values = self.per_example(y_true, y_pred)
+        if sample_weight is not None:
+            weight = jnp.asarray(sample_weight, values.dtype)
+            if weight.ndim > 1:
+                weight = weight.reshape(weight.shape[0], -1).mean(axis=1)
+            values = values * weight
+        ctx = context.inside_run()
+        if ctx is not None and self.reduction in (Reduction.SUM_OVER_BATCH_SIZE, Reduction.AUTO):
+            raise ValueError(
+                f"{type(self).__name__}(reduction='{self.reduction.value}') called inside "
+                "strategy.run would average this replica's rows only, not the global batch. "
+                "As in TF, create the loss with reduction='none' and pass its per-example "
+                "values to jstrategy.compute_average_loss(per_example_loss), which divides "
+                "by the global batch (or use reduction='sum' and divide by the global batch "
+                "size yourself)."
+            )
+        mask = None if ctx is None else ctx.row_mask
+        if mask is not None:
+            if mask.shape[0] != values.shape[0]:
+                raise ValueError(
+                    f"{type(self).__name__} got {values.shape[0]} rows but this replica's "
+                    f"batch has {mask.shape[0]} (its row mask); pass labels and predictions "
+                    "for the rows the distributed dataset gave this replica."
+                )
+            values = jnp.where(mask, values, jnp.zeros((), values.dtype))
+        if self.reduction is Reduction.NONE:
+            return values
+        if self.reduction is Reduction.SUM:
+            return jnp.sum(values)
+        return jnp.mean(values)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"reduction": self.reduction.value, **super().get_config()}
 
 
 class _SmoothedCrossentropy(Loss):
     """What the binary and categorical cross-entropies share: logits and label smoothing."""
 
-    def __init__(self, from_logits: bool, label_smoothing: float, *, name: str):
-        super().__init__(name=name)
+    def __init__(self, from_logits: bool, label_smoothing: float, *, reduction: Any, name: str):
+        super().__init__(reduction=reduction, name=name)
         self.from_logits = check_bool(from_logits, "from_logits")
         self.label_smoothing = _check_label_smoothing(label_smoothing)
 
@@ -102,12 +202,14 @@ class BinaryCrossentropy(_SmoothedCrossentropy):
       from_logits: whether `y_pred` holds logits (computed stably with
         `optax.sigmoid_binary_cross_entropy`) rather than probabilities.
       label_smoothing: in [0, 1]; labels become ``y * (1 - s) + 0.5 * s``.
+      reduction: how calling the loss reduces its per-example values (`Reduction`):
+        ``"sum_over_batch_size"`` (default), ``"sum"`` or ``"none"``.
       name: the loss's name.
 
     Example:
 
     >>> import numpy as np
-    >>> loss = BinaryCrossentropy(from_logits=True)
+    >>> loss = BinaryCrossentropy(from_logits=True, reduction="none")
     >>> [round(float(v), 4) for v in loss(np.array([1.0, 0.0]), np.array([[0.0], [0.0]]))]
     [0.6931, 0.6931]
     """
@@ -117,9 +219,10 @@ class BinaryCrossentropy(_SmoothedCrossentropy):
         from_logits: bool = False,
         label_smoothing: float = 0.0,
         *,
+        reduction: Any = "sum_over_batch_size",
         name: str = "binary_crossentropy",
     ):
-        super().__init__(from_logits, label_smoothing, name=name)
+        super().__init__(from_logits, label_smoothing, reduction=reduction, name=name)
 
     def call(self, y_true, y_pred):
         y_true, y_pred = align_ranks(y_true, y_pred)
@@ -151,12 +254,14 @@ class CategoricalCrossentropy(_SmoothedCrossentropy):
       from_logits: whether `y_pred` holds logits (computed with
         `optax.softmax_cross_entropy`) rather than probabilities.
       label_smoothing: in [0, 1]; labels become ``y * (1 - s) + s / num_classes``.
+      reduction: how calling the loss reduces its per-example values (`Reduction`):
+        ``"sum_over_batch_size"`` (default), ``"sum"`` or ``"none"``.
       name: the loss's name.
 
     Example:
 
     >>> import numpy as np
-    >>> loss = CategoricalCrossentropy()
+    >>> loss = CategoricalCrossentropy(reduction="none")
     >>> values = loss(np.array([[0, 1], [1, 0]]), np.array([[0.5, 0.5], [0.9, 0.1]]))
     >>> [round(float(v), 4) for v in values]
     [0.6931, 0.1054]
@@ -167,9 +272,10 @@ class CategoricalCrossentropy(_SmoothedCrossentropy):
         from_logits: bool = False,
         label_smoothing: float = 0.0,
         *,
+        reduction: Any = "sum_over_batch_size",
         name: str = "categorical_crossentropy",
     ):
-        super().__init__(from_logits, label_smoothing, name=name)
+        super().__init__(from_logits, label_smoothing, reduction=reduction, name=name)
 
     def call(self, y_true, y_pred):
         require_class_axis(y_pred, "CategoricalCrossentropy")
@@ -196,18 +302,26 @@ class SparseCategoricalCrossentropy(Loss):
     Args:
       from_logits: whether `y_pred` holds logits (computed with
         `optax.softmax_cross_entropy_with_integer_labels`) rather than probabilities.
+      reduction: how calling the loss reduces its per-example values (`Reduction`):
+        ``"sum_over_batch_size"`` (default), ``"sum"`` or ``"none"``.
       name: the loss's name.
 
     Example:
 
     >>> import numpy as np
-    >>> loss = SparseCategoricalCrossentropy(from_logits=True)
+    >>> loss = SparseCategoricalCrossentropy(from_logits=True, reduction="none")
     >>> [round(float(v), 4) for v in loss(np.array([[1], [0]]), np.zeros((2, 4)))]
     [1.3863, 1.3863]
     """
 
-    def __init__(self, from_logits: bool = False, *, name: str = "sparse_categorical_crossentropy"):
-        super().__init__(name=name)
+    def __init__(
+        self,
+        from_logits: bool = False,
+        *,
+        reduction: Any = "sum_over_batch_size",
+        name: str = "sparse_categorical_crossentropy",
+    ):
+        super().__init__(reduction=reduction, name=name)
         self.from_logits = check_bool(from_logits, "from_logits")
 
     def call(self, y_true, y_pred):
@@ -234,17 +348,19 @@ class MeanSquaredError(Loss):
     """Mean of squared errors over the non-batch axes.
 
     Args:
+      reduction: how calling the loss reduces its per-example values (`Reduction`):
+        ``"sum_over_batch_size"`` (default), ``"sum"`` or ``"none"``.
       name: the loss's name.
 
     Example:
 
     >>> import numpy as np
-    >>> MeanSquaredError()(np.array([[0.0, 0.0], [1.0, 1.0]]), np.ones((2, 2))).tolist()
+    >>> MeanSquaredError(reduction="none")(np.zeros((2, 2)), np.array([[1.0, 1.0], [0.0, 0.0]])).tolist()
     [1.0, 0.0]
     """
 
-    def __init__(self, *, name: str = "mean_squared_error"):
-        super().__init__(name=name)
+    def __init__(self, *, reduction: Any = "sum_over_batch_size", name: str = "mean_squared_error"):
+        super().__init__(reduction=reduction, name=name)
 
     def call(self, y_true, y_pred):
         y_true, y_pred = _regression_inputs(y_true, y_pred, "MeanSquaredError")
@@ -255,17 +371,21 @@ class MeanAbsoluteError(Loss):
     """Mean of absolute errors over the non-batch axes.
 
     Args:
+      reduction: how calling the loss reduces its per-example values (`Reduction`):
+        ``"sum_over_batch_size"`` (default), ``"sum"`` or ``"none"``.
       name: the loss's name.
 
     Example:
 
     >>> import numpy as np
-    >>> MeanAbsoluteError()(np.array([0.0, 3.0]), np.array([[1.0], [1.0]])).tolist()
+    >>> MeanAbsoluteError(reduction="none")(np.array([0.0, 3.0]), np.array([[1.0], [1.0]])).tolist()
     [1.0, 2.0]
     """
 
-    def __init__(self, *, name: str = "mean_absolute_error"):
-        super().__init__(name=name)
+    def __init__(
+        self, *, reduction: Any = "sum_over_batch_size", name: str = "mean_absolute_error"
+    ):
+        super().__init__(reduction=reduction, name=name)
 
     def call(self, y_true, y_pred):
         y_true, y_pred = _regression_inputs(y_true, y_pred, "MeanAbsoluteError")
@@ -277,17 +397,25 @@ class Huber(Loss):
 
     Args:
       delta: the positive error size where the loss turns linear.
+      reduction: how calling the loss reduces its per-example values (`Reduction`):
+        ``"sum_over_batch_size"`` (default), ``"sum"`` or ``"none"``.
       name: the loss's name.
 
     Example:
 
     >>> import numpy as np
-    >>> Huber(delta=1.0)(np.zeros(2), np.array([0.5, 3.0])).tolist()
+    >>> Huber(delta=1.0, reduction="none")(np.zeros(2), np.array([0.5, 3.0])).tolist()
     [0.125, 2.5]
     """
 
-    def __init__(self, delta: float = 1.0, *, name: str = "huber_loss"):
-        super().__init__(name=name)
+    def __init__(
+        self,
+        delta: float = 1.0,
+        *,
+        reduction: Any = "sum_over_batch_size",
+        name: str = "huber_loss",
+    ):
+        super().__init__(reduction=reduction, name=name)
         if (
             isinstance(delta, bool)
             or not isinstance(delta, (int, float))
@@ -309,6 +437,7 @@ class LossFunctionWrapper(Loss):
 
     Args:
       fn: returns values with the batch axis first; other axes are averaged.
+      reduction: how calling the loss reduces its per-example values (`Reduction`).
       name: defaults to ``fn.__name__``.
 
     Example:
@@ -317,16 +446,24 @@ class LossFunctionWrapper(Loss):
     >>> def cubic(y_true, y_pred):
     ...     return jnp.abs(y_pred - y_true) ** 3
     >>> loss = LossFunctionWrapper(cubic)
-    >>> loss.name, loss(jnp.zeros(2), jnp.full((2,), 2.0)).tolist()
+    >>> loss.name, loss.per_example(jnp.zeros(2), jnp.full((2,), 2.0)).tolist()
     ('cubic', [8.0, 8.0])
+    >>> float(loss(jnp.zeros(2), jnp.array([1.0, 2.0])))  # reduced: the mean
+    4.5
     """
 
-    def __init__(self, fn: Callable[[Any, Any], Any], *, name: str | None = None):
+    def __init__(
+        self,
+        fn: Callable[[Any, Any], Any],
+        *,
+        reduction: Any = "sum_over_batch_size",
+        name: str | None = None,
+    ):
         if not callable(fn):
             raise ValueError(
                 f"`fn` must be callable as fn(y_true, y_pred); got {fn!r}. Pass a function."
             )
-        super().__init__(name=callable_name(fn) if name is None else name)
+        super().__init__(reduction=reduction, name=callable_name(fn) if name is None else name)
         self.fn = fn
 
     def call(self, y_true, y_pred):

@@ -1,9 +1,19 @@
-"""Keras-compatible metrics as per-example values.
+"""Keras-compatible metrics: per-example values for the train step, state for custom loops.
 
-A metric maps ``(y_true, y_pred)`` to a ``(batch,)`` array whose mean over the real rows
-of every replica is the metric. That form makes aggregation exact across replicas and
-across padded partial batches: the train step sums ``value * mask`` and ``mask`` with one
-all-reduce and divides at the end of the epoch.
+A metric maps ``(y_true, y_pred)`` to a ``(batch,)`` array (`Metric.per_example`) whose
+mean over the real rows of every replica is the metric. That form makes aggregation exact
+across replicas and across padded partial batches: the train step (`Model.compile`,
+`make_train_step`) sums ``value * mask`` and ``mask`` with one all-reduce and divides at the
+end of the epoch.
+
+The same objects are Keras's stateful metrics in a custom loop: `Metric.update_state`
+adds a batch to a running total and count, `result` divides them, `reset_state` zeroes
+them. Inside `Strategy.run` an update counts only the replica's real rows (the row mask of
+a padded batch). As TF's metric variables (synchronized on read, by a sum), each replica
+adds to its own part of the total and count, threaded through `run`'s compiled program
+(`tracked.SummedOnRead`) with no collective per update, and `result` sums the parts: the
+value over every replica and worker, the global batch's. Under `ParameterServerStrategy`
+they are parameter-server variables that every worker adds to.
 """
 
 from __future__ import annotations
@@ -12,8 +22,13 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jstrategy._src import context
+from jstrategy._src.reduce_util import ReduceOp
+from jstrategy._src.tracked import SummedOnRead
 from jstrategy._src.training import losses as losses_lib
 from jstrategy._src.training.per_example import PerExampleFunction
 from jstrategy._src.training.per_example import align_ranks
@@ -23,11 +38,13 @@ from jstrategy._src.training.per_example import require_class_axis
 from jstrategy._src.training.per_example import require_same_shape
 from jstrategy._src.training.per_example import sparse_labels
 from jstrategy._src.validation import check_bool
+from jstrategy._src.values import local_copy
 
 __all__ = [
     "Accuracy",
     "BinaryAccuracy",
     "CategoricalAccuracy",
+    "Mean",
     "MeanAbsoluteError",
     "MeanMetricWrapper",
     "MeanSquaredError",
@@ -38,10 +55,13 @@ __all__ = [
 
 
 class Metric(PerExampleFunction):
-    """Base class: per-example metric values whose masked mean is the metric.
+    """Base class: per-example metric values whose masked mean is the metric, and Keras's
+    stateful API over them.
 
     Subclasses implement `call`, which may return any shape with the batch axis first;
-    `__call__` checks the inputs and averages the non-batch axes.
+    `per_example` checks the inputs and averages the non-batch axes. `compile(metrics=...)`
+    and the train step use `per_example`; custom loops use `update_state`, `result` and
+    `reset_state`, inside `Strategy.run` or outside, as in TF.
 
     Attributes:
       name: the key under which the metric appears in logs and History.
@@ -59,17 +79,206 @@ class Metric(PerExampleFunction):
     ...     def call(self, y_true, y_pred):
     ...         return (jnp.abs(y_pred - y_true) <= 1).astype(jnp.float32)
     >>> m = WithinOne()
-    >>> m.name, m(jnp.zeros(3), jnp.array([0.5, 2.0, -1.0])).tolist()
+    >>> m.name, m.per_example(jnp.zeros(3), jnp.array([0.5, 2.0, -1.0])).tolist()
     ('within_one', [1.0, 0.0, 1.0])
+    >>> m.update_state(jnp.zeros(3), jnp.array([0.5, 2.0, -1.0]))
+    >>> round(float(m.result()), 4)
+    0.6667
     """
 
     direction: str | None = None
+
+    def __init__(self, *, name: str | None = None):
+        super().__init__(name=name)
+        self._totals: _Totals | None = None
+        if _ps_strategy(context.get_strategy()) is not None:
+            self._totals = _Totals.create(self.name)  # TF: metric variables on the ps
 
     def _as_values(self, values: Any) -> Any:
         values = jnp.asarray(values)
         if not jnp.issubdtype(values.dtype, jnp.floating):
             values = values.astype(jnp.float32)
         return values
+
+    # Keras's stateful API -----------------------------------------------------------------
+    def _state(self) -> _Totals:
+        if self._totals is None:
+            self._totals = _Totals.create(self.name)
+        return self._totals
+
+    def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
+        """Adds a batch to the running total and count.
+
+        Inside `Strategy.run`: this replica's real rows only (padding rows of a
+        distributed dataset's batch count for nothing), added to the replica's own part;
+        `result` sums the parts, so the metric is the global batch's, as TF's.
+
+        Args:
+          y_true: labels, batch axis first.
+          y_pred: predictions, batch axis first.
+          sample_weight: optional weights: a scalar, or one per example.
+
+        Raises:
+          ValueError: if the shapes do not fit.
+        """
+        values = self.per_example(y_true, y_pred)
+        self._state().add(values, sample_weight, rows=True)
+
+    def result(self) -> jax.Array:
+        """The metric so far: the weighted mean of what was added (0 before any update)."""
+        return self._state().mean()
+
+    def reset_state(self) -> None:
+        """Zeroes the running total and count (Keras's ``reset_state``; TF's older
+        ``reset_states`` works too)."""
+        self._state().reset()
+
+    def reset_states(self) -> None:
+        """Alias of `reset_state` (TF 2's older name)."""
+        self.reset_state()
+
+    def __call__(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> jax.Array:
+        """Keras's ``metric(y_true, y_pred)``: `update_state`, then `result`.
+
+        For the per-example values without changing the state, use `per_example`.
+        """
+        self.update_state(y_true, y_pred, sample_weight)
+        return self.result()
+
+    @property
+    def variables(self) -> list[jax.Array]:
+        """The running total and count, as arrays (this process's copy)."""
+        return list(self._state().values())
+
+
+def _ps_strategy(strategy: Any) -> Any:
+    """`strategy` if it is a `ParameterServerStrategy` (whose variables live on the ps)."""
+    return strategy if hasattr(strategy, "create_variables") else None
+
+
+def _totals_of(values: Any, sample_weight: Any, *, rows: bool) -> tuple[jax.Array, jax.Array]:
+    """The weighted sum of `values` and the sum of weights, counting only real rows inside
+    `Strategy.run` (when `rows`, or when `values` has one entry per row of the batch)."""
+    values = jnp.asarray(values)
+    if not jnp.issubdtype(values.dtype, jnp.floating):
+        values = values.astype(jnp.float32)
+    values = values.astype(jnp.promote_types(values.dtype, jnp.float32))
+    weight = jnp.ones(values.shape, values.dtype)
+    if sample_weight is not None:
+        w = jnp.asarray(sample_weight, values.dtype)
+        if w.ndim and w.ndim < values.ndim:
+            w = w.reshape(w.shape + (1,) * (values.ndim - w.ndim))
+        weight = weight * w
+    ctx = context.inside_run()
+    mask = None if ctx is None else ctx.row_mask
+    if mask is not None and values.ndim and (rows or values.shape[0] == mask.shape[0]):
+        if values.shape[0] != mask.shape[0]:
+            raise ValueError(
+                f"The metric got {values.shape[0]} rows but this replica's batch has "
+                f"{mask.shape[0]} (its row mask); pass labels and predictions for the rows "
+                "the distributed dataset gave this replica."
+            )
+        keep = mask.reshape(mask.shape + (1,) * (values.ndim - 1)).astype(values.dtype)
+        weight = weight * keep
+        values = jnp.where(keep > 0, values, jnp.zeros((), values.dtype))
+    return jnp.sum(values * weight), jnp.sum(weight)
+
+
+class _Totals:
+    """A metric's running total and count, where the strategy keeps metric variables."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._holder: SummedOnRead | None = None
+        self._ps_variables: Any = None
+
+    @classmethod
+    def create(cls, name: str) -> _Totals:
+        totals = cls(name)
+        zeros = {"total": np.float32(0), "count": np.float32(0)}
+        ps = _ps_strategy(context.get_strategy())
+        if ps is not None:
+            totals._ps_variables = ps.create_variables(zeros)
+        else:
+            totals._holder = SummedOnRead(zeros, name=f"the metric {name!r}")
+        return totals
+
+    def add(self, values: Any, sample_weight: Any, *, rows: bool) -> None:
+        total, count = _totals_of(values, sample_weight, rows=rows)
+        delta = {"total": total.astype(jnp.float32), "count": count.astype(jnp.float32)}
+        if self._ps_variables is not None:
+            self._ps_variables.assign_add(delta)
+            return
+        # Inside run each replica adds to its own part, with no collective (TF's metric
+        # variables are SUM-synchronized on read, too).
+        assert self._holder is not None
+        old = self._holder.read()
+        self._holder.write(jax.tree.map(jnp.add, old, delta))
+
+    def _current(self) -> dict[str, Any]:
+        ctx = context.inside_run()
+        if self._ps_variables is not None:
+            return self._ps_variables.read() if ctx is not None else self._ps_variables.numpy()
+        assert self._holder is not None
+        value = self._holder.read()
+        if ctx is not None:  # this replica's part: the sum over the replicas
+            return ctx.all_reduce(ReduceOp.SUM, value)
+        return jax.tree.map(local_copy, value)  # this process's copy: readable on the host
+
+    def values(self) -> tuple[Any, Any]:
+        current = self._current()
+        return current["total"], current["count"]
+
+    def mean(self) -> jax.Array:
+        total, count = self.values()
+        total, count = jnp.asarray(total), jnp.asarray(count)
+        return jnp.where(count > 0, total / jnp.where(count > 0, count, 1.0), 0.0)
+
+    def reset(self) -> None:
+        zeros = {"total": jnp.zeros((), jnp.float32), "count": jnp.zeros((), jnp.float32)}
+        if self._ps_variables is not None:
+            self._ps_variables.assign(zeros)
+            return
+        assert self._holder is not None
+        self._holder.write(zeros if context.inside_run() else jax.device_get(zeros))
+
+
+class Mean(Metric):
+    """The running (weighted) mean of the values given to `update_state` (Keras's ``Mean``).
+
+    Inside `Strategy.run`, values with one entry per row of the replica's batch count only
+    the real rows; a scalar counts once per replica.
+
+    Args:
+      name: the metric's name.
+
+    Example:
+
+    >>> m = Mean()
+    >>> m.update_state([1.0, 3.0])
+    >>> m.update_state(5.0, sample_weight=2.0)
+    >>> float(m.result())
+    3.5
+    """
+
+    def __init__(self, *, name: str = "mean"):
+        super().__init__(name=name)
+
+    def update_state(self, values: Any, sample_weight: Any = None) -> None:  # type: ignore[override]
+        """Adds `values` (any shape; each element counts, weighted by `sample_weight`)."""
+        self._state().add(values, sample_weight, rows=False)
+
+    def __call__(self, values: Any, sample_weight: Any = None) -> jax.Array:  # type: ignore[override]
+        """`update_state`, then `result`."""
+        self.update_state(values, sample_weight)
+        return self.result()
+
+    def call(self, y_true, y_pred):
+        raise TypeError(
+            "Mean averages the values given to update_state(values); it has no per-example "
+            "form of (y_true, y_pred). For compile(metrics=...), wrap a function in "
+            "MeanMetricWrapper."
+        )
 
 
 class Accuracy(Metric):
@@ -81,7 +290,7 @@ class Accuracy(Metric):
     Example:
 
     >>> import numpy as np
-    >>> Accuracy()(np.array([1, 2, 3]), np.array([1, 0, 3])).tolist()
+    >>> Accuracy().per_example(np.array([1, 2, 3]), np.array([1, 0, 3])).tolist()
     [1.0, 0.0, 1.0]
     """
 
@@ -117,9 +326,9 @@ class BinaryAccuracy(Metric):
     Example:
 
     >>> import numpy as np
-    >>> BinaryAccuracy()(np.array([1, 0, 1]), np.array([[0.7], [0.6], [0.2]])).tolist()
+    >>> BinaryAccuracy().per_example(np.array([1, 0, 1]), np.array([[0.7], [0.6], [0.2]])).tolist()
     [1.0, 0.0, 0.0]
-    >>> BinaryAccuracy(from_logits=True)(np.array([1, 0]), np.array([[2.0], [-3.0]])).tolist()
+    >>> BinaryAccuracy(from_logits=True).per_example(np.array([1, 0]), np.array([[2.0], [-3.0]])).tolist()
     [1.0, 1.0]
     """
 
@@ -167,7 +376,7 @@ class CategoricalAccuracy(Metric):
     Example:
 
     >>> import numpy as np
-    >>> CategoricalAccuracy()(np.eye(2), np.array([[0.9, 0.1], [0.8, 0.2]])).tolist()
+    >>> CategoricalAccuracy().per_example(np.eye(2), np.array([[0.9, 0.1], [0.8, 0.2]])).tolist()
     [1.0, 0.0]
     """
 
@@ -197,7 +406,7 @@ class SparseCategoricalAccuracy(Metric):
 
     >>> import numpy as np
     >>> m = SparseCategoricalAccuracy()
-    >>> m(np.array([[0], [1]]), np.array([[0.9, 0.1], [0.8, 0.2]])).tolist()
+    >>> m.per_example(np.array([[0], [1]]), np.array([[0.9, 0.1], [0.8, 0.2]])).tolist()
     [1.0, 0.0]
     """
 
@@ -221,7 +430,7 @@ class MeanSquaredError(Metric):
     Example:
 
     >>> import numpy as np
-    >>> MeanSquaredError()(np.array([0.0, 1.0]), np.array([[2.0], [1.0]])).tolist()
+    >>> MeanSquaredError().per_example(np.array([0.0, 1.0]), np.array([[2.0], [1.0]])).tolist()
     [4.0, 0.0]
     """
 
@@ -244,7 +453,7 @@ class MeanAbsoluteError(Metric):
     Example:
 
     >>> import numpy as np
-    >>> MeanAbsoluteError()(np.array([0.0, 1.0]), np.array([[2.0], [1.5]])).tolist()
+    >>> MeanAbsoluteError().per_example(np.array([0.0, 1.0]), np.array([[2.0], [1.5]])).tolist()
     [2.0, 0.5]
     """
 
@@ -274,7 +483,7 @@ class MeanMetricWrapper(Metric):
     >>> def max_error(y_true, y_pred):
     ...     return jnp.max(jnp.abs(y_pred - y_true), axis=-1)
     >>> m = MeanMetricWrapper(max_error)
-    >>> m.name, m(jnp.zeros((2, 3)), jnp.array([[1.0, 2, 3], [0, 0, 1]])).tolist()
+    >>> m.name, m.per_example(jnp.zeros((2, 3)), jnp.array([[1.0, 2, 3], [0, 0, 1]])).tolist()
     ('max_error', [3.0, 1.0])
     """
 
@@ -299,6 +508,8 @@ class MeanMetricWrapper(Metric):
         self.direction = direction
 
     def call(self, y_true, y_pred):
+        if isinstance(self.fn, PerExampleFunction):  # a loss: its unreduced values
+            return self.fn.per_example(y_true, y_pred)
         return self.fn(y_true, y_pred)
 
     def get_config(self):
@@ -391,6 +602,12 @@ def get(identifier: Metric | str | Callable[[Any, Any], Any], *, loss: Any = Non
     >>> get("mae").name
     'mae'
     """
+    if isinstance(identifier, Mean) or identifier is Mean:
+        raise ValueError(
+            "Mean averages the values given to update_state(values) in a custom loop; a "
+            "compiled metric is a function of (y_true, y_pred). Wrap one in "
+            "MeanMetricWrapper, e.g. MeanMetricWrapper(fn, name='...')."
+        )
     if isinstance(identifier, Metric):
         return identifier
     if isinstance(identifier, str):

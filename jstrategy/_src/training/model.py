@@ -29,8 +29,11 @@ from jstrategy._src.training import callbacks as callbacks_lib
 from jstrategy._src.training import data_adapters
 from jstrategy._src.training import fit_loop
 from jstrategy._src.training import input_checks
+from jstrategy._src.training import saving
 from jstrategy._src.training import step as step_lib
 from jstrategy._src.training import summary as summary_lib
+from jstrategy._src.training.model_variables import ModelVariables
+from jstrategy._src.training.model_variables import call_model
 from jstrategy._src.training.nnx import create_nnx_train_state
 from jstrategy._src.training.train_state import create_train_state
 from jstrategy._src.training.trainer import Trainer
@@ -112,6 +115,7 @@ class Model:
         policy = mp.as_policy(dtype_policy, argument="dtype_policy")
         self._trainer = Trainer(context.get_strategy(), int(seed), policy)
         self.history: callbacks_lib.History | None = None
+        self._holder: ModelVariables | None = None  # for custom loops, made on first use
         if is_nnx:
             state = create_nnx_train_state(
                 module, optax.identity(), strategy=self.strategy, dtype_policy=policy
@@ -175,7 +179,8 @@ class Model:
 
     @property
     def optimizer(self) -> Any:
-        """The optimizer given to `compile` (an optax transformation or its name)."""
+        """The compiled optimizer: a `jstrategy.optimizers` object (also for a name given to
+        `compile`, as in Keras), or the optax transformation `compile` got."""
         return self._trainer.optimizer
 
     @property
@@ -218,23 +223,91 @@ class Model:
 
     @property
     def learning_rate(self) -> float:
-        """The learning rate, read from and written to the optimizer state.
+        """The learning rate the next step applies, read from and written to the optimizer
+        state (nothing is recompiled when it changes).
 
-        Optimizers given by name, or built with ``optax.inject_hyperparams`` (e.g.
-        ``optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)``), expose their
-        absolute learning rate. Any other optax transformation is followed by a scale
-        kept in the state: then `learning_rate` is a multiplier of the transformation's
-        own rate, starting at 1.0. Setting it changes a value in the state, so nothing
-        is recompiled.
+        `jstrategy.optimizers` objects (also optimizers given by name) and optax
+        transformations built with ``optax.inject_hyperparams`` (e.g.
+        ``optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)``) keep their rate in
+        their state. A schedule sets the rate from the step count: it is read, not set.
 
         Raises:
-          RuntimeError: before `compile`, or when the optimizer has several learning rates.
+          RuntimeError: before `compile`.
+          TypeError: for a plain optax transformation (``optax.sgd(0.1)``), whose rate is
+            fixed inside it (the message shows the fix), or when setting a scheduled rate.
         """
         return self._trainer.get_learning_rate()
 
     @learning_rate.setter
     def learning_rate(self, value: float) -> None:
         self._trainer.set_learning_rate(value)
+
+    # Custom loops, as TF's tutorials use a Keras model -------------------------------------
+    @property
+    def trainable_variables(self) -> list[Any]:
+        """The trainable variables, as a list (TF's ``model.trainable_variables``).
+
+        Differentiate with respect to it and give both lists to an optimizer:
+        ``optimizer.apply_gradients(zip(gradients, model.trainable_variables))``. Inside
+        `Strategy.run` it is this replica's own copy, read at every call, so the gradients
+        are the replica's (the optimizer sums them over the replicas).
+        """
+        return self._model_variables().trainable_variables()
+
+    @property
+    def losses(self) -> list[Any]:
+        """Keras's layer regularization losses: Flax layers add none, so always ``[]``.
+
+        Add a penalty on the variables to the loss yourself (scaled by
+        `jstrategy.scale_regularization_loss` inside `Strategy.run`).
+        """
+        return []
+
+    def __call__(
+        self, x: Any, training: bool = False, *, trainable_variables: Sequence[Any] | None = None
+    ) -> Any:
+        """The model's outputs for `x`, as calling a Keras model.
+
+        Inside `Strategy.run` the variables are the program's (read at every call);
+        outside, the model's current ones.
+
+        Args:
+          x: inputs, batch axis first.
+          training: training mode (dropout on; inside `run` only).
+          trainable_variables: the list to compute with instead of the model's own, e.g.
+            the argument of the function differentiated (JAX's form of TF's
+            ``GradientTape``): ``jax.grad(loss_fn)(model.trainable_variables)`` with
+            ``loss_fn(v)`` calling ``model(x, training=True, trainable_variables=v)``.
+
+        Returns:
+          The module's outputs.
+
+        Raises:
+          ValueError: if the model has no variables, `trainable_variables` does not fit,
+            or `training` outside `run`.
+          NotImplementedError: in training mode for a model whose forward pass updates
+            variables (BatchNorm, NNX random streams): use `fit` or `make_train_step`.
+
+        Example:
+
+        >>> import numpy as np, flax.linen as nn, jstrategy
+        >>> model = jstrategy.Model(nn.Dense(2), input_shape=(3,))
+        >>> model(np.ones((4, 3), np.float32)).shape
+        (4, 2)
+        """
+        return call_model(
+            self._model_variables(),
+            x,
+            training=training,
+            trainable_variables=trainable_variables,
+        )
+
+    def _model_variables(self) -> ModelVariables:
+        self._require_built("trainable_variables")
+        holder = self._holder
+        if holder is None:
+            holder = self._holder = ModelVariables(self._trainer)
+        return holder
 
     def _require_built(self, what: str) -> None:
         if self._trainer.state is None:
@@ -270,8 +343,12 @@ class Model:
         Compiling again keeps the variables and starts a fresh optimizer state.
 
         Args:
-          optimizer: an optax transformation, or a name (``"sgd"``, ``"adam"``,
-            ``"adamw"``, ``"rmsprop"``, ``"adagrad"``) with Keras's default learning rate.
+          optimizer: a `jstrategy.optimizers` object (e.g. ``SGD(learning_rate=0.1,
+            momentum=0.9)``), a Keras name (``"sgd"``, ``"adam"``, ``"adamw"``,
+            ``"rmsprop"``, ``"adagrad"``, ``"adadelta"``, ``"adamax"``, ``"nadam"``,
+            ``"lion"``: that object with Keras's defaults), or an optax transformation (whose
+            learning rate, unless made with ``optax.inject_hyperparams``, cannot be read or
+            set: see `learning_rate`).
           loss: a loss name, a `jstrategy.losses` object or a callable ``(y_true, y_pred)
             -> per-example losses``.
           metrics: metric names (``"accuracy"``, ``"mae"``, ...), `jstrategy.metrics`
@@ -397,12 +474,36 @@ class Model:
         self._require_built("save_weights")
         checkpoint_lib.save_weights(filepath, self._trainer.weights_tree(), overwrite=overwrite)
 
+    def save(self, filepath: os.PathLike | str, overwrite: bool = True) -> None:
+        """Writes the whole model to the directory `filepath`, as Keras's ``model.save``.
+
+        The directory holds the variables, the optimizer state and the step (written with
+        orbax, from wherever the strategy keeps them) and a JSON configuration: the
+        model's ``input_shape``, dtype, seed and name, and how it was compiled (the
+        optimizer by its Keras config, the loss and metrics by class and config,
+        ``steps_per_execution``). `jstrategy.models.load_model(filepath, module)` builds,
+        compiles and restores it; the module's code is not saved. Every process of a
+        multi-worker job must call it.
+
+        Args:
+          filepath: the directory to write.
+          overwrite: replace a model saved there before; if False, an existing `filepath`
+            raises.
+
+        Raises:
+          ValueError: if the model has no variables yet.
+          FileExistsError: if `filepath` exists and `overwrite` is False, or it holds
+            something other than a saved model.
+        """
+        self._require_built("save")
+        saving.save_model(self, filepath, overwrite=overwrite)
+
     def load_weights(self, filepath: os.PathLike | str) -> None:
         """Loads variables saved by `save_weights`, `ModelCheckpoint` or `BackupAndRestore`.
 
-        `filepath` is a `save_weights` directory, or a checkpoint directory of
+        `filepath` is a `save_weights` directory, a checkpoint directory of
         `jstrategy.callbacks.ModelCheckpoint` (weights only or the full training state) or
-        `BackupAndRestore`, whose latest step is read. The variables are placed as this
+        `BackupAndRestore`, whose latest step is read, or a `save` directory. The variables are placed as this
         model's strategy keeps them, whatever strategy saved them; the optimizer state is
         left as it is. Every process of a multi-worker job must call it.
 

@@ -28,6 +28,7 @@ from jstrategy._src import context
 from jstrategy._src import mixed_precision as mp
 from jstrategy._src.placement import in_device_memory
 from jstrategy._src.placement import place_state
+from jstrategy._src.training import keras_optimizers
 from jstrategy._src.training import summary as summary_lib
 from jstrategy._src.training.train_state import loss_scale_for
 
@@ -226,7 +227,7 @@ def _split_state(model: nnx.Module, optimizer: nnx.Optimizer, wrt: Any) -> NNXTr
 
 def create_nnx_train_state(
     model: nnx.Module,
-    optimizer: nnx.Optimizer | optax.GradientTransformation,
+    optimizer: Any,
     *,
     wrt: Any = nnx.Param,
     strategy: Strategy | None = None,
@@ -240,7 +241,7 @@ def create_nnx_train_state(
     Args:
       model: the `nnx.Module` (already initialized, e.g. with ``rngs=nnx.Rngs(0)``).
       optimizer: an ``nnx.Optimizer(model, tx, wrt=...)`` for this model, or an optax
-        transformation to build one with.
+        transformation or `jstrategy.optimizers` object to build one with.
       wrt: the filter of trained variables when `optimizer` is an optax transformation;
         an `nnx.Optimizer` brings its own.
       strategy: where to place the state; None means `jstrategy.get_strategy()`.
@@ -271,11 +272,14 @@ def create_nnx_train_state(
             f"`model` must be an nnx.Module; got {type(model).__name__}. For linen modules "
             "use create_train_state."
         )
+    if isinstance(optimizer, keras_optimizers.Optimizer):
+        optimizer = optimizer.tx
     if isinstance(optimizer, nnx.Optimizer):
         wrt = optimizer.wrt
     elif not isinstance(optimizer, optax.GradientTransformation):
         raise TypeError(
-            f"`optimizer` must be an nnx.Optimizer or an optax.GradientTransformation; got "
+            f"`optimizer` must be an nnx.Optimizer, an optax.GradientTransformation or a "
+            f"jstrategy.optimizers object; got "
             f"{type(optimizer).__name__} {optimizer!r}."
         )
     graphdef, variables = nnx.split(model)

@@ -1,20 +1,20 @@
-"""Optimizers for `jstrategy.Model`: names to optax, and control of the learning rate.
+"""Optimizers for `jstrategy.Model`: what `compile` takes, to optax; and the learning rate.
 
-`resolve_optimizer` turns what `Model.compile` accepts (a Keras name such as ``"adam"``, or
-an optax transformation) into an optax transformation; `with_rate_control` makes its
-learning rate a value in the optimizer state, and `LearningRate` reads and sets it there,
-so changing it (`Model.learning_rate`, `LearningRateScheduler`) recompiles nothing.
+`resolve_optimizer` turns what `Model.compile` accepts (a Keras name such as ``"adam"``, a
+`jstrategy.optimizers` object, or an optax transformation) into the optimizer object and
+the optax transformation to apply. `LearningRate` reads and sets the rate that the
+transformation keeps in the optimizer state, so changing it (`Model.learning_rate`,
+`LearningRateScheduler`, `ReduceLROnPlateau`) recompiles nothing and is the rate applied.
+A plain optax transformation (``optax.sgd(0.1)``) keeps its rate inside its code, where it
+can be neither read nor set: `LearningRate` says so, and how to get a settable one.
 
-This module is the home of optimizer-side features: Keras-named optimizer objects and how
-the rate they apply is reported belong here, behind the same two entry points.
+The Keras-named optimizers themselves live in `keras_optimizers.py`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,27 +22,17 @@ import numpy as np
 import optax
 
 from jstrategy._src.names import path_names
+from jstrategy._src.training import keras_optimizers
+from jstrategy._src.values import local_copy
 
-__all__ = [
-    "LearningRate",
-    "LearningRateScaleState",
-    "resolve_optimizer",
-    "scale_by_learning_rate_scale",
-    "with_rate_control",
-]
-
-# Keras's default learning rates for optimizers given by name.
-_OPTIMIZERS: dict[str, tuple[Callable[..., optax.GradientTransformation], float]] = {
-    "sgd": (optax.sgd, 0.01),
-    "adam": (optax.adam, 1e-3),
-    "adamw": (optax.adamw, 1e-3),
-    "rmsprop": (optax.rmsprop, 1e-3),
-    "adagrad": (optax.adagrad, 1e-3),
-}
+__all__ = ["LearningRate", "resolve_optimizer"]
 
 
-def resolve_optimizer(optimizer: Any) -> optax.GradientTransformation:
-    """An optax transformation from a Keras name (with Keras's default rate) or itself.
+def resolve_optimizer(optimizer: Any) -> tuple[Any, optax.GradientTransformation]:
+    """``(the optimizer object, its optax transformation)`` for what `compile` was given.
+
+    A Keras name gives the `jstrategy.optimizers` object with Keras's defaults (as
+    ``model.optimizer`` in Keras is an object); an optax transformation is its own object.
 
     Raises:
       ValueError: for an unknown name.
@@ -50,51 +40,27 @@ def resolve_optimizer(optimizer: Any) -> optax.GradientTransformation:
 
     Example:
 
-    >>> import optax
-    >>> isinstance(resolve_optimizer("adam"), optax.GradientTransformation)
-    True
+    >>> obj, tx = resolve_optimizer("adam")
+    >>> type(obj).__name__, isinstance(tx, optax.GradientTransformation)
+    ('Adam', True)
     """
-    if isinstance(optimizer, str):
-        key = optimizer.lower()
-        if key not in _OPTIMIZERS:
-            raise ValueError(
-                f"Unknown optimizer {optimizer!r}. Valid names: {sorted(_OPTIMIZERS)}; or pass "
-                "an optax.GradientTransformation such as optax.adam(1e-3)."
-            )
-        factory, rate = _OPTIMIZERS[key]
-        return optax.inject_hyperparams(factory)(learning_rate=rate)
     if isinstance(optimizer, optax.GradientTransformation):
-        return optimizer
+        return optimizer, optimizer
+    if isinstance(optimizer, (str, dict, keras_optimizers.Optimizer)):
+        obj = keras_optimizers.get(optimizer)
+        return obj, obj.tx
     raise TypeError(
-        f"`optimizer` must be an optax.GradientTransformation or one of "
-        f"{sorted(_OPTIMIZERS)}; got {type(optimizer).__name__} {optimizer!r}."
+        f"`optimizer` must be a jstrategy.optimizers object (e.g. Adam(learning_rate=1e-3)), "
+        f"a Keras name (e.g. 'adam') or an optax.GradientTransformation; got "
+        f"{type(optimizer).__name__} {optimizer!r}."
     )
 
 
-class LearningRateScaleState(NamedTuple):
-    """The factor `Model.learning_rate` multiplies an opaque optimizer's updates by."""
-
-    learning_rate_scale: jax.Array
-
-
-def scale_by_learning_rate_scale() -> optax.GradientTransformation:
-    """Multiplies updates by a factor kept in the optimizer state (initially 1)."""
-
-    def init(params: Any) -> LearningRateScaleState:
-        del params
-        return LearningRateScaleState(jnp.ones((), jnp.float32))
-
-    def update(updates: Any, state: LearningRateScaleState, params: Any = None) -> Any:
-        del params
-        factor = state.learning_rate_scale
-        return jax.tree.map(lambda u: u * factor.astype(u.dtype), updates), state
-
-    return optax.GradientTransformation(init, update)  # type: ignore[arg-type]
-
-
-def _rate_leaf(state: Any) -> tuple[int, str] | None:
-    """Where the learning rate lives in a train state: (leaf index, kind), if unique."""
+def _rate_leaf(state: Any) -> tuple[int, int] | None:
+    """``(rate leaf, step-count leaf)`` of the one injected learning rate in a train state's
+    optimizer state, if there is exactly one."""
     found = []
+    counts = {}
     for i, (keypath, _) in enumerate(jax.tree_util.tree_flatten_with_path(state)[0]):
         names = list(path_names(keypath))
         if names and names[-1] == "value":  # an NNX variable's array
@@ -102,56 +68,92 @@ def _rate_leaf(state: Any) -> tuple[int, str] | None:
         if not names or "opt_state" not in names:
             continue
         if names[-1] == "learning_rate" and "hyperparams" in names:
-            found.append((i, "absolute"))
-        elif names[-1] == "learning_rate_scale":
-            found.append((i, "scale"))
-    return found[0] if len(found) == 1 else None
+            found.append((i, tuple(names[: names.index("hyperparams")])))
+        elif names[-1] == "count":
+            counts[tuple(names[:-1])] = i
+    if len(found) != 1:
+        return None
+    index, prefix = found[0]
+    return index, counts.get(prefix, -1)
 
 
-def with_rate_control(
-    tx: optax.GradientTransformation, params: Any
-) -> optax.GradientTransformation:
-    """`tx`, followed by a scale kept in its state unless it keeps an absolute rate there.
+def _scheduled(tx: optax.GradientTransformation) -> bool:
+    """Whether `tx` (an ``inject_hyperparams`` transformation) sets its learning rate from a
+    schedule at every update, overwriting a rate set in its state.
 
-    Optimizers given by name, or built with ``optax.inject_hyperparams``, keep their
-    learning rate in their state; any other is followed by `scale_by_learning_rate_scale`.
+    Tried on a scalar parameter; a transformation that needs other parameters counts as
+    not scheduled (its rate is then settable, as far as can be told).
     """
-    opt_state = jax.eval_shape(tx.init, params)
-    holder = _rate_leaf({"opt_state": opt_state})
-    if holder is not None and holder[1] == "absolute":
-        return tx
-    return optax.chain(tx, scale_by_learning_rate_scale())
+    params = jnp.zeros((), jnp.float32)
+    try:
+        state = tx.init(params)
+        found = _rate_leaf({"opt_state": state})
+        if found is None:
+            return False
+        leaves, treedef = jax.tree.flatten(state)
+        marker = -12345.0
+        leaves[found[0]] = jnp.asarray(marker, leaves[found[0]].dtype)
+        _, new = tx.update(params, jax.tree.unflatten(treedef, leaves), params)
+        return float(jax.tree.leaves(new)[found[0]]) != marker
+    except Exception:  # an unknown transformation: assume its rate is settable
+        return False
+
+
+_NOT_SETTABLE = (
+    "The model was compiled with a plain optax transformation (e.g. optax.sgd(0.1)), whose "
+    "learning rate is fixed inside it: it can be neither read nor set, so "
+    "model.learning_rate, LearningRateScheduler and ReduceLROnPlateau cannot work with it. "
+    "Compile with a jstrategy.optimizers object, e.g. "
+    "jstrategy.optimizers.SGD(learning_rate=0.1) (Keras's names and defaults: Adam, "
+    "RMSprop, ...), or with optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)."
+)
 
 
 class LearningRate:
     """Reads and sets the learning rate kept in a train state's optimizer state.
 
     Args:
-      state: a train state whose optimizer came from `with_rate_control`.
+      state: the train state.
+      optimizer: what `compile` was given, resolved (`resolve_optimizer`'s first value).
     """
 
-    def __init__(self, state: Any):
+    def __init__(self, state: Any, optimizer: Any):
         self._leaf = _rate_leaf(state)
+        self._schedule = None
+        self._scheduled = False
+        if isinstance(optimizer, keras_optimizers.Optimizer):
+            self._schedule = optimizer.schedule
+        elif self._leaf is not None and isinstance(optimizer, optax.GradientTransformation):
+            self._scheduled = _scheduled(optimizer)
 
-    def _index(self) -> int:
+    def _index(self) -> tuple[int, int]:
         if self._leaf is None:
-            raise RuntimeError(
-                "The optimizer has no single learning rate to read or set (several were "
-                "found). Build it with optax.inject_hyperparams for one learning_rate."
-            )
-        return self._leaf[0]
+            raise TypeError(_NOT_SETTABLE)
+        return self._leaf
 
     def get(self, state: Any) -> float:
-        """The rate (or, for an opaque optimizer, the factor on its own rate)."""
-        return float(jax.tree.leaves(state)[self._index()])
+        """The rate the next step applies.
+
+        With a schedule given to a `jstrategy.optimizers` object, the schedule at the
+        current step; for ``optax.inject_hyperparams`` with a schedule, the rate of the
+        latest step (before any step, the first).
+        """
+        index, count = self._index()
+        leaves = jax.tree.leaves(state)
+        if self._schedule is not None and count >= 0:
+            return float(self._schedule(np.asarray(local_copy(leaves[count]))))
+        return float(np.asarray(local_copy(leaves[index])))
 
     def set(self, state: Any, value: float) -> Any:
         """`state` with the rate set to `value`, in place of the old value's buffer.
 
         Raises:
+          TypeError: if the rate follows a schedule or cannot be set.
           ValueError: if `value` is negative or not finite.
         """
-        index = self._index()
+        index, _ = self._index()
+        if self._schedule is not None or self._scheduled:
+            raise TypeError(keras_optimizers._SCHEDULE_NOT_SETTABLE)
         value = float(value)
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"`learning_rate` must be a non-negative finite float; got {value}.")

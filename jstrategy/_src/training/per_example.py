@@ -133,8 +133,13 @@ class PerExampleFunction:
     def __init__(self, *, name: str | None = None):
         self.name = check_name(name, self)
 
-    def __call__(self, y_true: Any, y_pred: Any) -> jax.Array:
-        """Returns the per-example values, shape ``(batch,)``.
+    def __call__(self, y_true: Any, y_pred: Any) -> Any:
+        """The per-example values (`per_example`); losses and metrics give it Keras's
+        meaning: a reduced loss, a metric's running result."""
+        return self.per_example(y_true, y_pred)
+
+    def per_example(self, y_true: Any, y_pred: Any) -> jax.Array:
+        """Returns the per-example values, shape ``(batch,)``: what the train step uses.
 
         Args:
           y_true: labels, batch axis first.

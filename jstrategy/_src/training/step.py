@@ -135,7 +135,16 @@ def resolve_loss(loss: Any) -> losses_lib.Loss:
             "`loss` must be a loss name (e.g. 'mse'), a jstrategy.losses object or a "
             "callable (y_true, y_pred) -> per-example losses; got None."
         )
-    return losses_lib.get(loss)
+    resolved = losses_lib.get(loss)
+    if resolved.reduction is losses_lib.Reduction.SUM:
+        raise ValueError(
+            f"The train step takes the mean of the loss over the real rows of the global "
+            f"batch; got {resolved!r} with reduction='sum', which it would not honour. Pass "
+            "the loss with reduction='sum_over_batch_size' (the default) or 'none' (the "
+            "step uses per-example values either way), and scale the learning rate if you "
+            "meant a sum."
+        )
+    return resolved
 
 
 def resolve_metrics(metrics: Any, loss: Any = None) -> list[tuple[str, Metric]]:
@@ -334,7 +343,8 @@ def _loss_scale_factor(spec: StepSpec, rest: Any, mask: jax.Array) -> jax.Array 
 def _loss_sum(spec: StepSpec, y: Any, y_pred: Any, weight: jax.Array) -> jax.Array:
     """One replica's weighted sum of per-example losses (training and evaluation alike)."""
     assert spec.loss is not None
-    return jnp.sum(_per_row(spec.loss(y, y_pred), weight.shape[0], "The loss") * weight)
+    values = spec.loss.per_example(y, y_pred)  # type: ignore[attr-defined]
+    return jnp.sum(_per_row(values, weight.shape[0], "The loss") * weight)
 
 
 def _sums(
@@ -346,7 +356,8 @@ def _sums(
     if loss_sum is not None:
         out["loss"] = loss_sum
     for name, fn in spec.metrics:
-        out[name] = jnp.sum(_per_row(fn(y, y_pred), rows, f"The metric {name!r}") * maskf)
+        values = fn.per_example(y, y_pred)  # type: ignore[attr-defined]
+        out[name] = jnp.sum(_per_row(values, rows, f"The metric {name!r}") * maskf)
     out[COUNT] = jnp.sum(maskf)
     return out
 

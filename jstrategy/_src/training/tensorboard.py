@@ -18,6 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jstrategy._src.training.callbacks import Callback
+from jstrategy._src.training.callbacks import host_float
+from jstrategy._src.training.callbacks import log_numbers
+from jstrategy._src.values import local_copy
 
 __all__ = ["TensorBoard"]
 
@@ -32,24 +35,6 @@ def _summary_writer_class() -> Any:
             "install tensorboardX)."
         ) from None
     return SummaryWriter
-
-
-def _host_float(value: Any) -> float:
-    # A log value may be a device array spanning other processes' devices: read this
-    # process's copy.
-    if isinstance(value, jax.Array):
-        value = value.addressable_data(0)
-    return float(np.asarray(value))
-
-
-def _numbers(logs: dict[str, Any] | None) -> dict[str, float]:
-    out = {}
-    for key, value in (logs or {}).items():
-        try:
-            out[str(key)] = _host_float(value)
-        except (TypeError, ValueError):
-            continue  # not a number (e.g. a string a callback added)
-    return out
 
 
 def _profile_range(profile_batch: Any) -> tuple[int, int]:
@@ -247,7 +232,7 @@ class TensorBoard(Callback):
         except (AttributeError, RuntimeError):
             return None
         step = getattr(state, "step", None)
-        return None if step is None else int(_host_float(step))
+        return None if step is None else int(host_float(step))
 
     # Hooks ------------------------------------------------------------------------------
     def on_train_begin(self, logs=None):
@@ -286,7 +271,7 @@ class TensorBoard(Callback):
         step = self._epoch_base + batch + 1
         if step // self.update_freq <= self._last_logged_step // self.update_freq:
             return
-        values = {f"batch_{k}": v for k, v in _numbers(logs).items()}
+        values = {f"batch_{k}": v for k, v in log_numbers(logs).items()}
         if self.write_steps_per_second:
             now = time.perf_counter()
             seconds = now - self._last_logged_time
@@ -299,7 +284,7 @@ class TensorBoard(Callback):
     def on_epoch_end(self, epoch, logs=None):
         if not self._is_chief():
             return
-        numbers = _numbers(logs)
+        numbers = log_numbers(logs)
         train = {k: v for k, v in numbers.items() if not k.startswith("val_")}
         validation = {k[len("val_") :]: v for k, v in numbers.items() if k.startswith("val_")}
         if "learning_rate" not in train:
@@ -325,7 +310,7 @@ class TensorBoard(Callback):
             return
         step = self._model_step()
         if step is not None:
-            values = {f"evaluation_{k}_vs_iterations": v for k, v in _numbers(logs).items()}
+            values = {f"evaluation_{k}_vs_iterations": v for k, v in log_numbers(logs).items()}
             self._write_scalars("validation", values, step)
         if self._in_fit:
             self._flush()
@@ -355,9 +340,7 @@ class TensorBoard(Callback):
         for path, leaf in leaves:
             if not jnp.issubdtype(getattr(leaf, "dtype", np.object_), jnp.number):
                 continue  # e.g. PRNG keys
-            if isinstance(leaf, jax.Array):
-                leaf = leaf.addressable_data(0)  # this process's copy
-            values = np.asarray(jax.device_get(leaf), np.float32)
+            values = np.asarray(jax.device_get(local_copy(leaf)), np.float32)
             name = jax.tree_util.keystr(path, simple=True, separator="/")
             writer.add_histogram(f"{name}/histogram", values, global_step=epoch)
 

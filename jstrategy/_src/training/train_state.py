@@ -28,6 +28,7 @@ from jstrategy._src import mixed_precision as mp
 from jstrategy._src.loss_scale import DynamicLossScale
 from jstrategy._src.placement import in_device_memory
 from jstrategy._src.placement import place_state
+from jstrategy._src.training import keras_optimizers
 from jstrategy._src.training import summary as summary_lib
 
 if TYPE_CHECKING:
@@ -322,7 +323,7 @@ def _rng_key(rng: Any) -> jax.Array:
 
 def create_train_state(
     module: Any,
-    tx: optax.GradientTransformation,
+    tx: Any,
     *sample_args: Any,
     rng: Any = 0,
     strategy: Strategy | None = None,
@@ -334,7 +335,8 @@ def create_train_state(
 
     Args:
       module: a `flax.linen.Module`.
-      tx: an Optax gradient transformation.
+      tx: an optax gradient transformation, or a `jstrategy.optimizers` object (its
+        ``tx``).
       *sample_args: example inputs for ``module.init`` (only their shapes matter; a batch
         of one row is enough).
       rng: an int seed or a PRNG key. Split into the ``"params"`` init key and the base
@@ -369,10 +371,12 @@ def create_train_state(
     """
     strategy = strategy if strategy is not None else context.get_strategy()
     policy = mp.as_policy(dtype_policy, argument="dtype_policy")
+    if isinstance(tx, keras_optimizers.Optimizer):
+        tx = tx.tx
     if not isinstance(tx, optax.GradientTransformation):
         raise TypeError(
-            f"`tx` must be an optax.GradientTransformation such as optax.adam(1e-3); got "
-            f"{type(tx).__name__} {tx!r}."
+            f"`tx` must be an optax.GradientTransformation such as optax.adam(1e-3) or a "
+            f"jstrategy.optimizers object; got {type(tx).__name__} {tx!r}."
         )
     key = _rng_key(rng)
     params_key, dropout_key = jax.random.split(key)

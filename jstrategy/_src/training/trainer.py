@@ -19,9 +19,10 @@ import optax
 from jstrategy._src import checkpoint as checkpoint_lib
 from jstrategy._src import fault_tolerance
 from jstrategy._src import mixed_precision as mp
-from jstrategy._src.placement import in_device_memory
 from jstrategy._src.placement import place_state
+from jstrategy._src.training import keras_optimizers
 from jstrategy._src.training import optimizers
+from jstrategy._src.training import saving
 from jstrategy._src.training import step as step_lib
 
 if TYPE_CHECKING:
@@ -44,7 +45,8 @@ class Trainer:
       state: the train state (a `TrainStateProtocol`), placed by the strategy; None until
         the model is built.
       spec: the compiled step (`StepSpec`); None until `compile`.
-      optimizer: the optimizer as `compile` got it (an optax transformation or a name).
+      optimizer: the compiled optimizer: a `jstrategy.optimizers` object (also for a
+        name given to `compile`) or the optax transformation `compile` got.
       steps_per_execution: training steps per dispatched program.
       epochs_run: epochs whose shuffling order was drawn (the order of epoch ``e`` is a
         function of ``(seed, e)``, so a backup that records it resumes the same order).
@@ -80,7 +82,9 @@ class Trainer:
     def set_state(self, state: Any) -> None:
         """A new state (built or restored): programs and the rate's place are redone."""
         self.state = state
-        self._rate = optimizers.LearningRate(state) if self._tx is not None else None
+        self._rate = (
+            optimizers.LearningRate(state, self.optimizer) if self._tx is not None else None
+        )
         self.programs = {}
 
     def initial_tx(self) -> optax.GradientTransformation:
@@ -89,7 +93,9 @@ class Trainer:
 
     def compile(self, optimizer: Any, spec: step_lib.StepSpec, steps_per_execution: int) -> None:
         """Sets the step and the optimizer; a built state gets a fresh optimizer state."""
-        tx = optimizers.resolve_optimizer(optimizer)
+        optimizer, tx = optimizers.resolve_optimizer(optimizer)
+        if isinstance(optimizer, keras_optimizers.Optimizer):
+            optimizer.attach(self)
         self.optimizer = optimizer
         self.spec = spec
         self.steps_per_execution = steps_per_execution
@@ -103,7 +109,7 @@ class Trainer:
             return
         # Optimizer state is created in device memory (JAX cannot build arrays "like" a
         # host-memory array outside a program); place_state then puts it where it lives.
-        self._tx = optimizers.with_rate_control(self._raw_tx, in_device_memory(self.state.params))
+        self._tx = self._raw_tx
         state = place_state(self.state.with_optimizer(self._tx), self.strategy)
         self.set_state(step_lib.prepare_state(self.compiled_spec, state))
 
@@ -180,6 +186,8 @@ class Trainer:
         target = fault_tolerance.to_savable(like)
         path = os.path.abspath(os.fspath(filepath))
         step_dir = checkpoint_lib.latest_step_dir(path)
+        if step_dir is None and os.path.isfile(os.path.join(path, saving.CONFIG_FILE)):
+            step_dir = os.path.join(path, saving.STATE_DIR)  # a model.save directory
         if step_dir is None:
             saved = checkpoint_lib.load_weights(path, target=target, strategy=self.strategy)
         else:

@@ -1,0 +1,114 @@
+"""A `jstrategy.Model` in a custom loop, as TF's tutorials use a Keras model.
+
+TF's custom loops call the model (``model(images, training=True)``), differentiate with
+respect to ``model.trainable_variables`` and hand both lists to
+``optimizer.apply_gradients(zip(gradients, model.trainable_variables))``. A JAX
+function is differentiated with respect to its arguments, so here the variables are an
+argument of the function differentiated, and the model takes them:
+``model(images, training=True, trainable_variables=variables)``.
+
+`ModelVariables` holds the model's variables for `Strategy.run` (`tracked.TrainableHolder`):
+inside `run` they are the compiled program's inputs, read before each call, and an
+optimizer's update is its output, written back into the model's train state after it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+from typing import Any
+
+import jax
+
+from jstrategy._src import context
+from jstrategy._src.tracked import TrainableHolder
+from jstrategy._src.training.train_state import TrainState
+
+if TYPE_CHECKING:
+    from jstrategy._src.strategy import Strategy
+    from jstrategy._src.training.trainer import Trainer
+
+__all__ = ["ModelVariables", "call_model"]
+
+
+class ModelVariables(TrainableHolder):
+    """A model's parameters, other variables and step, held in its train state.
+
+    Args:
+      trainer: the model's training side, whose ``state`` holds the variables.
+    """
+
+    def __init__(self, trainer: Trainer):
+        self._trainer = trainer
+        super().__init__(self._get(), name="the model's variables")
+
+    def _get(self) -> Any:
+        state = self._trainer.state
+        # A linen state's step seeds dropout (its key is folded with the step); NNX keeps
+        # its step with its optimizer.
+        step = state.step if isinstance(state, TrainState) else None
+        return {"params": state.params, "model_state": state.model_state, "step": step}
+
+    def _set(self, value: Any) -> None:
+        state = self._trainer.state.with_variables(value["params"], value["model_state"])
+        if value["step"] is not None:
+            state = state.with_step(value["step"])
+        self._trainer.state = state
+
+    def _placed_for(self) -> Strategy | None:
+        return self._trainer.strategy
+
+    def _place(self, strategy: Strategy) -> None:
+        raise ValueError(
+            f"The model was created under {self._trainer.strategy!r} but is used in "
+            f"{strategy!r}'s run. Create the model inside the scope of the strategy whose "
+            "run uses it."
+        )
+
+    def trainable(self, value: Any) -> Any:
+        return value["params"]
+
+    def with_trainable(self, value: Any, new: Any) -> Any:
+        step = value["step"]
+        return {**value, "params": new, "step": None if step is None else step + 1}
+
+
+def call_model(
+    holder: ModelVariables, x: Any, *, training: bool, trainable_variables: Any = None
+) -> Any:
+    """The model's outputs for `x`: `Model.__call__` (see there).
+
+    Raises:
+      ValueError: for `trainable_variables` that do not fit, or training outside `run`.
+      NotImplementedError: in training mode for a model whose forward pass updates
+        variables (BatchNorm statistics, NNX random streams).
+    """
+    value = holder.read()
+    params = value["params"]
+    if trainable_variables is not None:
+        leaves = list(trainable_variables)
+        own, treedef = jax.tree.flatten(params)
+        if len(leaves) != len(own):
+            raise ValueError(
+                f"`trainable_variables` must hold the model's {len(own)} trainable "
+                f"variables, as model.trainable_variables lists them; got {len(leaves)}."
+            )
+        params = jax.tree.unflatten(treedef, leaves)
+    ctx = context.inside_run()
+    if training and ctx is None:
+        raise ValueError(
+            "model(x, training=True) runs inside strategy.run, where each replica draws its "
+            "own dropout key; outside run, call the model with training=False."
+        )
+    if training and value["model_state"] is not None:
+        raise NotImplementedError(
+            "model(x, training=True) in a custom loop cannot update the variables the "
+            "forward pass changes (BatchNorm statistics, NNX random streams): JAX cannot "
+            "write them from inside the differentiated function. Train such a model with "
+            "Model.fit or jstrategy.training.make_train_step."
+        )
+    state = holder._trainer.state.with_variables(None, value["model_state"])
+    if value["step"] is not None:
+        state = state.with_step(value["step"])
+    axis = ctx.strategy.axis_name if ctx is not None else None
+    y_pred, _ = state.forward(params, x, train=training, axis_name=axis)
+    return y_pred

@@ -1,0 +1,12 @@
+"""`jstrategy.models`: Keras's ``load_model`` for models written by `jstrategy.Model.save`.
+
+Example:
+
+>>> import jstrategy
+>>> callable(jstrategy.models.load_model)
+True
+"""
+
+from jstrategy._src.training.saving import load_model
+
+__all__ = ["load_model"]
