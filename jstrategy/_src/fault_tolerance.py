@@ -35,7 +35,10 @@ from typing import Any
 import jax
 
 from jstrategy._src import checkpoint as checkpoint_lib
+from jstrategy._src import context
 from jstrategy._src import jax_compat
+from jstrategy._src.cluster_resolver import ClusterResolver
+from jstrategy._src.strategy import Strategy
 
 __all__ = [
     "PREEMPTION_EXIT_CODE",
@@ -258,9 +261,6 @@ class PreemptionCheckpointHandler:
         exit_fn: Callable[[], Any] | None = None,
         max_to_keep: int | None = 1,
     ):
-        from jstrategy._src import context
-        from jstrategy._src.cluster_resolver import ClusterResolver
-        from jstrategy._src.strategy import Strategy
 
         first = cluster_resolver_or_strategy
         if first is None:

@@ -13,8 +13,11 @@ import jax
 
 from jstrategy._src import coordination
 from jstrategy._src import dispatch
+from jstrategy._src import fault_tolerance
 from jstrategy._src import jax_compat
 from jstrategy._src import rendezvous
+from jstrategy._src.cluster_resolver import TFConfigClusterResolver
+from jstrategy._src.cluster_resolver import training_process_layout
 from jstrategy._src.collective_util import CommunicationImplementation
 from jstrategy._src.collective_util import CommunicationOptions
 from jstrategy._src.cross_device_ops import CollectiveAllReduce
@@ -82,10 +85,6 @@ class MultiWorkerMirroredStrategy(Strategy):
                 "`communication_options` must be a jstrategy.experimental.CommunicationOptions; "
                 f"got {type(communication_options).__name__}."
             )
-        # Imported here so `import jstrategy` stays light.
-        from jstrategy._src.cluster_resolver import TFConfigClusterResolver
-        from jstrategy._src.cluster_resolver import training_process_layout
-
         resolver = cluster_resolver if cluster_resolver is not None else TFConfigClusterResolver()
         self._cluster_resolver = resolver
         self._communication_options = communication_options
@@ -157,7 +156,6 @@ class MultiWorkerMirroredStrategy(Strategy):
         )
         # JAX's preemption service now holds SIGTERM, which then no longer stops the
         # process; it gets it only while something saves on preemption.
-        from jstrategy._src import fault_tolerance
 
         fault_tolerance.take_sigterm_from_jax()
 

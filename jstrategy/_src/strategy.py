@@ -24,11 +24,13 @@ from jax.sharding import PartitionSpec as P
 
 from jstrategy._src import context
 from jstrategy._src import dispatch
+from jstrategy._src import input as input_lib
 from jstrategy._src import mirrored_check
 from jstrategy._src import staging
 from jstrategy._src import tracked
 from jstrategy._src.cross_device_ops import CrossDeviceOps
 from jstrategy._src.cross_device_ops import NcclAllReduce
+from jstrategy._src.devices import canonical_name
 from jstrategy._src.mesh import DeviceMesh
 from jstrategy._src.mesh import auto_mesh
 from jstrategy._src.reduce_util import ReduceOp
@@ -692,7 +694,6 @@ class Strategy:
         [[0.0, 1.0], [2.0, 3.0]]
         [[4.0, 5.0], [0.0, 0.0]]
         """
-        from jstrategy._src import input as input_lib
 
         return input_lib.distribute_dataset(
             self, dataset, options, global_batch_size=global_batch_size
@@ -754,7 +755,6 @@ class Strategy:
         >>> [np.asarray(element.value)[:, 0].tolist() for element in dist]
         [[0.0, 0.0, 1.0, 1.0], [2.0, 2.0, 3.0, 3.0]]
         """
-        from jstrategy._src import input as input_lib
 
         return input_lib.distribute_datasets_from_function(
             self, dataset_fn, options, global_batch_size=global_batch_size
@@ -882,7 +882,6 @@ class Strategy:
         if len(self._mesh.axis_names) > 1:
             axes = ", ".join(f"{name!r}: {size}" for name, size in self._mesh.shape.items())
             return f"{type(self).__name__}(mesh={{{axes}}}, data_axis={self._data_axis!r})"
-        from jstrategy._src.devices import canonical_name
 
         names = [canonical_name(d) for d in self._devices]
         shown = names if len(names) <= 4 else [*names[:2], "...", names[-1]]

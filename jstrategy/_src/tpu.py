@@ -25,6 +25,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 
 from jstrategy._src import jax_compat
+from jstrategy._src.cluster_resolver import ClusterSpec
 from jstrategy._src.strategy import Strategy
 
 __all__ = [
@@ -148,7 +149,6 @@ class TPUClusterResolver:
 
     def cluster_spec(self) -> Any:
         """The ``worker`` job: one task per TPU host."""
-        from jstrategy._src.cluster_resolver import ClusterSpec
 
         return ClusterSpec({"worker": self._hosts()})
 

@@ -34,7 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jstrategy._src import context
 from jstrategy._src import dispatch
+from jstrategy._src.input import InputContext
 
 __all__ = [
     "ArrayStore",
@@ -454,7 +456,6 @@ class ResourceTable:
 
     def sync(self, specs: Sequence[ResourceSpec]) -> None:
         """Builds `specs` (the registry's entries after the ones already built), in order."""
-        from jstrategy._src.input import InputContext
 
         for spec in specs:
             if spec.resource_id in self._built:
@@ -554,7 +555,6 @@ class LocalWorker(WorkerHandle):
         self._lock = threading.Lock()
 
     def execute(self, fn, args, kwargs, specs):
-        from jstrategy._src import context
 
         table = self._table
         with worker_scope(self._context), context.strategy_scope(self._strategy):

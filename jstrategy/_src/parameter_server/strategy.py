@@ -14,6 +14,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jstrategy._src.cluster_resolver import ClusterResolver
+from jstrategy._src.cluster_resolver import SimpleClusterResolver
+from jstrategy._src.cluster_resolver import TFConfigClusterResolver
+from jstrategy._src.input import InputContext
 from jstrategy._src.parameter_server import backend as backend_lib
 from jstrategy._src.parameter_server import model_fit
 from jstrategy._src.parameter_server import run_capture
@@ -24,7 +28,6 @@ from jstrategy._src.strategy import Strategy
 from jstrategy._src.values import is_per_replica
 
 if TYPE_CHECKING:
-    from jstrategy._src.cluster_resolver import ClusterResolver
     from jstrategy._src.training.fit_loop import FitEpoch
     from jstrategy._src.training.fit_loop import FitEpochResult
 
@@ -61,7 +64,6 @@ def local_cluster_resolver(num_workers: int = 2, num_ps: int = 1) -> Any:
     >>> resolver.cluster_spec().num_tasks("worker"), resolver.task_type
     (3, 'chief')
     """
-    from jstrategy._src.cluster_resolver import SimpleClusterResolver
 
     for name, value in (("num_workers", num_workers), ("num_ps", num_ps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -152,8 +154,6 @@ class ParameterServerStrategy(Strategy):
         backend: Backend | str = Backend.LOCAL,
         ray_address: str | None = None,
     ):
-        from jstrategy._src.cluster_resolver import ClusterResolver
-        from jstrategy._src.cluster_resolver import TFConfigClusterResolver
 
         resolver = cluster_resolver if cluster_resolver is not None else TFConfigClusterResolver()
         if not isinstance(resolver, ClusterResolver):
@@ -201,6 +201,7 @@ class ParameterServerStrategy(Strategy):
             self._backend: backend_lib.Backend = backend_lib.LocalBackend(num_workers, num_ps, self)
             coordinator_device = self._backend.worker_devices[0]
         else:
+            # Ray is an optional dependency: its backend loads only when asked for.
             from jstrategy._src.parameter_server import ray_backend
 
             self._backend = ray_backend.RayBackend(
@@ -377,7 +378,6 @@ class ParameterServerStrategy(Strategy):
             return super().distribute_datasets_from_function(
                 dataset_fn, options, global_batch_size=global_batch_size
             )
-        from jstrategy._src.input import InputContext
 
         context = InputContext(
             num_input_pipelines=worker.num_workers,

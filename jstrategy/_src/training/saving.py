@@ -246,6 +246,7 @@ def load_model(
     >>> loaded.metrics_names, type(loaded.optimizer).__name__, round(loaded.learning_rate, 6)
     (['loss', 'mae'], 'Adam', 0.01)
     """
+    # model.py imports this module for Model.save; the reverse import waits for the call.
     from jstrategy._src.training.model import Model
 
     path = os.path.abspath(os.fspath(filepath))
