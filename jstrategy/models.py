@@ -7,6 +7,6 @@ Example:
 True
 """
 
-from jstrategy._src.training.saving import load_model
+from jstrategy._src.training.loading import load_model
 
 __all__ = ["load_model"]

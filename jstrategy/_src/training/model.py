@@ -10,7 +10,6 @@ strategy.scope():``), as Keras models do.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -21,7 +20,6 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jstrategy._src import checkpoint as checkpoint_lib
 from jstrategy._src import context
 from jstrategy._src import mixed_precision as mp
 from jstrategy._src.strategy import Strategy
@@ -29,23 +27,21 @@ from jstrategy._src.training import callbacks as callbacks_lib
 from jstrategy._src.training import data_adapters
 from jstrategy._src.training import fit_loop
 from jstrategy._src.training import input_checks
-from jstrategy._src.training import saving
 from jstrategy._src.training import step as step_lib
 from jstrategy._src.training import summary as summary_lib
-from jstrategy._src.training.model_variables import ModelVariables
-from jstrategy._src.training.model_variables import call_model
+from jstrategy._src.training.model_variables import CustomLoopMixin
 from jstrategy._src.training.nnx import create_nnx_train_state
+from jstrategy._src.training.saving import SavingMixin
 from jstrategy._src.training.train_state import create_train_state
 from jstrategy._src.training.trainer import Trainer
 from jstrategy._src.validation import check_non_negative_int
 from jstrategy._src.validation import check_positive_int
 from jstrategy._src.validation import is_int
-from jstrategy._src.values import to_host
 
 __all__ = ["Model"]
 
 
-class Model:
+class Model(SavingMixin, CustomLoopMixin):
     """A Keras-like model around a Flax module (linen or NNX), trained by a strategy.
 
     Create it inside ``strategy.scope()``: it captures `jstrategy.get_strategy()` and
@@ -115,7 +111,6 @@ class Model:
         policy = mp.as_policy(dtype_policy, argument="dtype_policy")
         self._trainer = Trainer(context.get_strategy(), int(seed), policy)
         self.history: callbacks_lib.History | None = None
-        self._holder: ModelVariables | None = None  # for custom loops, made on first use
         if is_nnx:
             state = create_nnx_train_state(
                 module, optax.identity(), strategy=self.strategy, dtype_policy=policy
@@ -165,7 +160,7 @@ class Model:
     @property
     def state(self) -> Any:
         """The train state (`TrainState` or `NNXTrainState`), placed by the strategy."""
-        self._require_built("state")
+        self._trainer.require_state("state")
         return self._trainer.state
 
     @property
@@ -242,79 +237,28 @@ class Model:
     def learning_rate(self, value: float) -> None:
         self._trainer.set_learning_rate(value)
 
-    # Custom loops, as TF's tutorials use a Keras model -------------------------------------
-    @property
-    def trainable_variables(self) -> list[Any]:
-        """The trainable variables, as a list (TF's ``model.trainable_variables``).
-
-        Differentiate with respect to it and give both lists to an optimizer:
-        ``optimizer.apply_gradients(zip(gradients, model.trainable_variables))``. Inside
-        `Strategy.run` it is this replica's own copy, read at every call, so the gradients
-        are the replica's (the optimizer sums them over the replicas).
-        """
-        return self._model_variables().trainable_variables()
-
-    @property
-    def losses(self) -> list[Any]:
-        """Keras's layer regularization losses: Flax layers add none, so always ``[]``.
-
-        Add a penalty on the variables to the loss yourself (scaled by
-        `jstrategy.scale_regularization_loss` inside `Strategy.run`).
-        """
-        return []
-
-    def __call__(
-        self, x: Any, training: bool = False, *, trainable_variables: Sequence[Any] | None = None
-    ) -> Any:
-        """The model's outputs for `x`, as calling a Keras model.
-
-        Inside `Strategy.run` the variables are the program's (read at every call);
-        outside, the model's current ones.
-
-        Args:
-          x: inputs, batch axis first.
-          training: training mode (dropout on; inside `run` only).
-          trainable_variables: the list to compute with instead of the model's own, e.g.
-            the argument of the function differentiated (JAX's form of TF's
-            ``GradientTape``): ``jax.grad(loss_fn)(model.trainable_variables)`` with
-            ``loss_fn(v)`` calling ``model(x, training=True, trainable_variables=v)``.
+    def get_config(self) -> dict[str, Any]:
+        """How to create this model again, besides its module (Keras's ``get_config``).
 
         Returns:
-          The module's outputs.
-
-        Raises:
-          ValueError: if the model has no variables, `trainable_variables` does not fit,
-            or `training` outside `run`.
-          NotImplementedError: in training mode for a model whose forward pass updates
-            variables (BatchNorm, NNX random streams): use `fit` or `make_train_step`.
+          `Model`'s arguments as JSON types: ``name``, ``input_shape`` (None if built from
+          data), ``input_dtype``, ``seed``, ``train_arg`` and ``dtype_policy`` (its name).
 
         Example:
 
-        >>> import numpy as np, flax.linen as nn, jstrategy
-        >>> model = jstrategy.Model(nn.Dense(2), input_shape=(3,))
-        >>> model(np.ones((4, 3), np.float32)).shape
-        (4, 2)
+        >>> import flax.linen as nn, jstrategy
+        >>> jstrategy.Model(nn.Dense(2), input_shape=(3,), seed=1).get_config()["input_shape"]
+        [3]
         """
-        return call_model(
-            self._model_variables(),
-            x,
-            training=training,
-            trainable_variables=trainable_variables,
-        )
-
-    def _model_variables(self) -> ModelVariables:
-        self._require_built("trainable_variables")
-        holder = self._holder
-        if holder is None:
-            holder = self._holder = ModelVariables(self._trainer)
-        return holder
-
-    def _require_built(self, what: str) -> None:
-        if self._trainer.state is None:
-            raise ValueError(
-                f"The model has no variables yet, so `{what}` is not available. Pass "
-                "input_shape=(...) to Model, or call fit/evaluate/predict first."
-            )
+        shape = self._input_shape
+        return {
+            "name": self.name,
+            "input_shape": None if shape is None else list(shape),
+            "input_dtype": np.dtype(self._input_dtype).name,
+            "seed": self._trainer.seed,
+            "train_arg": self._train_arg,
+            "dtype_policy": self.dtype_policy.name,
+        }
 
     # Building and compiling -----------------------------------------------------------
     def _build(self, sample_x: Any) -> None:
@@ -393,17 +337,7 @@ class Model:
     def _ensure_ready(self, x_sample: Any = None, *, training: bool) -> None:
         if x_sample is not None and not self.built:
             self._build(jax.tree.map(lambda a: np.asarray(a[:1]), x_sample))
-        if not self.built:
-            raise ValueError(
-                "The model has no variables: pass input_shape=(...) to Model or give fit "
-                "arrays so it can build from them."
-            )
-        if training and self._trainer.spec is None:
-            raise RuntimeError(
-                "The model must be compiled before training or evaluation; call "
-                "model.compile(optimizer, loss, metrics) first."
-            )
-        self._trainer.apply_optimizer()
+        self._trainer.ready(training=training)
 
     def summary(self, print_fn: Callable[[str], Any] | None = None) -> None:
         """Prints a Keras-like table of the module's layers, output shapes and parameters.
@@ -426,117 +360,6 @@ class Model:
             self.state, self.module, self._input_shape, self._input_dtype, self.name
         )
         (print_fn or print)(table)
-
-    # Weights ----------------------------------------------------------------------------
-    def get_weights(self) -> list[np.ndarray]:
-        """The variables' values as NumPy arrays (parameters and statistics), in a fixed order.
-
-        Every process of a multi-worker job must call it: variables split across processes
-        (FSDP) are gathered from all of them.
-        """
-        return [np.asarray(w) for w in to_host(self.state.get_weights())]
-
-    def set_weights(self, weights: Sequence[Any]) -> None:
-        """Sets the variables from a list like `get_weights` returns.
-
-        Raises:
-          ValueError: if the number of arrays or a shape does not match.
-        """
-        self._require_built("set_weights")
-        self._trainer.set_weights(list(weights))
-
-    def save_weights(self, filepath: os.PathLike | str, overwrite: bool = True) -> None:
-        """Writes the model's variables to the directory `filepath` (`jstrategy.save_weights`).
-
-        Parameters and other variables (BatchNorm statistics, NNX random streams) are saved
-        from wherever the strategy keeps them; the write is atomic. Every process of a
-        multi-worker job must call it.
-
-        Args:
-          filepath: the directory to write.
-          overwrite: replace existing weights at `filepath`; if False, they raise.
-
-        Raises:
-          ValueError: if the model has no variables yet.
-          FileExistsError: if `filepath` exists and `overwrite` is False.
-
-        Example:
-
-        >>> import os, tempfile, flax.linen as nn, jstrategy
-        >>> path = os.path.join(tempfile.mkdtemp(), "weights")
-        >>> model = jstrategy.Model(nn.Dense(2), input_shape=(3,), seed=1)
-        >>> model.save_weights(path)
-        >>> other = jstrategy.Model(nn.Dense(2), input_shape=(3,), seed=2)
-        >>> other.load_weights(path)
-        >>> bool((other.get_weights()[1] == model.get_weights()[1]).all())
-        True
-        """
-        self._require_built("save_weights")
-        checkpoint_lib.save_weights(filepath, self._trainer.weights_tree(), overwrite=overwrite)
-
-    def save(self, filepath: os.PathLike | str, overwrite: bool = True) -> None:
-        """Writes the whole model to the directory `filepath`, as Keras's ``model.save``.
-
-        The directory holds the variables, the optimizer state and the step (written with
-        orbax, from wherever the strategy keeps them) and a JSON configuration: the
-        model's ``input_shape``, dtype, seed and name, and how it was compiled (the
-        optimizer by its Keras config, the loss and metrics by class and config,
-        ``steps_per_execution``). `jstrategy.models.load_model(filepath, module)` builds,
-        compiles and restores it; the module's code is not saved. Every process of a
-        multi-worker job must call it.
-
-        Args:
-          filepath: the directory to write.
-          overwrite: replace a model saved there before; if False, an existing `filepath`
-            raises.
-
-        Raises:
-          ValueError: if the model has no variables yet.
-          FileExistsError: if `filepath` exists and `overwrite` is False, or it holds
-            something other than a saved model.
-        """
-        self._require_built("save")
-        saving.save_model(self, filepath, overwrite=overwrite)
-
-    def load_weights(self, filepath: os.PathLike | str) -> None:
-        """Loads variables saved by `save_weights`, `ModelCheckpoint` or `BackupAndRestore`.
-
-        `filepath` is a `save_weights` directory, a checkpoint directory of
-        `jstrategy.callbacks.ModelCheckpoint` (weights only or the full training state) or
-        `BackupAndRestore`, whose latest step is read, or a `save` directory. The variables are placed as this
-        model's strategy keeps them, whatever strategy saved them; the optimizer state is
-        left as it is. Every process of a multi-worker job must call it.
-
-        Args:
-          filepath: the weights or checkpoint directory.
-
-        Raises:
-          ValueError: if the model has no variables yet, or the saved variables are not
-            this model's.
-          FileNotFoundError: if there is nothing at `filepath`.
-          CheckpointError: if the checkpoint is damaged.
-        """
-        self._require_built("load_weights")
-        self._trainer.load_weights(filepath)
-
-    def restore_checkpoint(self, directory: os.PathLike | str) -> None:
-        """Restores the training state (variables, optimizer state, step) of a checkpoint.
-
-        Reads the latest step of a `ModelCheckpoint(save_weights_only=False)` or
-        `BackupAndRestore` directory into this model, compiled with the same optimizer.
-        Every process of a multi-worker job must call it.
-
-        Args:
-          directory: the checkpoint directory.
-
-        Raises:
-          FileNotFoundError: if `directory` holds no checkpoint.
-          ValueError: if the model is not compiled, or the checkpoint holds weights only
-            or another model's state.
-          CheckpointError: if the checkpoint is damaged.
-        """
-        self._ensure_ready(training=True)
-        self._trainer.restore_checkpoint(directory)
 
     # Data ---------------------------------------------------------------------------------
     def _adapter(self, x: Any, y: Any, w: Any, **kwargs: Any) -> data_adapters.DataAdapter:

@@ -14,6 +14,7 @@ optimizer's update is its output, written back into the model's train state afte
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
 
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from jstrategy._src.strategy import Strategy
     from jstrategy._src.training.trainer import Trainer
 
-__all__ = ["ModelVariables", "call_model"]
+__all__ = ["CustomLoopMixin", "ModelVariables", "call_model"]
 
 
 class ModelVariables(TrainableHolder):
@@ -112,3 +113,76 @@ def call_model(
     axis = ctx.strategy.axis_name if ctx is not None else None
     y_pred, _ = state.forward(params, x, train=training, axis_name=axis)
     return y_pred
+
+
+class CustomLoopMixin:
+    """`Model`'s surface for TF-style custom loops: variables, losses, calling it."""
+
+    _trainer: Trainer
+    _holder: ModelVariables | None = None  # made on first use
+
+    @property
+    def trainable_variables(self) -> list[Any]:
+        """The trainable variables, as a list (TF's ``model.trainable_variables``).
+
+        Differentiate with respect to it and give both lists to an optimizer:
+        ``optimizer.apply_gradients(zip(gradients, model.trainable_variables))``. Inside
+        `Strategy.run` it is this replica's own copy, read at every call, so the gradients
+        are the replica's (the optimizer sums them over the replicas).
+        """
+        return self._model_variables().trainable_variables()
+
+    @property
+    def losses(self) -> list[Any]:
+        """Keras's layer regularization losses: Flax layers add none, so always ``[]``.
+
+        Add a penalty on the variables to the loss yourself (scaled by
+        `jstrategy.scale_regularization_loss` inside `Strategy.run`).
+        """
+        return []
+
+    def __call__(
+        self, x: Any, training: bool = False, *, trainable_variables: Sequence[Any] | None = None
+    ) -> Any:
+        """The model's outputs for `x`, as calling a Keras model.
+
+        Inside `Strategy.run` the variables are the program's (read at every call);
+        outside, the model's current ones.
+
+        Args:
+          x: inputs, batch axis first.
+          training: training mode (dropout on; inside `run` only).
+          trainable_variables: the list to compute with instead of the model's own, e.g.
+            the argument of the function differentiated (JAX's form of TF's
+            ``GradientTape``): ``jax.grad(loss_fn)(model.trainable_variables)`` with
+            ``loss_fn(v)`` calling ``model(x, training=True, trainable_variables=v)``.
+
+        Returns:
+          The module's outputs.
+
+        Raises:
+          ValueError: if the model has no variables, `trainable_variables` does not fit,
+            or `training` outside `run`.
+          NotImplementedError: in training mode for a model whose forward pass updates
+            variables (BatchNorm, NNX random streams): use `fit` or `make_train_step`.
+
+        Example:
+
+        >>> import numpy as np, flax.linen as nn, jstrategy
+        >>> model = jstrategy.Model(nn.Dense(2), input_shape=(3,))
+        >>> model(np.ones((4, 3), np.float32)).shape
+        (4, 2)
+        """
+        return call_model(
+            self._model_variables(),
+            x,
+            training=training,
+            trainable_variables=trainable_variables,
+        )
+
+    def _model_variables(self) -> ModelVariables:
+        self._trainer.require_state("trainable_variables")
+        holder = self._holder
+        if holder is None:
+            holder = self._holder = ModelVariables(self._trainer)
+        return holder

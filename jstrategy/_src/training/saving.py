@@ -22,22 +22,34 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
+from typing import cast
 
 import numpy as np
+from orbax.checkpoint import multihost
 
 from jstrategy._src import checkpoint as checkpoint_lib
 from jstrategy._src import fault_tolerance
-from jstrategy._src.placement import place_state
 from jstrategy._src.training import keras_optimizers
 from jstrategy._src.training import losses as losses_lib
 from jstrategy._src.training import metrics as metrics_lib
+from jstrategy._src.values import to_host
 
 if TYPE_CHECKING:
     from jstrategy._src.training.model import Model
+    from jstrategy._src.training.trainer import Trainer
 
-__all__ = ["CONFIG_FILE", "STATE_DIR", "load_model", "save_model"]
+__all__ = [
+    "CONFIG_FILE",
+    "STATE_DIR",
+    "SavingMixin",
+    "compile_arguments",
+    "is_saved_model",
+    "read_config",
+    "save_model",
+]
 
 CONFIG_FILE = "jstrategy_model.json"
 STATE_DIR = "state"
@@ -113,19 +125,28 @@ def _deserialize_optimizer(config: dict[str, Any], custom_objects: Mapping[str, 
     return keras_optimizers.deserialize(config)
 
 
-def _dtype_name(dtype: Any) -> str:
-    return np.dtype(dtype).name
+def compile_arguments(
+    compiled: dict[str, Any], custom_objects: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The keyword arguments of `Model.compile` that a saved ``compile`` config describes."""
+    loss = None if compiled["loss"] is None else _deserialize_loss(compiled["loss"], custom_objects)
+    return {
+        "optimizer": _deserialize_optimizer(compiled["optimizer"], custom_objects),
+        "loss": loss,
+        "metrics": [_deserialize_metric(m, loss, custom_objects) for m in compiled["metrics"]],
+        "steps_per_execution": int(compiled["steps_per_execution"]),
+        "gradient_accumulation_steps": int(compiled.get("gradient_accumulation_steps", 1)),
+    }
 
 
 # Saving --------------------------------------------------------------------------------
-def _is_saved_model(path: str) -> bool:
+def is_saved_model(path: str) -> bool:
+    """Whether `path` is a directory `Model.save` wrote."""
     return os.path.isfile(os.path.join(path, CONFIG_FILE))
 
 
 def save_model(model: Model, filepath: os.PathLike | str, *, overwrite: bool = True) -> None:
     """Writes `model` to the directory `filepath`: the behaviour of `Model.save`."""
-    from orbax.checkpoint import multihost
-
     if not isinstance(filepath, (str, os.PathLike)) or not os.fspath(filepath):
         raise TypeError(f"`filepath` must be a directory path; got {filepath!r}.")
     path = os.path.abspath(os.fspath(filepath))
@@ -134,33 +155,26 @@ def save_model(model: Model, filepath: os.PathLike | str, *, overwrite: bool = T
             raise FileExistsError(
                 f"{path} already exists. Pass overwrite=True to replace it, or another path."
             )
-        if not os.path.isdir(path) or (os.listdir(path) and not _is_saved_model(path)):
+        if not os.path.isdir(path) or (os.listdir(path) and not is_saved_model(path)):
             raise FileExistsError(
                 f"{path} exists and is not a directory written by model.save, so it is not "
                 "replaced. Pass a new path, or remove it first."
             )
-    trainer = model._trainer
     state = model.state
-    spec = trainer.spec
     config: dict[str, Any] = {
         "format": _FORMAT,
         "version": _VERSION,
         "module": type(model.module).__name__,
-        "name": model.name,
-        "input_shape": None if model._input_shape is None else list(model._input_shape),
-        "input_dtype": _dtype_name(model._input_dtype),
-        "seed": trainer.seed,
-        "train_arg": model._train_arg,
-        "dtype_policy": model.dtype_policy.name,
+        **model.get_config(),
         "compile": None,
     }
     tree: dict[str, Any] = {"train_state": fault_tolerance.to_savable(state)}
-    if spec is not None:
+    if model.compiled:
         config["compile"] = {
-            "optimizer": _serialize_optimizer(trainer.optimizer),
-            "loss": None if spec.loss is None else _serialize_loss(spec.loss),
-            "metrics": [_serialize_metric(m) for _, m in spec.metrics],
-            "steps_per_execution": trainer.steps_per_execution,
+            "optimizer": _serialize_optimizer(model.optimizer),
+            "loss": None if model.loss is None else _serialize_loss(model.loss),
+            "metrics": [_serialize_metric(m) for m in model.metrics],
+            "steps_per_execution": model.steps_per_execution,
             "gradient_accumulation_steps": model.gradient_accumulation_steps,
         }
         extra = model.strategy.fit_backup_state(model, state)
@@ -177,12 +191,13 @@ def save_model(model: Model, filepath: os.PathLike | str, *, overwrite: bool = T
 
 
 # Loading -------------------------------------------------------------------------------
-def _read_config(path: str) -> dict[str, Any]:
+def read_config(path: str) -> dict[str, Any]:
+    """The configuration in a `Model.save` directory, checked to be one this version reads."""
     if not os.path.exists(path):
         raise FileNotFoundError(
             f"No saved model at {path}. Pass a directory written by model.save(path)."
         )
-    if not _is_saved_model(path):
+    if not is_saved_model(path):
         hint = ""
         if os.path.isdir(path) and checkpoint_lib.latest_step_dir(path) is not None:
             hint = " It holds checkpoints: build the model and call model.load_weights(path)."
@@ -202,104 +217,119 @@ def _read_config(path: str) -> dict[str, Any]:
     return config
 
 
-def load_model(
-    filepath: os.PathLike | str,
-    module: Any,
-    *,
-    custom_objects: Mapping[str, Any] | None = None,
-    compile: bool = True,
-) -> Model:
-    """Loads a model that `Model.save` wrote: builds it from `module`, compiles it, restores
-    its state (Keras's ``load_model``).
+class SavingMixin:
+    """`Model`'s weights and saving methods (Keras's ``save``, ``save_weights``, ...)."""
 
-    The model is created under the current strategy (call it inside ``strategy.scope()``
-    to train it there), whatever strategy saved it; its variables, optimizer state and
-    step are restored into that strategy's layout.
+    _trainer: Trainer
 
-    Args:
-      filepath: the directory `Model.save` wrote.
-      module: a Flax module of the saved model's architecture (linen, or an NNX module
-        instance); its code is not saved.
-      custom_objects: losses, metrics or the optimizer the model was compiled with that
-        jstrategy does not define (functions, optax transformations, your own classes), by
-        the name the error names (a function's ``__name__``; ``"optimizer"``).
-      compile: compile the model as it was saved and restore the optimizer state too;
-        False: restore the variables only, uncompiled.
+    # Weights ----------------------------------------------------------------------------
+    def get_weights(self) -> list[np.ndarray]:
+        """The variables' values as NumPy arrays (parameters and statistics), in a fixed order.
 
-    Returns:
-      A `jstrategy.Model`.
+        Every process of a multi-worker job must call it: variables split across processes
+        (FSDP) are gathered from all of them.
+        """
+        state = self._trainer.require_state("get_weights")
+        return [np.asarray(w) for w in to_host(state.get_weights())]
 
-    Raises:
-      FileNotFoundError: if nothing is at `filepath`.
-      ValueError: if `filepath` is not a directory `Model.save` wrote (the message says
-        what to use for weights or checkpoints), a custom object is missing, or `module`
-        does not match the saved variables.
+    def set_weights(self, weights: Sequence[Any]) -> None:
+        """Sets the variables from a list like `get_weights` returns.
 
-    Example:
+        Raises:
+          ValueError: if the number of arrays or a shape does not match.
+        """
+        self._trainer.require_state("set_weights")
+        self._trainer.set_weights(list(weights))
 
-    >>> import os, tempfile, numpy as np, flax.linen as nn, jstrategy
-    >>> model = jstrategy.Model(nn.Dense(2), input_shape=(3,))
-    >>> model.compile(jstrategy.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
-    >>> path = os.path.join(tempfile.mkdtemp(), "model")
-    >>> model.save(path)
-    >>> loaded = jstrategy.models.load_model(path, nn.Dense(2))
-    >>> loaded.metrics_names, type(loaded.optimizer).__name__, round(loaded.learning_rate, 6)
-    (['loss', 'mae'], 'Adam', 0.01)
-    """
-    # model.py imports this module for Model.save; the reverse import waits for the call.
-    from jstrategy._src.training.model import Model
+    def save_weights(self, filepath: os.PathLike | str, overwrite: bool = True) -> None:
+        """Writes the model's variables to the directory `filepath` (`jstrategy.save_weights`).
 
-    path = os.path.abspath(os.fspath(filepath))
-    config = _read_config(path)
-    custom_objects = dict(custom_objects or {})
-    input_shape = config["input_shape"]
-    model = Model(
-        module,
-        None if input_shape is None else tuple(input_shape),
-        input_dtype=np.dtype(config["input_dtype"]),
-        seed=int(config["seed"]),
-        name=config["name"],
-        train_arg=config["train_arg"],
-        dtype_policy=config.get("dtype_policy", "float32"),
-    )
-    if not model.built:
-        raise ValueError(
-            f"The model saved in {path} was built from its first data (no input_shape); "
-            "create it with jstrategy.Model(module, input_shape=...) before model.save, or "
-            "load its weights into a built model with load_weights."
-        )
-    compiled = config["compile"]
-    state_dir = os.path.join(path, STATE_DIR)
-    if compile and compiled is not None:
-        loss = (
-            None
-            if compiled["loss"] is None
-            else _deserialize_loss(compiled["loss"], custom_objects)
-        )
-        model.compile(
-            _deserialize_optimizer(compiled["optimizer"], custom_objects),
-            loss=loss,
-            metrics=[_deserialize_metric(m, loss, custom_objects) for m in compiled["metrics"]],
-            steps_per_execution=int(compiled["steps_per_execution"]),
-            gradient_accumulation_steps=int(compiled.get("gradient_accumulation_steps", 1)),
-        )
-        model._ensure_ready(training=True)
-        _restore_state(model, state_dir)
-    else:
-        model.load_weights(path)
-    return model
+        Parameters and other variables (BatchNorm statistics, NNX random streams) are saved
+        from wherever the strategy keeps them; the write is atomic. Every process of a
+        multi-worker job must call it.
 
+        Args:
+          filepath: the directory to write.
+          overwrite: replace existing weights at `filepath`; if False, they raise.
 
-def _restore_state(model: Model, state_dir: str) -> None:
-    trainer = model._trainer
-    like = trainer.state
-    target: dict[str, Any] = {"train_state": fault_tolerance.to_savable(like)}
-    extra = model.strategy.fit_backup_state(model, like)
-    if extra is not None:
-        target["strategy_state"] = extra
-    # Every leaf goes where the target's arrays are: where the model's strategy keeps them.
-    saved = checkpoint_lib.load_weights(state_dir, target=target)
-    state = place_state(fault_tolerance.from_savable(saved["train_state"], like), model.strategy)
-    trainer.set_state(state)
-    if extra is not None:
-        model.strategy.restore_fit_backup_state(model, trainer.state, saved["strategy_state"])
+        Raises:
+          ValueError: if the model has no variables yet.
+          FileExistsError: if `filepath` exists and `overwrite` is False.
+
+        Example:
+
+        >>> import os, tempfile, flax.linen as nn, jstrategy
+        >>> path = os.path.join(tempfile.mkdtemp(), "weights")
+        >>> model = jstrategy.Model(nn.Dense(2), input_shape=(3,), seed=1)
+        >>> model.save_weights(path)
+        >>> other = jstrategy.Model(nn.Dense(2), input_shape=(3,), seed=2)
+        >>> other.load_weights(path)
+        >>> bool((other.get_weights()[1] == model.get_weights()[1]).all())
+        True
+        """
+        self._trainer.require_state("save_weights")
+        checkpoint_lib.save_weights(filepath, self._trainer.weights_tree(), overwrite=overwrite)
+
+    def save(self, filepath: os.PathLike | str, overwrite: bool = True) -> None:
+        """Writes the whole model to the directory `filepath`, as Keras's ``model.save``.
+
+        The directory holds the variables, the optimizer state and the step (written with
+        orbax, from wherever the strategy keeps them) and a JSON configuration: the
+        model's ``input_shape``, dtype, seed and name, and how it was compiled (the
+        optimizer by its Keras config, the loss and metrics by class and config,
+        ``steps_per_execution``). `jstrategy.models.load_model(filepath, module)` builds,
+        compiles and restores it; the module's code is not saved. Every process of a
+        multi-worker job must call it.
+
+        Args:
+          filepath: the directory to write.
+          overwrite: replace a model saved there before; if False, an existing `filepath`
+            raises.
+
+        Raises:
+          ValueError: if the model has no variables yet.
+          FileExistsError: if `filepath` exists and `overwrite` is False, or it holds
+            something other than a saved model.
+        """
+        self._trainer.require_state("save")
+        save_model(cast("Model", self), filepath, overwrite=overwrite)
+
+    def load_weights(self, filepath: os.PathLike | str) -> None:
+        """Loads variables saved by `save_weights`, `ModelCheckpoint` or `BackupAndRestore`.
+
+        `filepath` is a `save_weights` directory, a checkpoint directory of
+        `jstrategy.callbacks.ModelCheckpoint` (weights only or the full training state) or
+        `BackupAndRestore`, whose latest step is read, or a `save` directory. The variables are placed as this
+        model's strategy keeps them, whatever strategy saved them; the optimizer state is
+        left as it is. Every process of a multi-worker job must call it.
+
+        Args:
+          filepath: the weights or checkpoint directory.
+
+        Raises:
+          ValueError: if the model has no variables yet, or the saved variables are not
+            this model's.
+          FileNotFoundError: if there is nothing at `filepath`.
+          CheckpointError: if the checkpoint is damaged.
+        """
+        self._trainer.require_state("load_weights")
+        self._trainer.load_weights(filepath)
+
+    def restore_checkpoint(self, directory: os.PathLike | str) -> None:
+        """Restores the training state (variables, optimizer state, step) of a checkpoint.
+
+        Reads the latest step of a `ModelCheckpoint(save_weights_only=False)` or
+        `BackupAndRestore` directory, or the state of a `save` directory, into this model,
+        compiled with the same optimizer. Every process of a multi-worker job must call it.
+
+        Args:
+          directory: the checkpoint or `save` directory.
+
+        Raises:
+          FileNotFoundError: if `directory` holds no checkpoint.
+          ValueError: if the model is not compiled, or the checkpoint holds weights only
+            or another model's state.
+          CheckpointError: if the checkpoint is damaged.
+        """
+        self._trainer.ready(training=True)
+        self._trainer.restore_checkpoint(directory, owner=self)

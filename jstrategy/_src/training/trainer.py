@@ -72,6 +72,30 @@ class Trainer:
         self._tx: optax.GradientTransformation | None = None  # applied to the state
         self._rate: optimizers.LearningRate | None = None
 
+    def require_state(self, what: str) -> Any:
+        """The train state, or a clear error naming `what` needed it before it existed."""
+        if self.state is None:
+            raise ValueError(
+                f"The model has no variables yet, so `{what}` is not available. Pass "
+                "input_shape=(...) to Model, or call fit/evaluate/predict first."
+            )
+        return self.state
+
+    def ready(self, *, training: bool) -> None:
+        """Checks the model can run (built; compiled to train or evaluate), then gives the
+        state the compiled optimizer."""
+        if self.state is None:
+            raise ValueError(
+                "The model has no variables: pass input_shape=(...) to Model or give fit "
+                "arrays so it can build from them."
+            )
+        if training and self.spec is None:
+            raise RuntimeError(
+                "The model must be compiled before training or evaluation; call "
+                "model.compile(optimizer, loss, metrics) first."
+            )
+        self.apply_optimizer()
+
     @property
     def compiled_spec(self) -> step_lib.StepSpec:
         if self.spec is None:
@@ -186,7 +210,7 @@ class Trainer:
         target = fault_tolerance.to_savable(like)
         path = os.path.abspath(os.fspath(filepath))
         step_dir = checkpoint_lib.latest_step_dir(path)
-        if step_dir is None and os.path.isfile(os.path.join(path, saving.CONFIG_FILE)):
+        if step_dir is None and saving.is_saved_model(path):
             step_dir = os.path.join(path, saving.STATE_DIR)  # a model.save directory
         if step_dir is None:
             saved = checkpoint_lib.load_weights(path, target=target, strategy=self.strategy)
@@ -196,9 +220,13 @@ class Trainer:
         saved = place_state(fault_tolerance.from_savable(saved, like), self.strategy)
         self.state = self.state.with_weights(saved)
 
-    def restore_checkpoint(self, directory: os.PathLike | str) -> None:
-        """`Model.restore_checkpoint`: the whole train state of a checkpoint's latest step."""
+    def restore_checkpoint(self, directory: os.PathLike | str, *, owner: Any) -> None:
+        """`Model.restore_checkpoint`: the whole train state of a checkpoint's latest step or
+        of a `Model.save` directory (`owner`: the model, for `Strategy.fit_backup_state`)."""
         path = os.path.abspath(os.fspath(directory))
+        if saving.is_saved_model(path):
+            self._restore_saved_state(os.path.join(path, saving.STATE_DIR), owner)
+            return
         step_dir = checkpoint_lib.latest_step_dir(path)
         if step_dir is None:
             raise FileNotFoundError(
@@ -209,3 +237,17 @@ class Trainer:
         saved = checkpoint_lib.read_by_paths(step_dir, target, ("train_state",), self.strategy)
         saved = fault_tolerance.from_savable(saved, self.state)
         self.state = place_state(saved, self.strategy)
+
+    def _restore_saved_state(self, state_dir: str, owner: Any) -> None:
+        like = self.state
+        target: dict[str, Any] = {"train_state": fault_tolerance.to_savable(like)}
+        extra = self.strategy.fit_backup_state(owner, like)
+        if extra is not None:
+            target["strategy_state"] = extra
+        # Every leaf goes where the target's arrays are: where the model's strategy keeps them.
+        saved = checkpoint_lib.load_weights(state_dir, target=target)
+        self.set_state(
+            place_state(fault_tolerance.from_savable(saved["train_state"], like), self.strategy)
+        )
+        if extra is not None:
+            self.strategy.restore_fit_backup_state(owner, self.state, saved["strategy_state"])

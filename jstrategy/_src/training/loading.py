@@ -1,0 +1,88 @@
+"""`jstrategy.models.load_model`: a model that `Model.save` wrote, built and restored.
+
+Apart from `saving.py` because it builds a `Model`, whose `save` is defined there.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from jstrategy._src.training import saving
+from jstrategy._src.training.model import Model
+
+__all__ = ["load_model"]
+
+
+def load_model(
+    filepath: os.PathLike | str,
+    module: Any,
+    *,
+    custom_objects: Mapping[str, Any] | None = None,
+    compile: bool = True,
+) -> Model:
+    """Loads a model that `Model.save` wrote: builds it from `module`, compiles it, restores
+    its state (Keras's ``load_model``).
+
+    The model is created under the current strategy (call it inside ``strategy.scope()``
+    to train it there), whatever strategy saved it; its variables, optimizer state and
+    step are restored into that strategy's layout.
+
+    Args:
+      filepath: the directory `Model.save` wrote.
+      module: a Flax module of the saved model's architecture (linen, or an NNX module
+        instance); its code is not saved.
+      custom_objects: losses, metrics or the optimizer the model was compiled with that
+        jstrategy does not define (functions, optax transformations, your own classes), by
+        the name the error names (a function's ``__name__``; ``"optimizer"``).
+      compile: compile the model as it was saved and restore the optimizer state too;
+        False: restore the variables only, uncompiled.
+
+    Returns:
+      A `jstrategy.Model`.
+
+    Raises:
+      FileNotFoundError: if nothing is at `filepath`.
+      ValueError: if `filepath` is not a directory `Model.save` wrote (the message says
+        what to use for weights or checkpoints), a custom object is missing, or `module`
+        does not match the saved variables.
+
+    Example:
+
+    >>> import os, tempfile, numpy as np, flax.linen as nn, jstrategy
+    >>> model = jstrategy.Model(nn.Dense(2), input_shape=(3,))
+    >>> model.compile(jstrategy.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    >>> path = os.path.join(tempfile.mkdtemp(), "model")
+    >>> model.save(path)
+    >>> loaded = jstrategy.models.load_model(path, nn.Dense(2))
+    >>> loaded.metrics_names, type(loaded.optimizer).__name__, round(loaded.learning_rate, 6)
+    (['loss', 'mae'], 'Adam', 0.01)
+    """
+    path = os.path.abspath(os.fspath(filepath))
+    config = saving.read_config(path)
+    input_shape = config["input_shape"]
+    model = Model(
+        module,
+        None if input_shape is None else tuple(input_shape),
+        input_dtype=np.dtype(config["input_dtype"]),
+        seed=int(config["seed"]),
+        name=config["name"],
+        train_arg=config["train_arg"],
+        dtype_policy=config.get("dtype_policy", "float32"),
+    )
+    if not model.built:
+        raise ValueError(
+            f"The model saved in {path} was built from its first data (no input_shape); "
+            "create it with jstrategy.Model(module, input_shape=...) before model.save, or "
+            "load its weights into a built model with load_weights."
+        )
+    compiled = config["compile"]
+    if compile and compiled is not None:
+        model.compile(**saving.compile_arguments(compiled, dict(custom_objects or {})))
+        model.restore_checkpoint(path)
+    else:
+        model.load_weights(path)
+    return model
