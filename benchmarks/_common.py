@@ -32,3 +32,12 @@ def compare(candidates: dict[str, Callable[[int], object]], *, steps: int, repea
         for name, step in candidates.items():
             samples[name].append(time_loop(step, steps))
     return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def print_step_table(medians: dict[str, float], *, title: str, repeats: int, steps: int) -> None:
+    """Prints `compare`'s medians as ms/step and as ratios to the first candidate."""
+    base = next(iter(medians.values()))
+    print(f"{title}, median of {repeats} x {steps} steps")
+    width = max(len(name) for name in medians) + 2
+    for name, seconds in medians.items():
+        print(f"  {name:<{width}} {seconds * 1e3:8.3f} ms/step   ratio {seconds / base:5.3f}")

@@ -210,14 +210,13 @@ def main(argv: list[str] | None = None) -> None:
         steps=args.steps,
         repeats=args.repeats,
     )
-    base = medians["hand-written jax.jit"]
-    print(
-        f"MLP 64-{args.width}-{args.width}-10, global batch {args.batch}, "
-        f"{strategy.num_replicas_in_sync} replicas on {jax.devices()[0].platform}, "
-        f"median of {args.repeats} x {args.steps} steps"
+    _common.print_step_table(
+        medians,
+        title=f"MLP 64-{args.width}-{args.width}-10, global batch {args.batch}, "
+        f"{strategy.num_replicas_in_sync} replicas on {jax.devices()[0].platform}",
+        repeats=args.repeats,
+        steps=args.steps,
     )
-    for name, seconds in medians.items():
-        print(f"  {name:<26} {seconds * 1e3:8.3f} ms/step   ratio {seconds / base:5.3f}")
     print(
         "threading the model, optimizer and metric through run: "
         f"{medians['TF style via strategy.run'] / medians[SAME]:.3f}"
