@@ -10,6 +10,7 @@ import pytest
 
 import jstrategy
 from jstrategy import training
+from jstrategy._src import dispatch
 from jstrategy.coordinator import local_cluster_resolver
 
 
@@ -637,3 +638,34 @@ def test_restore_checkpoint_reads_the_whole_state_of_a_saved_model(tmp_path):
     other.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
     for a, b in zip(other.get_weights(), model.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_run_of_a_step_that_returns_nothing_is_bounded_in_flight():
+    # TF's custom-loop step often returns nothing: it only applies gradients and updates
+    # metrics. Those calls must count against the in-flight bound too; unbounded, a few
+    # thousand of them abort in XLA's CPU collective rendezvous.
+    strategy = jstrategy.MirroredStrategy()
+    with strategy.scope():
+        model = jstrategy.Model(nn.Dense(1), input_shape=(4,))
+        optimizer = jstrategy.optimizers.SGD(0.01)
+        accuracy = jstrategy.metrics.Mean()
+    x = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.full((2, 4), ctx.replica_id_in_sync_group, np.float32)
+    )
+
+    def step(x):
+        variables = model.trainable_variables
+        grads = jax.grad(lambda v: jnp.mean(model(x, trainable_variables=v) ** 2))(variables)
+        optimizer.apply_gradients(zip(grads, variables, strict=True))
+        accuracy.update_state(jnp.sum(x, axis=1))
+
+    limiter = dispatch.get_limiter()
+    strategy.run(step, args=(x,))
+    limiter.wait_all()
+    for calls in range(1, 4):
+        strategy.run(step, args=(x,))
+        assert limiter.in_flight == calls
+    for _ in range(2000):
+        strategy.run(step, args=(x,))
+        assert limiter.in_flight <= limiter.max_in_flight
+    assert int(model.state.step) == 2004

@@ -342,7 +342,7 @@ class Strategy:
         outs, written, flags = program.compiled(*dynamic, *self._held_values(program))
         if program.written:
             self._store_written(program, written)
-        dispatch.track(outs)
+        dispatch.track(flags)
         if program.checked:
             self._raise_if_disagree(program, flags)
         wrapped = [
@@ -488,7 +488,10 @@ class Strategy:
                 ) from None
             outs = [jnp.asarray(x)[None] if v else x for x, v in zip(flat, varying, strict=True)]
             new_values = [frame.final(h) for h in written]
-            flags = None
+            # A small output of every call that is never donated: what `run` waits on to
+            # bound the calls in flight, also when `fn` returns nothing and only writes
+            # state (whose arrays the next call consumes).
+            flags = jnp.zeros((), jnp.bool_)
             if checked:
                 flags = mirrored_check.disagreement([flat[i] for i in checked], data)
             return outs, new_values, flags
