@@ -80,7 +80,7 @@ class Figures:
     one_copy: int  # the logical size of the parameters and optimizer state
     device: int  # bytes in device memory, over every shard on every device
     host: int  # bytes in host memory
-    other_device: int  # every other live array's bytes in device memory
+    other_device: int  # every other array the run left alive: its bytes in device memory
     most_on_one_device: int  # the most bytes of the state on any one device
 
     @property
@@ -132,6 +132,9 @@ def measure(
     hidden: int = 512,
 ) -> Figures:
     """Trains `steps` steps under the strategy and reads where the state lives."""
+    # Arrays alive before the run (another benchmark's, a test's) are not this run's: they
+    # are held until the end, so no buffer of this run reuses one of their addresses.
+    earlier = [a for a in jax.live_arrays() if not a.is_deleted()]
     strategy = make_strategy()
     rng = np.random.default_rng(0)
     x = rng.normal(size=(BATCH, FEATURES)).astype(np.float32)
@@ -155,7 +158,8 @@ def measure(
     host = sum(resident.get(k, 0) for k in HOST_KINDS)
     mine = _buffers(jax.tree.leaves(state))
     live = _buffers([a for a in jax.live_arrays() if not a.is_deleted()])
-    other_device = sum(n for key, (kind, n) in live.items() if key not in mine and kind == "device")
+    skip = mine.keys() | _buffers(earlier).keys()
+    other_device = sum(n for key, (kind, n) in live.items() if key not in skip and kind == "device")
     on_device: dict[int, int] = {}
     for (device_id, _), (kind, nbytes) in _buffers(arrays).items():
         if kind == "device":
