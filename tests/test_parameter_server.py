@@ -422,6 +422,48 @@ def test_model_fit_trains_on_the_workers(cluster):
     assert accuracy >= 0.9, accuracy
 
 
+def test_model_checkpoints_and_weights_restore_onto_the_same_parameter_server_variables(
+    cluster, tmp_path
+):
+    # load_weights and restore_checkpoint read a ParameterServer model's files into its own
+    # variables on the servers (no second set), with the servers' optimizer states; a
+    # mid-epoch ModelCheckpoint, which could only save stale values, is refused.
+    (x, y), _ = _digits()
+    x, y = x[:256], y[:256]
+    strategy, _ = cluster(num_workers=1, num_ps=2)
+    with strategy.scope():
+        model = jstrategy.Model(MLP(), input_shape=(64,), seed=0)
+        model.compile(
+            optax.adam(3e-3), loss=jstrategy.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
+    fit = dict(batch_size=32, steps_per_epoch=8, verbose=0, shuffle=False)
+    with pytest.raises(ValueError, match=r"ModelCheckpoint\(save_freq=4\) cannot save"):
+        model.fit(
+            x,
+            y,
+            epochs=1,
+            callbacks=[jstrategy.callbacks.ModelCheckpoint(str(tmp_path / "m"), save_freq=4)],
+            **fit,
+        )
+    checkpoints = str(tmp_path / "checkpoints")
+    model.fit(x, y, epochs=1, callbacks=[jstrategy.callbacks.ModelCheckpoint(checkpoints)], **fit)
+    after_one = model.get_weights()
+    model.save_weights(str(tmp_path / "weights"))
+    params = model_fit._SESSIONS[model].params
+    model.fit(x, y, epochs=1, **fit)
+    after_two = model.get_weights()
+
+    model.load_weights(str(tmp_path / "weights"))
+    for a, b in zip(model.get_weights(), after_one, strict=True):
+        np.testing.assert_array_equal(a, b)
+    model.restore_checkpoint(checkpoints)
+    assert int(model.state.step) == 8
+    model.fit(x, y, epochs=1, **fit)
+    assert model_fit._SESSIONS[model].params is params
+    for a, b in zip(model.get_weights(), after_two, strict=True):
+        np.testing.assert_array_equal(a, b)  # Adam's state on the servers came back too
+
+
 # ---------------------------------------------------------------------------------------
 # Failures
 # ---------------------------------------------------------------------------------------

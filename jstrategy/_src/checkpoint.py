@@ -606,16 +606,23 @@ _READ_ERRORS = (OSError, ValueError, KeyError, TypeError, IndexError, RuntimeErr
 
 
 def _restore_into(
-    read: Callable[..., Any], location: str, target: Any, strategy: Strategy | None
+    read: Callable[..., Any],
+    location: str,
+    target: Any,
+    strategy: Strategy | None,
+    *,
+    as_variables: bool = True,
 ) -> Any:
     """Restores a state laid out as `strategy` says (`Strategy.restore_variables`).
 
     The strategy gets a reader: with a strategy it restores each leaf into that strategy's
     `variable_sharding`; with None, to the host as NumPy arrays (for a strategy whose
     variables are not arrays, e.g. `ParameterServerStrategy`'s on parameter servers).
+    With `as_variables=False` every leaf is an array placed by `variable_sharding`, what a
+    `Model`'s train state holds under any strategy.
     """
-    if strategy is None:
-        return _restore(read, location, target, None)[0]
+    if strategy is None or not as_variables:
+        return _restore(read, location, target, strategy)[0]
 
     def read_as(layout: Strategy | None) -> Any:
         state, _ = _restore(read, location, target, layout)
@@ -1391,7 +1398,12 @@ def _pick(saved: Any, like: Any, location: str) -> Any:
 
 
 def read_by_paths(
-    step_dir: str, like: Any, roots: tuple[str, ...], strategy: Strategy | None
+    step_dir: str,
+    like: Any,
+    roots: tuple[str, ...],
+    strategy: Strategy,
+    *,
+    optional: dict[str, Any] | None = None,
 ) -> Any:
     """`like`'s leaves, read by path under the first of `roots` found in a checkpoint step.
 
@@ -1399,17 +1411,29 @@ def read_by_paths(
     ``{"train_state": ...}`` (a full state holds the weights as fields of its train state),
     so weights are found in either by their paths.
 
+    Args:
+      step_dir: the step's directory.
+      like: the structure to read.
+      roots: where to look for it, in order.
+      strategy: places the arrays (`Strategy.variable_sharding`).
+      optional: more roots to read if the step has them, each with its structure; then
+        the result is ``(found, {root: value for the optional roots present})``.
+
     Raises:
       ValueError: if the step holds none of `roots`, or not `like`'s variables.
     """
-    saved = load_weights(step_dir, strategy=strategy)
+    saved = _load_weights(step_dir, None, strategy, as_variables=False)
     root = next((r for r in roots if isinstance(saved, dict) and r in saved), None)
     if root is None:
         raise ValueError(
             f"The checkpoint in {step_dir} holds none of {list(roots)}; it was not written "
             "by a jstrategy Model callback, or holds weights only (use load_weights)."
         )
-    return _pick(saved[root], like, step_dir)
+    found = _pick(saved[root], like, step_dir)
+    if optional is None:
+        return found
+    present = {k: _pick(saved[k], v, step_dir) for k, v in optional.items() if k in saved}
+    return found, present
 
 
 def _is_single_checkpoint(path: str) -> bool:
@@ -1522,6 +1546,18 @@ def load_weights(
       CheckpointError: if the weights are damaged or incomplete.
       ValueError: if `target` does not match the saved leaves or shapes.
     """
+    return _load_weights(path, target, strategy, as_variables=True)
+
+
+def load_arrays(path: os.PathLike | str, *, target: Any, strategy: Strategy) -> Any:
+    """`load_weights` for a `Model`'s train state: arrays placed by `strategy`'s
+    `variable_sharding`, never its own variable containers (`restore_variables`)."""
+    return _load_weights(path, target, strategy, as_variables=False)
+
+
+def _load_weights(
+    path: os.PathLike | str, target: Any, strategy: Strategy | None, *, as_variables: bool
+) -> Any:
     import orbax.checkpoint as ocp
 
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
@@ -1562,7 +1598,7 @@ def load_weights(
         return checkpointer.restore(path, args=ocp.args.Composite(**{item: args}))[item]
 
     try:
-        state = _restore_into(read, path, target, strategy)
+        state = _restore_into(read, path, target, strategy, as_variables=as_variables)
     finally:
         checkpointer.close()
     return state

@@ -90,6 +90,7 @@ class _Session:
     layout: _Mutable
     synced_params: Any  # the model's params object the variables were last copied into
     step: int
+    tx: Any  # the optimizer the variables were created with
     token: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     # The learning rate last set in the variables' optimizer states (None: never set).
     rate: float | None = None
@@ -120,8 +121,25 @@ def _session(strategy: ParameterServerStrategy, owner: Any, state: Any) -> _Sess
     session = _SESSIONS.get(owner)
     if session is not None and session.synced_params is state.params:
         return session
-    params = strategy.create_variables(jax.device_get(state.params), optimizer=state.tx)
     layout = _Mutable.of(state.model_state)
+    if (
+        session is not None
+        and session.tx is state.tx
+        and session.layout.treedef == layout.treedef
+        and [i for i, _ in session.layout.keys] == [i for i, _ in layout.keys]
+        and jax.tree.structure(session.synced_params) == jax.tree.structure(state.params)  # type: ignore[operator]
+    ):
+        # New values for the same variables (load_weights, a restore): assigned in place,
+        # so the parameter servers hold one set of variables per model. Their optimizer
+        # states stay, as Keras's load_weights leaves the optimizer's.
+        session.params.assign(jax.device_get(state.params))
+        if session.mutable is not None:
+            session.mutable.assign(jax.device_get(layout.values(state.model_state)))
+        session.layout = layout
+        session.synced_params = state.params
+        session.step = int(np.asarray(local_copy(state.step)))
+        return session
+    params = strategy.create_variables(jax.device_get(state.params), optimizer=state.tx)
     values = layout.values(state.model_state)
     mutable = strategy.create_variables(jax.device_get(values)) if values else None
     session = _Session(
@@ -131,6 +149,7 @@ def _session(strategy: ParameterServerStrategy, owner: Any, state: Any) -> _Sess
         layout=layout,
         synced_params=state.params,
         step=int(state.step),
+        tx=state.tx,
     )
     _SESSIONS[owner] = session
     return session

@@ -1110,6 +1110,14 @@ class ModelCheckpoint(Callback):
 
     def on_train_begin(self, logs=None):
         _check_model(self.model, "ModelCheckpoint")
+        strategy = self.model.strategy
+        if not strategy.fit_resumes_exactly and self.save_freq != "epoch":
+            raise ValueError(
+                f"ModelCheckpoint(save_freq={self.save_freq!r}) cannot save in the middle of "
+                f"an epoch under {type(strategy).__name__}: its workers train asynchronously "
+                "and the model's variables are on the parameter servers until the epoch "
+                "ends. Pass save_freq='epoch'."
+            )
         if self._manager is None:
             best_mode = "max" if self.save_best_only and not self._lower() else "min"
             self._manager = checkpoint_lib.CheckpointManager(

@@ -103,17 +103,18 @@ class FitState:
         }
 
     def checkpoint_tree(self, *, weights_only: bool = False, epoch_sums: bool = False) -> Any:
-        """What a callback saves: ``{"weights": ...}``, or ``{"train_state": ...}`` and, for
-        a backup taken mid-epoch, the epoch's running sums (``"epoch_sums"``)."""
+        """What a callback saves: ``{"weights": ...}``, or ``{"train_state": ...}`` with what
+        the strategy keeps besides (``"strategy_state"``, `Strategy.fit_backup_state`) and,
+        for a backup taken mid-epoch, the epoch's running sums (``"epoch_sums"``)."""
         trainer = self.trainer
         if weights_only:
             return {"weights": trainer.weights_tree()}
         tree: dict[str, Any] = {"train_state": fault_tolerance.to_savable(trainer.state)}
         if epoch_sums:
             tree["epoch_sums"] = self.sums if self.sums is not None else trainer.zero_sums()
-            extra = trainer.strategy.fit_backup_state(self.owner, trainer.state)
-            if extra is not None:
-                tree["strategy_state"] = extra
+        extra = trainer.strategy.fit_backup_state(self.owner, trainer.state)
+        if extra is not None:
+            tree["strategy_state"] = extra
         return tree
 
     def restore_backup(self, manager: checkpoint_lib.CheckpointManager) -> dict[str, Any]:

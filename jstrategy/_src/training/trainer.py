@@ -213,7 +213,7 @@ class Trainer:
         if step_dir is None and saving.is_saved_model(path):
             step_dir = os.path.join(path, saving.STATE_DIR)  # a model.save directory
         if step_dir is None:
-            saved = checkpoint_lib.load_weights(path, target=target, strategy=self.strategy)
+            saved = checkpoint_lib.load_arrays(path, target=target, strategy=self.strategy)
         else:
             roots = ("weights", "train_state")
             saved = checkpoint_lib.read_by_paths(step_dir, target, roots, self.strategy)
@@ -234,9 +234,15 @@ class Trainer:
                 "BackupAndRestore (for save_weights directories use load_weights)."
             )
         target = fault_tolerance.to_savable(self.state)
-        saved = checkpoint_lib.read_by_paths(step_dir, target, ("train_state",), self.strategy)
+        extra = self.strategy.fit_backup_state(owner, self.state)
+        optional = {} if extra is None else {"strategy_state": extra}
+        saved, present = checkpoint_lib.read_by_paths(
+            step_dir, target, ("train_state",), self.strategy, optional=optional
+        )
         saved = fault_tolerance.from_savable(saved, self.state)
         self.state = place_state(saved, self.strategy)
+        if "strategy_state" in present:
+            self.strategy.restore_fit_backup_state(owner, self.state, present["strategy_state"])
 
     def _restore_saved_state(self, state_dir: str, owner: Any) -> None:
         like = self.state
