@@ -98,6 +98,28 @@ def test_epoch_scalars_histograms_and_summary_match_the_history(tmp_path):
         np.testing.assert_allclose(values, history.history[f"val_{name}"], rtol=1e-6)
 
 
+def test_histograms_cover_variables_split_over_the_replicas(tmp_path):
+    # Under FSDP a kernel is split over the 8 devices; its histogram is of the whole kernel.
+    x, y = _data()
+    strategy = jstrategy.experimental.FSDPStrategy(min_shard_size=1)
+    with strategy.scope():
+        model = jstrategy.Model(nn.Dense(8), input_shape=(4,), seed=0)
+        model.compile("sgd", loss=jstrategy.losses.SparseCategoricalCrossentropy(from_logits=True))
+    assert not model.variables["params"]["kernel"].sharding.is_fully_replicated
+    model.fit(
+        x,
+        y,
+        batch_size=16,
+        epochs=1,
+        verbose=0,
+        callbacks=[TensorBoard(tmp_path, histogram_freq=1)],
+    )
+    kernel = _read(str(tmp_path / "train")).Histograms("params/kernel/histogram")[-1]
+    final = np.asarray(model.variables["params"]["kernel"])
+    assert kernel.histogram_value.num == final.size == 32
+    np.testing.assert_allclose(kernel.histogram_value.sum, final.sum(), rtol=1e-5)
+
+
 @pytest.mark.parametrize("update_freq", ["batch", 5])
 def test_batch_scalars_at_the_training_step(tmp_path, update_freq):
     x, y = _data()

@@ -119,8 +119,18 @@ def local_copy(x: Any) -> Any:
     >>> import jax.numpy as jnp
     >>> float(local_copy(jnp.float32(2.0)))
     2.0
+
+    Raises:
+      ValueError: for an array split across processes (read it with `to_host`).
     """
-    return x.addressable_data(0) if isinstance(x, jax.Array) else x
+    if not isinstance(x, jax.Array) or x.sharding.is_fully_replicated:
+        return x.addressable_data(0) if isinstance(x, jax.Array) else x
+    if x.is_fully_addressable:
+        return x  # split over this process's devices: whole when read
+    raise ValueError(
+        f"local_copy reads a replicated array; got one split across processes "
+        f"({x.sharding}). Read it with jstrategy's to_host on every process."
+    )
 
 
 def local_devices_of(array: jax.Array) -> list[jax.Device]:

@@ -20,7 +20,7 @@ import numpy as np
 from jstrategy._src.training.callbacks import Callback
 from jstrategy._src.training.callbacks import host_float
 from jstrategy._src.training.callbacks import log_numbers
-from jstrategy._src.values import local_copy
+from jstrategy._src.values import to_host
 
 __all__ = ["TensorBoard"]
 
@@ -282,6 +282,11 @@ class TensorBoard(Callback):
         self._write_scalars("train", values, step)
 
     def on_epoch_end(self, epoch, logs=None):
+        histograms = None
+        if self.histogram_freq and epoch % self.histogram_freq == 0:
+            # Read on every process: variables split across processes (FSDP) are gathered
+            # collectively; only the chief writes them.
+            histograms = self._histogram_values()
         if not self._is_chief():
             return
         numbers = log_numbers(logs)
@@ -299,8 +304,10 @@ class TensorBoard(Callback):
                 train["steps_per_second"] = (last_step - first_step) / seconds
         self._write_scalars("train", {f"epoch_{k}": v for k, v in train.items()}, epoch)
         self._write_scalars("validation", {f"epoch_{k}": v for k, v in validation.items()}, epoch)
-        if self.histogram_freq and epoch % self.histogram_freq == 0:
-            self._write_histograms(epoch)
+        if histograms is not None:
+            writer = self._writer("train")
+            for name, values in histograms.items():
+                writer.add_histogram(f"{name}/histogram", values, global_step=epoch)
         if self.write_graph and not self._graph_written:
             self._write_model_summary()
         self._flush()
@@ -334,15 +341,17 @@ class TensorBoard(Callback):
         except (AttributeError, RuntimeError, TypeError, ValueError):
             return None  # no single, readable rate (e.g. a plain optax transformation)
 
-    def _write_histograms(self, epoch: int) -> None:
+    def _histogram_values(self) -> dict[str, np.ndarray]:
         leaves = jax.tree_util.tree_flatten_with_path(self.model.variables)[0]
-        writer = self._writer("train")
-        for path, leaf in leaves:
-            if not jnp.issubdtype(getattr(leaf, "dtype", np.object_), jnp.number):
-                continue  # e.g. PRNG keys
-            values = np.asarray(jax.device_get(local_copy(leaf)), np.float32)
-            name = jax.tree_util.keystr(path, simple=True, separator="/")
-            writer.add_histogram(f"{name}/histogram", values, global_step=epoch)
+        numeric = [
+            (jax.tree_util.keystr(path, simple=True, separator="/"), leaf)
+            for path, leaf in leaves
+            if jnp.issubdtype(getattr(leaf, "dtype", np.object_), jnp.number)  # not PRNG keys
+        ]
+        values = to_host([leaf for _, leaf in numeric])
+        return {
+            name: np.asarray(v, np.float32) for (name, _), v in zip(numeric, values, strict=True)
+        }
 
     def _write_model_summary(self) -> None:
         buffer = io.StringIO()
