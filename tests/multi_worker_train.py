@@ -78,7 +78,7 @@ def main() -> int:
     if args.fit:
         import numpy as np
 
-        weights = fit_model(strategy, tensorboard=args.tensorboard)
+        weights = fit_model(strategy, tensorboard=args.tensorboard, save=Path(args.out) / "model")
         np.savez(
             Path(args.out) / f"worker-{task['index']}.npz",
             **{f"w{i}": w for i, w in enumerate(weights)},
@@ -105,11 +105,12 @@ def main() -> int:
     return 0
 
 
-def fit_model(strategy, tensorboard=None):
+def fit_model(strategy, tensorboard=None, save=None):
     """`Model.fit` on data every worker generates alike; returns the final weights.
 
     With `tensorboard`, a `jstrategy.callbacks.TensorBoard` logs to that directory (per
-    batch too), which every worker is given and only the chief writes.
+    batch too), which every worker is given and only the chief writes. With `save`, every
+    worker then saves the model there (`model.save`) and loads it back (`load_model`).
     """
     import flax.linen as nn
     import numpy as np
@@ -120,10 +121,12 @@ def fit_model(strategy, tensorboard=None):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(200, 10)).astype(np.float32)
     y = (x[:, :1] + 0.5 * x[:, 1:2] > 0).astype(np.float32)
+
+    def module():
+        return nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(1)])
+
     with strategy.scope():
-        model = jstrategy.Model(
-            nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(1)]), input_shape=(10,), seed=0
-        )
+        model = jstrategy.Model(module(), input_shape=(10,), seed=0)
         model.compile(
             optax.sgd(0.2), jstrategy.losses.BinaryCrossentropy(from_logits=True), ["accuracy"]
         )
@@ -135,7 +138,17 @@ def fit_model(strategy, tensorboard=None):
     kernel = model.state.params["layers_0"]["kernel"]
     local = sum(s.data.size for s in kernel.addressable_shards)
     print(f"kernel {kernel.sharding.spec}: this process holds {local} of {kernel.size}", flush=True)
-    return model.get_weights()
+    weights = model.get_weights()
+    if save is not None:
+        model.save(save)
+        with strategy.scope():
+            loaded = jstrategy.models.load_model(
+                save, module(), custom_objects={"optimizer": optax.sgd(0.2)}
+            )
+        for a, b in zip(loaded.get_weights(), weights, strict=True):
+            np.testing.assert_array_equal(a, b)
+        print("saved and loaded", flush=True)
+    return weights
 
 
 def _flatten(tree, prefix=()):

@@ -79,6 +79,7 @@ def test_model_fit_on_two_workers_matches_one_process(tmp_path):
     ]  # fmt: skip
     done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("saved and loaded") == 2  # model.save on both workers
     workers = [np.load(tmp_path / f"worker-{i}.npz") for i in range(2)]
     # Both workers were given the log directory; only the chief wrote it: one event file,
     # each epoch and step once.
@@ -303,6 +304,7 @@ def test_fsdp_on_two_workers_matches_one_process_over_four_devices(tmp_path):
     assert "4 replicas over 2 workers, chief=False" in done.stdout
     # The (10, 16) kernel is split over the 4 replicas: each process holds 2 x 40 of 160.
     assert done.stdout.count("kernel P(None, 'replica'): this process holds 80 of 160") == 2
+    assert done.stdout.count("saved and loaded") == 2  # model.save of split variables
     workers = [np.load(tmp_path / f"worker-{i}.npz") for i in range(2)]
     import multi_worker_train
 

@@ -669,3 +669,25 @@ def test_run_of_a_step_that_returns_nothing_is_bounded_in_flight():
         strategy.run(step, args=(x,))
         assert limiter.in_flight <= limiter.max_in_flight
     assert int(model.state.step) == 2004
+
+
+@pytest.mark.parametrize("method", ["compile", "fit", "evaluate", "predict"])
+def test_a_model_used_inside_another_strategys_scope_is_an_error(method):
+    # Keras raises when a model made outside a strategy's scope is compiled inside it; here
+    # it would train silently under the strategy it was created in.
+    x, y = _classification(16)
+    model = jstrategy.Model(_Classifier(), input_shape=(10,))
+    if method != "compile":
+        model.compile("sgd", loss=jstrategy.losses.SparseCategoricalCrossentropy(from_logits=True))
+    calls = {
+        "compile": lambda: model.compile("sgd", loss="mse"),
+        "fit": lambda: model.fit(x, y, verbose=0),
+        "evaluate": lambda: model.evaluate(x, y, verbose=0),
+        "predict": lambda: model.predict(x, verbose=0),
+    }
+    with (
+        jstrategy.MirroredStrategy().scope(),
+        pytest.raises(ValueError, match=rf"created under .*but `{method}` is called inside"),
+    ):
+        calls[method]()
+    calls[method]()  # outside any scope it runs, under its own strategy

@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from jstrategy._src import checkpoint as checkpoint_lib
+from jstrategy._src import coordination
 from jstrategy._src import fault_tolerance
 from jstrategy._src.training.progress import Progbar
 from jstrategy._src.training.progress import resolve_verbose
@@ -1354,14 +1355,17 @@ class BackupAndRestore(Callback):
         self._release()
         if not self.delete_checkpoint:
             return
-        from orbax.checkpoint import multihost
-
         # Every process is done with the backup before the chief removes it, and the
-        # chief is done before any process's next fit may create it again.
-        multihost.sync_global_processes("jstrategy_backup_delete_begin")
+        # chief is done before any process's next fit may create it again (bounded waits).
+        meeting = coordination.next_id() if coordination.active() else None
+        what = f"Deleting the backup {self.backup_dir} after fit"
+        fix = "Every worker runs fit with the same BackupAndRestore callback."
+        if meeting is not None:
+            coordination.barrier(f"backup-{meeting}/delete", what=what, fix=fix)
         if _is_chief():
             shutil.rmtree(self.backup_dir, ignore_errors=True)
-        multihost.sync_global_processes("jstrategy_backup_delete_end")
+        if meeting is not None:
+            coordination.barrier(f"backup-{meeting}/deleted", what=what, fix=fix)
 
     def _on_train_abort(self) -> None:
         self._release()

@@ -31,6 +31,7 @@ import numpy as np
 from orbax.checkpoint import multihost
 
 from jstrategy._src import checkpoint as checkpoint_lib
+from jstrategy._src import coordination
 from jstrategy._src import fault_tolerance
 from jstrategy._src.training import keras_optimizers
 from jstrategy._src.training import losses as losses_lib
@@ -56,6 +57,7 @@ STATE_DIR = "state"
 _FORMAT = "jstrategy.Model"
 _VERSION = 1
 _CUSTOM = "custom"
+_EVERY_WORKER = "In a multi-worker job every worker calls model.save with the same path."
 
 
 # Configurations ------------------------------------------------------------------------
@@ -180,6 +182,8 @@ def save_model(model: Model, filepath: os.PathLike | str, *, overwrite: bool = T
         extra = model.strategy.fit_backup_state(model, state)
         if extra is not None:
             tree["strategy_state"] = extra
+    meeting = coordination.next_id() if coordination.active() else None
+    what = f"model.save({path!r})"
     os.makedirs(path, exist_ok=True)
     checkpoint_lib.save_weights(os.path.join(path, STATE_DIR), tree, overwrite=True)
     if multihost.is_primary_host(0):
@@ -187,7 +191,8 @@ def save_model(model: Model, filepath: os.PathLike | str, *, overwrite: bool = T
         with open(temporary, "w") as f:
             json.dump(config, f, indent=2)
         os.replace(temporary, os.path.join(path, CONFIG_FILE))
-    multihost.sync_global_processes("jstrategy_save_model")
+    if meeting is not None:  # the configuration is written before any worker returns
+        coordination.barrier(f"save-model-{meeting}/written", what=what, fix=_EVERY_WORKER)
 
 
 # Loading -------------------------------------------------------------------------------
