@@ -691,3 +691,25 @@ def test_a_model_used_inside_another_strategys_scope_is_an_error(method):
     ):
         calls[method]()
     calls[method]()  # outside any scope it runs, under its own strategy
+
+
+def test_metrics_made_in_a_scope_update_outside_run_with_the_strategys_arrays():
+    # Keras's custom-loop habit: update a metric with a step's outputs after every step,
+    # outside `run` and outside the scope. The metric's parts live on the replicas of the
+    # strategy it was created under (they were created lazily on the default device, and
+    # outputs laid over the strategy's devices raised "incompatible devices").
+    strategy = jstrategy.MirroredStrategy()
+    with strategy.scope():
+        mean = jstrategy.metrics.Mean()
+        accuracy = jstrategy.metrics.SparseCategoricalAccuracy()
+    values = jax.device_put(jnp.arange(8.0), strategy.replicated_sharding())
+    labels = jax.device_put(jnp.array([0, 1, 1, 0]), strategy.replicated_sharding())
+    logits = jnp.array([[2.0, 0.0], [0.0, 2.0], [2.0, 0.0], [2.0, 0.0]])
+    for _ in range(100):
+        mean.update_state(values)
+        accuracy.update_state(labels, logits)
+    assert float(mean.result()) == pytest.approx(3.5)
+    assert float(accuracy.result()) == pytest.approx(0.75)
+    mean.reset_state()
+    mean.update_state(np.array([1.0, 3.0]))
+    assert float(mean.result()) == pytest.approx(2.0)

@@ -23,6 +23,7 @@ write would leak a traced value.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 from collections.abc import Iterator
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jstrategy._src import context
+from jstrategy._src import dispatch
 from jstrategy._src.jax_compat import inside_staging_trace
 from jstrategy._src.placement import place_state
 from jstrategy._src.placement import variable_shardings
@@ -223,7 +225,7 @@ class SummedOnRead(TrackedState):
 
     def _placed_value(self, value: Any, strategy: Strategy) -> Any:
         # Written outside run, `value` is the sum (inside, a replica writes its own part).
-        return _stacked(jax.device_get(value), strategy)
+        return _stacked(value, strategy)
 
     def store(self, value: Any, strategy: Strategy) -> None:
         """Keeps the parts a `run` program returned (already split over the replicas)."""
@@ -234,6 +236,15 @@ class SummedOnRead(TrackedState):
 def _stacked(total: Any, strategy: Strategy) -> Any:
     """Parts over `strategy`'s replicas whose sum is `total`: it, then zeros."""
     n = strategy.num_replicas_in_sync
+    sharding = strategy.batch_sharding()
+    if sharding.is_fully_addressable:
+        # Built on the devices: a metric updated after every step outside `run` (Keras's
+        # habit) costs no host round trip.
+        program = _parts_program(n, sharding)
+        replicated = strategy.replicated_sharding()
+        out = jax.tree.map(lambda x: program(jax.device_put(x, replicated)), total)
+        dispatch.track(out)
+        return out
 
     def parts(x: Any) -> Any:
         x = np.asarray(x)
@@ -241,7 +252,16 @@ def _stacked(total: Any, strategy: Strategy) -> Any:
         out[0] = x
         return out
 
-    return jax.tree.map(lambda x: device_put_global(parts(x), strategy.batch_sharding()), total)
+    # Other processes' devices too: each process places its pieces from the host.
+    return jax.tree.map(lambda x: device_put_global(parts(x), sharding), jax.device_get(total))
+
+
+@functools.lru_cache(maxsize=32)
+def _parts_program(n: int, sharding: jax.sharding.Sharding) -> Any:
+    def parts(x: jax.Array) -> jax.Array:
+        return jnp.zeros((n, *x.shape), x.dtype).at[0].set(x)
+
+    return jax.jit(parts, out_shardings=sharding)
 
 
 class TrainableHolder(TrackedState):

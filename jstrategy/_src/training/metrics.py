@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 from typing import Any
 
 import jax
@@ -39,6 +40,9 @@ from jstrategy._src.training.per_example import require_same_shape
 from jstrategy._src.training.per_example import sparse_labels
 from jstrategy._src.validation import check_bool
 from jstrategy._src.values import local_copy
+
+if TYPE_CHECKING:
+    from jstrategy._src.strategy import Strategy
 
 __all__ = [
     "Accuracy",
@@ -91,8 +95,11 @@ class Metric(PerExampleFunction):
     def __init__(self, *, name: str | None = None):
         super().__init__(name=name)
         self._totals: _Totals | None = None
-        if _ps_strategy(context.get_strategy()) is not None:
-            self._totals = _Totals.create(self.name)  # TF: metric variables on the ps
+        if context.has_strategy() and context.inside_run() is None:
+            # Created in a scope: its variables live where that strategy keeps metrics'
+            # (TF: SUM-synchronized parts on the replicas, or variables on the ps), also
+            # when it is updated outside the scope.
+            self._totals = _Totals.create(self.name, context.get_strategy())
 
     def _as_values(self, values: Any) -> Any:
         values = jnp.asarray(values)
@@ -193,14 +200,17 @@ class _Totals:
         self._ps_variables: Any = None
 
     @classmethod
-    def create(cls, name: str) -> _Totals:
+    def create(cls, name: str, strategy: Strategy | None = None) -> _Totals:
+        """Totals for `strategy`'s replicas; None: placed where first used."""
         totals = cls(name)
         zeros = {"total": np.float32(0), "count": np.float32(0)}
-        ps = _ps_strategy(context.get_strategy())
+        ps = _ps_strategy(strategy or context.get_strategy())
         if ps is not None:
             totals._ps_variables = ps.create_variables(zeros)
         else:
             totals._holder = SummedOnRead(zeros, name=f"the metric {name!r}")
+            if strategy is not None:
+                totals._holder.value_on(strategy)
         return totals
 
     def add(self, values: Any, sample_weight: Any, *, rows: bool) -> None:
