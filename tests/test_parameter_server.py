@@ -8,6 +8,7 @@ skipped when Ray is not installed. Every wait has a timeout.
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 
 import flax.linen as nn
@@ -464,6 +465,34 @@ def test_model_checkpoints_and_weights_restore_onto_the_same_parameter_server_va
         np.testing.assert_array_equal(a, b)  # Adam's state on the servers came back too
 
 
+def test_model_fit_waits_on_the_workers_at_most_timeout_seconds(cluster):
+    # A worker that stops answering ends fit with a clear error, not a wait without end:
+    # here the loss sleeps while the workers trace it, longer than the bound.
+    (x, y), _ = _digits()
+    strategy, _ = cluster(num_workers=1, num_ps=1, timeout_seconds=0.5)
+    assert strategy.timeout_seconds == 0.5
+
+    def slow_loss(y_true, y_pred):
+        time.sleep(2.0)  # once, while the gradient program is traced on the worker
+        return jstrategy.losses.SparseCategoricalCrossentropy(from_logits=True)(y_true, y_pred)
+
+    with strategy.scope():
+        model = jstrategy.Model(MLP(), input_shape=(64,), seed=0)
+        model.compile("sgd", loss=slow_loss)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"no step of the epoch finished within 0.5 s"):
+        model.fit(x[:64], y[:64], batch_size=32, steps_per_epoch=2, verbose=0)
+    assert time.monotonic() - started < 2.0
+
+
+@pytest.mark.parametrize("value", [0, -1.0, "10", True])
+def test_timeout_seconds_must_be_positive_or_none(value):
+    with pytest.raises(ValueError, match="`timeout_seconds` must be a positive number"):
+        jstrategy.ParameterServerStrategy(
+            local_cluster_resolver(num_workers=1, num_ps=1), timeout_seconds=value
+        )
+
+
 # ---------------------------------------------------------------------------------------
 # Failures
 # ---------------------------------------------------------------------------------------
@@ -868,6 +897,20 @@ def test_ray_parameter_server_death_is_fatal(ray_instance):
             coordinator.join(timeout=WAIT)
         with pytest.raises(ParameterServerFailureError):
             coordinator.schedule(lambda: 1)
+    finally:
+        coordinator.shutdown()
+        strategy._backend.shutdown()
+
+
+def test_ray_calls_that_hang_end_within_timeout_seconds(ray_instance):
+    strategy = jstrategy.ParameterServerStrategy(
+        local_cluster_resolver(num_workers=1, num_ps=1), backend="ray", timeout_seconds=1.0
+    )
+    coordinator = ClusterCoordinator(strategy)
+    try:
+        stuck = coordinator.schedule(lambda: time.sleep(4.0))
+        with pytest.raises(TimeoutError, match=r"worker:0 did not answer within 1 s"):
+            stuck.fetch(timeout=WAIT)
     finally:
         coordinator.shutdown()
         strategy._backend.shutdown()

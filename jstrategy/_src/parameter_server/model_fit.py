@@ -232,11 +232,21 @@ def run_fit_epoch(strategy: ParameterServerStrategy, epoch: FitEpoch) -> FitEpoc
         cbs.on_train_batch_end(step - 1, host_means(running, names))
         if epoch.stop_requested:
             break
+    # Each wait is bounded from the previous step's end (a slow epoch is fine, a worker
+    # that stops answering is not); join then raises what a step raised.
+    timeout = strategy.timeout_seconds
+    for rv in results[finished:]:
+        try:
+            _accumulate(running, rv.fetch(timeout))
+        except TimeoutError as e:
+            raise TimeoutError(
+                f"Model.fit: no step of the epoch finished within {timeout:g} s ({e}). "
+                "Pass ParameterServerStrategy(..., timeout_seconds=...) to allow more time "
+                "(None waits without bound)."
+            ) from e
     coordinator.join()
     if not step:
         return None
-    for rv in results[finished:]:
-        _accumulate(running, rv.fetch())
     session.step += step
     model_state = None
     if session.layout.treedef.num_leaves:

@@ -112,12 +112,26 @@ class _WorkerActor:
 # ---------------------------------------------------------------------------------------
 # Clients and handles (coordinator side; store clients also travel to workers)
 # ---------------------------------------------------------------------------------------
+def _bounded_get(ray: Any, refs: Any, timeout: float | None, who: str) -> Any:
+    """`ray.get` within the strategy's `timeout_seconds`: a task that hangs (an actor
+    stuck, a node gone quiet) becomes a clear error instead of a wait without end."""
+    try:
+        return ray.get(refs, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(
+            f"{who} did not answer within {timeout:g} s. Pass "
+            "ParameterServerStrategy(..., timeout_seconds=...) to allow more time (None "
+            "waits without bound)."
+        ) from None
+
+
 class RayStoreClient(backend_lib.StoreClient):
     """A parameter server that is a Ray actor; picklable (it holds the actor handle)."""
 
-    def __init__(self, ps_index: int, actor: Any):
+    def __init__(self, ps_index: int, actor: Any, timeout_seconds: float | None):
         self.ps_index = ps_index
         self.actor = actor
+        self.timeout_seconds = timeout_seconds
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, RayStoreClient) and other.ps_index == self.ps_index
@@ -131,7 +145,7 @@ class RayStoreClient(backend_lib.StoreClient):
         out = []
         for ref, client in zip(refs, clients, strict=True):
             try:
-                out.append(ray.get(ref))
+                out.append(_bounded_get(ray, ref, client.timeout_seconds, f"ps:{client.ps_index}"))
             except ray.exceptions.RayActorError:
                 raise backend_lib._unavailable(client.ps_index) from None
         return out
@@ -182,17 +196,20 @@ class RayWorker(backend_lib.WorkerHandle):
     def execute(self, fn, args, kwargs, specs):
         ray = _ray()
         try:
+            timeout, who = self._backend.timeout_seconds, f"worker:{self.index}"
             if self._ready is not None:
-                ray.get(self._ready)
+                _bounded_get(ray, self._ready, timeout, who)
                 self._ready = None
             fn_id = self._backend._function_id(fn)
             new_specs = list(specs[self._built :])
             result = _MISSING
             if fn_id in self._sent:
-                result = ray.get(self.actor.run.remote(fn_id, None, args, kwargs, new_specs))
+                ref = self.actor.run.remote(fn_id, None, args, kwargs, new_specs)
+                result = _bounded_get(ray, ref, timeout, who)
             if isinstance(result, str) and result == _MISSING:  # not sent, or let go
                 self._sent.add(fn_id)
-                result = ray.get(self.actor.run.remote(fn_id, fn, args, kwargs, new_specs))
+                ref = self.actor.run.remote(fn_id, fn, args, kwargs, new_specs)
+                result = _bounded_get(ray, ref, timeout, who)
         except ray.exceptions.RayActorError as e:
             raise backend_lib.WorkerFailureError(
                 f"Worker {self.index} (a Ray actor) died: {type(e).__name__}"
@@ -295,12 +312,21 @@ class RayBackend(backend_lib.Backend):
         placed on that node (softly: elsewhere if the node cannot take it).
     """
 
-    def __init__(self, num_workers: int, num_ps: int, *, address: str | None, cluster_spec):
+    def __init__(
+        self,
+        num_workers: int,
+        num_ps: int,
+        *,
+        address: str | None,
+        cluster_spec,
+        timeout_seconds: float | None,
+    ):
         ray = _ray()
         if not ray.is_initialized():
             _start_ray(ray, address)
         self.num_workers = num_workers
         self.num_ps = num_ps
+        self.timeout_seconds = timeout_seconds
         self._no_restart: set[int] = set()
         self._functions: collections.OrderedDict[int, tuple[int, Any]] = collections.OrderedDict()
         self._function_ids = itertools.count()
@@ -310,8 +336,8 @@ class RayBackend(backend_lib.Backend):
         self._ps_cls = ray.remote(num_cpus=0, max_restarts=0)(_ParameterServerActor)
         self._worker_cls = ray.remote(num_cpus=0, max_restarts=0)(_WorkerActor)
         actors = [self._ps_cls.options(**self._placement("ps", i)).remote(i) for i in range(num_ps)]
-        ray.get([a.ready.remote() for a in actors])
-        self._stores = [RayStoreClient(i, a) for i, a in enumerate(actors)]
+        _bounded_get(ray, [a.ready.remote() for a in actors], timeout_seconds, "the ps actors")
+        self._stores = [RayStoreClient(i, a, timeout_seconds) for i, a in enumerate(actors)]
 
     def _placement(self, job: str, index: int) -> dict[str, Any]:
         try:

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jstrategy._src import coordination
 from jstrategy._src.cluster_resolver import ClusterResolver
 from jstrategy._src.cluster_resolver import SimpleClusterResolver
 from jstrategy._src.cluster_resolver import TFConfigClusterResolver
@@ -125,6 +126,9 @@ class ParameterServerStrategy(Strategy):
       ray_address: the Ray cluster to join with the Ray backend (``"auto"`` for the one
         running on this machine, or ``"ray://host:10001"``); None joins ``RAY_ADDRESS`` if
         set, else starts a private local instance on loopback, without dashboard.
+      timeout_seconds: how long `Model.fit` waits for the workers to finish an epoch's
+        steps, and the Ray backend for any worker or parameter-server call, before a
+        `TimeoutError` (default 300 s; None waits without bound).
 
     Raises:
       ValueError: if the cluster has no worker or no ps task, or this process is a
@@ -153,6 +157,7 @@ class ParameterServerStrategy(Strategy):
         *,
         backend: Backend | str = Backend.LOCAL,
         ray_address: str | None = None,
+        timeout_seconds: float | None = coordination.DEFAULT_TIMEOUT_S,
     ):
 
         resolver = cluster_resolver if cluster_resolver is not None else TFConfigClusterResolver()
@@ -186,6 +191,17 @@ class ParameterServerStrategy(Strategy):
                 "are started by the coordinator (as threads, or Ray actors): run the training "
                 "program only as the chief."
             )
+        if timeout_seconds is not None and (
+            isinstance(timeout_seconds, bool)
+            or not isinstance(timeout_seconds, (int, float))
+            or not timeout_seconds > 0
+        ):
+            raise ValueError(
+                f"`timeout_seconds` must be a positive number of seconds or None; got "
+                f"{timeout_seconds!r}. E.g. timeout_seconds=600 bounds each wait on a "
+                "worker or parameter server at 10 minutes."
+            )
+        self._timeout_seconds = None if timeout_seconds is None else float(timeout_seconds)
         self._backend_kind = _resolve_backend(backend)
         self._cluster_resolver = resolver
         self._variable_partitioner = variable_partitioner
@@ -205,12 +221,21 @@ class ParameterServerStrategy(Strategy):
             from jstrategy._src.parameter_server import ray_backend
 
             self._backend = ray_backend.RayBackend(
-                num_workers, num_ps, address=ray_address, cluster_spec=spec
+                num_workers,
+                num_ps,
+                address=ray_address,
+                cluster_spec=spec,
+                timeout_seconds=self._timeout_seconds,
             )
             coordinator_device = jax.local_devices()[0]
         super().__init__([coordinator_device])
 
     # Properties -------------------------------------------------------------------------
+    @property
+    def timeout_seconds(self) -> float | None:
+        """The bound of every wait on a worker or parameter server (None: no bound)."""
+        return self._timeout_seconds
+
     @property
     def cluster_resolver(self) -> ClusterResolver:
         """The resolver this strategy was built from."""
@@ -473,6 +498,7 @@ class ParameterServerStrategy(Strategy):
 def _worker_copy(num_workers: int, num_ps: int, backend: str) -> ParameterServerStrategy:
     strategy = ParameterServerStrategy.__new__(ParameterServerStrategy)
     strategy._backend_kind = Backend(backend)
+    strategy._timeout_seconds = None
     strategy._num_workers = num_workers
     strategy._num_ps = num_ps
     strategy._cluster_resolver = None  # type: ignore[assignment]
