@@ -473,7 +473,7 @@ def test_model_fit_waits_on_the_workers_at_most_timeout_seconds(cluster):
     assert strategy.timeout_seconds == 0.5
 
     def slow_loss(y_true, y_pred):
-        time.sleep(2.0)  # once, while the gradient program is traced on the worker
+        time.sleep(6.0)  # once, while the gradient program is traced on the worker
         return jstrategy.losses.SparseCategoricalCrossentropy(from_logits=True)(y_true, y_pred)
 
     with strategy.scope():
@@ -482,7 +482,7 @@ def test_model_fit_waits_on_the_workers_at_most_timeout_seconds(cluster):
     started = time.monotonic()
     with pytest.raises(TimeoutError, match=r"no step of the epoch finished within 0.5 s"):
         model.fit(x[:64], y[:64], batch_size=32, steps_per_epoch=2, verbose=0)
-    assert time.monotonic() - started < 2.0
+    assert time.monotonic() - started < 5.0
 
 
 @pytest.mark.parametrize("value", [0, -1.0, "10", True])

@@ -112,6 +112,9 @@ class _WorkerActor:
 # ---------------------------------------------------------------------------------------
 # Clients and handles (coordinator side; store clients also travel to workers)
 # ---------------------------------------------------------------------------------------
+_STARTUP_S = 300.0
+
+
 def _bounded_get(ray: Any, refs: Any, timeout: float | None, who: str) -> Any:
     """`ray.get` within the strategy's `timeout_seconds`: a task that hangs (an actor
     stuck, a node gone quiet) becomes a clear error instead of a wait without end."""
@@ -123,6 +126,12 @@ def _bounded_get(ray: Any, refs: Any, timeout: float | None, who: str) -> Any:
             "ParameterServerStrategy(..., timeout_seconds=...) to allow more time (None "
             "waits without bound)."
         ) from None
+
+
+def _startup_bound(timeout: float | None) -> float | None:
+    # A new actor is a new Python process that imports JAX: seconds on a busy machine,
+    # however short the bound on calls is.
+    return None if timeout is None else max(timeout, _STARTUP_S)
 
 
 class RayStoreClient(backend_lib.StoreClient):
@@ -198,7 +207,7 @@ class RayWorker(backend_lib.WorkerHandle):
         try:
             timeout, who = self._backend.timeout_seconds, f"worker:{self.index}"
             if self._ready is not None:
-                _bounded_get(ray, self._ready, timeout, who)
+                _bounded_get(ray, self._ready, _startup_bound(timeout), who)
                 self._ready = None
             fn_id = self._backend._function_id(fn)
             new_specs = list(specs[self._built :])
@@ -336,7 +345,8 @@ class RayBackend(backend_lib.Backend):
         self._ps_cls = ray.remote(num_cpus=0, max_restarts=0)(_ParameterServerActor)
         self._worker_cls = ray.remote(num_cpus=0, max_restarts=0)(_WorkerActor)
         actors = [self._ps_cls.options(**self._placement("ps", i)).remote(i) for i in range(num_ps)]
-        _bounded_get(ray, [a.ready.remote() for a in actors], timeout_seconds, "the ps actors")
+        ready = [a.ready.remote() for a in actors]
+        _bounded_get(ray, ready, _startup_bound(timeout_seconds), "the ps actors")
         self._stores = [RayStoreClient(i, a, timeout_seconds) for i, a in enumerate(actors)]
 
     def _placement(self, job: str, index: int) -> dict[str, Any]:

@@ -320,7 +320,7 @@ class Model(SavingMixin, CustomLoopMixin):
         >>> model.metrics_names, round(model.learning_rate, 6)
         (['loss', 'accuracy'], 0.001)
         """
-        self._check_scope("compile")
+        self._trainer.check_scope("compile")
         steps_per_execution = check_positive_int(
             steps_per_execution,
             "steps_per_execution",
@@ -361,16 +361,6 @@ class Model(SavingMixin, CustomLoopMixin):
             self.state, self.module, self._input_shape, self._input_dtype, self.name
         )
         (print_fn or print)(table)
-
-    def _check_scope(self, what: str) -> None:
-        current = context.get_strategy() if context.has_strategy() else None
-        if current is not None and current is not self.strategy:
-            raise ValueError(
-                f"The model was created under {self.strategy!r}, but `{what}` is called "
-                f"inside the scope of {current!r}. A model runs under the strategy it was "
-                "created in (its variables live there); create it inside that scope: `with "
-                "strategy.scope(): model = jstrategy.Model(...); model.compile(...)`."
-            )
 
     # Data ---------------------------------------------------------------------------------
     def _adapter(self, x: Any, y: Any, w: Any, **kwargs: Any) -> data_adapters.DataAdapter:
@@ -441,7 +431,7 @@ class Model(SavingMixin, CustomLoopMixin):
           RuntimeError: if the model is not compiled.
           ValueError: for inconsistent arguments or data.
         """
-        self._check_scope("fit")
+        self._trainer.check_scope("fit")
         epochs = check_non_negative_int(epochs, "epochs")
         initial_epoch = check_non_negative_int(initial_epoch, "initial_epoch")
         if steps_per_epoch is not None:
@@ -518,7 +508,7 @@ class Model(SavingMixin, CustomLoopMixin):
           The loss (a float) when there are no metrics, else ``[loss, *metrics]``; or the
           dict with `return_dict`.
         """
-        self._check_scope("evaluate")
+        self._trainer.check_scope("evaluate")
         if data_adapters.is_array_tree(x) and y is None:
             raise ValueError("`y` is required when `x` holds arrays; pass evaluate(x, y).")
         data = self._adapter(
@@ -553,7 +543,7 @@ class Model(SavingMixin, CustomLoopMixin):
         Returns:
           NumPy arrays (a pytree, as the module returns) with one row per input row.
         """
-        self._check_scope("predict")
+        self._trainer.check_scope("predict")
         data = self._adapter(
             x, None, None, batch_size=batch_size, shuffle=False, steps=steps, arg="x"
         )

@@ -17,6 +17,7 @@ import numpy as np
 import optax
 
 from jstrategy._src import checkpoint as checkpoint_lib
+from jstrategy._src import context
 from jstrategy._src import fault_tolerance
 from jstrategy._src import mixed_precision as mp
 from jstrategy._src.placement import place_state
@@ -80,6 +81,17 @@ class Trainer:
                 "input_shape=(...) to Model, or call fit/evaluate/predict first."
             )
         return self.state
+
+    def check_scope(self, what: str) -> None:
+        """Refuses `what` (a `Model` method) inside another strategy's scope."""
+        current = context.get_strategy() if context.has_strategy() else None
+        if current is not None and current is not self.strategy:
+            raise ValueError(
+                f"The model was created under {self.strategy!r}, but `{what}` is called "
+                f"inside the scope of {current!r}. A model runs under the strategy it was "
+                "created in (its variables live there); create it inside that scope: `with "
+                "strategy.scope(): model = jstrategy.Model(...); model.compile(...)`."
+            )
 
     def ready(self, *, training: bool) -> None:
         """Checks the model can run (built; compiled to train or evaluate), then gives the
