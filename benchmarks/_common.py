@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -34,10 +35,24 @@ def compare(candidates: dict[str, Callable[[int], object]], *, steps: int, repea
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def print_step_table(medians: dict[str, float], *, title: str, repeats: int, steps: int) -> None:
-    """Prints `compare`'s medians as ms/step and as ratios to the first candidate."""
+def mlp_step_arguments(description: str, argv: list[str] | None) -> argparse.Namespace:
+    """The flags of the MLP step benchmarks (overhead.py, tf_custom_loop.py)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=7)
+    return parser.parse_args(argv)
+
+
+def print_step_table(medians: dict[str, float], args: argparse.Namespace, replicas: int) -> None:
+    """Prints `compare`'s medians of an MLP step benchmark as ms/step and as ratios to the
+    first candidate."""
     base = next(iter(medians.values()))
-    print(f"{title}, median of {repeats} x {steps} steps")
+    print(
+        f"MLP 64-{args.width}-{args.width}-10, global batch {args.batch}, {replicas} replicas "
+        f"on {jax.devices()[0].platform}, median of {args.repeats} x {args.steps} steps"
+    )
     width = max(len(name) for name in medians) + 2
     for name, seconds in medians.items():
         print(f"  {name:<{width}} {seconds * 1e3:8.3f} ms/step   ratio {seconds / base:5.3f}")

@@ -11,7 +11,6 @@ gradients through the replica context. Timings are interleaved medians from one 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -39,12 +38,7 @@ class MLP(nn.Module):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=512)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--repeats", type=int, default=7)
-    args = parser.parse_args(argv)
+    args = _common.mlp_step_arguments(__doc__.splitlines()[0], argv)
 
     strategy = jstrategy.MirroredStrategy()  # the default: NcclAllReduce, XLA packs
     packed = jstrategy.MirroredStrategy(cross_device_ops=jstrategy.NcclAllReduce(num_packs=1))
@@ -140,13 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         repeats=args.repeats,
     )
     base = medians["hand-written jax.jit"]
-    _common.print_step_table(
-        medians,
-        title=f"MLP 64-{args.width}-{args.width}-10, global batch {args.batch}, "
-        f"{strategy.num_replicas_in_sync} replicas on {jax.devices()[0].platform}",
-        repeats=args.repeats,
-        steps=args.steps,
-    )
+    _common.print_step_table(medians, args, strategy.num_replicas_in_sync)
     print(
         f"overhead ratio strategy.run / jax.jit: {medians['strategy.run'] / base:.3f} "
         "(target <= 1.05); strategy.run / hand-written shard_map: "

@@ -17,7 +17,6 @@ threads their state through its program. Timings are interleaved medians from on
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 from pathlib import Path
@@ -39,12 +38,7 @@ SAME = "hand-written, TF's program"
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=512)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--repeats", type=int, default=7)
-    args = parser.parse_args(argv)
+    args = _common.mlp_step_arguments(__doc__.splitlines()[0], argv)
 
     strategy = jstrategy.MirroredStrategy()
     mesh, axis = strategy.mesh, strategy.axis_name
@@ -210,13 +204,7 @@ def main(argv: list[str] | None = None) -> None:
         steps=args.steps,
         repeats=args.repeats,
     )
-    _common.print_step_table(
-        medians,
-        title=f"MLP 64-{args.width}-{args.width}-10, global batch {args.batch}, "
-        f"{strategy.num_replicas_in_sync} replicas on {jax.devices()[0].platform}",
-        repeats=args.repeats,
-        steps=args.steps,
-    )
+    _common.print_step_table(medians, args, strategy.num_replicas_in_sync)
     print(
         "threading the model, optimizer and metric through run: "
         f"{medians['TF style via strategy.run'] / medians[SAME]:.3f}"
