@@ -1,38 +1,59 @@
 # The two quick-start commands are `make demo` and `make test`; each bootstraps .venv.
-PYTHON ?= python3
+# .venv uses the newest Python here that the newest JAX supports (.ci/newest-python: 3.13 or
+# 3.12, from PATH or pyenv; else python3). `make test-oldest` runs the suite on the oldest
+# supported stack (Python 3.11, the floors in .ci/oldest-constraints.txt) in .venv-oldest.
+PYTHON ?= $(shell sh .ci/newest-python)
+OLDEST_PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+OLDEST := .venv-oldest
 FAKE_DEVICES := XLA_FLAGS=--xla_force_host_platform_device_count=8
 # Two pytest workers on CI's two cores; each worker fakes 8 devices.
 WORKERS ?= 2
+PYTEST_ARGS ?=
 
-.PHONY: demo test lint bench format clean
+.PHONY: demo test test-oldest lint bench format clean
 
-$(STAMP): pyproject.toml
+$(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+
+# The demo needs only the library and scikit-learn (the `demo` extra), not the dev set.
+$(VENV)/.demo: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[demo]'
+	touch $@
+
+$(VENV)/.dev: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
-	touch $(STAMP)
+	touch $@ $(VENV)/.demo
+
+$(OLDEST)/.dev: pyproject.toml .ci/oldest-constraints.txt
+	$(OLDEST_PYTHON) -m venv $(OLDEST)
+	$(OLDEST)/bin/python -m pip install --quiet --upgrade pip
+	$(OLDEST)/bin/python -m pip install --quiet -c .ci/oldest-constraints.txt -e '.[dev]'
+	touch $@
 
 # Uses every device; without an accelerator, 8 fake CPU devices (XLA_FLAGS is only read on CPU).
-demo: $(STAMP)
+demo: $(VENV)/.demo
 	$(FAKE_DEVICES) $(BIN)/python examples/digits.py
 	$(FAKE_DEVICES) $(BIN)/python examples/custom_training_loop.py
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -n $(WORKERS) -q
+test: $(VENV)/.dev
+	$(BIN)/python -m pytest -n $(WORKERS) -q $(PYTEST_ARGS)
 
-lint: $(STAMP)
+test-oldest: $(OLDEST)/.dev
+	$(OLDEST)/bin/python -m pytest -n $(WORKERS) -q $(PYTEST_ARGS)
+
+lint: $(VENV)/.dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-format: $(STAMP)
+format: $(VENV)/.dev
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-bench: $(STAMP)
+bench: $(VENV)/.dev
 	$(FAKE_DEVICES) $(BIN)/python benchmarks/overhead.py
 	$(FAKE_DEVICES) $(BIN)/python benchmarks/input_pipeline.py
 	$(FAKE_DEVICES) $(BIN)/python benchmarks/fit_throughput.py
@@ -44,4 +65,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/multi_worker.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(OLDEST) build dist *.egg-info
