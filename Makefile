@@ -2,7 +2,8 @@
 # .venv uses the newest Python here that the newest JAX supports (.ci/newest-python: 3.13 or
 # 3.12, from PATH or pyenv; else python3). `make test-oldest` runs the suite on the oldest
 # supported stack (Python 3.11, the floors in .ci/oldest-constraints.txt) in .venv-oldest.
-PYTHON ?= $(shell sh .ci/newest-python)
+# The newest-Python lane (jax 0.12) is not yet green: `make test PYTHON=$$(sh .ci/newest-python)`.
+PYTHON ?= python3
 OLDEST_PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin

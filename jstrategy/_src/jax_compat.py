@@ -1,11 +1,17 @@
-"""The private JAX internals jstrategy reads, in one place.
+"""The JAX APIs that moved between the supported releases, and the private internals read.
 
-JAX does not expose these publicly; when a JAX release moves one, only this module changes.
+Supported: jax 0.10 to 0.12. Where JAX has a public API it is used; a private internal is
+read only where no public one exists, and never through a silent fallback: when a JAX
+release removes one, the function that needs it raises `UnsupportedJaxError` naming the
+JAX version, so the change is seen at once (`tests/test_jax_compat.py` checks each one
+exists on the running JAX).
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -13,20 +19,50 @@ import jax.extend.core
 import jax.numpy as jnp
 from jax._src import distributed as _distributed
 from jax._src import xla_bridge as _xla_bridge
-from jax._src.lax import parallel as _parallel
 
 __all__ = [
+    "UnsupportedJaxError",
     "all_gather_invariant",
     "backends_started",
     "bind_cpu_collectives_to",
+    "cpu_collectives_internals",
     "distributed_client",
     "inside_staging_trace",
     "preemption_sync_manager",
 ]
 
+
+class UnsupportedJaxError(RuntimeError):
+    """The running JAX lacks an API jstrategy needs (it supports jax 0.10 to 0.12)."""
+
+
+def _unsupported(what: str) -> UnsupportedJaxError:
+    return UnsupportedJaxError(
+        f"jstrategy needs {what}, which jax {jax.__version__} does not have. jstrategy "
+        "supports jax>=0.10,<0.13: install a supported JAX (pip install 'jax>=0.10,<0.13')."
+    )
+
+
+def _all_gather_invariant() -> Callable[..., Any]:
+    # Public since jax 0.10: `to="invarying"` types the result as the same on every replica
+    # (its transpose is a slice, not a reduce-scatter), which out_specs=P() needs under
+    # check_vma. The private `all_gather_invariant` it replaces is gone in jax 0.12.
+    if "to" in inspect.signature(jax.lax.all_gather).parameters:
+
+        def gather(x: Any, axis_name: Any, *, axis: int = 0, tiled: bool = False) -> Any:
+            return jax.lax.all_gather(x, axis_name, axis=axis, tiled=tiled, to="invarying")
+
+        return gather
+
+    def missing(*args: Any, **kwargs: Any) -> Any:
+        raise _unsupported('jax.lax.all_gather(..., to="invarying")')
+
+    return missing
+
+
 #: An all-gather whose result is typed as the same on every replica (its gradient is a
-#: slice), where this JAX has it; else `jax.lax.all_gather`.
-all_gather_invariant = getattr(_parallel, "all_gather_invariant", jax.lax.all_gather)
+#: slice): `jax.lax.all_gather(..., to="invarying")`.
+all_gather_invariant = _all_gather_invariant()
 
 
 def distributed_client() -> Any:
@@ -50,20 +86,15 @@ def bind_cpu_collectives_to(host: str) -> None:
     Without a host, gloo listens on the address this machine's hostname resolves to, which
     on many machines is a network address, for a job that runs on loopback only. JAX
     offers no setting for it, so the CPU backend's factory is replaced by JAX's own one
-    with gloo's `hostname` given. Any other CPU collectives (MPI) are left alone; if these
-    internals change, JAX's default stays.
+    with gloo's `hostname` given. Any other CPU collectives (MPI) are left alone. If these
+    internals are gone, `UnsupportedJaxError`: a silent fallback would listen beyond
+    loopback.
     """
-    try:
-        from jax._src import config
-        from jax._src.lib import _jax
+    from jax._src import config
 
-        if config.cpu_collectives_implementation.value != "gloo":
-            return
-        make_collectives = _jax.make_gloo_tcp_collectives
-        make_cpu_client = _xla_bridge.make_cpu_client
-        register = _xla_bridge.register_backend_factory
-    except (ImportError, AttributeError):
+    if config.cpu_collectives_implementation.value != "gloo":
         return
+    make_collectives, make_cpu_client, register = cpu_collectives_internals()
 
     def make_client() -> Any:
         collectives = make_collectives(
@@ -72,6 +103,22 @@ def bind_cpu_collectives_to(host: str) -> None:
         return make_cpu_client(collectives=collectives)
 
     register("cpu", make_client, priority=0, fail_quietly=False)
+
+
+def cpu_collectives_internals() -> tuple[
+    Callable[..., Any], Callable[..., Any], Callable[..., Any]
+]:
+    """JAX's gloo factory, CPU client factory and backend registration (private)."""
+    try:
+        from jax._src.lib import _jax
+
+        return (
+            _jax.make_gloo_tcp_collectives,
+            _xla_bridge.make_cpu_client,
+            _xla_bridge.register_backend_factory,
+        )
+    except (ImportError, AttributeError) as e:
+        raise _unsupported("jax._src.lib._jax.make_gloo_tcp_collectives (gloo on loopback)") from e
 
 
 _TOP_LEVEL: list[Any] = []
