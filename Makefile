@@ -1,8 +1,8 @@
 # The two quick-start commands are `make demo` and `make test`; each bootstraps .venv.
-# .venv uses the newest Python here that the newest JAX supports (.ci/newest-python: 3.13 or
-# 3.12, from PATH or pyenv; else python3). `make test-oldest` runs the suite on the oldest
-# supported stack (Python 3.11, the floors in .ci/oldest-constraints.txt) in .venv-oldest.
-# The newest-Python lane (jax 0.12) is not yet green: `make test PYTHON=$$(sh .ci/newest-python)`.
+# .venv uses python3 (3.11 here). `make test-oldest` runs the suite on the oldest supported
+# stack (Python 3.11, the floors in .ci/oldest-constraints.txt) in .venv-oldest. The newest
+# Python and JAX (.ci/newest-python: 3.13 or 3.12 from PATH or pyenv; jax 0.12) is not yet
+# green: try it with `make test PYTHON=$$(sh .ci/newest-python)` in a fresh clone.
 PYTHON ?= python3
 OLDEST_PYTHON ?= python3.11
 VENV := .venv
