@@ -4,8 +4,11 @@
 #   bash benchmarks/gpu_check.sh [extra benchmarks/transformer.py flags]
 #
 # Runs from the repository root with the machine's own `python3` (jax, flax, optax and
-# orbax preinstalled; jstrategy is imported from this checkout, not installed; no network
-# needed). Prints device information, then one table row per configuration as soon as it
+# orbax preinstalled). jstrategy is installed from this checkout as the README says
+# (`pip install .`) into a virtual environment that sees the machine's packages, with
+# --no-deps and without build isolation, because the machine has no network: its own JAX
+# is what runs. Where pip cannot build there, the checkout is imported instead, and the
+# first lines say which. Prints device information, then one table row per configuration as soon as it
 # is measured: mixed_bfloat16 first (the MFU target), then float32, each under
 # OneDeviceStrategy and MirroredStrategy over all devices. A persistent compilation cache
 # lets the second strategy reuse the first one's program on a single GPU. With $OUT set,
@@ -17,8 +20,16 @@
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PYTHON="${PYTHON:-python3}"
+VENV="${TMPDIR:-/tmp}/jstrategy-gpu-check"
+if "$PYTHON" -m venv --system-site-packages "$VENV" >/dev/null 2>&1 \
+  && "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation . >/dev/null 2>&1; then
+  PYTHON="$VENV/bin/python"
+  echo "jstrategy installed from this checkout into $VENV (pip install --no-deps .)"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  echo "pip could not install this checkout offline here: importing it from $PWD"
+fi
 LOG=/dev/null
 if [ -n "${OUT:-}" ]; then
   mkdir -p "$OUT" && LOG="$OUT/transformer_gpu.txt"

@@ -1,7 +1,12 @@
 """Test setup: 8 fake CPU devices, configured before JAX starts."""
 
 # The root conftest.py sets XLA_FLAGS (8 fake CPU devices) before JAX starts.
+import gc
+import threading
+import time
+
 import jax
+import psutil
 import pytest
 
 import jstrategy
@@ -62,3 +67,72 @@ def one_device():
 
 def pytest_report_header(config):
     return f"jax {jax.__version__}, devices: {jax.device_count()} x {jax.devices()[0].platform}"
+
+
+# Threads a library starts once per process and keeps for reuse: not a test's leak. Each is
+# named here with who starts it.
+_PROCESS_POOLS = (
+    # concurrent.futures pools inside orbax (async checkpointing) and ray's client, reused.
+    "ThreadPoolExecutor-",
+    # pytest-timeout's and pytest-xdist's own threads (execnet's receiver).
+    "pytest_timeout",
+    "execnet",
+)
+# How long a test's threads and processes get to finish after it returns: a join or a
+# terminate that was asked for is on its way, so this bounds only the wait, not a leak.
+_LEAK_GRACE_SECONDS = 10.0
+
+
+def _started_since(before_threads, before_children):
+    threads = [
+        t
+        for t in threading.enumerate()
+        if t.ident not in before_threads
+        and t.is_alive()
+        and not t.name.startswith(_PROCESS_POOLS)
+    ]
+    children = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.pid not in before_children and child.status() != psutil.STATUS_ZOMBIE:
+                children.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return threads, children
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_threads_or_processes(request):
+    """Fails the test that leaves a thread or a child process running into the next one.
+
+    A coordinator, Ray actor or worker process that outlives its test keeps dispatching
+    programs over the same fake devices while the next test runs its collectives: that is how
+    a loaded run once lost a pytest-xdist worker to XLA's rendezvous abort.
+    """
+    before_threads = {t.ident for t in threading.enumerate()}
+    before_children = {c.pid for c in psutil.Process().children(recursive=True)}
+    yield
+    deadline = time.monotonic() + _LEAK_GRACE_SECONDS
+    threads, children = _started_since(before_threads, before_children)
+    if threads:
+        # What the test no longer reaches may hold threads that end when it is collected
+        # (a ClusterCoordinator, say); reference cycles wait for the cyclic collector.
+        gc.collect()
+    while (threads or children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        threads, children = _started_since(before_threads, before_children)
+    if threads or children:
+        processes = []
+        for child in children:  # named, then killed so that the next test starts clean
+            try:
+                processes.append(" ".join(child.cmdline()[:3]))
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+        pytest.fail(
+            f"{request.node.nodeid} left running after it returned: threads "
+            f"{sorted(t.name for t in threads)}, processes {sorted(processes)}. "
+            "Stop what the test started (coordinator.shutdown(), a context manager, "
+            "process.join()) before it returns.",
+            pytrace=False,
+        )

@@ -5,12 +5,19 @@ results, predictions) after a few steps of fixed programs: the step factory (lin
 without BatchNorm and dropout, NNX), `Model.fit` with ``steps_per_execution`` 1 and 3 over
 arrays with a padded partial last batch and over a list of batches, `Model.fit` on an NNX
 module, and `Model.fit` under `ParameterServerStrategy`. They were recorded on the code
-before the training layer was split (issue 11); a refactor that changes any bit fails here.
+before the training layer was split (issue 11), and re-recorded when the programs lost the
+Dense bias in front of BatchNorm (whose zero gradient Adam turned into rounding noise that
+moved evaluation by 0.5% between XLA versions); the code that first recorded them gives the
+same bits as today's. A refactor that changes any bit fails here.
 
-On the CPU model and JAX version the file was recorded with, the comparison is exact. XLA
-generates code for the host CPU (vector width, FMA) and JAX versions change fusions, so on
-another CPU or JAX the same program may round differently in the last bit: there the check
-is ``rtol=1e-6``, still far below what any change of the math would move.
+On the CPU model and the JAX, jaxlib, Flax, Optax and NumPy versions the file was recorded
+with, the comparison is exact. XLA generates code for the host CPU (vector width, FMA), JAX
+versions change fusions, and a Flax or Optax release may reorder a sum (optax 0.2.8 and flax
+0.12.8 moved these trajectories by one float32 ulp), so elsewhere the same program may round
+differently in the last bits. There the check is ``rtol=1e-6`` under the recorded JAX minor
+version and ``rtol=2e-5`` under another one (jax 0.12's fusions move the five-step `fit`
+trajectories by up to 4e-6), still far below what any change of the math moves: a wrong
+loss scaling or a dropped replica moves them by 1e-2 or more.
 
 Regenerate (only for a change that is meant to change trajectories, and say so in the
 commit):
@@ -24,6 +31,7 @@ import argparse
 import pathlib
 import platform
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -71,16 +79,22 @@ class BnDropout(nn.Module):
 
     @nn.compact
     def __call__(self, x, train: bool = False):
-        x = nn.Dense(8)(x)
-        x = nn.BatchNorm(use_running_average=not train, axis_name=jstrategy.REPLICA_AXIS)(x)
+        # No bias before BatchNorm: its gradient is zero up to rounding, and Adam would turn
+        # that rounding noise into full-size steps that differ on every XLA version.
+        x = nn.Dense(8, use_bias=False)(x)
+        x = nn.BatchNorm(
+            use_running_average=not train, axis_name=jstrategy.REPLICA_AXIS, use_fast_variance=False
+        )(x)
         x = nn.Dropout(0.25, deterministic=not train)(nn.relu(x))
         return nn.Dense(3)(x)
 
 
 class NnxNet(nnx.Module):
     def __init__(self, rngs):
-        self.dense1 = nnx.Linear(FEATURES, 8, rngs=rngs)
-        self.norm = nnx.BatchNorm(8, axis_name=jstrategy.REPLICA_AXIS, rngs=rngs)
+        self.dense1 = nnx.Linear(FEATURES, 8, use_bias=False, rngs=rngs)  # see BnDropout
+        self.norm = nnx.BatchNorm(
+            8, axis_name=jstrategy.REPLICA_AXIS, use_fast_variance=False, rngs=rngs
+        )
         self.drop = nnx.Dropout(0.25, rngs=rngs)
         self.dense2 = nnx.Linear(8, 3, rngs=rngs)
 
@@ -273,7 +287,18 @@ def _cpu_model():
 
 
 def _platform_key():
-    return f"{_cpu_model()} | jax {jax.__version__} | jaxlib {jaxlib.__version__}"
+    return (
+        f"{_cpu_model()} | jax {jax.__version__} | jaxlib {jaxlib.__version__}"
+        f" | flax {flax.__version__} | optax {optax.__version__} | numpy {np.__version__}"
+    )
+
+
+def _jax_minor(platform_key):
+    """``"0.10"`` from a key's ``jax 0.10.2``."""
+    for part in platform_key.split(" | "):
+        if part.startswith("jax "):
+            return ".".join(part.removeprefix("jax ").split(".")[:2])
+    return ""
 
 
 def _cases():
@@ -346,15 +371,17 @@ def test_trajectory_is_unchanged(golden, strategy_name, program_name):
     got = _run(strategy_name, program_name)
     assert sorted(got) == sorted(expected)
     exact = platform_key == _platform_key()
+    rtol = 1e-6 if _jax_minor(platform_key) == _jax_minor(_platform_key()) else 2e-5
     for key in sorted(expected):
         value = np.asarray(got[key]).astype(np.float64)
         if exact:
             np.testing.assert_array_equal(value, expected[key], err_msg=f"{case}/{key}")
         else:
-            # Another CPU model or JAX version: see the module docstring. (The atol is for
-            # values that are about 0, where a relative bound means nothing.)
+            # Another CPU model or library version: see the module docstring. (The atol is
+            # for values that are about 0, where a relative bound means nothing: 1e-6 is a few
+            # float32 ulps of the O(1) logits and losses.)
             np.testing.assert_allclose(
-                value, expected[key], rtol=1e-6, atol=1e-7, err_msg=f"{case}/{key}"
+                value, expected[key], rtol=rtol, atol=1e-6, err_msg=f"{case}/{key}"
             )
 
 
