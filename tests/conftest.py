@@ -65,6 +65,21 @@ def one_device():
     return jstrategy.OneDeviceStrategy("cpu:0")
 
 
+@pytest.fixture
+def shut_down_coordinators():
+    """``stop(strategy)``: the ParameterServerStrategy's coordinator is shut down after the test.
+
+    `Model.fit` under a ParameterServerStrategy starts the strategy's ClusterCoordinator, whose
+    worker threads live as long as the strategy (as TF's do); a test hands its strategies
+    here so that they end with it.
+    """
+    strategies = []
+    yield strategies.append
+    for strategy in strategies:
+        if strategy._coordinator is not None:
+            strategy._coordinator.shutdown()
+
+
 def pytest_report_header(config):
     return f"jax {jax.__version__}, devices: {jax.device_count()} x {jax.devices()[0].platform}"
 
@@ -87,9 +102,7 @@ def _started_since(before_threads, before_children):
     threads = [
         t
         for t in threading.enumerate()
-        if t.ident not in before_threads
-        and t.is_alive()
-        and not t.name.startswith(_PROCESS_POOLS)
+        if t.ident not in before_threads and t.is_alive() and not t.name.startswith(_PROCESS_POOLS)
     ]
     children = []
     for child in psutil.Process().children(recursive=True):

@@ -270,8 +270,12 @@ def parameter_server_fit():
             loss=losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy"],
         )
-    history = model.fit(x, y, batch_size=ROWS, epochs=2, steps_per_epoch=4, verbose=0)
-    return _fit_results(model, history, x, y)
+    try:
+        history = model.fit(x, y, batch_size=ROWS, epochs=2, steps_per_epoch=4, verbose=0)
+        return _fit_results(model, history, x, y)
+    finally:  # fit started the strategy's coordinator; its worker threads end here
+        if strategy._coordinator is not None:
+            strategy._coordinator.shutdown()
 
 
 # Recording and comparing ---------------------------------------------------------------------

@@ -313,8 +313,9 @@ def test_model_dtype_policy_and_loss_scale():
         assert jstrategy.Model(Mlp(), input_shape=(FEATURES,)).dtype_policy.name == "mixed_bfloat16"
 
 
-def test_parameter_server_fit_under_mixed_bfloat16_and_what_it_refuses():
+def test_parameter_server_fit_under_mixed_bfloat16_and_what_it_refuses(shut_down_coordinators):
     ps = jstrategy.ParameterServerStrategy(local_cluster_resolver(num_workers=1, num_ps=2))
+    shut_down_coordinators(ps)
     model, losses = _fit_model(ps, "mixed_bfloat16", steps_per_epoch=3)
     # One worker runs the steps in order: OneDevice's mixed_bfloat16 trajectory.
     oracle, oracle_losses = _fit_model(jstrategy.OneDeviceStrategy("cpu:0"), "mixed_bfloat16")

@@ -91,7 +91,12 @@ def test_install_cell_keeps_the_runtimes_jax_and_explains_a_failure(path, tmp_pa
     script = tmp_path / "install_cell.py"
     script.write_text(cell)
     # No index: pip fails at once, without the network, as it does where the name is unknown.
-    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": "", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    env = {
+        **os.environ,
+        "PIP_NO_INDEX": "1",
+        "PIP_FIND_LINKS": "",
+        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+    }
     result = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120
     )

@@ -63,7 +63,11 @@ def test_sdist_carries_what_its_tests_import(dist):
     with tarfile.open(sdist) as tar:
         names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
     assert {"LICENSE", "README.md", "conftest.py", "pyproject.toml", "Makefile"} <= names
-    assert {"tests/conftest.py", "tests/test_model.py", "tests/data/golden_trajectories.npz"} <= names
+    assert {
+        "tests/conftest.py",
+        "tests/test_model.py",
+        "tests/data/golden_trajectories.npz",
+    } <= names
     # What the tests load by path: the examples, a benchmark, the notebooks, the CI lanes.
     assert {"examples/digits.py", "examples/custom_training_tutorial.py"} <= names
     assert {"benchmarks/memory.py", "benchmarks/sharded_step.py"} <= names

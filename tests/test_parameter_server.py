@@ -608,6 +608,30 @@ def test_function_error_is_raised_once_and_cancels_pending(cluster):
     assert coordinator.schedule(lambda: 3).fetch(timeout=WAIT) == 3
 
 
+def test_shutdown_says_when_a_function_outlives_its_timeout(cluster):
+    # A worker still running a function when shutdown returns would dispatch its programs
+    # among what the program runs next: shutdown waits for it, and says so when it cannot.
+    _, coordinator = cluster(num_workers=1)
+    started, release = threading.Event(), threading.Event()
+
+    def blocked():
+        started.set()
+        return release.wait(WAIT)
+
+    running = coordinator.schedule(blocked)
+    queued = coordinator.schedule(lambda: 1)
+    assert started.wait(WAIT)
+    with pytest.raises(TimeoutError, match=r"jstrategy-ps-worker-0 still ran a function"):
+        coordinator.shutdown(timeout=0.2)
+    release.set()
+    assert running.fetch(timeout=WAIT)
+    with pytest.raises(FunctionCancelledError):
+        queued.fetch(timeout=WAIT)
+    (thread,) = coordinator._threads
+    thread.join(WAIT)
+    assert not thread.is_alive()
+
+
 # ---------------------------------------------------------------------------------------
 # Reads and updates inside strategy.run (TF's step_fn); the stores cannot be corrupted
 # ---------------------------------------------------------------------------------------

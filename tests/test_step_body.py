@@ -75,7 +75,7 @@ def _fit_gradient(model, *fit_args, **fit_kwargs):
     return _delta(before, _params(model.variables["params"]))
 
 
-def test_one_batch_gives_one_gradient_through_every_path():
+def test_one_batch_gives_one_gradient_through_every_path(shut_down_coordinators):
     x, y = _batch()
     # The oracle: the gradient of the mean loss, by hand.
     init = Mlp().init(jax.random.split(jax.random.key(0))[0], jnp.ones((1, FEATURES)))
@@ -112,6 +112,7 @@ def test_one_batch_gives_one_gradient_through_every_path():
 
     # ParameterServer fit: the same body on a worker, the update on the parameter servers.
     ps = jstrategy.ParameterServerStrategy(local_cluster_resolver(num_workers=1, num_ps=2))
+    shut_down_coordinators(ps)
     ps_grad = _fit_gradient(_model(ps), x, y, batch_size=ROWS, steps_per_epoch=1, shuffle=False)
     _assert_trees(ps_grad, oracle, atol=2e-6, rtol=0)
 
@@ -209,10 +210,11 @@ def _nnx_fit(strategy, x, y, **fit_kwargs):
 
 
 @pytest.mark.timeout(120)
-def test_nnx_model_trains_under_parameter_server_fit():
+def test_nnx_model_trains_under_parameter_server_fit(shut_down_coordinators):
     x, y = _batch(seed=1, rows=4 * ROWS)
     # One worker runs the scheduled steps in order: the one-device trajectory.
     ps = jstrategy.ParameterServerStrategy(local_cluster_resolver(num_workers=1, num_ps=2))
+    shut_down_coordinators(ps)
     model, module, losses = _nnx_fit(ps, x, y, steps_per_epoch=4)
     oracle, _, oracle_losses = _nnx_fit(jstrategy.OneDeviceStrategy("cpu:0"), x, y)
     assert losses[-1] < losses[0]

@@ -424,21 +424,24 @@ class _Crash(Exception):
     pass
 
 
-def _ps_model(num_workers=1):
+def _ps_model(stop, num_workers=1):
     strategy = jstrategy.ParameterServerStrategy(
         local_cluster_resolver(num_workers=num_workers, num_ps=2),
         variable_partitioner=jstrategy.experimental.partitioners.FixedShardsPartitioner(2),
     )
+    stop(strategy)
     with strategy.scope():
         model = jstrategy.Model(nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(1)]), (3,))
         model.compile(jstrategy.optimizers.Adam(0.05), loss="mse")
     return model
 
 
-def test_backup_and_restore_under_parameter_servers_resumes_the_epoch_exactly(tmp_path):
+def test_backup_and_restore_under_parameter_servers_resumes_the_epoch_exactly(
+    tmp_path, shut_down_coordinators
+):
     x, y = _xy(32)
     fit = dict(batch_size=8, epochs=4, steps_per_epoch=4, verbose=0)
-    uninterrupted = _ps_model()
+    uninterrupted = _ps_model(shut_down_coordinators)
     uninterrupted.fit(x, y, **fit)
 
     backup_dir = str(tmp_path / "backup")
@@ -447,7 +450,7 @@ def test_backup_and_restore_under_parameter_servers_resumes_the_epoch_exactly(tm
         if epoch == 1:
             raise _Crash()
 
-    interrupted = _ps_model()
+    interrupted = _ps_model(shut_down_coordinators)
     with pytest.raises(_Crash):
         interrupted.fit(
             x,
@@ -458,7 +461,7 @@ def test_backup_and_restore_under_parameter_servers_resumes_the_epoch_exactly(tm
             ],
             **fit,
         )
-    resumed = _ps_model()  # a new process would build the same model
+    resumed = _ps_model(shut_down_coordinators)  # a new process would build the same model
     history = resumed.fit(x, y, callbacks=[jstrategy.callbacks.BackupAndRestore(backup_dir)], **fit)
     assert history.epoch == [2, 3]  # epochs 0 and 1 were backed up
     # One worker applies its updates in order: the optimizer state (Adam's moments on the
@@ -467,11 +470,11 @@ def test_backup_and_restore_under_parameter_servers_resumes_the_epoch_exactly(tm
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
-def test_a_learning_rate_schedule_reaches_the_parameter_servers():
+def test_a_learning_rate_schedule_reaches_the_parameter_servers(shut_down_coordinators):
     # Before, the rate was set in the coordinator's copy of the optimizer state only.
     x, y = _xy(32)
     fit = dict(batch_size=8, steps_per_epoch=4, verbose=0)
-    scheduled, untrained = _ps_model(), _ps_model()
+    scheduled, untrained = _ps_model(shut_down_coordinators), _ps_model(shut_down_coordinators)
     scheduled.fit(
         x,
         y,

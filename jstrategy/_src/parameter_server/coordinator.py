@@ -587,7 +587,11 @@ class ClusterCoordinator:
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stops the worker threads (cancelling queued functions) and releases the workers.
 
-        An extension of TF's API, for programs that create several clusters.
+        An extension of TF's API, for programs that create several clusters. A function
+        already running is waited for, at most `timeout` seconds in all.
+
+        Raises:
+          TimeoutError: if a worker still runs a function after `timeout` seconds.
         """
         if self._shut_down:
             return
@@ -599,6 +603,15 @@ class ClusterCoordinator:
             thread.handle.shutdown()
         if self._strategy._coordinator is self:
             self._strategy._coordinator = None
+        running = [thread.name for thread in self._threads if thread.is_alive()]
+        if running:
+            # Returning quietly would leave a function running on a worker device, its
+            # programs dispatched among whatever the program runs next.
+            raise TimeoutError(
+                f"ClusterCoordinator.shutdown(timeout={timeout}): {', '.join(running)} still "
+                f"ran a function after {timeout} s (queued ones were cancelled). Wait for "
+                "what was scheduled (coordinator.join()) or give shutdown a longer timeout."
+            )
 
     def __repr__(self) -> str:
         return f"ClusterCoordinator(strategy={self._strategy!r})"
