@@ -16,9 +16,10 @@ __all__ = ["ShardedStrategy"]
 class ShardedStrategy(Strategy):
     """A `Strategy` whose `variable_sharding` splits variables across devices.
 
-    Its train steps compute each replica's gradients, reduce-scatter those of variables
-    split over the data axis (all-reduce the rest) and apply the update to each device's
-    slices, keeping every variable where `variable_sharding` says.
+    Its train steps run in the global view (`staging.sharded_train_program`): XLA gathers
+    each parameter where it is read, reduces each gradient where it is produced to the
+    parameter's layout, and applies the update to each device's slices, keeping every
+    variable where `variable_sharding` says.
     """
 
     def stage_train_step(

@@ -12,11 +12,12 @@ here:
   in host memory), so each step is two programs: the gradients on the replicas, then the
   update where the variables live.
 * `sharded_train_program` (`FSDPStrategy`, `ModelParallelStrategy`): variables are split
-  across devices, so ONE ``jax.jit`` holds, per step, the gradients in `replica_map`
-  (manual over the data axis only; a variable split over the data axis is gathered where
-  it is read and its gradient reduce-scattered back to its slices), then ``fns.update``
-  in the global view, with ``out_shardings`` from `Strategy.variable_sharding`, so XLA
-  partitions the update and every variable stays where the strategy keeps it.
+  across devices, so ONE ``jax.jit`` in the global view (no manual axis) holds, per step,
+  the gradients (``fns.global_gradients``: the replicas a vmapped axis laid out over the
+  data axis, differentiated outside it) and ``fns.update``, with the gradients constrained
+  to their parameters' layouts and ``out_shardings`` from `Strategy.variable_sharding`. XLA
+  then gathers each parameter where it is read and reduces each gradient where it is
+  produced, layer by layer (and scan iteration by scan iteration).
 
 A program is ``program(state, acc, batch, mask) -> (state, acc, logs)``: `acc` holds running
 loss and metric sums (with the count of real rows) that each step adds to, or None to start
@@ -71,27 +72,28 @@ class StepFunctions:
     Attributes:
       split: ``state -> (params, rest)``: the trained parameters, and what else the
         replicas read (the state without its parameters and optimizer state).
-      gradients: ``(params, rest, batch, mask, scatter=None) -> (grads, model_state,
-        sums)`` for one replica, traced inside `replica_map`: the gradients of the mean
-        loss over the global batch's real rows, the new mutable state (e.g. BatchNorm
-        statistics) and the loss and metric sums with the count of real rows, all combined
-        across replicas (identical on every replica). `scatter`, one entry per leaf of
-        `params` (``jax.tree.leaves`` order), names the dimension along which that leaf's
-        gradient is reduce-scattered over the data axis instead (the replica gets its
-        slice), or None for the all-reduce.
+      gradients: ``(params, rest, batch, mask) -> (grads, model_state, sums)`` for one
+        replica, traced inside `replica_map`: the gradients of the mean loss over the
+        global batch's real rows, the new mutable state (e.g. BatchNorm statistics) and the
+        loss and metric sums with the count of real rows, all combined across replicas
+        (identical on every replica).
       update: ``(state, grads, model_state) -> state``: the optimizer update; every staged
         step applies its update through it.
       gradients_like: ``(per_param, scalar) -> tree``: what `gradients` returns for its
         gradients, given what to put for each parameter and for a scalar (e.g. partition
         specs): the gradients are shaped like the parameters, except under gradient
         accumulation (``GradientSums(sums, rows)``). A staging that lays the gradients out
-        leaf by leaf (`sharded_train_program`) builds its specs with it.
+        leaf by leaf (`sharded_train_program`) builds its shardings with it.
+      global_gradients: the same as `gradients`, traced in the global view (no manual
+        axis) on the global batch: what `sharded_train_program` stages. None if the step
+        has no such form.
     """
 
     split: Callable[[Any], tuple[Any, Any]]
     gradients: Callable[..., tuple[Any, Any, Any]]
     update: Callable[[Any, Any, Any], Any]
     gradients_like: Callable[[Any, Any], Any] = lambda per_param, scalar: per_param
+    global_gradients: Callable[..., tuple[Any, Any, Any]] | None = None
 
 
 def row_spec(strategy: Strategy, lead: int = 0) -> P:
@@ -170,23 +172,7 @@ def replicated_train_program(
     )
 
 
-# FSDP and ModelParallel: variables split across devices, the update in the global view ------
-def data_dim(sharding: jax.sharding.Sharding, axis_name: str) -> int | None:
-    """The dimension a variable is split over the data axis `axis_name` alone, if any.
-
-    A dimension split over the data axis together with another axis (``("batch",
-    "model")``) counts as none: its gradient is all-reduced and ``out_shardings`` slices it.
-    """
-    for dim, entry in enumerate(getattr(sharding, "spec", ())):
-        if entry == axis_name or entry == (axis_name,):
-            return dim
-    return None
-
-
-def _spec_at(dim: int | None, axis_name: str) -> P:
-    return P() if dim is None else P(*([None] * dim), axis_name)
-
-
+# FSDP and ModelParallel: variables split across devices, the step in the global view -----
 class _ShardedTrainProgram:
     """`sharded_train_program`'s program: one ``jax.jit`` per train-state structure.
 
@@ -195,6 +181,11 @@ class _ShardedTrainProgram:
     """
 
     def __init__(self, strategy: Strategy, fns: StepFunctions, *, steps: int, stacked: bool):
+        if fns.global_gradients is None:
+            raise ValueError(
+                "The sharded strategies stage the step in the global view: "
+                "`StepFunctions.global_gradients` must be given."
+            )
         self._strategy = strategy
         self._fns = fns
         self._steps = steps
@@ -203,33 +194,24 @@ class _ShardedTrainProgram:
 
     def _build(self, state: Any) -> Any:
         strategy, fns, steps, stacked = self._strategy, self._fns, self._steps, self._stacked
-        axis = strategy.axis_name
+        global_gradients = fns.global_gradients
+        assert global_gradients is not None
         shardings = variable_shardings(state, strategy)
-        params, _ = fns.split(shardings)
-        leaves, tree = jax.tree.flatten(params)
-        scatter = tuple(data_dim(s, axis) for s in leaves)
-        grad_specs = jax.tree.unflatten(tree, [_spec_at(d, axis) for d in scatter])
-        rows = row_spec(strategy)
-
-        def gradients(params: Any, rest: Any, batch: Any, mask: Any) -> Any:
-            return fns.gradients(params, rest, batch, mask, scatter)
-
-        replica_gradients = replica_map(
-            strategy,
-            gradients,
-            in_specs=(P(), P(), rows, rows),
-            out_specs=(fns.gradients_like(grad_specs, P()), P(), P()),
-        )
+        replicated = strategy.replicated_sharding()
+        param_shardings, _ = fns.split(shardings)
+        grad_shardings = fns.gradients_like(param_shardings, replicated)
 
         def one(state: Any, acc: Any, batch: Any, mask: Any) -> tuple[Any, Any]:
             params, rest = fns.split(state)
-            grads, model_state, sums = replica_gradients(params, rest, batch, mask)
+            grads, model_state, sums = global_gradients(params, rest, batch, mask)
+            # Each gradient laid out like its parameter: XLA reduce-scatters it where
+            # backpropagation produces it, and the update runs on each device's slices.
+            grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
             state = fns.update(state, grads, model_state)
             # Where the strategy keeps each variable, after every step of a scan too.
             state = jax.lax.with_sharding_constraint(state, shardings)
             return state, _accumulate(acc, sums)
 
-        replicated = strategy.replicated_sharding()
         return jax.jit(
             _step_loop(one, steps=steps, stacked=stacked),
             out_shardings=(shardings, replicated, replicated),
@@ -256,17 +238,22 @@ def sharded_train_program(
 ) -> TrainProgram:
     """The staging of strategies whose variables are split across devices.
 
-    ONE compiled program (a ``lax.scan`` of `steps` steps when ``steps > 0``), each step:
+    ONE compiled program (a ``lax.scan`` of `steps` steps when ``steps > 0``) in the global
+    view: no mesh axis is manual, so XLA's SPMD partitioner decides every collective from
+    the layouts. Each step:
 
-    1. In `replica_map` (manual over the data axis; other mesh axes automatic), each
-       replica's gradients (`StepFunctions.gradients`). The parameters enter whole over the
-       data axis, so a variable split over it (FSDP) is all-gathered where it is read;
-       split over other axes (a `LayoutMap`'s ``"model"``), it stays split and XLA
-       partitions the computation. Gradients of variables split over the data axis are
-       reduce-scattered (``psum_scatter``) to their slices; the others, with the loss and
-       metric sums, go through the strategy's ``cross_device_ops.all_reduce``.
-    2. ``fns.update`` in the global view: gradients, parameters and optimizer state share
-       their layouts, so each device updates its own slices.
+    1. ``fns.global_gradients``: the per-replica loss of `StepFunctions.gradients`, mapped
+       over the replicas by ``jax.vmap`` with ``axis_name=strategy.axis_name`` (models that
+       name the data axis, e.g. ``nn.BatchNorm(axis_name=...)``, and the per-replica
+       dropout keys see the replicas as under a manual region) and ``spmd_axis_name`` the
+       data axis (each replica's rows stay on its devices), then differentiated outside the
+       map: the gradients are global values. A parameter split over the data axis (FSDP)
+       is all-gathered where it is read, one layer (or one scan iteration) at a time, and
+       its gradient reduce-scattered as soon as it is produced; split over other axes (a
+       `LayoutMap`'s ``"model"``), XLA partitions the computation.
+    2. The gradients constrained to their parameters' layouts, then ``fns.update`` in the
+       same view: gradients, parameters and optimizer state share their layouts, so each
+       device updates its own slices.
 
     Every variable comes out where `Strategy.variable_sharding` keeps it (the program's
     ``out_shardings``); the state and `acc` are donated. Same arguments and result as

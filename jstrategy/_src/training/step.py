@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
 
@@ -72,6 +71,7 @@ __all__ = [
     "build_predict_program",
     "build_train_program",
     "eval_sums",
+    "global_gradients",
     "predict_outputs",
     "prepare_state",
     "replica_gradients",
@@ -327,17 +327,17 @@ def _forward(
     return mp.cast_to_float32(y_pred), mp.cast_to_variable(model_state, policy)
 
 
-def _loss_scale_factor(spec: StepSpec, rest: Any, mask: jax.Array) -> jax.Array | None:
+def _loss_scale_factor(spec: StepSpec, rest: Any, rows: int) -> jax.Array | None:
     """What a replica multiplies its loss *sum* by before differentiating, or None.
 
-    The loss scale divided by the global batch's (static) number of rows: the scale then
+    The loss scale divided by the global batch's (static) number of `rows`: the scale then
     multiplies the mean loss, as in Keras, so a given scale overflows float16 at the same
     gradients whatever the batch size.
     """
     ls = rest.loss_scale
     if ls is None:
         return None
-    return ls.loss_scale / (mask.shape[0] * spec.strategy.num_replicas_in_sync)
+    return ls.loss_scale / rows
 
 
 def _loss_sum(spec: StepSpec, y: Any, y_pred: Any, weight: jax.Array) -> jax.Array:
@@ -362,41 +362,21 @@ def _sums(
     return out
 
 
-def replica_gradients(
-    spec: StepSpec,
-    params: Any,
-    rest: TrainStateProtocol,
-    batch: Any,
-    mask: jax.Array,
-    scatter: Sequence[int | None] | None = None,
-) -> tuple[Any, Any, dict[str, jax.Array]]:
-    """One replica's gradients: ``(grads, model_state, sums)``, combined across replicas.
+def _replica_loss(
+    spec: StepSpec, rest: TrainStateProtocol, batch: Any, mask: jax.Array, scale: Any
+) -> tuple[Callable[[Any], tuple[jax.Array, tuple[Any, Any, Any]]], Any, jax.Array]:
+    """One replica's differentiated function, its labels and its float row mask.
 
-    The gradients are those of the mean loss over the global batch's real rows with respect
-    to `params`; `rest` is the rest of the state (`TrainStateProtocol.replica_view`). The
-    new mutable state (e.g. BatchNorm statistics) is averaged over replicas, as
-    tf.distribute aggregates such variables with MEAN. Everything it returns is identical
-    on every replica. With ``spec.accumulation_steps`` > 1 the gradients are
-    `accumulation.GradientSums`: the gradient of the loss *sum* and the count of real rows,
-    which `apply_update` adds to the cycle's.
-
-    The gradients that `scatter` reduce-scatters are the exception: each replica keeps
-    its slice.
-
-    `scatter` (see `StepFunctions.gradients`) gives, for each leaf of `params` in
-    ``jax.tree.leaves`` order, the dimension along which its gradient is reduce-scattered
-    over the data axis (this replica keeps its slice: the variable's own shard under a
-    sharded strategy), or None to all-reduce it with the rest.
+    The function maps the parameters to ``(scaled loss sum, (loss sum, y_pred,
+    model_state))``: the forward pass over this replica's rows in training mode, the
+    replicas named by ``spec.strategy.axis_name`` (dropout keys, synchronized BatchNorm).
     """
-    strategy = spec.strategy
-    axis = strategy.axis_name
+    axis = spec.strategy.axis_name
     x, y, w = unpack_batch(batch)
     if y is None:
         raise ValueError("A training batch must be (x, y) or (x, y, sample_weight); got no y.")
     maskf = mask.astype(jnp.float32)
     weight = _weights(maskf, w)
-
-    scale = _loss_scale_factor(spec, rest, mask)
 
     def local_loss(params: Any) -> tuple[jax.Array, tuple[Any, Any, Any]]:
         y_pred, model_state = _forward(spec.policy, rest, params, x, train=True, axis_name=axis)
@@ -404,6 +384,42 @@ def replica_gradients(
         scaled = loss_sum if scale is None else loss_sum * scale
         return scaled, (loss_sum, y_pred, model_state)
 
+    return local_loss, y, maskf
+
+
+def _finish(spec: StepSpec, grads: Any, sums: dict[str, jax.Array], scale: Any) -> Any:
+    """The summed gradients as the update takes them: unscaled, then divided by the global
+    count of real rows (or, accumulating, paired with it as `GradientSums`)."""
+    if scale is not None:  # an overflow stays inf or NaN: apply_update sees it
+        grads = jax.tree.map(lambda g: (g / scale).astype(g.dtype), grads)
+    if spec.accumulation_steps > 1:
+        return accumulation.GradientSums(grads, sums[COUNT])
+    denom = jnp.maximum(sums[COUNT], 1.0)
+    return jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
+
+
+def replica_gradients(
+    spec: StepSpec,
+    params: Any,
+    rest: TrainStateProtocol,
+    batch: Any,
+    mask: jax.Array,
+) -> tuple[Any, Any, dict[str, jax.Array]]:
+    """One replica's gradients: ``(grads, model_state, sums)``, combined across replicas.
+
+    Traced inside a region manual over the data axis (`staging.replica_map`). The gradients
+    are those of the mean loss over the global batch's real rows with respect to `params`;
+    `rest` is the rest of the state (`TrainStateProtocol.replica_view`). The new mutable
+    state (e.g. BatchNorm statistics) is averaged over replicas, as tf.distribute
+    aggregates such variables with MEAN. Everything it returns is identical on every
+    replica. With ``spec.accumulation_steps`` > 1 the gradients are
+    `accumulation.GradientSums`: the gradient of the loss *sum* and the count of real rows,
+    which `apply_update` adds to the cycle's.
+    """
+    strategy = spec.strategy
+    axis = strategy.axis_name
+    scale = _loss_scale_factor(spec, rest, mask.shape[0] * strategy.num_replicas_in_sync)
+    local_loss, y, maskf = _replica_loss(spec, rest, batch, mask, scale)
     varying_params = _to_varying(params, axis)
     (_, (loss_sum, y_pred, model_state)), grads = jax.value_and_grad(local_loss, has_aux=True)(
         varying_params
@@ -415,47 +431,79 @@ def replica_gradients(
         sums.update(check_numerics.step_flags(spec, y, y_pred, maskf, loss_sum, checked))
     leaves, tree = jax.tree.flatten(model_state)
     varying = [i for i, leaf in enumerate(leaves) if axis in varying_axes(leaf)]
-    grads, sums, synced = _combine(strategy, grads, sums, [leaves[i] for i in varying], scatter)
+    grads, sums, synced = strategy.cross_device_ops.all_reduce(
+        ReduceOp.SUM,
+        (grads, sums, [leaves[i] for i in varying]),
+        mesh=strategy.mesh,
+        axis_name=axis,
+    )
     n = strategy.num_replicas_in_sync
     for i, leaf in zip(varying, synced, strict=True):
         leaves[i] = (leaf / n).astype(leaves[i].dtype)
-    model_state = jax.tree.unflatten(tree, leaves)
-    if scale is not None:  # an overflow stays inf or NaN: apply_update sees it
-        grads = jax.tree.map(lambda g: (g / scale).astype(g.dtype), grads)
-    if spec.accumulation_steps > 1:
-        return accumulation.GradientSums(grads, sums[COUNT]), model_state, sums
-    denom = jnp.maximum(sums[COUNT], 1.0)
-    grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
-    return grads, model_state, sums
+    return _finish(spec, grads, sums, scale), jax.tree.unflatten(tree, leaves), sums
 
 
-def _combine(
-    strategy: Strategy, grads: Any, sums: Any, synced: list[Any], scatter: Any
-) -> tuple[Any, Any, list[Any]]:
-    """Sums over the replicas: ONE all-reduce (the strategy's `cross_device_ops`) for
-    everything but the gradients `scatter` reduce-scatters (`replica_gradients`)."""
+def _replica_mean(x: Any, axis: str, n: int) -> Any:
+    """A replica's mutable-state leaf averaged over the vmapped replicas, as `replica_gradients`
+    averages those that differ across replicas: a leaf the same on every replica (computed
+    from synchronized statistics, or untouched) is kept exactly, and PRNG keys as they are."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return x
+    mean = (jax.lax.psum(x, axis) / n).astype(x.dtype)
+    # pmax and pmin leave a value that does not vary over the replicas as it is, where
+    # psum would multiply it by n (and the division might not give it back exactly).
+    return jnp.where(jax.lax.pmax(x, axis) == jax.lax.pmin(x, axis), x, mean)
+
+
+def global_gradients(
+    spec: StepSpec, params: Any, rest: TrainStateProtocol, batch: Any, mask: jax.Array
+) -> tuple[Any, Any, dict[str, jax.Array]]:
+    """`replica_gradients`' results, traced in the global view (no manual mesh axis).
+
+    The same per-replica function (`_replica_loss`) runs on each replica's rows, the
+    replicas being a vmapped axis named ``strategy.axis_name`` (so dropout keys and
+    synchronized BatchNorm see replicas exactly as in `replica_gradients`) and laid out
+    over the data axis (``spmd_axis_name``); the loss sums are summed over that axis and
+    differentiated *outside* the map. The gradients are then global values, and XLA's
+    partitioner reduces each where backpropagation produces it (a reduce-scatter to a
+    variable split over the data axis), layer by layer, instead of after the whole
+    backward pass; parameters are gathered where they are read. ``(B, ...)`` batch
+    leaves become ``(replicas, B / replicas, ...)``: a view of the rows each device holds.
+    """
+    strategy = spec.strategy
     axis = strategy.axis_name
-    reduce = strategy.cross_device_ops.all_reduce
-    if scatter is None:
-        return reduce(ReduceOp.SUM, (grads, sums, synced), mesh=strategy.mesh, axis_name=axis)
-    leaves, tree = jax.tree.flatten(grads)
-    dims = list(scatter)
-    if len(dims) != len(leaves):
-        raise ValueError(
-            f"`scatter` must give one entry per gradient leaf ({len(leaves)}); got {len(dims)}."
+    n = strategy.num_replicas_in_sync
+    scale = _loss_scale_factor(spec, rest, mask.shape[0])
+
+    def per_replica(v: Any) -> Any:
+        return v.reshape(n, v.shape[0] // n, *v.shape[1:])
+
+    batch, mask = jax.tree.map(per_replica, (batch, mask))
+
+    def one_replica(params: Any, batch: Any, mask: Any) -> tuple[jax.Array, Any]:
+        local_loss, y, maskf = _replica_loss(spec, rest, batch, mask, scale)
+        scaled, (loss_sum, y_pred, model_state) = local_loss(params)
+        sums = _sums(spec, y, y_pred, maskf, loss_sum)
+        if spec.check_numerics:
+            sums.update(check_numerics.step_flags(spec, y, y_pred, maskf, loss_sum))
+        model_state = jax.tree.map(lambda x: _replica_mean(x, axis, n), model_state)
+        return scaled, (sums, model_state)
+
+    replicas = jax.vmap(one_replica, in_axes=(None, 0, 0), axis_name=axis, spmd_axis_name=axis)
+
+    def total(params: Any) -> tuple[jax.Array, Any]:
+        scaled, aux = replicas(params, batch, mask)
+        return jnp.sum(scaled), aux
+
+    (_, (sums, model_state)), grads = jax.value_and_grad(total, has_aux=True)(params)
+    sums = {k: jnp.sum(v, axis=0) for k, v in sums.items()}
+    model_state = jax.tree.map(lambda x: x[0], model_state)  # the same on every replica
+    if spec.check_numerics and scale is None:
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+        sums[check_numerics.GRADIENTS] = sums[check_numerics.GRADIENTS] + (~finite).astype(
+            jnp.float32
         )
-    kept = [g for g, d in zip(leaves, dims, strict=True) if d is None]
-    kept, sums, synced = reduce(
-        ReduceOp.SUM, (kept, sums, synced), mesh=strategy.mesh, axis_name=axis
-    )
-    summed = iter(kept)
-    leaves = [
-        next(summed)
-        if d is None
-        else jax.lax.psum_scatter(g, axis, scatter_dimension=d, tiled=True)
-        for g, d in zip(leaves, dims, strict=True)
-    ]
-    return jax.tree.unflatten(tree, leaves), sums, synced
+    return _finish(spec, grads, sums, scale), model_state, sums
 
 
 def apply_update(spec: StepSpec, state: TrainStateProtocol, grads: Any, model_state: Any) -> Any:
@@ -517,10 +565,11 @@ def _split(state: TrainStateProtocol) -> tuple[Any, Any]:
 def step_functions(spec: StepSpec) -> StepFunctions:
     """The step as `Strategy.stage_train_step` takes it."""
 
-    def gradients(
-        params: Any, rest: Any, batch: Any, mask: Any, scatter: Any = None
-    ) -> tuple[Any, Any, Any]:
-        return replica_gradients(spec, params, rest, batch, mask, scatter)
+    def gradients(params: Any, rest: Any, batch: Any, mask: Any) -> tuple[Any, Any, Any]:
+        return replica_gradients(spec, params, rest, batch, mask)
+
+    def gradients_global(params: Any, rest: Any, batch: Any, mask: Any) -> tuple[Any, Any, Any]:
+        return global_gradients(spec, params, rest, batch, mask)
 
     def update(state: Any, grads: Any, model_state: Any) -> Any:
         return apply_update(spec, state, grads, model_state)
@@ -531,7 +580,11 @@ def step_functions(spec: StepSpec) -> StepFunctions:
         return per_param
 
     return StepFunctions(
-        split=_split, gradients=gradients, update=update, gradients_like=gradients_like
+        split=_split,
+        gradients=gradients,
+        update=update,
+        gradients_like=gradients_like,
+        global_gradients=gradients_global,
     )
 
 
