@@ -8,6 +8,7 @@ Example:
 """
 
 from jstrategy._src.loss_scale import DynamicLossScale
+from jstrategy._src.loss_scale import LossScaleFloorWarning
 from jstrategy._src.loss_scale import all_finite
 from jstrategy._src.loss_scale import select_if_finite
 from jstrategy._src.mixed_precision import Policy
@@ -19,6 +20,7 @@ from jstrategy._src.mixed_precision import set_global_policy
 
 __all__ = [
     "DynamicLossScale",
+    "LossScaleFloorWarning",
     "Policy",
     "all_finite",
     "cast_to_compute",

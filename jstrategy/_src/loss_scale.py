@@ -37,10 +37,29 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-__all__ = ["DynamicLossScale", "all_finite", "select_if_finite"]
+__all__ = ["DynamicLossScale", "LossScaleFloorWarning", "all_finite", "select_if_finite"]
 
 _INITIAL_SCALE = 2.0**15
 _GROWTH_STEPS = 2000
+
+
+class LossScaleFloorWarning(RuntimeWarning):
+    """Training steps were skipped with the loss scale at its floor (`min_loss_scale`).
+
+    Above the floor an overflow is how dynamic loss scaling finds its scale: the step is
+    skipped and the scale halved. At the floor the scale cannot go lower, so gradients
+    that still overflow float16 are skipped step after step, and the weights never move
+    while the loss looks finite. `jstrategy.Model.fit` warns once per call when an epoch
+    had such steps; under `jstrategy.config.enable_check_numerics` it raises a
+    ``FloatingPointError`` at the first one. The fix: ``mixed_bfloat16`` (float32's
+    range, no loss scale needed), or a loss whose gradients fit in float16 (e.g. inputs
+    and targets of moderate size).
+
+    Example:
+
+    >>> issubclass(LossScaleFloorWarning, RuntimeWarning)
+    True
+    """
 
 
 def _floating_leaves(tree: Any) -> list[Any]:
@@ -234,6 +253,29 @@ class DynamicLossScale(struct.PyTreeNode):
     def all_finite(self, grads: Any, *, axis_name: str | tuple[str, ...] | None = None) -> Any:
         """Whether every gradient is finite; see the module-level `all_finite`."""
         return all_finite(grads, axis_name=axis_name)
+
+    def skipped_at_floor(self, finite: Any) -> jax.Array:
+        """Whether a step with this scale and these gradients is skipped at the floor.
+
+        True when `finite` is False while the scale is already at `min_loss_scale`: the
+        scale cannot be halved further, so the step is skipped without any progress
+        towards a scale that works (see `LossScaleFloorWarning`).
+
+        Args:
+          finite: a boolean scalar (from `all_finite`).
+
+        Returns:
+          A boolean scalar array.
+
+        Example:
+
+        >>> import jax.numpy as jnp
+        >>> ls = DynamicLossScale.create(initial_scale=1.0)
+        >>> bool(ls.skipped_at_floor(jnp.bool_(False))), bool(ls.skipped_at_floor(True))
+        (True, False)
+        """
+        at_floor = self.loss_scale <= jnp.float32(self.min_loss_scale)
+        return jnp.logical_and(at_floor, jnp.logical_not(jnp.asarray(finite, jnp.bool_)))
 
     def adjust(self, finite: Any) -> DynamicLossScale:
         """The loss scale for the next step, given whether this step's gradients were finite.

@@ -8,29 +8,44 @@ gradients are finite. The host reads these counts when the step's outputs are re
 without waiting for them (`Watch`), and at the points where it waits anyway (the end of an
 epoch or an evaluation), then raises an error that names the first step where it went
 wrong. Steps compiled without the check are the same programs as before, bit for bit.
+
+Under dynamic loss scaling (a float16 compute dtype) every train step also counts, check
+or not, whether it was skipped with the loss scale at its floor (`FLOOR`): overflowing
+gradients are how the scale is found above the floor, but at the floor a skipped step is
+one that can never train. The count joins the step's sums; `fit` reads it with the epoch's
+logs, at the epoch's one host synchronization, and warns once (`warn_loss_scale_floor`);
+with the check on, the step that did it raises.
 """
 
 from __future__ import annotations
 
 import collections
+import warnings
 from typing import TYPE_CHECKING
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from jstrategy._src.loss_scale import DynamicLossScale
+from jstrategy._src.loss_scale import LossScaleFloorWarning
+from jstrategy._src.loss_scale import all_finite
 from jstrategy._src.training.input_checks import class_label_functions
 
 if TYPE_CHECKING:
     from jstrategy._src.training.step import StepSpec
 
 __all__ = [
+    "FLOOR",
     "KEYS",
     "Watch",
     "check_numerics_enabled",
     "disable_check_numerics",
     "enable_check_numerics",
+    "loss_scale_flags",
     "step_flags",
+    "sum_keys",
+    "warn_loss_scale_floor",
 ]
 
 LABELS = "check_numerics/labels_out_of_range"
@@ -38,6 +53,13 @@ LOSS = "check_numerics/non_finite_loss"
 GRADIENTS = "check_numerics/non_finite_gradients"
 #: The keys the check adds to a step's sums (and logs); `Model`'s logs leave them out.
 KEYS = (LABELS, LOSS, GRADIENTS)
+#: Steps skipped with the loss scale at its floor: in every loss-scaled step's sums.
+FLOOR = "loss_scale/skipped_at_floor"
+_FLOOR_FIX = (
+    "Train with dtype_policy='mixed_bfloat16' (bfloat16 has float32's range and needs no "
+    "loss scale), or with a loss whose gradients do not overflow float16 (inputs and "
+    "targets of moderate size, e.g. standardized)."
+)
 
 _ENABLED = False
 
@@ -83,6 +105,55 @@ def check_numerics_enabled() -> bool:
     return _ENABLED
 
 
+def _loss_scaled(spec: StepSpec) -> bool:
+    # As `train_state.loss_scale_for`: float16 compute is what brings a loss scale.
+    return spec.policy.compute_dtype == "float16"
+
+
+def sum_keys(spec: StepSpec) -> tuple[str, ...]:
+    """The keys a step of `spec` adds to its sums besides the loss, metrics and count."""
+    return (KEYS if spec.check_numerics else ()) + ((FLOOR,) if _loss_scaled(spec) else ())
+
+
+def loss_scale_flags(
+    spec: StepSpec, loss_scale: DynamicLossScale | None = None, grads: Any = None
+) -> dict[str, jax.Array]:
+    """1.0 under `FLOOR` when this step is skipped at the loss scale's floor, else 0.0.
+
+    Traced in the step after the gradients were combined and unscaled, on whole values
+    (identical on every replica in a manual region, global in the global view), so no
+    collective is needed. Evaluation (no `loss_scale`) adds a 0, so that train and eval
+    sums have the same keys. Empty when `spec` has no loss scaling.
+    """
+    if not _loss_scaled(spec):
+        return {}
+    if loss_scale is None:
+        return {FLOOR: jnp.float32(0)}
+    return {FLOOR: loss_scale.skipped_at_floor(all_finite(grads)).astype(jnp.float32)}
+
+
+def warn_loss_scale_floor(
+    skipped: Any, steps: int, epoch: int, loss_scale: DynamicLossScale | None
+) -> bool:
+    """Warns (`LossScaleFloorWarning`) when `skipped` of an epoch's `steps` were skipped
+    at the loss scale's floor; returns whether it warned. `skipped` is the host value of
+    the epoch's `FLOOR` sum (None: the step has no loss scale)."""
+    count = 0 if skipped is None else round(float(skipped))
+    if not count or loss_scale is None:
+        return False
+    warnings.warn(
+        f"Dynamic loss scaling is stuck: {count} of the {steps} training steps of epoch "
+        f"{epoch} were skipped (the weights did not move) with the loss scale at its floor "
+        f"(min_loss_scale={float(loss_scale.min_loss_scale)}): the float16 gradients "
+        f"overflow even unscaled, so these steps never train, whatever the logged loss "
+        f"says. {_FLOOR_FIX} This warning is given once per fit; "
+        "jstrategy.config.enable_check_numerics() makes it an error at the first such step.",
+        LossScaleFloorWarning,
+        stacklevel=6,  # warn_loss_scale_floor < FitEpoch.run < run_fit_epoch < fit < Model.fit
+    )
+    return True
+
+
 def step_flags(
     spec: StepSpec, y: Any, y_pred: Any, maskf: jax.Array, loss_sum: Any, grads: Any = None
 ) -> dict[str, jax.Array]:
@@ -121,6 +192,7 @@ class Watch:
 
     def __init__(self, spec: StepSpec, what: str, context: str = ""):
         self.enabled = spec.check_numerics
+        self._keys = sum_keys(spec)
         self._what = what
         self._context = context
         self._pending: collections.deque[tuple[int, int, dict[str, Any]]] = collections.deque()
@@ -131,12 +203,14 @@ class Watch:
         Raises:
           ValueError, FloatingPointError: for an earlier step that went wrong.
         """
-        if not self.enabled:
+        if not self._keys:
             return logs
-        self._pending.append((first, first if last is None else last, {k: logs[k] for k in KEYS}))
-        while self._pending and all(v.is_ready() for v in self._pending[0][2].values()):
-            self._check(*self._pending.popleft())
-        return {k: v for k, v in logs.items() if k not in KEYS}
+        if self.enabled:
+            flags = {k: logs[k] for k in self._keys if k in logs}
+            self._pending.append((first, first if last is None else last, flags))
+            while self._pending and all(v.is_ready() for v in self._pending[0][2].values()):
+                self._check(*self._pending.popleft())
+        return {k: v for k, v in logs.items() if k not in self._keys}
 
     def finish(self) -> None:
         """Checks every step recorded (waiting for them)."""
@@ -149,7 +223,7 @@ class Watch:
             where = f"{self._what} {first}{self._context}"
         else:
             where = f"{self._what}s {first} to {last}{self._context} (one execution)"
-        if values[LABELS]:
+        if values.get(LABELS):
             self._pending.clear()
             raise ValueError(
                 f"Check numerics: class labels outside [0, num_classes) at {where}: a sparse "
@@ -157,18 +231,26 @@ class Watch:
                 "below the model's number of outputs. Fix the labels, or give the model one "
                 "output per class."
             )
-        if values[LOSS]:
+        if values.get(LOSS):
             self._pending.clear()
             raise FloatingPointError(
                 f"Check numerics: the loss is NaN or infinite at {where}. Look for NaN or "
                 "inf in the inputs and labels, lower the learning rate, or compute the loss "
                 "from logits (from_logits=True)."
             )
-        if values[GRADIENTS]:
+        if values.get(GRADIENTS):
             self._pending.clear()
             raise FloatingPointError(
                 f"Check numerics: the gradients are NaN or infinite at {where}, while the "
                 "loss is finite. Lower the learning rate, clip gradients (e.g. "
                 "optax.clip_by_global_norm), or look for an operation whose gradient "
                 "overflows (sqrt or log near 0, exp of large values)."
+            )
+        if values.get(FLOOR):
+            self._pending.clear()
+            raise FloatingPointError(
+                f"Check numerics: the gradients overflow float16 even at the loss scale's "
+                f"floor at {where}: the step was skipped (dynamic loss scaling skips steps "
+                f"whose gradients are not finite), and at the floor every such step is "
+                f"skipped without the scale getting any lower. {_FLOOR_FIX}"
             )

@@ -84,6 +84,8 @@ class FitState:
     position_base: int | None = None
     sums: Any = dataclasses.field(default=None, repr=False)
     owner: Any = dataclasses.field(default=None, repr=False)
+    # Whether this fit warned of steps skipped at the loss scale's floor (once per fit).
+    loss_scale_warned: bool = dataclasses.field(default=False, repr=False)
 
     def metadata(self, *, epoch_end: bool) -> dict[str, Any]:
         """The JSON-able position saved with a backup: at this step, or after the epoch."""
@@ -262,7 +264,12 @@ class FitEpoch:
             logs = means(acc)
         watch.finish()
         # The one host synchronization of the epoch.
-        host = trainer.ordered(jax.device_get(logs))
+        host, skipped = jax.device_get((logs, acc.get(check_numerics.FLOOR)))
+        if not progress.loss_scale_warned:
+            progress.loss_scale_warned = check_numerics.warn_loss_scale_floor(
+                skipped, step, progress.epoch, trainer.state.loss_scale
+            )
+        host = trainer.ordered(host)
         return FitEpochResult(trainer.state, {k: float(v) for k, v in host.items()})
 
 

@@ -124,7 +124,7 @@ class StepSpec:
 
     def zero_sums(self) -> dict[str, Any]:
         """Running sums before the first step: zeros for each name and the count."""
-        extra = check_numerics.KEYS if self.check_numerics else ()
+        extra = check_numerics.sum_keys(self)
         return {name: np.float32(0) for name in (*self.names, COUNT, *extra)}
 
 
@@ -387,11 +387,15 @@ def _replica_loss(
     return local_loss, y, maskf
 
 
-def _finish(spec: StepSpec, grads: Any, sums: dict[str, jax.Array], scale: Any) -> Any:
+def _finish(
+    spec: StepSpec, rest: TrainStateProtocol, grads: Any, sums: dict[str, jax.Array], scale: Any
+) -> Any:
     """The summed gradients as the update takes them: unscaled, then divided by the global
-    count of real rows (or, accumulating, paired with it as `GradientSums`)."""
+    count of real rows (or, accumulating, paired with it as `GradientSums`). Adds to `sums`
+    whether apply_update will skip this step with the loss scale at its floor (fit warns)."""
     if scale is not None:  # an overflow stays inf or NaN: apply_update sees it
         grads = jax.tree.map(lambda g: (g / scale).astype(g.dtype), grads)
+    sums.update(check_numerics.loss_scale_flags(spec, rest.loss_scale, grads))
     if spec.accumulation_steps > 1:
         return accumulation.GradientSums(grads, sums[COUNT])
     denom = jnp.maximum(sums[COUNT], 1.0)
@@ -440,7 +444,7 @@ def replica_gradients(
     n = strategy.num_replicas_in_sync
     for i, leaf in zip(varying, synced, strict=True):
         leaves[i] = (leaf / n).astype(leaves[i].dtype)
-    return _finish(spec, grads, sums, scale), jax.tree.unflatten(tree, leaves), sums
+    return _finish(spec, rest, grads, sums, scale), jax.tree.unflatten(tree, leaves), sums
 
 
 def _replica_mean(x: Any, axis: str, n: int) -> Any:
@@ -503,7 +507,7 @@ def global_gradients(
         sums[check_numerics.GRADIENTS] = sums[check_numerics.GRADIENTS] + (~finite).astype(
             jnp.float32
         )
-    return _finish(spec, grads, sums, scale), model_state, sums
+    return _finish(spec, rest, grads, sums, scale), model_state, sums
 
 
 def apply_update(spec: StepSpec, state: TrainStateProtocol, grads: Any, model_state: Any) -> Any:
@@ -546,9 +550,10 @@ def eval_sums(
     sums = _sums(spec, y, y_pred, maskf, loss_sum)
     if spec.check_numerics:
         sums.update(check_numerics.step_flags(spec, y, y_pred, maskf, loss_sum))
-    return strategy.cross_device_ops.all_reduce(
+    sums = strategy.cross_device_ops.all_reduce(
         ReduceOp.SUM, sums, mesh=strategy.mesh, axis_name=strategy.axis_name
     )
+    return {**sums, **check_numerics.loss_scale_flags(spec)}  # the train step's keys
 
 
 def predict_outputs(policy: mp.Policy, state: TrainStateProtocol, x: Any) -> Any:

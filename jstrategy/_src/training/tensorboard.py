@@ -8,7 +8,10 @@ which TensorBoard's profile plugin reads.
 from __future__ import annotations
 
 import io
+import itertools
 import os
+import socket
+import tempfile
 import time
 import warnings
 from typing import Any
@@ -35,6 +38,27 @@ def _summary_writer_class() -> Any:
             "install tensorboardX)."
         ) from None
     return SummaryWriter
+
+
+# Writers opened by this process: the counter in each event file's name, as TensorBoard's
+# own writers number theirs, so two writers opened within one second (a `fit` per epoch, a
+# sweep's short runs) never share a file name.
+_WRITERS_OPENED = itertools.count()
+
+
+def _unique_suffix(directory: str) -> str:
+    """The end of a new event file's name: ``.<pid>.<counter>``, zero-padded so that the
+    files of one second sort in the order they were opened (TensorBoard reads them so).
+
+    A suffix that a file in `directory` already ends with (another process with the same
+    id, e.g. in another container) is skipped: an event file is never replaced.
+    """
+    host = socket.gethostname()
+    existing = os.listdir(directory) if os.path.isdir(directory) else []
+    while True:
+        suffix = f".{os.getpid()}.{next(_WRITERS_OPENED):06d}"
+        if not any(name.endswith(f".{host}{suffix}") for name in existing):
+            return suffix
 
 
 def _profile_range(profile_batch: Any) -> tuple[int, int]:
@@ -92,9 +116,16 @@ class TensorBoard(Callback):
     In a multi-worker job only the chief (process 0) writes, as Keras; the other workers
     write nothing (Keras has them write to a temporary directory and delete it).
 
+    Each writer opens a new event file, never replacing one: its name ends with the process
+    id and a counter (``events.out.tfevents.<seconds>.<host>.<pid>.<counter>``), as
+    TensorBoard's own writers name theirs, so a `fit` per epoch with one callback, or the
+    short runs of a sweep sharing a `log_dir`, keep every epoch; TensorBoard reads a
+    directory's files together.
+
     Args:
-      log_dir: the directory of the logs (created as needed). Do not share it with other
-        callbacks.
+      log_dir: the directory of the logs (created as needed, when training or an
+        evaluation begins: one that cannot be created or written to raises then, before
+        any step). Do not share it with other callbacks.
       histogram_freq: every how many epochs to write histograms of the variables; 0: never.
       write_graph: whether to write the model's summary table (see above).
       write_images: must be False (not supported).
@@ -110,7 +141,8 @@ class TensorBoard(Callback):
       embeddings_metadata: must be None (not supported).
 
     Raises:
-      ValueError: for an invalid or unsupported argument.
+      ValueError: for an invalid or unsupported argument, and, when `fit` or `evaluate`
+        begins, for a `log_dir` that cannot be created or written to.
       ImportError: if tensorboardX is not installed.
 
     Example:
@@ -200,13 +232,40 @@ class TensorBoard(Callback):
         writer = self._writers.get(name)
         if writer is None:
             # Created when first written to, so a run without validation has no
-            # validation directory (as Keras).
-            # The process id in the file name, as TF's writers: two processes writing to
-            # one directory in the same second would otherwise share one file.
+            # validation directory (as Keras). tensorboardX names a file by the second
+            # and the host only, and opens it for writing from scratch: the suffix makes
+            # the name one that no earlier writer used.
+            directory = os.path.join(self.log_dir, name)
             writer = self._writers[name] = self._writer_class(
-                os.path.join(self.log_dir, name), filename_suffix=f".{os.getpid()}"
+                directory, filename_suffix=_unique_suffix(directory)
             )
         return writer
+
+    def _check_log_dir(self) -> None:
+        """Creates `log_dir` and checks that it takes files, before any step runs."""
+        given = self.log_dir
+        fix = "Pass a directory that this process can create and write to."
+        for name in ("", "train", "validation"):
+            path = os.path.join(given, name) if name else given
+            if os.path.exists(path) and not os.path.isdir(path):
+                raise ValueError(
+                    f"TensorBoard's `log_dir` {given!r} cannot be used: {path!r} is a file, "
+                    f"where the event files' directory goes. {fix}"
+                )
+        try:
+            os.makedirs(given, exist_ok=True)
+        except OSError as e:
+            raise ValueError(
+                f"TensorBoard's `log_dir` {given!r} cannot be created: {e.strerror or e}. {fix}"
+            ) from e
+        try:  # a read-only directory or file system: found now, not after an epoch
+            descriptor, probe = tempfile.mkstemp(dir=given, prefix=".jstrategy_probe_")
+        except OSError as e:
+            raise ValueError(
+                f"TensorBoard's `log_dir` {given!r} cannot be written to: {e.strerror or e}. {fix}"
+            ) from e
+        os.close(descriptor)
+        os.remove(probe)
 
     def _write_scalars(self, name: str, values: dict[str, float], step: int) -> None:
         if not values:
@@ -236,6 +295,8 @@ class TensorBoard(Callback):
 
     # Hooks ------------------------------------------------------------------------------
     def on_train_begin(self, logs=None):
+        if self._is_chief():
+            self._check_log_dir()
         self._in_fit = True
         self._fit_batches = 0
         self._should_trace = self._stop_batch > 0  # each fit profiles its batches, as Keras
@@ -311,6 +372,10 @@ class TensorBoard(Callback):
         if self.write_graph and not self._graph_written:
             self._write_model_summary()
         self._flush()
+
+    def on_test_begin(self, logs=None):
+        if not self._in_fit and self._is_chief():  # Model.evaluate(callbacks=[...])
+            self._check_log_dir()
 
     def on_test_end(self, logs=None):
         if not self._is_chief():
