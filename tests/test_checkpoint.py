@@ -465,6 +465,15 @@ def test_program_exiting_mid_write_finishes_the_write(tmp_path):
     result = _run_writer(directory, "exit")
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["SAVED", "1", "EXITING", "IN-FLIGHT"]
+    if (3, 12) <= sys.version_info[:3] < (3, 12, 3):
+        # These CPythons start no thread after the main thread ends (python/cpython#113964),
+        # and orbax needs some to finish: the loss is said, with the fix, and the previous
+        # step stays the latest, undamaged.
+        assert "cannot start threads at exit" in result.stderr
+        assert "wait_until_finished() or close()" in result.stderr
+        with jstrategy.CheckpointManager(directory) as manager:
+            assert manager.all_steps() == [1]
+        return
     with jstrategy.CheckpointManager(directory) as manager:
         assert manager.all_steps() == [1, 2]
         restored = manager.restore(2, strategy=_STRATEGIES["mirrored_2"]())

@@ -757,6 +757,9 @@ def _rank(value: float, mode: BestMode) -> float:
 _IN_FLIGHT: dict[int, Any] = {}
 _IN_FLIGHT_LOCK = threading.Lock()
 _EXIT_HOOK: list[bool] = []
+# CPython 3.12.0-3.12.2 refuse to start threads once the main thread has ended
+# (python/cpython#113964, fixed in 3.12.3), and orbax starts some to finish a write.
+_EXIT_STARTS_NO_THREADS = (3, 12) <= sys.version_info[:3] < (3, 12, 3)
 
 
 def _finish_in_flight() -> None:
@@ -767,9 +770,17 @@ def _finish_in_flight() -> None:
         try:
             manager.wait_until_finished()
         except Exception as e:  # at exit: say it once and let the process end
+            why = (
+                f" Python {sys.version.split()[0]} cannot start threads at exit "
+                "(python/cpython#113964, fixed in 3.12.3), which the write needs: call "
+                "manager.wait_until_finished() or close() before the program ends, or use "
+                "Python 3.12.3 or newer. The previous step is still the latest."
+                if _EXIT_STARTS_NO_THREADS
+                else ""
+            )
             print(
                 f"jstrategy: a checkpoint save still being written at exit failed: "
-                f"{type(e).__name__}: {e}",
+                f"{type(e).__name__}: {e}.{why}",
                 file=sys.stderr,
                 flush=True,
             )
