@@ -242,6 +242,35 @@ def test_check_numerics_names_non_finite_losses_and_gradients():
             jax.block_until_ready(metrics)
 
 
+@pytest.mark.parametrize("kind", ["fsdp", "model_parallel"])
+def test_check_numerics_names_non_finite_gradients_of_the_global_view_step(kind):
+    # FSDP and ModelParallel take their gradients outside the replicas' map (the global
+    # view), so the check counts them there; a finite loss with a NaN gradient is named.
+    def flat_loss(y_true, y_pred):
+        return jnp.sqrt(jnp.abs(y_pred[:, 0] - y_pred[:, 0]))
+
+    if kind == "fsdp":
+        strategy = jstrategy.experimental.FSDPStrategy(min_shard_size=0)
+    else:
+        mesh = jstrategy.experimental.DeviceMesh((4, 2), ("batch", "model"))
+        layout_map = jstrategy.experimental.LayoutMap(mesh)
+        layout_map["kernel"] = (None, "model")
+        strategy = jstrategy.experimental.ModelParallelStrategy(layout_map)
+    with _numerics(True), strategy.scope():
+        state = training.create_train_state(nn.Dense(2), optax.sgd(0.1), jnp.ones((1, 3)))
+        clean = training.make_train_step("mse")
+        step = training.make_train_step(flat_loss)
+    batch = (np.ones((8, 3), np.float32), np.zeros((8, 2), np.float32))
+    state, metrics = clean(state, batch)
+    assert np.isfinite(float(metrics["loss"]))
+    with pytest.raises(
+        FloatingPointError, match="gradients are NaN or infinite at call number 1 of this train"
+    ):
+        for _ in range(10):
+            state, metrics = step(state, batch)
+            jax.block_until_ready(metrics)
+
+
 def test_check_numerics_is_off_by_default_and_per_compile():
     assert not jstrategy.config.check_numerics_enabled()
     assert not _model()._trainer.compiled_spec.check_numerics

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jstrategy._src.loss_scale import DynamicLossScale
 from jstrategy._src.loss_scale import LossScaleFloorWarning
 from jstrategy._src.loss_scale import all_finite
+from jstrategy._src.training import train_state
 from jstrategy._src.training.input_checks import class_label_functions
 
 if TYPE_CHECKING:
@@ -106,8 +107,7 @@ def check_numerics_enabled() -> bool:
 
 
 def _loss_scaled(spec: StepSpec) -> bool:
-    # As `train_state.loss_scale_for`: float16 compute is what brings a loss scale.
-    return spec.policy.compute_dtype == "float16"
+    return train_state.uses_loss_scale(spec.policy)
 
 
 def sum_keys(spec: StepSpec) -> tuple[str, ...]:

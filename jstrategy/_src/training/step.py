@@ -503,10 +503,9 @@ def global_gradients(
     sums = {k: jnp.sum(v, axis=0) for k, v in sums.items()}
     model_state = jax.tree.map(lambda x: x[0], model_state)  # the same on every replica
     if spec.check_numerics and scale is None:
-        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-        sums[check_numerics.GRADIENTS] = sums[check_numerics.GRADIENTS] + (~finite).astype(
-            jnp.float32
-        )
+        # The gradients exist only outside the replicas' map: counted here, once.
+        not_finite = jnp.logical_not(all_finite(grads)).astype(jnp.float32)
+        sums[check_numerics.GRADIENTS] = sums[check_numerics.GRADIENTS] + not_finite
     return _finish(spec, rest, grads, sums, scale), model_state, sums
 
 

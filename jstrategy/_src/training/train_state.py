@@ -416,6 +416,11 @@ def create_train_state(
     return place_state(state, strategy)
 
 
+def uses_loss_scale(policy: mp.Policy) -> bool:
+    """Whether a step under `policy` scales its loss: float16 compute, as in Keras."""
+    return policy.compute_dtype == "float16"
+
+
 def loss_scale_for(policy: mp.Policy) -> DynamicLossScale | None:
     """A new state's loss scale: Keras's dynamic one for float16 compute, else None."""
-    return DynamicLossScale.create() if policy.compute_dtype == "float16" else None
+    return DynamicLossScale.create() if uses_loss_scale(policy) else None
