@@ -23,9 +23,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jstrategy._src import devices as devices_lib
+from jstrategy._src import flax_annotations
 from jstrategy._src.collective_util import CommunicationOptions
-from jstrategy._src.multi_worker import MultiWorkerMirroredStrategy
 from jstrategy._src.sharded import ShardedStrategy
+from jstrategy._src.sharded import join_job
 
 if TYPE_CHECKING:
     from jstrategy._src.cluster_resolver import ClusterResolver
@@ -35,6 +36,9 @@ __all__ = ["DEFAULT_MIN_SHARD_SIZE", "FSDPStrategy"]
 #: Variables with fewer elements stay replicated: gathering a bias or a norm's scale costs
 #: a collective per use and saves next to nothing.
 DEFAULT_MIN_SHARD_SIZE = 1024
+
+#: The mesh axis names of a Flax annotation that FSDP honours: its own data axis's.
+_DATA_AXES = ("data", "fsdp", "batch")
 
 
 class FSDPStrategy(ShardedStrategy):
@@ -102,11 +106,8 @@ class FSDPStrategy(ShardedStrategy):
                 f"min_shard_size={DEFAULT_MIN_SHARD_SIZE}, or 0 to shard every variable "
                 "that divides."
             )
-        self._cluster: MultiWorkerMirroredStrategy | None = None
         if devices is None or cluster_resolver is not None or communication_options is not None:
-            # Joins the job as MultiWorkerMirroredStrategy does (one place starts JAX's
-            # distributed runtime); that strategy is kept only for its cluster.
-            self._cluster = MultiWorkerMirroredStrategy(cluster_resolver, communication_options)
+            self._cluster = join_job(cluster_resolver, communication_options)
         # After joining, JAX's devices are every worker's.
         resolved = jax.devices() if devices is None else devices_lib.resolve_devices(devices)
         cross_device_ops = None
@@ -114,24 +115,6 @@ class FSDPStrategy(ShardedStrategy):
             cross_device_ops = self._cluster.cross_device_ops  # across processes
         super().__init__(resolved, cross_device_ops=cross_device_ops)
         self._min_shard_size = min_shard_size
-
-    @property
-    def cluster_resolver(self) -> ClusterResolver | None:
-        """The job's resolver (None when given explicit devices and no resolver)."""
-        return self._cluster.cluster_resolver if self._cluster is not None else None
-
-    @property
-    def num_workers(self) -> int:
-        """How many processes train together (whose devices hold replicas)."""
-        return len({d.process_index for d in self.devices})
-
-    @property
-    def is_chief(self) -> bool:
-        """Whether this process is the chief (or worker 0 without a chief): it writes what
-        is written once."""
-        if self._cluster is not None and self._cluster.num_workers > 1:
-            return self._cluster.is_chief
-        return jax.process_index() == 0
 
     @property
     def min_shard_size(self) -> int:
@@ -143,17 +126,25 @@ class FSDPStrategy(ShardedStrategy):
     ) -> jax.sharding.Sharding:
         """One slice per replica along the largest dimension that divides, else replicated.
 
+        A variable whose Flax annotation (`nn.with_partitioning`, `nnx.with_partitioning`,
+        ...) splits a dimension over a data axis (named ``"data"``, ``"fsdp"``, ``"batch"``
+        or `axis_name`) is split along that dimension when it divides, whatever its size;
+        the annotation's other axes do not exist on this 1-D mesh and are ignored.
+
         Args:
           leaf: the variable's shape and dtype.
-          path: the variable's keys in the state (unused: the shape decides).
+          path: the variable's keys in the state: they find its annotation, if any (a
+            parameter's optimizer moments follow it).
 
         Returns:
           ``NamedSharding(mesh, P(..., "replica", ...))`` with the data axis at the
           chosen dimension, or `replicated_sharding`.
         """
-        del path  # parameters and their optimizer moments share shapes, hence layouts
         n = self.num_replicas_in_sync
         shape = tuple(leaf.shape)
+        annotated = flax_annotations.data_dim(self, path, shape, (*_DATA_AXES, self.axis_name))
+        if annotated is not None and n > 1:
+            return NamedSharding(self.mesh, P(*([None] * annotated), self.axis_name))
         if n == 1 or math.prod(shape) < max(self._min_shard_size, 1):
             return self.replicated_sharding()
         dims = [i for i, d in enumerate(shape) if d >= n and d % n == 0]

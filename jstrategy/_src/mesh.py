@@ -18,8 +18,11 @@ from jax.sharding import AxisType
 from jax.sharding import Mesh
 
 from jstrategy._src import devices as devices_lib
+from jstrategy._src import jax_compat
+from jstrategy._src.cluster_resolver import TFConfigClusterResolver
+from jstrategy._src.cluster_resolver import training_process_layout
 
-__all__ = ["DeviceMesh", "auto_mesh"]
+__all__ = ["DeviceMesh", "auto_mesh", "devices_known"]
 
 
 class DeviceMesh:
@@ -55,6 +58,20 @@ class DeviceMesh:
     ):
         shape = _check_shape(shape)
         axis_names = _check_axis_names(axis_names, shape)
+        self._shape = shape
+        self._axis_names = axis_names
+        self._mesh_or_none: Mesh | None = None
+        self._given = devices
+        if devices is not None or not _job_not_joined_yet():
+            self._build()
+        # Else every process's devices are known only once the strategy built on this mesh
+        # joins the job described by TF_CONFIG: JAX's distributed runtime must start
+        # before its backends, which `jax.devices()` would start.
+
+    def _build(self) -> Mesh:
+        if self._mesh_or_none is not None:
+            return self._mesh_or_none
+        shape, devices = self._shape, self._given
         if devices is None:
             flat = list(jax.devices())
         else:
@@ -67,11 +84,14 @@ class DeviceMesh:
                 f"{len(flat)} devices. Give a shape whose product is {len(flat)}, or pass "
                 f"the {math.prod(shape)} devices to use as `devices`."
             )
-        self._shape = shape
-        self._axis_names = axis_names
-        self._mesh = jax.make_mesh(
-            shape, axis_names, axis_types=(AxisType.Auto,) * len(shape), devices=flat
+        self._mesh_or_none = jax.make_mesh(
+            shape, self._axis_names, axis_types=(AxisType.Auto,) * len(shape), devices=flat
         )
+        return self._mesh_or_none
+
+    @property
+    def _mesh(self) -> Mesh:
+        return self._build()
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -121,6 +141,18 @@ def auto_mesh(mesh: Mesh | DeviceMesh) -> Mesh:
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
 
 
+def _job_not_joined_yet() -> bool:
+    """Whether ``TF_CONFIG`` describes a multi-process job this process has not joined yet
+    (and still can: JAX's backends have not started)."""
+    if jax_compat.backends_started() or jax_compat.distributed_client() is not None:
+        return False
+    try:
+        layout = training_process_layout(TFConfigClusterResolver())
+    except ValueError:
+        return False  # the strategy that joins the job says what is wrong with it
+    return layout.process_id is not None and layout.num_processes > 1
+
+
 def _check_shape(shape: Any) -> tuple[int, ...]:
     try:
         dims = tuple(shape)
@@ -153,3 +185,8 @@ def _check_axis_names(axis_names: Any, shape: tuple[int, ...]) -> tuple[str, ...
     if len(set(names)) != len(names):
         raise ValueError(f"`axis_names` must be distinct; got {names}.")
     return names
+
+
+def devices_known(mesh: DeviceMesh) -> bool:
+    """Whether `mesh`'s devices are resolved (False while it waits for a job to be joined)."""
+    return mesh._mesh_or_none is not None

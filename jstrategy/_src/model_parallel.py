@@ -11,21 +11,27 @@ its input dimension, over a ``"model"`` axis).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+from typing import Any
 
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jstrategy._src import flax_annotations
+from jstrategy._src import mesh as mesh_lib
 from jstrategy._src.cross_device_ops import CrossDeviceOps
 from jstrategy._src.layout_map import LayoutMap
 from jstrategy._src.mesh import DeviceMesh
 from jstrategy._src.sharded import ShardedStrategy
+from jstrategy._src.sharded import join_job
+
+if TYPE_CHECKING:
+    from jstrategy._src.cluster_resolver import ClusterResolver
+    from jstrategy._src.collective_util import CommunicationOptions
 
 __all__ = ["ModelParallelStrategy"]
-
-#: The collection of Flax's parameters (and the train state's field holding them): not part
-#: of the variable paths that layout map keys match, as in Keras.
-_PARAMS = "params"
 
 
 class ModelParallelStrategy(ShardedStrategy):
@@ -84,7 +90,10 @@ class ModelParallelStrategy(ShardedStrategy):
         layout_map: LayoutMap,
         *,
         batch_dim_name: str = "batch",
+        logical_axis_rules: Sequence[tuple[str, Any]] | None = None,
         cross_device_ops: CrossDeviceOps | None = None,
+        cluster_resolver: ClusterResolver | None = None,
+        communication_options: CommunicationOptions | None = None,
     ):
         if not isinstance(layout_map, LayoutMap):
             raise TypeError(
@@ -99,6 +108,16 @@ class ModelParallelStrategy(ShardedStrategy):
                 f"{mesh.axis_names}; got {batch_dim_name!r}. Pass the axis to split the "
                 f"batch over, e.g. batch_dim_name={mesh.axis_names[0]!r}."
             )
+        self._rules = _check_rules(logical_axis_rules, mesh)
+        if (
+            not mesh_lib.devices_known(mesh)
+            or cluster_resolver is not None
+            or communication_options is not None
+        ):
+            # A mesh over every process's devices: join the job first (TF_CONFIG's).
+            self._cluster = join_job(cluster_resolver, communication_options)
+            if self._cluster.num_workers > 1 and cross_device_ops is None:
+                cross_device_ops = self._cluster.cross_device_ops  # across processes
         super().__init__(mesh, cross_device_ops=cross_device_ops, data_axis=batch_dim_name)
         self._layout_map = layout_map
 
@@ -106,6 +125,11 @@ class ModelParallelStrategy(ShardedStrategy):
     def layout_map(self) -> LayoutMap:
         """The variables' layouts."""
         return self._layout_map
+
+    @property
+    def logical_axis_rules(self) -> tuple[tuple[str, Any], ...]:
+        """The logical axis rules given to the strategy (``logical_axis_rules=``)."""
+        return self._rules
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -135,27 +159,45 @@ class ModelParallelStrategy(ShardedStrategy):
             names the path, the shape and the size), or two keys match its path.
         """
         names = tuple(str(k) for k in path)
-        is_parameter = len(names) > 1 and names[0] == _PARAMS
-        if is_parameter:
-            candidates = ["/".join(names[1:])]
-        else:
-            candidates = ["/".join(names[i:]) for i in range(len(names))]
+        is_parameter, candidates = flax_annotations.candidate_paths(names)
         for candidate in candidates:
             key, layout = self._layout_map.lookup(candidate)
             if layout is not None:
+                source = f"the layout {tuple(layout)} of LayoutMap key {key!r}"
                 break
         else:
-            return self.replicated_sharding()
+            found = flax_annotations.annotation(self, names)
+            if found is None:
+                return self.replicated_sharding()
+            candidate, layout = found
+            source = f"its Flax sharding annotation {tuple(layout)}"
+            missing = self._missing_axes(layout)
+            if missing and is_parameter:
+                raise ValueError(
+                    f"Variable {candidate!r} is annotated (nn.with_partitioning, "
+                    f"nnx.with_partitioning or logical names mapped by logical axis rules) "
+                    f"with {tuple(layout)}, which names mesh axes {missing} that the mesh "
+                    f"lacks; its axes are {self.mesh.axis_names}. Name the mesh's axes in "
+                    "the annotation, map logical names to them with logical_axis_rules=, or "
+                    "override the variable's layout with a LayoutMap entry."
+                )
+            if missing:
+                return self.replicated_sharding()
         problem = self._misfit(layout, tuple(leaf.shape))
         if problem is None:
             return NamedSharding(self.mesh, layout)
         if is_parameter:
             raise ValueError(
-                f"Variable {candidate!r} of shape {tuple(leaf.shape)} does not fit the layout "
-                f"{tuple(layout)} of LayoutMap key {key!r}: {problem}. Change the layout, or "
-                "the variable's shape."
+                f"Variable {candidate!r} of shape {tuple(leaf.shape)} does not fit "
+                f"{source}: {problem}. Change the layout, or the variable's shape."
             )
         return self.replicated_sharding()
+
+    def _missing_axes(self, layout: P) -> list[str]:
+        axes = [
+            a for entry in layout for a in ((entry,) if isinstance(entry, str) else entry or ())
+        ]
+        return [a for a in axes if a not in self.mesh.axis_names]
 
     def _misfit(self, layout: P, shape: tuple[int, ...]) -> str | None:
         """Why `layout` cannot lay out an array of `shape`; None when it can."""
@@ -178,3 +220,38 @@ class ModelParallelStrategy(ShardedStrategy):
             f"ModelParallelStrategy(mesh={self.device_mesh!r}, "
             f"batch_dim_name={self.axis_name!r}, layouts={len(self._layout_map)})"
         )
+
+
+def _check_rules(rules: Any, mesh: DeviceMesh) -> tuple[tuple[str, Any], ...]:
+    """`rules` as a tuple of ``(logical name, mesh axes)`` pairs, each axis in `mesh`."""
+    if rules is None:
+        return ()
+    example = "e.g. logical_axis_rules=[('batch', 'batch'), ('hidden', 'model'), ('embed', None)]"
+    if isinstance(rules, (str, bytes)) or not isinstance(rules, Sequence):
+        raise TypeError(
+            f"`logical_axis_rules` must be a sequence of (logical name, mesh axes) pairs, "
+            f"{example}; got {type(rules).__name__} {rules!r}."
+        )
+    checked = []
+    for rule in rules:
+        if not isinstance(rule, (tuple, list)) or len(rule) != 2 or not isinstance(rule[0], str):
+            raise TypeError(
+                f"Each of `logical_axis_rules` must be a (logical name, mesh axes) pair, "
+                f"{example}; got {rule!r}."
+            )
+        name, target = rule
+        axes = (target,) if isinstance(target, str) else tuple(target or ())
+        if not all(isinstance(a, str) for a in axes):
+            raise TypeError(
+                f"The logical axis rule {rule!r} must map {name!r} to a mesh axis name, a "
+                "tuple of them, or None."
+            )
+        missing = [a for a in axes if a not in mesh.axis_names]
+        if missing:
+            raise ValueError(
+                f"The logical axis rule {rule!r} names mesh axes {missing} that the mesh "
+                f"lacks; its axes are {mesh.axis_names}. Map {name!r} to one of them, or to "
+                "None to keep that dimension whole."
+            )
+        checked.append((name, target if isinstance(target, str) or target is None else axes))
+    return tuple(checked)

@@ -1,16 +1,40 @@
 """The common base of strategies whose variables are split across devices.
 
 `FSDPStrategy` and `ModelParallelStrategy` differ in where each variable lives
-(`Strategy.variable_sharding`); how their train steps are staged is the same:
-`staging.sharded_train_program`.
+(`Strategy.variable_sharding`); how their train steps are staged is the same
+(`staging.sharded_train_program`), and so is how they join a multi-process job and what
+their scope sets: JAX's mesh (`jax.set_mesh`) and the strategy's logical axis rules, so that
+Flax's sharding annotations and `with_sharding_constraint` inside models name its axes.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+from typing import Any
+
+import jax
+from flax.core import spmd as flax_spmd
+
 from jstrategy._src import staging
+from jstrategy._src.multi_worker import MultiWorkerMirroredStrategy
 from jstrategy._src.strategy import Strategy
 
-__all__ = ["ShardedStrategy"]
+if TYPE_CHECKING:
+    from jstrategy._src.cluster_resolver import ClusterResolver
+    from jstrategy._src.collective_util import CommunicationOptions
+
+__all__ = ["ShardedStrategy", "join_job"]
+
+
+def join_job(
+    cluster_resolver: ClusterResolver | None, communication_options: CommunicationOptions | None
+) -> MultiWorkerMirroredStrategy:
+    """Joins the job `cluster_resolver` (by default ``TF_CONFIG``) describes, as
+    `MultiWorkerMirroredStrategy` does (the one place that starts JAX's distributed
+    runtime); the strategy returned is kept for its cluster only."""
+    return MultiWorkerMirroredStrategy(cluster_resolver, communication_options)
 
 
 class ShardedStrategy(Strategy):
@@ -20,10 +44,80 @@ class ShardedStrategy(Strategy):
     each parameter where it is read, reduces each gradient where it is produced to the
     parameter's layout, and applies the update to each device's slices, keeping every
     variable where `variable_sharding` says.
+
+    Inside its `scope()` (and while its programs are traced) JAX's mesh is the strategy's
+    (`jax.set_mesh`) and Flax's logical axis rules include `logical_axis_rules`: NNX
+    variables annotated with `nnx.with_partitioning` are created on it, and
+    `jax.lax.with_sharding_constraint` / `nn.with_logical_constraint` name its axes.
     """
+
+    #: The job this strategy joined (`join_job`), or None for a local one.
+    _cluster: MultiWorkerMirroredStrategy | None = None
+
+    @property
+    def logical_axis_rules(self) -> tuple[tuple[str, Any], ...]:
+        """Flax logical axis rules (``(logical name, mesh axes)`` pairs) the strategy adds."""
+        return ()
+
+    @property
+    def cluster_resolver(self) -> ClusterResolver | None:
+        """The job's resolver (None when the strategy joined no job)."""
+        return self._cluster.cluster_resolver if self._cluster is not None else None
+
+    @property
+    def num_workers(self) -> int:
+        """How many processes train together (whose devices hold replicas)."""
+        return len({d.process_index for d in self.devices})
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this process is the chief (or worker 0 without a chief): it writes what
+        is written once."""
+        if self._cluster is not None and self._cluster.num_workers > 1:
+            return self._cluster.is_chief
+        return jax.process_index() == 0
+
+    @contextlib.contextmanager
+    def mesh_context(self) -> Iterator[None]:
+        """JAX's mesh set to the strategy's, its logical axis rules before Flax's own."""
+        rules = self.logical_axis_rules
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(jax.set_mesh(self.mesh))
+            if rules:
+                outer = tuple(flax_spmd.get_logical_axis_rules())
+                stack.enter_context(flax_spmd.logical_axis_rules(rules + outer))
+            yield
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Strategy]:
+        """`Strategy.scope`, with JAX's mesh and Flax's rules as `mesh_context` sets them."""
+        with super().scope(), self.mesh_context():
+            yield self
 
     def stage_train_step(
         self, fns: staging.StepFunctions, *, steps: int = 0, stacked: bool = True
     ) -> staging.TrainProgram:
-        """One program per call: see `staging.sharded_train_program`."""
-        return staging.sharded_train_program(self, fns, steps=steps, stacked=stacked)
+        """One program per call: see `staging.sharded_train_program`; traced and run under
+        `mesh_context`."""
+        return _UnderMesh(
+            self, staging.sharded_train_program(self, fns, steps=steps, stacked=stacked)
+        )
+
+
+class _UnderMesh:
+    """A `TrainProgram` called (hence traced) under its strategy's `mesh_context`: models'
+    sharding constraints name the strategy's axes (`jax.set_mesh` cannot be entered inside
+    a trace)."""
+
+    def __init__(self, strategy: ShardedStrategy, program: staging.TrainProgram):
+        self._strategy = strategy
+        self._program = program
+
+    def __call__(self, state: Any, acc: Any, batch: Any, mask: Any) -> tuple[Any, Any, Any]:
+        with self._strategy.mesh_context():
+            return self._program(state, acc, batch, mask)
+
+    def lower(self, state: Any, acc: Any, batch: Any, mask: Any) -> Any:
+        """The program lowered under the strategy's mesh."""
+        with self._strategy.mesh_context():
+            return self._program.lower(state, acc, batch, mask)

@@ -35,6 +35,7 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.core import spmd as flax_spmd
 from jax.sharding import PartitionSpec as P
 
 from jstrategy._src import dispatch
@@ -109,9 +110,23 @@ def replica_map(strategy: Strategy, fn: Callable[..., Any], in_specs: Any, out_s
     automatic (XLA partitions them from the variables' shardings).
     """
     mesh = strategy.mesh
+    rules = tuple(getattr(strategy, "logical_axis_rules", ()))
+    if rules:
+        fn = _under_rules(fn, rules)
     # An empty set means every axis, as on a 1-D mesh.
     manual = frozenset({strategy.axis_name}) if len(mesh.axis_names) > 1 else frozenset()
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=manual)
+
+
+def _under_rules(fn: Callable[..., Any], rules: tuple[Any, ...]) -> Callable[..., Any]:
+    """`fn` traced under the strategy's Flax logical axis rules (`nn.with_logical_constraint`
+    in a model names its mesh axes), before those of Flax's context."""
+
+    def traced(*args: Any) -> Any:
+        with flax_spmd.logical_axis_rules(rules + tuple(flax_spmd.get_logical_axis_rules())):
+            return fn(*args)
+
+    return traced
 
 
 def _accumulate(acc: Any, sums: Any) -> Any:

@@ -25,6 +25,7 @@ from flax import nnx
 from flax import struct
 
 from jstrategy._src import context
+from jstrategy._src import flax_annotations
 from jstrategy._src import mixed_precision as mp
 from jstrategy._src.placement import in_device_memory
 from jstrategy._src.placement import place_state
@@ -283,6 +284,7 @@ def create_nnx_train_state(
             f"{type(optimizer).__name__} {optimizer!r}."
         )
     graphdef, variables = nnx.split(model)
+    flax_annotations.prepare_nnx(variables, strategy)  # Flax's sharding metadata, to the strategy
     cast = mp.cast_to_variable(variables, policy)
     leaves = zip(jax.tree.leaves(cast), jax.tree.leaves(variables), strict=True)
     if any(a is not b for a, b in leaves):

@@ -24,6 +24,7 @@ from flax import struct
 from flax.training import train_state as flax_train_state
 
 from jstrategy._src import context
+from jstrategy._src import flax_annotations
 from jstrategy._src import mixed_precision as mp
 from jstrategy._src.loss_scale import DynamicLossScale
 from jstrategy._src.placement import in_device_memory
@@ -393,6 +394,9 @@ def create_train_state(
         variables = dict(
             module.init({"params": params_key, "dropout": dropout_key}, *sample_args, **kwargs)
         )
+        # Flax's sharding annotations (nn.with_partitioning, ...) go to the strategy; the
+        # state holds plain arrays.
+        variables = flax_annotations.prepare(variables, strategy)
         variables = mp.cast_to_variable(variables, policy)
         opt_state = tx.init(variables["params"])
     unknown = sorted(set(variables) - {"params", "batch_stats"})
