@@ -132,14 +132,17 @@ def test_sparse_categorical_crossentropy_labels_with_or_without_trailing_axis():
         _close(loss(labels.astype(np.float32), pred), expected, rtol=1e-4)
 
 
-def test_sparse_categorical_crossentropy_averages_sequence_axes():
+def test_sparse_categorical_crossentropy_keeps_sequence_axes():
+    # Keras reduces only the class axis: one loss per time step, (b, t).
     rng = _rng(4)
     logits = rng.normal(size=(B, 3, 7))
     labels = rng.integers(0, 7, size=(B, 3))
     per_token = optax.softmax_cross_entropy_with_integer_labels(jnp.asarray(logits), labels)
-    out = losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")(labels, logits)
-    assert out.shape == (B,)
-    _close(out, np.asarray(per_token).mean(axis=1), rtol=1e-5)
+    loss = losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+    out = loss(labels, logits)
+    assert out.shape == (B, 3)
+    _close(out, np.asarray(per_token), rtol=1e-5)
+    _close(loss.per_example(labels, logits), np.asarray(per_token).mean(axis=1), rtol=1e-5)
 
 
 @pytest.mark.parametrize("y_shape,p_shape", [((B,), (B, 1)), ((B, 1), (B,)), ((B, 3), (B, 3))])
@@ -153,12 +156,13 @@ def test_regression_losses_match_keras_and_reconcile_trailing_axis(y_shape, p_sh
     _close(losses.Huber(delta=0.7, reduction="none")(y, p), _np_huber(err, 0.7).mean(axis=1))
 
 
-def test_losses_average_all_non_batch_axes():
+def test_losses_average_the_last_axis_only():
+    # Keras: (b, t, f) outputs give one loss per time step; per_example averages those.
     rng = _rng(6)
     y, p = rng.normal(size=(B, 2, 3)), rng.normal(size=(B, 2, 3))
-    _close(
-        losses.MeanSquaredError(reduction="none")(y, p), ((p - y) ** 2).reshape(B, -1).mean(axis=1)
-    )
+    mse = losses.MeanSquaredError(reduction="none")
+    _close(mse(y, p), ((p - y) ** 2).mean(axis=-1))
+    _close(mse.per_example(y, p), ((p - y) ** 2).reshape(B, -1).mean(axis=1))
 
 
 def test_bfloat16_predictions_are_computed_in_float32():

@@ -113,7 +113,7 @@ def test_a_loss_called_directly_reduces_as_keras_says():
     weighted = jstrategy.losses.MeanSquaredError(reduction="sum")
     assert float(weighted(np.zeros(2), np.ones(2), sample_weight=np.array([1.0, 3.0]))) == 4.0
     with pytest.raises(ValueError, match="`reduction` must be one of"):
-        jstrategy.losses.MeanSquaredError(reduction="mean")
+        jstrategy.losses.MeanSquaredError(reduction="average")
 
 
 def test_inside_run_the_tutorials_reduction_none_pattern_counts_real_rows_only():

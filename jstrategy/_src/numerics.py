@@ -13,10 +13,33 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["COUNT", "host_means", "means", "per_example", "round_up", "static_rows"]
+__all__ = [
+    "COUNT",
+    "WEIGHT_SUM",
+    "host_means",
+    "means",
+    "per_example",
+    "round_up",
+    "static_rows",
+    "weight_key",
+]
 
 #: The key of the count of real (unpadded) rows among a step's loss and metric sums.
 COUNT = "count"
+#: The prefix of the keys holding a weighted metric's sum of sample weights, the
+#: denominator of its mean (Keras's ``weighted_metrics``): `weight_key`.
+WEIGHT_SUM = "weight_sum/"
+
+
+def weight_key(name: str) -> str:
+    """The key of the sum of sample weights that the sum `name` is divided by.
+
+    Example:
+
+    >>> weight_key("accuracy")
+    'weight_sum/accuracy'
+    """
+    return WEIGHT_SUM + name
 
 
 def round_up(x: int, multiple: int) -> int:
@@ -81,17 +104,33 @@ def per_example(values: Any, rows: int, what: str) -> jax.Array:
     return jnp.mean(values, axis=tuple(range(1, values.ndim)))
 
 
+def _is_sum(key: str) -> bool:
+    return key != COUNT and not key.startswith(WEIGHT_SUM)
+
+
 def means(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-    """Each sum divided by the count of real rows (`COUNT`), which is dropped.
+    """Each sum divided by the count of real rows (`COUNT`), or by its sum of sample
+    weights (`weight_key`, 0 for weights summing to 0, as Keras's ``divide_no_nan``); the
+    counts are dropped.
 
     Example:
 
     >>> import jax.numpy as jnp
-    >>> {k: float(v) for k, v in means({"loss": jnp.float32(6), "count": jnp.float32(3)}).items()}
-    {'loss': 2.0}
+    >>> sums = {"loss": 6.0, "acc": 1.0, "count": 3.0, "weight_sum/acc": 4.0}
+    >>> {k: float(v) for k, v in means(jax.tree.map(jnp.float32, sums)).items()}
+    {'acc': 0.25, 'loss': 2.0}
     """
     denom = jnp.maximum(sums[COUNT], 1.0)
-    return {k: v / denom for k, v in sums.items() if k != COUNT}
+    out = {}
+    for key, value in sums.items():
+        if not _is_sum(key):
+            continue
+        weights = sums.get(weight_key(key))
+        if weights is None:
+            out[key] = value / denom
+        else:
+            out[key] = jnp.where(weights != 0, value / jnp.where(weights != 0, weights, 1), 0.0)
+    return out
 
 
 def host_means(sums: Mapping[str, float], names: Iterable[str]) -> dict[str, float]:
@@ -105,4 +144,13 @@ def host_means(sums: Mapping[str, float], names: Iterable[str]) -> dict[str, flo
     if not sums:
         return {}
     denom = max(sums.get(COUNT, 0.0), 1.0)
-    return {name: sums[name] / denom for name in names if name in sums}
+    out = {}
+    for name in names:
+        if name not in sums:
+            continue
+        weights = sums.get(weight_key(name))
+        if weights is None:
+            out[name] = sums[name] / denom
+        else:
+            out[name] = sums[name] / weights if weights else 0.0
+    return out

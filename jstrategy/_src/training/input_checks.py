@@ -111,7 +111,7 @@ def array_rows(x: Any, y: Any, w: Any, *, arg: str) -> int:
 
 def class_label_functions(spec: StepSpec) -> list[Any]:
     """The spec's loss and metrics whose labels are class indices (sparse categorical)."""
-    functions = [spec.loss, *(m for _, m in spec.metrics)]
+    functions = [spec.loss, *(m for _, m in (*spec.metrics, *spec.weighted_metrics))]
     return [f for f in functions if isinstance(f, _CLASS_INDEX_TYPES)]
 
 

@@ -1,12 +1,20 @@
-"""Keras-compatible losses: one value per example, reduced as Keras's `reduction` says.
+"""Keras-compatible losses: Keras's per-element values, weighted and reduced as Keras does.
 
-Every loss maps ``(y_true, y_pred)`` to a ``(batch,)`` array (`Loss.per_example`); non-batch
-axes are averaged, as Keras averages them before its batch reduction. The train step
-(`Model.compile`, `make_train_step`) always uses those per-example values: only it knows
-which rows are padding and how many real rows all replicas hold together, and it takes the
-mean over the real rows of the global batch. Calling a loss object directly reduces them as
-Keras does (`Reduction`); inside `Strategy.run` the default ``"sum_over_batch_size"`` is
-an error, as in TF, because it would average one replica's rows only.
+Every loss maps ``(y_true, y_pred)`` to values with the batch axis first (`Loss.values`):
+as in Keras, only the last (class or feature) axis is reduced, so ``(b, k)`` outputs give
+``(b,)`` and sequence outputs ``(b, t, k)`` give ``(b, t)``, one value per time step. A
+sample weight multiplies them element by element (``(b,)`` and ``(b, 1)`` weigh rows,
+``(b, t)`` and ``(b, t, 1)`` weigh time steps, e.g. a padding mask), and the reduction
+``"sum_over_batch_size"`` divides the weighted sum by the number of elements (``b * t``),
+not by the sum of the weights.
+
+The train step (`Model.compile`, `make_train_step`) computes the same thing over the real
+rows of the global batch: each replica sums its weighted values (padding rows weigh 0) and
+divides by the elements per row; one all-reduce adds the replicas' sums and their counts
+of real rows, and the quotient is Keras's ``"sum_over_batch_size"`` loss of the global
+batch. Calling a loss object directly reduces as Keras does (`Reduction`); inside
+`Strategy.run` the default ``"sum_over_batch_size"`` is an error, as in TF, because it
+would average one replica's rows only.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ from jstrategy._src.training.per_example import compute_dtype
 from jstrategy._src.training.per_example import require_class_axis
 from jstrategy._src.training.per_example import require_same_shape
 from jstrategy._src.training.per_example import sparse_labels
+from jstrategy._src.training.per_example import squeeze_or_expand_to_same_rank
+from jstrategy._src.training.per_example import weighted_values
 from jstrategy._src.validation import check_bool
 
 __all__ = [
@@ -61,25 +71,45 @@ def _check_label_smoothing(value: Any) -> float:
 
 
 class Reduction(enum.Enum):
-    """How a loss object called directly reduces its per-example values (Keras's names).
+    """How a loss object called directly reduces its weighted values (Keras's names).
 
-    * ``NONE``: the per-example values, shape ``(batch,)``.
+    The values are the loss per element (`Loss.values`: ``(b,)``, or ``(b, t)`` for
+    sequence outputs), each multiplied by its sample weight.
+
+    * ``NONE``: the weighted values, of the values' shape (``(b, t)`` stays ``(b, t)``).
     * ``SUM``: their sum.
-    * ``SUM_OVER_BATCH_SIZE`` (the default): their mean over the batch.
-    * ``AUTO``: TF's name for ``SUM_OVER_BATCH_SIZE``.
+    * ``SUM_OVER_BATCH_SIZE`` (the default): their sum divided by the number of values
+      (``b * t``), whatever the weights, as Keras.
+    * ``MEAN``: Keras's other name for ``SUM_OVER_BATCH_SIZE``; ``AUTO``: TF's.
+    * ``MEAN_WITH_SAMPLE_WEIGHT``: their sum divided by the sum of the sample weights (as
+      given: a ``(b, 1)`` weight counts once per row), or by the number of values
+      without weights.
 
     Inside `Strategy.run`, rows that a distributed dataset added as padding count for
-    nothing (their values are 0 with ``NONE``), and ``SUM_OVER_BATCH_SIZE`` is an error, as
-    in TF: it would average this replica's rows only, not the global batch. Use ``NONE``
-    and `jstrategy.compute_average_loss`, as TF's custom-training tutorial does. `compile`
-    and the train step ignore the reduction (``SUM`` aside, which they refuse): they take
-    the per-example values and their mean over the real rows of the global batch.
+    nothing (their values are 0 with ``NONE``), and the reductions that divide are errors,
+    as in TF: they would average this replica's rows only, not the global batch. Use
+    ``NONE`` and `jstrategy.compute_average_loss`, as TF's custom-training tutorial does.
+    `compile` and the train step compute ``SUM_OVER_BATCH_SIZE`` over the real rows of the
+    global batch whatever the loss's reduction (``NONE`` and ``MEAN`` alike); they refuse
+    ``SUM`` and ``MEAN_WITH_SAMPLE_WEIGHT``, whose meaning depends on how the data is cut
+    into batches.
     """
 
     NONE = "none"
     SUM = "sum"
     SUM_OVER_BATCH_SIZE = "sum_over_batch_size"
+    MEAN = "mean"
+    MEAN_WITH_SAMPLE_WEIGHT = "mean_with_sample_weight"
     AUTO = "auto"
+
+
+#: The reductions that divide by a count: an error inside `Strategy.run`.
+_DIVIDING = (
+    Reduction.SUM_OVER_BATCH_SIZE,
+    Reduction.MEAN,
+    Reduction.AUTO,
+    Reduction.MEAN_WITH_SAMPLE_WEIGHT,
+)
 
 
 def _reduction(value: Any) -> Reduction:
@@ -97,16 +127,19 @@ def _reduction(value: Any) -> Reduction:
 
 
 class Loss(PerExampleFunction):
-    """Base class: a loss mapping ``(y_true, y_pred)`` to per-example values ``(batch,)``.
+    """Base class: a loss mapping ``(y_true, y_pred)`` to values with the batch axis first.
 
-    Subclasses implement `call`, which may return any shape with the batch axis first;
-    `per_example` checks the inputs and averages the non-batch axes. Calling the loss
-    reduces the per-example values as `reduction` says (Keras's meaning); `compile` and
-    the train step use `per_example` (see `Reduction`).
+    Subclasses implement `call`, returning Keras's per-element values: the class or
+    feature axis reduced, any other axis kept (``(b, t)`` for sequence outputs). Calling
+    the loss weighs and reduces them as `reduction` says (Keras's
+    ``reduce_weighted_values``); `compile` and the train step use `values` and reduce over
+    the real rows of the global batch (see `Reduction`). `per_example` averages the values
+    over the non-batch axes: one value per row.
 
     Args:
-      reduction: a `Reduction` or its value: ``"sum_over_batch_size"`` (the default, a
-        mean over the batch), ``"sum"`` or ``"none"``.
+      reduction: a `Reduction` or its value: ``"sum_over_batch_size"`` (the default: the
+        weighted sum over the number of values), ``"sum"``, ``"none"``, ``"mean"`` or
+        ``"mean_with_sample_weight"``.
       name: the loss's name; defaults to the class name in snake case, as in Keras.
 
     Example:
@@ -114,12 +147,13 @@ class Loss(PerExampleFunction):
     >>> import jax.numpy as jnp
     >>> class AbsCube(Loss):
     ...     def call(self, y_true, y_pred):
-    ...         return jnp.abs(y_pred - y_true) ** 3
+    ...         return jnp.mean(jnp.abs(y_pred - y_true) ** 3, axis=-1)
     >>> loss = AbsCube(reduction="none")
     >>> loss.name, loss(jnp.zeros((2, 3)), jnp.ones((2, 3))).tolist()
     ('abs_cube', [1.0, 1.0])
-    >>> float(AbsCube()(jnp.zeros(2), jnp.array([1.0, 2.0])))  # sum_over_batch_size
-    4.5
+    >>> y, p = jnp.zeros((2, 2, 1)), jnp.array([[[1.0], [2.0]], [[1.0], [1.0]]])
+    >>> float(AbsCube()(y, p, sample_weight=jnp.array([[1.0, 0.0], [1.0, 1.0]])))  # 3 / 4
+    0.75
     """
 
     def __init__(self, *, reduction: Any = "sum_over_batch_size", name: str | None = None):
@@ -127,28 +161,28 @@ class Loss(PerExampleFunction):
         self.reduction = _reduction(reduction)
 
     def __call__(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> jax.Array:
-        """The loss, reduced as `reduction` says (Keras's ``loss(y_true, y_pred)``).
+        """The loss, weighted and reduced as `reduction` says (Keras's ``loss(y_true, y_pred,
+        sample_weight)``).
 
         Args:
           y_true: labels, batch axis first.
           y_pred: predictions, batch axis first.
-          sample_weight: optional weights: a scalar, or one per example (``(batch,)``).
+          sample_weight: optional weights multiplying the values (`values`) element by
+            element: a scalar, one per example (``(b,)``, ``(b, 1)``), or one per element
+            (``(b, t)``, ``(b, t, 1)`` for values ``(b, t)``).
 
         Returns:
-          A scalar, or the ``(batch,)`` values with ``reduction="none"``.
+          A scalar, or the weighted values (``(b,)``, ``(b, t)``) with ``reduction="none"``.
 
         Raises:
-          ValueError: if the shapes do not fit, or for ``"sum_over_batch_size"`` inside
-            `Strategy.run`.
+          ValueError: if the shapes do not fit, or for a reduction that divides (the
+            default) inside `Strategy.run`.
         """
-        values = self.per_example(y_true, y_pred)
-        if sample_weight is not None:
-            weight = jnp.asarray(sample_weight, values.dtype)
-            if weight.ndim > 1:
-                weight = weight.reshape(weight.shape[0], -1).mean(axis=1)
-            values = values * weight
+        what = f"{type(self).__name__} ({self.name!r})"
+        values = self.values(y_true, y_pred)
+        values = values.astype(compute_dtype(values))
         ctx = context.inside_run()
-        if ctx is not None and self.reduction in (Reduction.SUM_OVER_BATCH_SIZE, Reduction.AUTO):
+        if ctx is not None and self.reduction in _DIVIDING:
             raise ValueError(
                 f"{type(self).__name__}(reduction='{self.reduction.value}') called inside "
                 "strategy.run would average this replica's rows only, not the global batch. "
@@ -157,6 +191,10 @@ class Loss(PerExampleFunction):
                 "by the global batch (or use reduction='sum' and divide by the global batch "
                 "size yourself)."
             )
+        weight = None
+        if sample_weight is not None:
+            weight = jnp.asarray(sample_weight, values.dtype)
+            values = weighted_values(values, weight, what)
         mask = None if ctx is None else ctx.row_mask
         if mask is not None:
             if mask.shape[0] != values.shape[0]:
@@ -165,12 +203,20 @@ class Loss(PerExampleFunction):
                     f"batch has {mask.shape[0]} (its row mask); pass labels and predictions "
                     "for the rows the distributed dataset gave this replica."
                 )
-            values = jnp.where(mask, values, jnp.zeros((), values.dtype))
+            keep = mask.reshape(mask.shape + (1,) * (values.ndim - 1))
+            values = jnp.where(keep, values, jnp.zeros((), values.dtype))
         if self.reduction is Reduction.NONE:
             return values
+        total = jnp.sum(values)
         if self.reduction is Reduction.SUM:
-            return jnp.sum(values)
-        return jnp.mean(values)
+            return total
+        if self.reduction is Reduction.MEAN_WITH_SAMPLE_WEIGHT and weight is not None:
+            # Keras divides by the weights as aligned to the values, not broadcast to them.
+            _, aligned = squeeze_or_expand_to_same_rank(values, weight)
+            divisor = jnp.sum(aligned)
+        else:
+            divisor = jnp.asarray(values.size, values.dtype)
+        return jnp.where(divisor != 0, total / jnp.where(divisor != 0, divisor, 1), 0.0)
 
     def get_config(self) -> dict[str, Any]:
         return {"reduction": self.reduction.value, **super().get_config()}
@@ -195,14 +241,15 @@ class _SmoothedCrossentropy(Loss):
 class BinaryCrossentropy(_SmoothedCrossentropy):
     """Binary cross-entropy, for 0/1 labels and one probability (or logit) per output.
 
-    Predictions ``(b, 1)`` with labels ``(b,)`` or ``(b, 1)`` both work. Multi-label
-    outputs ``(b, k)`` are averaged over ``k``.
+    Predictions ``(b, 1)`` with labels ``(b,)`` or ``(b, 1)`` both work. As in Keras, the
+    last axis is averaged: multi-label outputs ``(b, k)`` give ``(b,)``, sequence outputs
+    ``(b, t, 1)`` give one value per time step ``(b, t)``.
 
     Args:
       from_logits: whether `y_pred` holds logits (computed stably with
         `optax.sigmoid_binary_cross_entropy`) rather than probabilities.
       label_smoothing: in [0, 1]; labels become ``y * (1 - s) + 0.5 * s``.
-      reduction: how calling the loss reduces its per-example values (`Reduction`):
+      reduction: how calling the loss reduces its weighted values (`Reduction`):
         ``"sum_over_batch_size"`` (default), ``"sum"`` or ``"none"``.
       name: the loss's name.
 
@@ -225,17 +272,13 @@ class BinaryCrossentropy(_SmoothedCrossentropy):
         super().__init__(from_logits, label_smoothing, reduction=reduction, name=name)
 
     def call(self, y_true, y_pred):
-        y_true, y_pred = align_ranks(y_true, y_pred)
-        require_same_shape(y_true, y_pred, "BinaryCrossentropy")
-        dtype = compute_dtype(y_pred)
-        y_pred = y_pred.astype(dtype)
-        y_true = y_true.astype(dtype)
+        y_true, y_pred = _feature_inputs(y_true, y_pred, "BinaryCrossentropy")
         if self.label_smoothing:
             y_true = y_true * (1.0 - self.label_smoothing) + 0.5 * self.label_smoothing
         if self.from_logits:
-            return optax.sigmoid_binary_cross_entropy(y_pred, y_true)
+            return jnp.mean(optax.sigmoid_binary_cross_entropy(y_pred, y_true), axis=-1)
         p = jnp.clip(y_pred, EPSILON, 1.0 - EPSILON)
-        return -(y_true * jnp.log(p) + (1.0 - y_true) * jnp.log1p(-p))
+        return jnp.mean(-(y_true * jnp.log(p) + (1.0 - y_true) * jnp.log1p(-p)), axis=-1)
 
 
 def _class_log_probs(y_pred: jax.Array, from_logits: bool) -> jax.Array:
@@ -248,13 +291,14 @@ def _class_log_probs(y_pred: jax.Array, from_logits: bool) -> jax.Array:
 
 
 class CategoricalCrossentropy(_SmoothedCrossentropy):
-    """Cross-entropy with one-hot (or soft) labels over the last axis.
+    """Cross-entropy with one-hot (or soft) labels over the last (class) axis: ``(b,)``
+    for ``(b, k)``, ``(b, t)`` for sequence outputs ``(b, t, k)``.
 
     Args:
       from_logits: whether `y_pred` holds logits (computed with
         `optax.softmax_cross_entropy`) rather than probabilities.
       label_smoothing: in [0, 1]; labels become ``y * (1 - s) + s / num_classes``.
-      reduction: how calling the loss reduces its per-example values (`Reduction`):
+      reduction: how calling the loss reduces its weighted values (`Reduction`):
         ``"sum_over_batch_size"`` (default), ``"sum"`` or ``"none"``.
       name: the loss's name.
 
@@ -297,12 +341,13 @@ class CategoricalCrossentropy(_SmoothedCrossentropy):
 
 
 class SparseCategoricalCrossentropy(Loss):
-    """Cross-entropy with integer class labels, ``(b,)`` or ``(b, 1)``.
+    """Cross-entropy with integer class labels, ``(b,)`` or ``(b, 1)`` (``(b, t)`` for
+    sequence outputs ``(b, t, k)``, giving one value per time step).
 
     Args:
       from_logits: whether `y_pred` holds logits (computed with
         `optax.softmax_cross_entropy_with_integer_labels`) rather than probabilities.
-      reduction: how calling the loss reduces its per-example values (`Reduction`):
+      reduction: how calling the loss reduces its weighted values (`Reduction`):
         ``"sum_over_batch_size"`` (default), ``"sum"`` or ``"none"``.
       name: the loss's name.
 
@@ -337,18 +382,26 @@ class SparseCategoricalCrossentropy(Loss):
         return {"from_logits": self.from_logits, **super().get_config()}
 
 
-def _regression_inputs(y_true, y_pred, what):
+def _feature_inputs(y_true, y_pred, what):
+    """Labels and predictions of one shape, float, with a last (feature) axis to reduce.
+
+    Keras reduces the last axis even of ``(b,)`` predictions, which averages the batch
+    into one value; here ``(b,)`` counts as ``(b, 1)``: one value per example.
+    """
     y_true, y_pred = align_ranks(y_true, y_pred)
     require_same_shape(y_true, y_pred, what)
+    if y_pred.ndim == 1:
+        y_true, y_pred = y_true[:, None], y_pred[:, None]
     dtype = compute_dtype(y_pred)
     return y_true.astype(dtype), y_pred.astype(dtype)
 
 
 class MeanSquaredError(Loss):
-    """Mean of squared errors over the non-batch axes.
+    """Mean of squared errors over the last axis: ``(b,)`` for ``(b, k)``, ``(b, t)`` for
+    ``(b, t, k)`` (Keras's).
 
     Args:
-      reduction: how calling the loss reduces its per-example values (`Reduction`):
+      reduction: how calling the loss reduces its weighted values (`Reduction`):
         ``"sum_over_batch_size"`` (default), ``"sum"`` or ``"none"``.
       name: the loss's name.
 
@@ -363,15 +416,16 @@ class MeanSquaredError(Loss):
         super().__init__(reduction=reduction, name=name)
 
     def call(self, y_true, y_pred):
-        y_true, y_pred = _regression_inputs(y_true, y_pred, "MeanSquaredError")
-        return optax.squared_error(y_pred, y_true)
+        y_true, y_pred = _feature_inputs(y_true, y_pred, "MeanSquaredError")
+        return jnp.mean(optax.squared_error(y_pred, y_true), axis=-1)
 
 
 class MeanAbsoluteError(Loss):
-    """Mean of absolute errors over the non-batch axes.
+    """Mean of absolute errors over the last axis: ``(b,)`` for ``(b, k)``, ``(b, t)`` for
+    ``(b, t, k)`` (Keras's).
 
     Args:
-      reduction: how calling the loss reduces its per-example values (`Reduction`):
+      reduction: how calling the loss reduces its weighted values (`Reduction`):
         ``"sum_over_batch_size"`` (default), ``"sum"`` or ``"none"``.
       name: the loss's name.
 
@@ -388,16 +442,17 @@ class MeanAbsoluteError(Loss):
         super().__init__(reduction=reduction, name=name)
 
     def call(self, y_true, y_pred):
-        y_true, y_pred = _regression_inputs(y_true, y_pred, "MeanAbsoluteError")
-        return jnp.abs(y_pred - y_true)
+        y_true, y_pred = _feature_inputs(y_true, y_pred, "MeanAbsoluteError")
+        return jnp.mean(jnp.abs(y_pred - y_true), axis=-1)
 
 
 class Huber(Loss):
-    """Huber loss: quadratic for errors up to `delta`, linear beyond (`optax.huber_loss`).
+    """Huber loss: quadratic for errors up to `delta`, linear beyond (`optax.huber_loss`),
+    averaged over the last axis as in Keras.
 
     Args:
       delta: the positive error size where the loss turns linear.
-      reduction: how calling the loss reduces its per-example values (`Reduction`):
+      reduction: how calling the loss reduces its weighted values (`Reduction`):
         ``"sum_over_batch_size"`` (default), ``"sum"`` or ``"none"``.
       name: the loss's name.
 
@@ -425,19 +480,21 @@ class Huber(Loss):
         self.delta = float(delta)
 
     def call(self, y_true, y_pred):
-        y_true, y_pred = _regression_inputs(y_true, y_pred, "Huber")
-        return optax.huber_loss(y_pred, y_true, delta=self.delta)
+        y_true, y_pred = _feature_inputs(y_true, y_pred, "Huber")
+        return jnp.mean(optax.huber_loss(y_pred, y_true, delta=self.delta), axis=-1)
 
     def get_config(self):
         return {"delta": self.delta, **super().get_config()}
 
 
 class LossFunctionWrapper(Loss):
-    """Wraps a function ``fn(y_true, y_pred) -> per-example loss`` as a `Loss`.
+    """Wraps a function ``fn(y_true, y_pred) -> values`` as a `Loss`.
 
     Args:
-      fn: returns values with the batch axis first; other axes are averaged.
-      reduction: how calling the loss reduces its per-example values (`Reduction`).
+      fn: returns values with the batch axis first, as Keras's loss functions do (e.g.
+        ``(b,)``, or ``(b, t)`` per time step); they are weighted and reduced as the
+        built-in losses' are (the default divides their weighted sum by their number).
+      reduction: how calling the loss reduces its weighted values (`Reduction`).
       name: defaults to ``fn.__name__``.
 
     Example:

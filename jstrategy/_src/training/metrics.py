@@ -37,6 +37,7 @@ from jstrategy._src.training.per_example import callable_name
 from jstrategy._src.training.per_example import compute_dtype
 from jstrategy._src.training.per_example import require_class_axis
 from jstrategy._src.training.per_example import require_same_shape
+from jstrategy._src.training.per_example import samplewise
 from jstrategy._src.training.per_example import sparse_labels
 from jstrategy._src.validation import check_bool
 from jstrategy._src.values import local_copy
@@ -128,7 +129,7 @@ class Metric(PerExampleFunction):
         Raises:
           ValueError: if the shapes do not fit.
         """
-        values = self.per_example(y_true, y_pred)
+        values = self.values(y_true, y_pred)
         self._state().add(values, sample_weight, rows=True)
 
     def result(self) -> jax.Array:
@@ -164,18 +165,16 @@ def _ps_strategy(strategy: Any) -> Any:
 
 
 def _totals_of(values: Any, sample_weight: Any, *, rows: bool) -> tuple[jax.Array, jax.Array]:
-    """The weighted sum of `values` and the sum of weights, counting only real rows inside
-    `Strategy.run` (when `rows`, or when `values` has one entry per row of the batch)."""
+    """The weighted sum of `values` and the sum of weights, as Keras's ``Mean`` adds them
+    (`samplewise`: a ``(b, 1)`` weight weighs rows, a ``(b, t)`` one time steps), counting
+    only real rows inside `Strategy.run` (when `rows`, or when `values` has one entry per
+    row of the batch)."""
     values = jnp.asarray(values)
     if not jnp.issubdtype(values.dtype, jnp.floating):
         values = values.astype(jnp.float32)
     values = values.astype(jnp.promote_types(values.dtype, jnp.float32))
-    weight = jnp.ones(values.shape, values.dtype)
-    if sample_weight is not None:
-        w = jnp.asarray(sample_weight, values.dtype)
-        if w.ndim and w.ndim < values.ndim:
-            w = w.reshape(w.shape + (1,) * (values.ndim - w.ndim))
-        weight = weight * w
+    values, weight = samplewise(values, sample_weight, "The metric")
+    weight = jnp.ones(values.shape, values.dtype) if weight is None else weight
     ctx = context.inside_run()
     mask = None if ctx is None else ctx.row_mask
     if mask is not None and values.ndim and (rows or values.shape[0] == mask.shape[0]):
@@ -185,10 +184,10 @@ def _totals_of(values: Any, sample_weight: Any, *, rows: bool) -> tuple[jax.Arra
                 f"{mask.shape[0]} (its row mask); pass labels and predictions for the rows "
                 "the distributed dataset gave this replica."
             )
-        keep = mask.reshape(mask.shape + (1,) * (values.ndim - 1)).astype(values.dtype)
+        keep = mask.astype(values.dtype)
         weight = weight * keep
         values = jnp.where(keep > 0, values, jnp.zeros((), values.dtype))
-    return jnp.sum(values * weight), jnp.sum(weight)
+    return jnp.sum(values), jnp.sum(weight)
 
 
 class _Totals:

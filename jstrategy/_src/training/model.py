@@ -281,6 +281,7 @@ class Model(SavingMixin, CustomLoopMixin):
         metrics: Sequence[Any] | None = None,
         steps_per_execution: int = 1,
         gradient_accumulation_steps: int = 1,
+        weighted_metrics: Sequence[Any] | None = None,
     ) -> None:
         """Configures training, as Keras's ``compile``.
 
@@ -294,9 +295,14 @@ class Model(SavingMixin, CustomLoopMixin):
             learning rate, unless made with ``optax.inject_hyperparams``, cannot be read or
             set: see `learning_rate`).
           loss: a loss name, a `jstrategy.losses` object or a callable ``(y_true, y_pred)
-            -> per-example losses``.
+            -> losses`` (batch axis first, e.g. ``(b, t)`` per time step). The step
+            computes Keras's ``"sum_over_batch_size"`` loss over the real rows of the
+            global batch: each element's loss times its ``sample_weight`` (per row, or
+            per element such as a ``(b, t)`` padding mask), summed and divided by the
+            number of elements.
           metrics: metric names (``"accuracy"``, ``"mae"``, ...), `jstrategy.metrics`
-            objects or callables returning per-example values.
+            objects or callables returning values with the batch axis first; unweighted,
+            as Keras's `metrics`.
           steps_per_execution: training steps fused into one dispatched program; larger
             values cut host overhead without changing the result.
           gradient_accumulation_steps: batches per optimizer update (Keras 3's optimizer
@@ -306,6 +312,10 @@ class Model(SavingMixin, CustomLoopMixin):
             a cycle exactly; any ``steps_per_execution`` works with any k. ``fit``'s steps,
             ``steps_per_epoch`` and ``state.step`` count batches; the optimizer (and an
             optax schedule) counts updates.
+          weighted_metrics: metrics (as `metrics`) weighted by the data's
+            ``sample_weight``, as Keras's: ``sum(value * weight) / sum(weight)`` over the
+            elements (a ``(b, t)`` weight weighs time steps); `metrics` ignore the weights.
+            One named as a metric in `metrics` is logged as ``"weighted_" + name``.
 
         Raises:
           ValueError: for a missing loss, unknown names, or a bad `steps_per_execution` or
@@ -332,6 +342,7 @@ class Model(SavingMixin, CustomLoopMixin):
             self.strategy,
             dtype_policy=self._trainer.policy,
             gradient_accumulation_steps=gradient_accumulation_steps,
+            weighted_metrics=weighted_metrics,
         )
         self._trainer.compile(optimizer, spec, steps_per_execution)
 

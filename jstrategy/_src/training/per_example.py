@@ -1,7 +1,10 @@
-"""What losses and metrics share: input checks and the per-example function base class.
+"""What losses and metrics share: input checks, sample weights and their base class.
 
-`jstrategy.losses` and `jstrategy.metrics` both map ``(y_true, y_pred)`` to one value per
-example; the checks of their inputs and `PerExampleFunction`, the base of both, live here.
+`jstrategy.losses` and `jstrategy.metrics` both map ``(y_true, y_pred)`` to values with the
+batch axis first (Keras's: the class or feature axis reduced, so ``(b, t)`` for sequence
+outputs); the checks of their inputs, how sample weights of shape ``(b,)``, ``(b, 1)``,
+``(b, t)`` or ``(b, t, 1)`` meet those values (`weighted_values`, `samplewise`), and
+`PerExampleFunction`, the base of both, live here.
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ __all__ = [
     "prepare",
     "require_class_axis",
     "require_same_shape",
+    "samplewise",
     "sparse_labels",
+    "squeeze_or_expand_to_same_rank",
+    "weighted_values",
 ]
 
 
@@ -68,6 +74,114 @@ def align_ranks(y_true: jax.Array, y_pred: jax.Array) -> tuple[jax.Array, jax.Ar
             return y_true[:, None], y_pred
         return y_true, jnp.squeeze(y_pred, -1)
     return y_true, y_pred
+
+
+def squeeze_or_expand_to_same_rank(
+    x1: jax.Array, x2: jax.Array, expand_rank_1: bool = True
+) -> tuple[jax.Array, jax.Array]:
+    """Keras's function of that name: ranks that differ by one, with a trailing axis of
+    size 1 on the larger, are made equal (a rank-1 side is expanded, else the other
+    squeezed)."""
+    if x1.ndim == x2.ndim + 1 and x1.shape[-1] == 1:
+        if x2.ndim == 1 and expand_rank_1:
+            x2 = x2[..., None]
+        else:
+            x1 = jnp.squeeze(x1, -1)
+    elif x2.ndim == x1.ndim + 1 and x2.shape[-1] == 1:
+        if x1.ndim == 1 and expand_rank_1:
+            x1 = x1[..., None]
+        else:
+            x2 = jnp.squeeze(x2, -1)
+    return x1, x2
+
+
+def _aligned_weight(values: jax.Array, sample_weight: Any, what: str) -> tuple[Any, Any]:
+    """``(values, weight)`` of the same rank (weight broadcastable), as Keras aligns them.
+
+    A weight of lower rank than the values is one weight per row (per leading entries),
+    repeated over the remaining axes. Keras multiplies without expanding, which fails for
+    ``(b,)`` weights on ``(b, t)`` values (and silently pairs weights with time steps when
+    ``t == b``); tf.keras 2 repeated it, as here.
+    """
+    weight = jnp.asarray(sample_weight)
+    weight = weight.astype(jnp.promote_types(values.dtype, jnp.float32))
+    if weight.ndim == 0:
+        return values, weight
+    values, weight = squeeze_or_expand_to_same_rank(values, weight)
+    if weight.ndim < values.ndim:
+        weight = weight.reshape(weight.shape + (1,) * (values.ndim - weight.ndim))
+    try:
+        jnp.broadcast_shapes(values.shape, weight.shape)
+        if weight.ndim > values.ndim:
+            raise ValueError
+    except ValueError:
+        raise ValueError(
+            f"{what}: `sample_weight` of shape {jnp.shape(sample_weight)} does not fit values "
+            f"of shape {values.shape} (the loss or metric per element, the class or feature "
+            "axis reduced). Pass one weight per example (batch,), (batch, 1), or one per "
+            f"element {values.shape} (optionally with a trailing axis of size 1)."
+        ) from None
+    return values, weight
+
+
+def weighted_values(values: jax.Array, sample_weight: Any, what: str) -> jax.Array:
+    """`values` times `sample_weight`, aligned as Keras's ``reduce_weighted_values`` does.
+
+    Args:
+      values: a loss's values, batch axis first (e.g. ``(b, t)`` for sequence outputs).
+      sample_weight: None, a scalar, or weights ``(b,)``, ``(b, 1)``, ``(b, t)``,
+        ``(b, t, 1)``: one per example or one per element.
+      what: the function's description for errors.
+
+    Returns:
+      The weighted values, of the values' shape (or the broadcast of both, as Keras).
+
+    Raises:
+      ValueError: if the weight's shape does not fit the values.
+
+    Example:
+
+    >>> import jax.numpy as jnp
+    >>> weighted_values(jnp.ones((2, 3)), jnp.array([[1.0], [0.0]]), "The loss").tolist()
+    [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
+    """
+    if sample_weight is None:
+        return values
+    values, weight = _aligned_weight(values, sample_weight, what)
+    return values * weight.astype(values.dtype)
+
+
+def samplewise(
+    values: jax.Array, sample_weight: Any, what: str
+) -> tuple[jax.Array, jax.Array | None]:
+    """Keras's ``reduce_to_samplewise_values``: one value and one weight per row.
+
+    A metric's values and weights are averaged over the non-batch axes after the weight is
+    aligned and broadcast to the values, so the metric (``sum(values) / sum(weights)`` over
+    the rows) is ``sum(v * w) / sum(w)`` over the elements for per-element weights, and the
+    weighted mean of the rows' means for per-row weights.
+
+    Returns:
+      ``(values (b,), weights (b,) or None)``; a scalar `values` stays a scalar.
+
+    Example:
+
+    >>> import jax.numpy as jnp
+    >>> v, w = samplewise(jnp.array([1.0, 2.0, 3.0, 4.0]), jnp.array([[1.0], [0], [0], [1]]), "Mean")
+    >>> float(v.sum() / w.sum())
+    2.5
+    """
+    weight = None
+    if sample_weight is not None:
+        values, weight = _aligned_weight(values, sample_weight, what)
+        shape = jnp.broadcast_shapes(values.shape, weight.shape)
+        weight = jnp.broadcast_to(weight, shape)
+        values = jnp.broadcast_to(values, shape) * weight.astype(values.dtype)
+        if weight.ndim > 1:
+            weight = jnp.mean(weight, axis=tuple(range(1, weight.ndim)))
+    if values.ndim > 1:
+        values = jnp.mean(values, axis=tuple(range(1, values.ndim)))
+    return values, weight
 
 
 def require_same_shape(y_true: jax.Array, y_pred: jax.Array, what: str, hint: str = "") -> None:
@@ -118,11 +232,12 @@ def callable_name(fn: Callable[..., Any]) -> str:
 
 
 class PerExampleFunction:
-    """What losses and metrics share: ``(y_true, y_pred)`` to per-example values ``(batch,)``.
+    """What losses and metrics share: ``(y_true, y_pred)`` to values with the batch axis first.
 
-    Subclasses implement `call`, which may return any shape with the batch axis first;
-    `__call__` checks the inputs and averages the non-batch axes. The train step then takes
-    the mask-weighted mean over real rows across replicas.
+    Subclasses implement `call`, which returns values with the batch axis first: Keras's
+    per-element values, the class or feature axis reduced (``(b,)`` for ``(b, k)``
+    outputs, ``(b, t)`` for sequence outputs ``(b, t, k)``). `values` checks the inputs and
+    returns them; `per_example` averages them over the non-batch axes, one value per row.
 
     Args:
       name: the function's name; defaults to the class name in snake case, as in Keras.
@@ -138,23 +253,43 @@ class PerExampleFunction:
         meaning: a reduced loss, a metric's running result."""
         return self.per_example(y_true, y_pred)
 
-    def per_example(self, y_true: Any, y_pred: Any) -> jax.Array:
-        """Returns the per-example values, shape ``(batch,)``: what the train step uses.
+    def values(self, y_true: Any, y_pred: Any) -> jax.Array:
+        """The unreduced values `call` returns, checked: batch axis first.
 
         Args:
           y_true: labels, batch axis first.
           y_pred: predictions, batch axis first.
 
         Returns:
-          A ``(batch,)`` array; non-batch axes are averaged.
+          An array ``(batch, ...)``: for the built-in losses and metrics, one value per
+          element of the outputs without their last (class or feature) axis, as Keras's.
 
         Raises:
           ValueError: if the shapes do not fit.
         """
         what = f"{type(self).__name__} ({self.name!r})"
         y_true, y_pred = prepare(y_true, y_pred, what)
-        values = self._as_values(self.call(y_true, y_pred))
-        return per_example(values, y_pred.shape[0], what)
+        values = jnp.asarray(self._as_values(self.call(y_true, y_pred)))
+        if values.ndim == 0 or values.shape[0] != y_pred.shape[0]:
+            per_example(values, y_pred.shape[0], what)  # raises, naming the shapes
+        return values
+
+    def per_example(self, y_true: Any, y_pred: Any) -> jax.Array:
+        """Returns one value per example, shape ``(batch,)``: `values` averaged over the
+        non-batch axes (each row's mean over its time steps, say).
+
+        Args:
+          y_true: labels, batch axis first.
+          y_pred: predictions, batch axis first.
+
+        Returns:
+          A ``(batch,)`` array.
+
+        Raises:
+          ValueError: if the shapes do not fit.
+        """
+        values = self.values(y_true, y_pred)
+        return per_example(values, values.shape[0], "")
 
     def _as_values(self, values: Any) -> Any:
         return values

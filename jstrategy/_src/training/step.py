@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
 
@@ -41,8 +42,10 @@ from jstrategy._src import mixed_precision as mp
 from jstrategy._src.loss_scale import all_finite
 from jstrategy._src.loss_scale import select_if_finite
 from jstrategy._src.numerics import COUNT
+from jstrategy._src.numerics import WEIGHT_SUM
 from jstrategy._src.numerics import means
 from jstrategy._src.numerics import per_example
+from jstrategy._src.numerics import weight_key
 from jstrategy._src.placement import in_device_memory
 from jstrategy._src.placement import place_state
 from jstrategy._src.reduce_util import ReduceOp
@@ -54,6 +57,8 @@ from jstrategy._src.training import accumulation
 from jstrategy._src.training import check_numerics
 from jstrategy._src.training import losses as losses_lib
 from jstrategy._src.training import metrics as metrics_lib
+from jstrategy._src.training.per_example import samplewise
+from jstrategy._src.training.per_example import weighted_values
 from jstrategy._src.training.train_state import TrainStateProtocol
 from jstrategy._src.training.train_state import loss_scale_for
 from jstrategy._src.validation import check_positive_int
@@ -108,6 +113,8 @@ class StepSpec:
       policy: the precision policy (`jstrategy.mixed_precision.Policy`). Under
         ``"float32"`` (the default) the step casts nothing.
       accumulation_steps: micro-batches per optimizer update (1: update every step).
+      weighted_metrics: ``(name, metric)`` pairs of metrics weighted by the batches'
+        sample weights (Keras's ``weighted_metrics``); `metrics` ignore the weights.
     """
 
     strategy: Strategy
@@ -116,16 +123,19 @@ class StepSpec:
     check_numerics: bool = False
     policy: mp.Policy = _FLOAT32
     accumulation_steps: int = 1
+    weighted_metrics: tuple[tuple[str, Metric], ...] = ()
 
     @property
     def names(self) -> tuple[str, ...]:
-        """The logs' keys: ``"loss"`` (if any), then each metric's name."""
-        return (("loss",) if self.loss is not None else ()) + tuple(n for n, _ in self.metrics)
+        """The logs' keys: ``"loss"`` (if any), each metric's name, each weighted metric's."""
+        loss = ("loss",) if self.loss is not None else ()
+        return loss + tuple(n for n, _ in (*self.metrics, *self.weighted_metrics))
 
     def zero_sums(self) -> dict[str, Any]:
-        """Running sums before the first step: zeros for each name and the count."""
+        """Running sums before the first step: zeros for each name and the counts."""
         extra = check_numerics.sum_keys(self)
-        return {name: np.float32(0) for name in (*self.names, COUNT, *extra)}
+        weights = tuple(weight_key(n) for n, _ in self.weighted_metrics)
+        return {name: np.float32(0) for name in (*self.names, COUNT, *weights, *extra)}
 
 
 def resolve_loss(loss: Any) -> losses_lib.Loss:
@@ -136,19 +146,28 @@ def resolve_loss(loss: Any) -> losses_lib.Loss:
             "callable (y_true, y_pred) -> per-example losses; got None."
         )
     resolved = losses_lib.get(loss)
-    if resolved.reduction is losses_lib.Reduction.SUM:
+    refused = (losses_lib.Reduction.SUM, losses_lib.Reduction.MEAN_WITH_SAMPLE_WEIGHT)
+    if resolved.reduction in refused:
         raise ValueError(
-            f"The train step takes the mean of the loss over the real rows of the global "
-            f"batch; got {resolved!r} with reduction='sum', which it would not honour. Pass "
-            "the loss with reduction='sum_over_batch_size' (the default) or 'none' (the "
-            "step uses per-example values either way), and scale the learning rate if you "
-            "meant a sum."
+            f"The train step takes Keras's 'sum_over_batch_size' loss over the real rows of "
+            f"the global batch; got {resolved!r} with reduction="
+            f"'{resolved.reduction.value}', which it would not honour (its value depends on "
+            "how the data is cut into batches and replicas). Pass the loss with "
+            "reduction='sum_over_batch_size' (the default) or 'none' (the step reduces "
+            "the same way either way), and scale the learning rate if you meant a sum."
         )
     return resolved
 
 
-def resolve_metrics(metrics: Any, loss: Any = None) -> list[tuple[str, Metric]]:
-    """``(name, metric)`` pairs from names, Metric objects or callables."""
+def resolve_metrics(
+    metrics: Any, loss: Any = None, *, taken: Sequence[str] = ()
+) -> list[tuple[str, Metric]]:
+    """``(name, metric)`` pairs from names, Metric objects or callables.
+
+    `taken` are the names of the (unweighted) metrics when resolving
+    ``weighted_metrics``: a weighted metric of the same name is logged as
+    ``"weighted_" + name``, as in Keras.
+    """
     if metrics is None:
         return []
     if isinstance(metrics, str) or callable(metrics):
@@ -156,11 +175,16 @@ def resolve_metrics(metrics: Any, loss: Any = None) -> list[tuple[str, Metric]]:
     out: list[tuple[str, Metric]] = []
     for identifier in metrics:
         metric = metrics_lib.get(identifier, loss=loss)
-        name = metric.name
-        if name in (COUNT, "loss") or any(name == n for n, _ in out):
+        name = f"weighted_{metric.name}" if metric.name in taken else metric.name
+        if (
+            name in (COUNT, "loss", *taken)
+            or name.startswith(WEIGHT_SUM)
+            or any(name == n for n, _ in out)
+        ):
             raise ValueError(
-                f"Metric names must be unique and not 'loss' or 'count'; got {name!r} after "
-                f"{[n for n, _ in out]}. Give the metric another `name`."
+                f"Metric names must be unique, not 'loss' or 'count' and not start with "
+                f"{WEIGHT_SUM!r}; got {name!r} after {[*taken, *(n for n, _ in out)]}. Give "
+                "the metric another `name`."
             )
         out.append((name, metric))
     return out
@@ -173,16 +197,20 @@ def make_spec(
     *,
     dtype_policy: mp.Policy | str | None = None,
     gradient_accumulation_steps: int = 1,
+    weighted_metrics: Any = None,
 ) -> StepSpec:
     """The `StepSpec` of a loss (or None), metrics and options given as `compile` takes them.
 
     `dtype_policy` None means `jstrategy.mixed_precision.global_policy()`, read now.
     """
     loss_fn = resolve_loss(loss) if loss is not None else None
+    plain = tuple(resolve_metrics(metrics, loss=loss_fn))
+    weighted = resolve_metrics(weighted_metrics, loss=loss_fn, taken=[n for n, _ in plain])
     return StepSpec(
         strategy,
         loss_fn,
-        tuple(resolve_metrics(metrics, loss=loss_fn)),
+        plain,
+        weighted_metrics=tuple(weighted),
         policy=mp.as_policy(dtype_policy, argument="dtype_policy"),
         accumulation_steps=check_positive_int(
             gradient_accumulation_steps,
@@ -295,13 +323,6 @@ def _to_varying(tree: Any, axis_name: str) -> Any:
     return jax.tree.map(cast, tree)
 
 
-def _weights(maskf: jax.Array, w: Any) -> jax.Array:
-    if w is None:
-        return maskf
-    w = jnp.asarray(w, jnp.float32)
-    return maskf * w.reshape(w.shape[0], -1).mean(axis=1)
-
-
 def _per_row(values: Any, rows: int, what: str) -> jax.Array:
     return per_example(values, rows, what).astype(jnp.float32)
 
@@ -340,17 +361,37 @@ def _loss_scale_factor(spec: StepSpec, rest: Any, rows: int) -> jax.Array | None
     return ls.loss_scale / rows
 
 
-def _loss_sum(spec: StepSpec, y: Any, y_pred: Any, weight: jax.Array) -> jax.Array:
-    """One replica's weighted sum of per-example losses (training and evaluation alike)."""
+def _row_mask(maskf: jax.Array, values: jax.Array) -> jax.Array:
+    return maskf.reshape(maskf.shape + (1,) * (values.ndim - 1))
+
+
+def _loss_sum(spec: StepSpec, y: Any, y_pred: Any, maskf: jax.Array, w: Any) -> jax.Array:
+    """One replica's weighted loss sum over the elements of its real rows, divided by the
+    elements per row (training and evaluation alike).
+
+    Divided by the global count of real rows, it is Keras's ``"sum_over_batch_size"``
+    loss: the loss per element (``(b, t)`` for sequence outputs), times its sample weight
+    (per row or per element, a padding mask say), summed and divided by the number of
+    elements, ``rows * t``.
+    """
     assert spec.loss is not None
-    values = spec.loss.per_example(y, y_pred)  # type: ignore[attr-defined]
-    return jnp.sum(_per_row(values, weight.shape[0], "The loss") * weight)
+    values = spec.loss.values(y, y_pred).astype(jnp.float32)  # type: ignore[attr-defined]
+    values = weighted_values(values, w, "The loss")
+    values = values * _row_mask(maskf, values)
+    per_row = values.size // maskf.shape[0]
+    total = jnp.sum(values)
+    return total if per_row == 1 else total / per_row
 
 
 def _sums(
-    spec: StepSpec, y: Any, y_pred: Any, maskf: jax.Array, loss_sum: Any
+    spec: StepSpec, y: Any, y_pred: Any, maskf: jax.Array, loss_sum: Any, w: Any
 ) -> dict[str, jax.Array]:
-    """The loss sum, each metric's sum over real rows and the count of real rows."""
+    """The loss sum, each metric's sum over real rows and the count of real rows.
+
+    A metric is the mean of its rows' values (each row's mean over its time steps), as
+    Keras's ``Mean`` of unweighted values. A weighted metric (`StepSpec.weighted_metrics`)
+    also sums its rows' weights (`samplewise`), the denominator of its mean.
+    """
     rows = maskf.shape[0]
     out: dict[str, jax.Array] = {}
     if loss_sum is not None:
@@ -358,6 +399,11 @@ def _sums(
     for name, fn in spec.metrics:
         values = fn.per_example(y, y_pred)  # type: ignore[attr-defined]
         out[name] = jnp.sum(_per_row(values, rows, f"The metric {name!r}") * maskf)
+    for name, fn in spec.weighted_metrics:
+        values = fn.values(y, y_pred).astype(jnp.float32)  # type: ignore[attr-defined]
+        values, weights = samplewise(values, w, f"The weighted metric {name!r}")
+        out[name] = jnp.sum(values * maskf)
+        out[weight_key(name)] = jnp.sum(maskf if weights is None else weights * maskf)
     out[COUNT] = jnp.sum(maskf)
     return out
 
@@ -376,11 +422,10 @@ def _replica_loss(
     if y is None:
         raise ValueError("A training batch must be (x, y) or (x, y, sample_weight); got no y.")
     maskf = mask.astype(jnp.float32)
-    weight = _weights(maskf, w)
 
     def local_loss(params: Any) -> tuple[jax.Array, tuple[Any, Any, Any]]:
         y_pred, model_state = _forward(spec.policy, rest, params, x, train=True, axis_name=axis)
-        loss_sum = _loss_sum(spec, y, y_pred, weight)
+        loss_sum = _loss_sum(spec, y, y_pred, maskf, w)
         scaled = loss_sum if scale is None else loss_sum * scale
         return scaled, (loss_sum, y_pred, model_state)
 
@@ -428,7 +473,7 @@ def replica_gradients(
     (_, (loss_sum, y_pred, model_state)), grads = jax.value_and_grad(local_loss, has_aux=True)(
         varying_params
     )
-    sums = _sums(spec, y, y_pred, maskf, loss_sum)
+    sums = _sums(spec, y, y_pred, maskf, loss_sum, unpack_batch(batch)[2])
     if spec.check_numerics:
         # Under loss scaling, overflowing gradients are expected: the step is skipped.
         checked = grads if scale is None else None
@@ -487,7 +532,7 @@ def global_gradients(
     def one_replica(params: Any, batch: Any, mask: Any) -> tuple[jax.Array, Any]:
         local_loss, y, maskf = _replica_loss(spec, rest, batch, mask, scale)
         scaled, (loss_sum, y_pred, model_state) = local_loss(params)
-        sums = _sums(spec, y, y_pred, maskf, loss_sum)
+        sums = _sums(spec, y, y_pred, maskf, loss_sum, unpack_batch(batch)[2])
         if spec.check_numerics:
             sums.update(check_numerics.step_flags(spec, y, y_pred, maskf, loss_sum))
         model_state = jax.tree.map(lambda x: _replica_mean(x, axis, n), model_state)
@@ -544,9 +589,8 @@ def eval_sums(
         raise ValueError("An evaluation batch must be (x, y) or (x, y, sample_weight).")
     maskf = mask.astype(jnp.float32)
     y_pred, _ = _forward(spec.policy, state, state.params, x, train=False, axis_name=None)
-    weight = _weights(maskf, w)
-    loss_sum = _loss_sum(spec, y, y_pred, weight) if spec.loss is not None else None
-    sums = _sums(spec, y, y_pred, maskf, loss_sum)
+    loss_sum = _loss_sum(spec, y, y_pred, maskf, w) if spec.loss is not None else None
+    sums = _sums(spec, y, y_pred, maskf, loss_sum, w)
     if spec.check_numerics:
         sums.update(check_numerics.step_flags(spec, y, y_pred, maskf, loss_sum))
     sums = strategy.cross_device_ops.all_reduce(
