@@ -15,14 +15,18 @@ with, the comparison is exact. XLA generates code for the host CPU (vector width
 versions change fusions, and a Flax or Optax release may reorder a sum (optax 0.2.8 and flax
 0.12.8 moved these trajectories by one float32 ulp), so elsewhere the same program may round
 differently in the last bits. There the check is ``rtol=1e-6`` under the recorded JAX minor
-version and ``rtol=2e-5`` under another one (jax 0.12's fusions move the five-step `fit`
-trajectories by up to 4e-6), still far below what any change of the math moves: a wrong
+version and ``rtol=2e-5, atol=1e-5`` under another one (jax 0.12's fusions move the
+five-step `fit` trajectories by up to 4e-6 relative, and Adam grows that rounding to 8e-6
+absolute in ``fit_dataset_spe3``'s predictions near 0), still far below what any change of the math moves: a wrong
 loss scaling or a dropped replica moves them by 1e-2 or more.
 
 Regenerate (only for a change that is meant to change trajectories, and say so in the
 commit):
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/test_golden_trajectories.py --record
+
+(``--only fit_dataset_spe3 ...`` re-records the cases whose names contain one of those and
+keeps the others; it must run where the file was recorded.)
 """
 
 from __future__ import annotations
@@ -354,8 +358,17 @@ def _unpack(data):
     return out
 
 
-def record(path=DATA):
-    cases = {f"{s}/{p}": _run(s, p) for s, p in _cases()}
+def record(path=DATA, only=()):
+    """Runs every case (or those whose ``strategy/program`` name contains one of `only`,
+    keeping the file's others) and writes the file."""
+    cases = {}
+    if only:
+        with np.load(path) as data:
+            assert str(data["platform"]) == _platform_key(), "record every case elsewhere"
+            cases = _unpack(data)
+    for s, p in _cases():
+        if not only or any(o in f"{s}/{p}" for o in only):
+            cases[f"{s}/{p}"] = _run(s, p)
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(path, platform=np.asarray(_platform_key()), **_pack(cases))
     print(f"wrote {len(cases)} cases to {path} ({path.stat().st_size} bytes)")
@@ -375,7 +388,8 @@ def test_trajectory_is_unchanged(golden, strategy_name, program_name):
     got = _run(strategy_name, program_name)
     assert sorted(got) == sorted(expected)
     exact = platform_key == _platform_key()
-    rtol = 1e-6 if _jax_minor(platform_key) == _jax_minor(_platform_key()) else 2e-5
+    same_minor = _jax_minor(platform_key) == _jax_minor(_platform_key())
+    rtol, atol = (1e-6, 1e-6) if same_minor else (2e-5, 1e-5)
     for key in sorted(expected):
         value = np.asarray(got[key]).astype(np.float64)
         if exact:
@@ -385,12 +399,14 @@ def test_trajectory_is_unchanged(golden, strategy_name, program_name):
             # for values that are about 0, where a relative bound means nothing: 1e-6 is a few
             # float32 ulps of the O(1) logits and losses.)
             np.testing.assert_allclose(
-                value, expected[key], rtol=rtol, atol=1e-6, err_msg=f"{case}/{key}"
+                value, expected[key], rtol=rtol, atol=atol, err_msg=f"{case}/{key}"
             )
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--record", action="store_true", help=f"(re)write {DATA}")
-    if parser.parse_args().record:
-        record()
+    parser.add_argument("--only", nargs="*", default=(), help="re-record only these cases")
+    args = parser.parse_args()
+    if args.record:
+        record(only=tuple(args.only))

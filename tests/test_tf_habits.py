@@ -259,7 +259,6 @@ def test_names_are_keras_optimizers_with_keras_defaults():
         (jstrategy.optimizers.Adagrad(0.1), optax.adagrad(0.1, eps=1e-7)),
         (jstrategy.optimizers.Adadelta(1.0), optax.adadelta(1.0, rho=0.95, eps=1e-7)),
         (jstrategy.optimizers.Adamax(0.01), optax.adamax(0.01, eps=1e-7)),
-        (jstrategy.optimizers.Nadam(0.01), optax.nadam(0.01, eps=1e-7)),
         (jstrategy.optimizers.Lion(0.01), optax.lion(0.01, weight_decay=0.0)),
         (
             jstrategy.optimizers.AdamW(0.01),
@@ -276,7 +275,10 @@ def test_names_are_keras_optimizers_with_keras_defaults():
     ],
     ids=lambda v: type(v).__name__,
 )
-def test_keras_optimizers_follow_optax(keras, reference):
+def test_keras_optimizers_at_a_constant_rate_agree_with_optax(keras, reference):
+    # The optimizers follow Keras's formulas (tests/test_keras_optimizer_parity.py); at a
+    # constant rate these equal optax's to float tolerance (Nadam does not: Keras's has
+    # Dozat's momentum schedule).
     strategy = jstrategy.OneDeviceStrategy("cpu:0")
     ours, theirs = _dense_model(strategy, keras), _dense_model(strategy, reference)
     _fit(ours), _fit(theirs)

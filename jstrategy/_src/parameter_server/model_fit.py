@@ -268,6 +268,14 @@ def _check_synchronous_options(spec: step_lib.StepSpec, state: Any) -> None:
             "servers as they arrive, so there is no cycle to accumulate over: use a larger "
             "batch, or a synchronous strategy (MirroredStrategy) to accumulate."
         )
+    inner = getattr(keras_optimizers.injected_state(state.opt_state), "inner_state", None)
+    if jax.tree.leaves(getattr(inner, "average", None)):
+        raise ValueError(
+            "Model.fit with ParameterServerStrategy takes no optimizer with use_ema=True: each "
+            "variable's optimizer state lives on a parameter server, so the average that "
+            "fit's end would copy into the model is not here. Average the weights in a "
+            "callback, or train with a synchronous strategy (MirroredStrategy)."
+        )
     if state.loss_scale is not None:
         raise ValueError(
             "Model.fit with ParameterServerStrategy has no dynamic loss scaling (policy "

@@ -341,6 +341,8 @@ def fit(
         cbs.on_train_abort()
         trainer.fit_state = None
         raise
+    if epochs > 0:  # Keras's condition for finalize_variable_values
+        trainer.finalize_variables()
     cbs.on_train_end(logs)
     trainer.fit_state = None
     assert cbs.history is not None

@@ -1,24 +1,28 @@
-"""Keras-named optimizers, thin over optax: the rate you set is the rate applied.
+"""Keras-named optimizers: Keras 3's update formulas, over optax, with a settable rate.
 
 `jstrategy.optimizers.SGD(learning_rate=0.01, momentum=0.0, nesterov=False)`, `Adam`,
-`AdamW`, `RMSprop`, `Adagrad`, `Adadelta`, `Adamax`, `Nadam` and `Lion` take Keras's
-argument names and defaults and build the optax transformation of the same name (its
-formulas, e.g. where epsilon enters, are optax's). The learning rate is a value in the
-optimizer state (``optax.inject_hyperparams``), so `Model.learning_rate`,
-`LearningRateScheduler` and `ReduceLROnPlateau` read and set the rate that is applied,
-without recompiling; a schedule (a `jstrategy.optimizers.schedules` object or any
-``step -> rate`` callable) sets it from the step count instead.
+`AdamW`, `RMSprop`, `Adagrad`, `Adadelta`, `Adamax`, `Nadam` and `Lion` take Keras 3's
+arguments and defaults and update as Keras 3 does (`keras_transform.py`: each class's
+`_rule` is its ``update_step``, e.g. SGD's momentum accumulates ``v = m * v - lr * g``,
+so a changing rate scales only the new steps, not the whole velocity as optax's trace
+does). The learning rate is a value in the optimizer state (``optax.inject_hyperparams``),
+so `Model.learning_rate`, `LearningRateScheduler` and `ReduceLROnPlateau` read and set the
+rate that is applied, without recompiling; a schedule (a
+`jstrategy.optimizers.schedules` object or any ``step -> rate`` callable) sets it from
+Keras's iteration count instead.
 
 The same object is TF's optimizer in a custom loop: `Optimizer.apply_gradients` inside
 `Strategy.run` sums per-replica gradients across replicas (TF's aggregation; gradients
 already combined are used as they are), then updates the variables it is given (a
 `jstrategy.Model`'s ``trainable_variables``) and its own slots, both threaded through
-`run`'s compiled program (`tracked.py`).
+`run`'s compiled program (`tracked.py`). Outside `run` under a strategy it raises TF's
+cross-replica error.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from collections.abc import Callable
 from collections.abc import Iterable
@@ -35,6 +39,7 @@ from jstrategy._src.reduce_util import ReduceOp
 from jstrategy._src.tracked import TrackedState
 from jstrategy._src.tracked import TrainableHolder
 from jstrategy._src.tracked import owner_of_trainable
+from jstrategy._src.training import keras_transform
 from jstrategy._src.training import schedules as schedules_lib
 from jstrategy._src.values import local_copy
 from jstrategy._src.values import varying_axes
@@ -51,6 +56,7 @@ __all__ = [
     "Optimizer",
     "RMSprop",
     "deserialize",
+    "ema_average",
     "get",
     "injected_state",
     "serialize",
@@ -97,37 +103,131 @@ def _positive(value: Any, name: str) -> float:
     return float(value)
 
 
-def _clip_by_norm(max_norm: float) -> optax.GradientTransformation:
-    """Keras's ``clipnorm``: each gradient's own L2 norm clipped to `max_norm`."""
+def _non_negative(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"`{name}` must be a non-negative float; got {value!r}.")
+    return float(value)
 
-    def update(updates: Any, state: Any, params: Any = None) -> Any:
-        del params
 
-        def clip(g: jax.Array) -> jax.Array:
-            norm = jnp.sqrt(jnp.sum(jnp.square(g.astype(jnp.float32))))
-            return (g * (max_norm / jnp.maximum(norm, max_norm))).astype(g.dtype)
+def _keras_options(
+    *,
+    weight_decay: Any,
+    clipnorm: Any,
+    clipvalue: Any,
+    global_clipnorm: Any,
+    use_ema: Any,
+    ema_momentum: Any,
+    ema_overwrite_frequency: Any,
+    loss_scale_factor: Any,
+    gradient_accumulation_steps: Any,
+) -> keras_transform.KerasOptions:
+    """Keras 3's ``BaseOptimizer.__init__`` checks, with its messages, then ours."""
+    if gradient_accumulation_steps:
+        ok = isinstance(gradient_accumulation_steps, int) and not isinstance(
+            gradient_accumulation_steps, bool
+        )
+        if not ok or not gradient_accumulation_steps >= 2:
+            raise ValueError(
+                "`gradient_accumulation_steps` must be an integer >= 2. Received: "
+                f"gradient_accumulation_steps={gradient_accumulation_steps}"
+            )
+    if use_ema:
+        if not isinstance(ema_momentum, (int, float)) or not 0 <= ema_momentum <= 1:
+            raise ValueError(
+                f"`ema_momentum` must be in the range [0, 1]. Received: ema_momentum={ema_momentum}"
+            )
+        if ema_overwrite_frequency and (
+            not isinstance(ema_overwrite_frequency, int) or ema_overwrite_frequency < 1
+        ):
+            raise ValueError(
+                "`ema_overwrite_frequency` must be an integer >= 1 or None. Received: "
+                f"ema_overwrite_frequency={ema_overwrite_frequency}"
+            )
+    if sum(a is not None for a in (clipnorm, clipvalue, global_clipnorm)) > 1:
+        raise ValueError(
+            "Only one of `clipnorm`, `clipvalue` and `global_clipnorm` can be set. "
+            f"Received: clipnorm={clipnorm}, clipvalue={clipvalue}, "
+            f"global_clipnorm={global_clipnorm}"
+        )
+    return keras_transform.KerasOptions(
+        weight_decay=None if weight_decay is None else _non_negative(weight_decay, "weight_decay"),
+        clipnorm=None if clipnorm is None else _positive(clipnorm, "clipnorm"),
+        clipvalue=None if clipvalue is None else _positive(clipvalue, "clipvalue"),
+        global_clipnorm=(
+            None if global_clipnorm is None else _positive(global_clipnorm, "global_clipnorm")
+        ),
+        use_ema=bool(use_ema),
+        ema_momentum=float(ema_momentum),
+        ema_overwrite_frequency=ema_overwrite_frequency if use_ema else None,
+        loss_scale_factor=(
+            None if loss_scale_factor is None else _positive(loss_scale_factor, "loss_scale_factor")
+        ),
+        gradient_accumulation_steps=gradient_accumulation_steps or None,
+    )
 
-        return jax.tree.map(clip, updates), state
 
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)  # type: ignore[arg-type]
+_BASE_ARGUMENTS = (
+    "learning_rate",
+    "weight_decay",
+    "clipnorm",
+    "clipvalue",
+    "global_clipnorm",
+    "use_ema",
+    "ema_momentum",
+    "ema_overwrite_frequency",
+    "loss_scale_factor",
+    "gradient_accumulation_steps",
+    "name",
+)
+
+
+def _per_cycle(schedule: Callable[[Any], Any], micro_batches: int) -> Callable[[Any], Any]:
+    """`schedule` at Keras's iteration count of the last micro-batch of update `count`."""
+
+    def rate(count: Any) -> Any:
+        return schedule(count * micro_batches + (micro_batches - 1))
+
+    return rate
+
+
+def _option(name: str) -> Any:
+    """A read-only attribute for Keras's base argument `name`, kept in ``_options``."""
+    return property(lambda self: getattr(self._options, name), doc=f"Keras's ``{name}``.")
 
 
 class Optimizer:
-    """Base class of the Keras-named optimizers: a configuration that builds optax.
+    """Base class of the Keras-named optimizers: Keras 3's ``BaseOptimizer``, over optax.
 
     Args:
       learning_rate: a non-negative float, or a schedule: a
         `jstrategy.optimizers.schedules` object or any ``step -> rate`` callable (e.g. an
-        optax schedule).
-      weight_decay: decoupled weight decay, as Keras's: each step subtracts
-        ``learning_rate * weight_decay * variable``; None for none.
+        optax schedule), called with Keras's iteration count.
+      weight_decay: decoupled weight decay, as Keras's: each step first subtracts
+        ``variable * weight_decay * learning_rate``; None for none.
       clipnorm: clip each gradient to this L2 norm.
       clipvalue: clip each gradient element to ``[-clipvalue, clipvalue]``.
       global_clipnorm: clip all gradients together to this global L2 norm.
+      use_ema: keep an exponential moving average of the variables (Keras's EMA): after
+        each step ``average = ema_momentum * average + (1 - ema_momentum) * variable``
+        (the first step copies the variables).
+      ema_momentum: the EMA's momentum, in [0, 1].
+      ema_overwrite_frequency: with `use_ema`, replace the variables by their average
+        every this many steps; None: only when training ends (`Model.fit`'s end, or
+        `finalize_variable_values` in a custom loop).
+      loss_scale_factor: a fixed loss scale: `Model.fit` multiplies the loss by it and
+        the optimizer divides the gradients by it (in a custom loop, scale the loss with
+        `scale_loss`).
+      gradient_accumulation_steps: an int >= 2: the variables are updated every this
+        many calls, with the mean of their gradients; the other calls only accumulate.
+        A schedule sees every call (Keras's ``iterations``), bias corrections and EMA
+        count updates, as in Keras.
       name: the optimizer's name.
+      **kwargs: Keras's deprecated ``decay`` (ignored, with Keras's warning); anything
+        else is an error.
 
     Raises:
-      ValueError: for a bad argument, or both `clipnorm` and `global_clipnorm`.
+      ValueError: for a bad argument (Keras's rules and messages: e.g. at most one of
+        the clip options).
     """
 
     def __init__(
@@ -138,33 +238,62 @@ class Optimizer:
         clipnorm: float | None = None,
         clipvalue: float | None = None,
         global_clipnorm: float | None = None,
+        use_ema: bool = False,
+        ema_momentum: float = 0.99,
+        ema_overwrite_frequency: int | None = None,
+        loss_scale_factor: float | None = None,
+        gradient_accumulation_steps: int | None = None,
         name: str | None = None,
+        **kwargs: Any,
     ):
-        self._learning_rate = _rate(learning_rate)
-        self.weight_decay = (
-            None if weight_decay is None else _non_negative(weight_decay, "weight_decay")
-        )
-        if clipnorm is not None and global_clipnorm is not None:
-            raise ValueError(
-                "Only one of `clipnorm` and `global_clipnorm` can be set (as in Keras); got "
-                f"clipnorm={clipnorm!r} and global_clipnorm={global_clipnorm!r}."
+        if kwargs.pop("decay", None) is not None:
+            warnings.warn(
+                "Argument `decay` is no longer supported and will be ignored (as in Keras 3). "
+                "For a decaying rate pass a schedule, e.g. learning_rate="
+                "jstrategy.optimizers.schedules.InverseTimeDecay(...).",
+                stacklevel=3,
             )
-        self.clipnorm = None if clipnorm is None else _positive(clipnorm, "clipnorm")
-        self.clipvalue = None if clipvalue is None else _positive(clipvalue, "clipvalue")
-        self.global_clipnorm = (
-            None if global_clipnorm is None else _positive(global_clipnorm, "global_clipnorm")
+        if kwargs:
+            raise ValueError(
+                f"Argument(s) not recognized: {kwargs}. {type(self).__name__} takes its own "
+                f"arguments ({', '.join(self._hyperparameters) or 'none'}) and Keras's "
+                f"optimizer arguments ({', '.join(_BASE_ARGUMENTS)})."
+            )
+        self._learning_rate = _rate(learning_rate)
+        self._options = _keras_options(
+            weight_decay=weight_decay,
+            clipnorm=clipnorm,
+            clipvalue=clipvalue,
+            global_clipnorm=global_clipnorm,
+            use_ema=use_ema,
+            ema_momentum=ema_momentum,
+            ema_overwrite_frequency=ema_overwrite_frequency,
+            loss_scale_factor=loss_scale_factor,
+            gradient_accumulation_steps=gradient_accumulation_steps,
         )
         self.name = name if name is not None else snake_case(type(self).__name__)
         self._tx: optax.GradientTransformation | None = None
+        self._micro_batches = 1  # a model's gradient_accumulation_steps, once compiled
         self._owner: Any = None  # a weakref to the Trainer of the model it is compiled into
         self._target: TrainableHolder | None = None  # what apply_gradients trains
         self._slots: TrackedState | None = None  # its optimizer state, in a custom loop
+
+    # Keras's base arguments, as read-only attributes ---------------------------------------
+    weight_decay = _option("weight_decay")
+    clipnorm = _option("clipnorm")
+    clipvalue = _option("clipvalue")
+    global_clipnorm = _option("global_clipnorm")
+    use_ema = _option("use_ema")
+    ema_momentum = _option("ema_momentum")
+    ema_overwrite_frequency = _option("ema_overwrite_frequency")
+    loss_scale_factor = _option("loss_scale_factor")
+    gradient_accumulation_steps = _option("gradient_accumulation_steps")
 
     # What subclasses say ----------------------------------------------------------------
     #: The subclass's own constructor arguments, kept as attributes of the same names.
     _hyperparameters: tuple[str, ...] = ()
 
-    def _inner(self, learning_rate: Any) -> optax.GradientTransformation:
+    def _rule(self) -> keras_transform.UpdateRule:
         raise NotImplementedError
 
     def _config(self) -> dict[str, Any]:
@@ -177,34 +306,64 @@ class Optimizer:
         return self._learning_rate if callable(self._learning_rate) else None
 
     @property
+    def update_schedule(self) -> Callable[[Any], Any] | None:
+        """The schedule as the optimizer state's update count sees it: the schedule
+        itself, or under a model's ``gradient_accumulation_steps`` k (one update per k
+        micro-batches) the schedule at Keras's count of the update's last micro-batch,
+        ``count * k + k - 1``; None for a fixed rate."""
+        schedule = self.schedule
+        if schedule is None or self._micro_batches == 1:
+            return schedule
+        return _per_cycle(schedule, self._micro_batches)
+
+    def _factory(self, learning_rate: Any) -> optax.GradientTransformation:
+        return keras_transform.keras_transform(self._rule(), self._options, learning_rate)
+
+    def transformation(self, *, micro_batches: int = 1) -> optax.GradientTransformation:
+        """The optax transformation, its rate in its state (``optax.inject_hyperparams``).
+
+        Args:
+          micro_batches: how many micro-batches each call of its ``update`` stands for
+            (a model's ``gradient_accumulation_steps``): a schedule then sees Keras's
+            count, which advances per micro-batch.
+
+        Raises:
+          ValueError: if the optimizer accumulates gradients itself too.
+        """
+        if micro_batches > 1 and self.gradient_accumulation_steps:
+            raise ValueError(
+                f"The optimizer {self.name!r} accumulates gradients itself "
+                f"(gradient_accumulation_steps={self.gradient_accumulation_steps}) and the "
+                f"model was compiled with gradient_accumulation_steps={micro_batches} too, "
+                "which would accumulate twice. Set one of them (the optimizer's is Keras's "
+                "form; the model's weighs micro-batches by their real rows)."
+            )
+        rate = self._learning_rate
+        if callable(rate) and micro_batches > 1:
+            rate = _per_cycle(rate, micro_batches)
+        return optax.inject_hyperparams(self._factory)(learning_rate=rate)
+
+    @property
     def tx(self) -> optax.GradientTransformation:
-        """The optax transformation: clipping, then the optimizer with its rate in its state."""
+        """The optax transformation (see `transformation`)."""
         if self._tx is None:
-            decay = self.weight_decay
-
-            def factory(learning_rate: Any) -> optax.GradientTransformation:
-                inner = self._inner(learning_rate)
-                if decay:
-                    inner = optax.chain(inner, optax.add_decayed_weights(-learning_rate * decay))
-                return inner
-
-            core = optax.inject_hyperparams(factory)(learning_rate=self._learning_rate)
-            clips = []
-            if self.clipnorm is not None:
-                clips.append(_clip_by_norm(self.clipnorm))
-            if self.global_clipnorm is not None:
-                clips.append(optax.clip_by_global_norm(self.global_clipnorm))
-            if self.clipvalue is not None:
-                clips.append(optax.clip(self.clipvalue))
-            self._tx = optax.chain(*clips, core) if clips else core
+            self._tx = self.transformation()
         return self._tx
+
+    def scale_loss(self, loss: Any) -> Any:
+        """`loss` times `loss_scale_factor` (Keras's ``scale_loss``), or `loss` as it is."""
+        if self.loss_scale_factor is None:
+            return loss
+        return loss * self.loss_scale_factor
 
     # Keras's attributes -------------------------------------------------------------------
     def _trainer(self) -> Any:
         return None if self._owner is None else self._owner()
 
-    def attach(self, trainer: Any) -> None:
-        """Binds the optimizer to the model it is compiled into (one model per optimizer)."""
+    def attach(self, trainer: Any, *, micro_batches: int = 1) -> optax.GradientTransformation:
+        """Binds the optimizer to the model it is compiled into (one model per optimizer),
+        whose ``gradient_accumulation_steps`` is `micro_batches`; returns the
+        transformation to apply."""
         current = self._trainer()
         if current is not None and current is not trainer:
             raise ValueError(
@@ -216,7 +375,10 @@ class Optimizer:
                 f"The optimizer {self.name!r} already trains variables in a custom loop "
                 "(apply_gradients); create another one for compile."
             )
+        tx = self.transformation(micro_batches=micro_batches)
         self._owner = weakref.ref(trainer)
+        self._micro_batches = micro_batches
+        return tx
 
     def _custom_state(self) -> Any:
         if self._slots is None:
@@ -228,7 +390,8 @@ class Optimizer:
 
     @property
     def learning_rate(self) -> float:
-        """The rate the next step applies (for a schedule, its value at `iterations`).
+        """The rate the next step applies (for a schedule, its value at Keras's
+        iteration count).
 
         Settable for a fixed rate; with a schedule, setting raises a `TypeError` (as in
         Keras).
@@ -272,12 +435,15 @@ class Optimizer:
 
     @property
     def iterations(self) -> int:
-        """How many updates the optimizer applied."""
+        """How many steps the optimizer applied, as Keras counts them: calls of the update
+        (a model's steps), divided by `gradient_accumulation_steps` if set."""
         trainer = self._trainer()
         if trainer is not None:
-            return int(trainer.state.step)
-        state = self._custom_state()
-        return 0 if state is None else int(injected_state(state).count)
+            calls = int(trainer.state.step)
+        else:
+            state = self._custom_state()
+            calls = 0 if state is None else int(injected_state(state).count)
+        return calls // (self.gradient_accumulation_steps or 1)
 
     @property
     def variables(self) -> list[jax.Array]:
@@ -304,6 +470,8 @@ class Optimizer:
           grads_and_vars: ``(gradient, variable)`` pairs.
 
         Raises:
+          RuntimeError: outside `Strategy.run` inside a strategy's scope, or for
+            variables on several devices (TF's cross-replica error).
           ValueError: if the variables are not a model's `trainable_variables`, or the
             optimizer trains other variables or is compiled into a model.
         """
@@ -318,6 +486,7 @@ class Optimizer:
             )
         grads = [g for g, _ in pairs]
         variables = [v for _, v in pairs]
+        _check_replica_context("apply_gradients", variables)
         if self._trainer() is not None:
             raise ValueError(
                 f"The optimizer {self.name!r} is compiled into a model, whose fit applies "
@@ -359,6 +528,29 @@ class Optimizer:
             self._target = holder
         return self._slots
 
+    def finalize_variable_values(self, var_list: Any) -> None:
+        """With `use_ema`, replaces the variables by their moving average (Keras's
+        ``finalize_variable_values``; `Model.fit` does it when training ends).
+
+        Args:
+          var_list: the variables this optimizer trains in a custom loop (a model's
+            ``trainable_variables``).
+
+        Raises:
+          ValueError: if the optimizer has not trained `var_list`.
+        """
+        if not self.use_ema:
+            return
+        holder = owner_of_trainable(list(var_list))
+        if self._target is not holder or self._slots is None:
+            raise ValueError(
+                f"The optimizer {self.name!r} has not trained these variables (call "
+                "apply_gradients with them first), so it holds no average of them."
+            )
+        average = ema_average(self._slots.read())
+        value = holder.read()
+        holder.write(holder.with_trainable(value, average))
+
     # Keras's configuration ----------------------------------------------------------------
     def get_config(self) -> dict[str, Any]:
         """The constructor arguments, as Keras's (a schedule as its own config)."""
@@ -369,15 +561,12 @@ class Optimizer:
             "name": self.name,
             "learning_rate": rate,
             **self._config(),
-            "weight_decay": self.weight_decay,
-            "clipnorm": self.clipnorm,
-            "clipvalue": self.clipvalue,
-            "global_clipnorm": self.global_clipnorm,
+            **{k: getattr(self, k) for k in _BASE_ARGUMENTS if k not in ("name", "learning_rate")},
         }
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Optimizer:
-        """The optimizer `get_config` describes."""
+        """The optimizer `get_config` describes (Keras's configs too)."""
         config = dict(config)
         rate = config.get("learning_rate")
         if isinstance(rate, dict):
@@ -396,10 +585,26 @@ _SCHEDULE_NOT_SETTABLE = (
 )
 
 
-def _non_negative(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"`{name}` must be a non-negative float; got {value!r}.")
-    return float(value)
+def ema_average(opt_state: Any) -> Any:
+    """The `use_ema` moving average in an optimizer state (a tree like the parameters)."""
+    inner = injected_state(opt_state).inner_state
+    if not isinstance(inner, keras_transform.KerasOptimizerState):
+        raise TypeError("Not the state of a jstrategy.optimizers optimizer.")
+    return inner.average
+
+
+def _check_replica_context(method: str, variables: list[Any]) -> None:
+    """TF's error for an update outside `Strategy.run` where the variables are replicated."""
+    if context.inside_run() is not None:
+        return
+    spread = any(isinstance(v, jax.Array) and len(v.sharding.device_set) > 1 for v in variables)
+    if context.has_strategy() or spread:
+        where = "inside a strategy's scope" if context.has_strategy() else "on several devices"
+        raise RuntimeError(
+            f"`{method}() cannot be called in cross-replica context. Use "
+            f"`tf.distribute.Strategy.run` to enter replica context (jstrategy: call it in "
+            f"the function given to `strategy.run(fn, args=...)`; the variables are {where})."
+        )
 
 
 def _combine_across_replicas(grads: list[Any]) -> list[Any]:
@@ -418,23 +623,34 @@ def _combine_across_replicas(grads: list[Any]) -> list[Any]:
     return out
 
 
+def _cast(x: Any, like: jax.Array) -> jax.Array:
+    return jnp.asarray(x).astype(like.dtype)
+
+
 class SGD(Optimizer):
-    """Gradient descent with optional (Nesterov) momentum: Keras's ``SGD``, `optax.sgd`.
+    """Gradient descent with optional (Nesterov) momentum: Keras 3's ``SGD``.
+
+    With momentum the velocity accumulates rate-scaled steps, ``v = momentum * v -
+    learning_rate * g`` and ``w += v`` (Nesterov: ``w += momentum * v - learning_rate *
+    g``), so a rate that changes (a schedule, `LearningRateScheduler`) scales only the
+    new steps, as in Keras.
 
     Args:
       learning_rate: a float (default 0.01) or a schedule.
       momentum: in [0, 1]; 0 for plain gradient descent.
       nesterov: Nesterov momentum.
       **kwargs: `Optimizer`'s: `weight_decay`, `clipnorm`, `clipvalue`, `global_clipnorm`,
-        `name`.
+        `use_ema`, `ema_momentum`, `ema_overwrite_frequency`, `loss_scale_factor`,
+        `gradient_accumulation_steps`, `name`.
 
     Example:
 
     >>> import jax.numpy as jnp
     >>> opt = SGD(learning_rate=0.1, momentum=0.9)
-    >>> state = opt.tx.init({"w": jnp.ones(2)})
-    >>> opt.get_config()["momentum"], opt.learning_rate
-    (0.9, 0.1)
+    >>> params = {"w": jnp.ones(2)}
+    >>> updates, _ = opt.tx.update({"w": jnp.ones(2)}, opt.tx.init(params), params)
+    >>> opt.get_config()["momentum"], opt.learning_rate, round(float(updates["w"][0]), 6)
+    (0.9, 0.1, -0.1)
     """
 
     _hyperparameters: tuple[str, ...] = ("momentum", "nesterov")
@@ -450,16 +666,24 @@ class SGD(Optimizer):
         self.momentum = _in_range(momentum, "momentum", 0.0, 1.0)
         self.nesterov = bool(nesterov)
 
-    def _inner(self, learning_rate: Any) -> optax.GradientTransformation:
-        return optax.sgd(learning_rate, momentum=self.momentum or None, nesterov=self.nesterov)
+    def _rule(self) -> keras_transform.UpdateRule:
+        momentum, nesterov = self.momentum, self.nesterov
+
+        def leaf(g: Any, v: Any, slots: Any, lr: Any, t: Any, extra: Any) -> Any:
+            lr, g = _cast(lr, v), g.astype(v.dtype)
+            if not momentum:
+                return v - g * lr, slots
+            mom = _cast(momentum, v)
+            m = slots[0] * mom - g * lr
+            return (v + (m * mom - g * lr) if nesterov else v + m), (m,)
+
+        return keras_transform.UpdateRule((("momentum", 0.0),) if momentum else (), leaf)
 
 
 class _AdamFamily(Optimizer):
     """What Adam, AdamW, Adamax and Nadam share: two moments and an epsilon."""
 
     _hyperparameters: tuple[str, ...] = ("beta_1", "beta_2", "epsilon")
-
-    _factory: Callable[..., optax.GradientTransformation]
 
     def __init__(
         self,
@@ -474,19 +698,18 @@ class _AdamFamily(Optimizer):
         self.beta_2 = _in_range(beta_2, "beta_2", 0.0, 1.0, high_open=True)
         self.epsilon = _positive(epsilon, "epsilon")
 
-    def _inner(self, learning_rate: Any) -> optax.GradientTransformation:
-        return type(self)._factory(learning_rate, b1=self.beta_1, b2=self.beta_2, eps=self.epsilon)
-
 
 class Adam(_AdamFamily):
-    """Adam: Keras's ``Adam`` (`optax.adam`, or `optax.amsgrad` with `amsgrad`).
+    """Adam: Keras 3's ``Adam`` (epsilon added to the root of the uncorrected second
+    moment, the step size ``lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)``).
 
     Args:
       learning_rate: a float (default 0.001) or a schedule.
       beta_1: the first moment's decay.
       beta_2: the second moment's decay.
-      epsilon: added to the root of the second moment (optax's placement).
-      amsgrad: use the AMSGrad variant.
+      epsilon: added to the root of the second moment.
+      amsgrad: use the AMSGrad variant (the running maximum of the second moment, as
+        Keras keeps it).
       **kwargs: `Optimizer`'s.
 
     Example:
@@ -509,22 +732,44 @@ class Adam(_AdamFamily):
         super().__init__(learning_rate, beta_1, beta_2, epsilon, **kwargs)
         self.amsgrad = bool(amsgrad)
 
-    def _inner(self, learning_rate: Any) -> optax.GradientTransformation:
-        factory = optax.amsgrad if self.amsgrad else optax.adam
-        return factory(learning_rate, b1=self.beta_1, b2=self.beta_2, eps=self.epsilon)
+    def _rule(self) -> keras_transform.UpdateRule:
+        b1, b2, eps, amsgrad = self.beta_1, self.beta_2, self.epsilon, self.amsgrad
+
+        def leaf(g: Any, v: Any, slots: Any, lr: Any, t: Any, extra: Any) -> Any:
+            lr, g = _cast(lr, v), g.astype(v.dtype)
+            step = _cast(t + 1, v)
+            b1_power, b2_power = jnp.power(_cast(b1, v), step), jnp.power(_cast(b2, v), step)
+            m, vel = slots[0], slots[1]
+            alpha = lr * jnp.sqrt(1 - b2_power) / (1 - b1_power)
+            m = m + (g - m) * (1 - b1)
+            vel = vel + (jnp.square(g) - vel) * (1 - b2)
+            out: tuple[Any, ...] = (m, vel)
+            if amsgrad:
+                vel = jnp.maximum(slots[2], vel)
+                out = (m, out[1], vel)
+            return v - (m * alpha) / (jnp.sqrt(vel) + eps), out
+
+        names = (("momentum", 0.0), ("velocity", 0.0))
+        return keras_transform.UpdateRule(
+            names + ((("velocity_hat", 0.0),) if amsgrad else ()), leaf
+        )
 
 
 class AdamW(Adam):
-    """Adam with decoupled weight decay: Keras's ``AdamW`` (default decay 0.004).
+    """Adam with decoupled weight decay: Keras 3's ``AdamW`` (default decay 0.004).
 
     Args:
       learning_rate: a float (default 0.001) or a schedule.
-      weight_decay: each step subtracts ``learning_rate * weight_decay * variable``.
+      weight_decay: each step first subtracts ``variable * weight_decay *
+        learning_rate``.
       beta_1: the first moment's decay.
       beta_2: the second moment's decay.
       epsilon: added to the root of the second moment.
       amsgrad: use the AMSGrad variant.
       **kwargs: `Optimizer`'s.
+
+    Raises:
+      ValueError: for ``weight_decay=None`` (Keras's message).
 
     Example:
 
@@ -542,13 +787,15 @@ class AdamW(Adam):
         amsgrad: bool = False,
         **kwargs: Any,
     ):
+        if weight_decay is None:
+            raise ValueError("Argument `weight_decay` must be a float. Received: weight_decay=None")
         super().__init__(
             learning_rate, beta_1, beta_2, epsilon, amsgrad, weight_decay=weight_decay, **kwargs
         )
 
 
 class Adamax(_AdamFamily):
-    """Adamax (Adam with the infinity norm): Keras's ``Adamax``, `optax.adamax`.
+    """Adamax (Adam with the infinity norm): Keras 3's ``Adamax``.
 
     Args:
       learning_rate: a float (default 0.001) or a schedule.
@@ -563,17 +810,29 @@ class Adamax(_AdamFamily):
     0.002
     """
 
-    _factory = staticmethod(optax.adamax)
+    def _rule(self) -> keras_transform.UpdateRule:
+        b1, b2, eps = self.beta_1, self.beta_2, self.epsilon
+
+        def leaf(g: Any, v: Any, slots: Any, lr: Any, t: Any, extra: Any) -> Any:
+            lr, g = _cast(lr, v), g.astype(v.dtype)
+            b1_power = jnp.power(_cast(b1, v), _cast(t + 1, v))
+            m, u = slots
+            m = m + (g - m) * (1 - b1)
+            u = jnp.maximum(b2 * u, jnp.abs(g))
+            return v - (lr * m) / ((1 - b1_power) * (u + eps)), (m, u)
+
+        return keras_transform.UpdateRule((("momentum", 0.0), ("norm", 0.0)), leaf)
 
 
 class Nadam(_AdamFamily):
-    """Adam with Nesterov momentum: Keras's ``Nadam``, `optax.nadam`.
+    """Adam with Nesterov momentum: Keras 3's ``Nadam`` (Dozat's momentum schedule
+    ``beta_1 * (1 - 0.5 * 0.96^t)`` and its running product).
 
     Args:
       learning_rate: a float (default 0.001) or a schedule.
       beta_1: the first moment's decay.
       beta_2: the second moment's decay.
-      epsilon: added to the root of the second moment.
+      epsilon: added to the root of the corrected second moment.
       **kwargs: `Optimizer`'s.
 
     Example:
@@ -582,11 +841,39 @@ class Nadam(_AdamFamily):
     0.999
     """
 
-    _factory = staticmethod(optax.nadam)
+    def _rule(self) -> keras_transform.UpdateRule:
+        b1, b2, eps = self.beta_1, self.beta_2, self.epsilon
+
+        def init_extra(dtype: Any) -> Any:
+            return jnp.ones((), dtype)  # Keras's _u_product
+
+        def prepare(u_product: Any, t: Any) -> Any:
+            return u_product * b1 * (1.0 - 0.5 * jnp.power(0.96, _cast(t + 1, u_product)))
+
+        def leaf(g: Any, v: Any, slots: Any, lr: Any, t: Any, u_product: Any) -> Any:
+            lr, g = _cast(lr, v), g.astype(v.dtype)
+            local_step, next_step = _cast(t + 1, v), _cast(t + 2, v)
+            decay, beta_1, beta_2 = _cast(0.96, v), _cast(b1, v), _cast(b2, v)
+            u_t = beta_1 * (1.0 - 0.5 * jnp.power(decay, local_step))
+            u_t_1 = beta_1 * (1.0 - 0.5 * jnp.power(decay, next_step))
+            u_product_t = u_product.astype(v.dtype)
+            u_product_t_1 = u_product_t * u_t_1
+            beta_2_power = jnp.power(beta_2, local_step)
+            m, vel = slots
+            m = m + (g - m) * (1 - beta_1)
+            vel = vel + (jnp.square(g) - vel) * (1 - beta_2)
+            m_hat = (u_t_1 * m) / (1 - u_product_t_1) + ((1 - u_t) * g) / (1 - u_product_t)
+            v_hat = vel / (1 - beta_2_power)
+            return v - (m_hat * lr) / (jnp.sqrt(v_hat) + eps), (m, vel)
+
+        return keras_transform.UpdateRule(
+            (("momentum", 0.0), ("velocity", 0.0)), leaf, init_extra=init_extra, prepare=prepare
+        )
 
 
 class RMSprop(Optimizer):
-    """RMSprop: Keras's ``RMSprop``, `optax.rmsprop` (epsilon inside the root, as Keras).
+    """RMSprop: Keras 3's ``RMSprop`` (epsilon inside the root; the momentum, if any,
+    accumulates rate-scaled increments).
 
     Args:
       learning_rate: a float (default 0.001) or a schedule.
@@ -619,19 +906,39 @@ class RMSprop(Optimizer):
         self.epsilon = _positive(epsilon, "epsilon")
         self.centered = bool(centered)
 
-    def _inner(self, learning_rate: Any) -> optax.GradientTransformation:
-        return optax.rmsprop(
-            learning_rate,
-            decay=self.rho,
-            eps=self.epsilon,
-            eps_in_sqrt=True,
-            centered=self.centered,
-            momentum=self.momentum or None,
-        )
+    def _rule(self) -> keras_transform.UpdateRule:
+        rho, momentum, eps, centered = self.rho, self.momentum, self.epsilon, self.centered
+        names: tuple[tuple[str, float], ...] = (("velocity", 0.0),)
+        if momentum > 0:
+            names += (("momentum", 0.0),)
+        if centered:
+            names += (("average_gradient", 0.0),)
+
+        def leaf(g: Any, v: Any, slots: Any, lr: Any, t: Any, extra: Any) -> Any:
+            lr, g = _cast(lr, v), g.astype(v.dtype)
+            velocity = rho * slots[0] + (1 - rho) * jnp.square(g)
+            out = [velocity]
+            if centered:
+                average_grad = rho * slots[-1] + (1 - rho) * g
+                denominator = velocity - jnp.square(average_grad) + eps
+            else:
+                denominator = velocity + eps
+            increment = (lr * g) / jnp.sqrt(denominator)
+            if momentum > 0:
+                mom = momentum * slots[1] + increment
+                out.append(mom)
+                v = v - mom
+            else:
+                v = v - increment
+            if centered:
+                out.append(average_grad)
+            return v, tuple(out)
+
+        return keras_transform.UpdateRule(names, leaf)
 
 
 class Adagrad(Optimizer):
-    """Adagrad: Keras's ``Adagrad``, `optax.adagrad`.
+    """Adagrad: Keras 3's ``Adagrad``.
 
     Args:
       learning_rate: a float (default 0.001) or a schedule.
@@ -660,16 +967,19 @@ class Adagrad(Optimizer):
         )
         self.epsilon = _positive(epsilon, "epsilon")
 
-    def _inner(self, learning_rate: Any) -> optax.GradientTransformation:
-        return optax.adagrad(
-            learning_rate,
-            initial_accumulator_value=self.initial_accumulator_value,
-            eps=self.epsilon,
-        )
+    def _rule(self) -> keras_transform.UpdateRule:
+        eps = self.epsilon
+
+        def leaf(g: Any, v: Any, slots: Any, lr: Any, t: Any, extra: Any) -> Any:
+            lr, g = _cast(lr, v), g.astype(v.dtype)
+            accumulator = slots[0] + jnp.square(g)
+            return v - (lr * g) / jnp.sqrt(accumulator + eps), (accumulator,)
+
+        return keras_transform.UpdateRule((("accumulator", self.initial_accumulator_value),), leaf)
 
 
 class Adadelta(Optimizer):
-    """Adadelta: Keras's ``Adadelta``, `optax.adadelta`.
+    """Adadelta: Keras 3's ``Adadelta``.
 
     Args:
       learning_rate: a float (default 0.001) or a schedule.
@@ -692,16 +1002,31 @@ class Adadelta(Optimizer):
         self.rho = _in_range(rho, "rho", 0.0, 1.0, high_open=True)
         self.epsilon = _positive(epsilon, "epsilon")
 
-    def _inner(self, learning_rate: Any) -> optax.GradientTransformation:
-        return optax.adadelta(learning_rate, rho=self.rho, eps=self.epsilon)
+    def _rule(self) -> keras_transform.UpdateRule:
+        rho, eps = self.rho, self.epsilon
+
+        def rms(x: Any) -> Any:
+            return jnp.sqrt(x + eps)
+
+        def leaf(g: Any, v: Any, slots: Any, lr: Any, t: Any, extra: Any) -> Any:
+            lr, g = _cast(lr, v), g.astype(v.dtype)
+            accumulated_grad, accumulated_delta_var = slots
+            accumulated_grad = rho * accumulated_grad + (1 - rho) * jnp.square(g)
+            delta_var = -((rms(accumulated_delta_var) * g) / rms(accumulated_grad))
+            accumulated_delta_var = rho * accumulated_delta_var + (1 - rho) * jnp.square(delta_var)
+            return v + lr * delta_var, (accumulated_grad, accumulated_delta_var)
+
+        return keras_transform.UpdateRule(
+            (("accumulated_grad", 0.0), ("accumulated_delta_var", 0.0)), leaf
+        )
 
 
 class Lion(Optimizer):
-    """Lion (sign of an interpolated momentum): Keras's ``Lion``, `optax.lion`.
+    """Lion (sign of an interpolated momentum): Keras 3's ``Lion``.
 
     Args:
       learning_rate: a float (default 0.001) or a schedule.
-      beta_1: the interpolation factor of the update.
+      beta_1: the interpolation factor of the update, in (0, 1].
       beta_2: the momentum's decay.
       **kwargs: `Optimizer`'s.
 
@@ -719,9 +1044,23 @@ class Lion(Optimizer):
         super().__init__(learning_rate, **kwargs)
         self.beta_1 = _in_range(beta_1, "beta_1", 0.0, 1.0)
         self.beta_2 = _in_range(beta_2, "beta_2", 0.0, 1.0)
+        if self.beta_1 <= 0:
+            raise ValueError(
+                "Argument `beta_1` must be in the [0, 1] range. Otherwise, the optimizer "
+                f"degenerates to SignSGD. Received: beta_1={beta_1}."
+            )
 
-    def _inner(self, learning_rate: Any) -> optax.GradientTransformation:
-        return optax.lion(learning_rate, b1=self.beta_1, b2=self.beta_2, weight_decay=0.0)
+    def _rule(self) -> keras_transform.UpdateRule:
+        b1, b2 = self.beta_1, self.beta_2
+
+        def leaf(g: Any, v: Any, slots: Any, lr: Any, t: Any, extra: Any) -> Any:
+            lr, g = _cast(lr, v), g.astype(v.dtype)
+            beta_1, beta_2 = _cast(b1, v), _cast(b2, v)
+            m = slots[0]
+            v = v - lr * jnp.sign(m * beta_1 + g * (1.0 - beta_1))
+            return v, (m * beta_2 + g * (1.0 - beta_2),)
+
+        return keras_transform.UpdateRule((("momentum", 0.0),), leaf)
 
 
 _CLASSES: dict[str, Any] = {  # name -> class (each has Keras's default learning rate)

@@ -122,7 +122,7 @@ class LearningRate:
         self._schedule = None
         self._scheduled = False
         if isinstance(optimizer, keras_optimizers.Optimizer):
-            self._schedule = optimizer.schedule
+            self._schedule = optimizer.update_schedule
         elif self._leaf is not None and isinstance(optimizer, optax.GradientTransformation):
             self._scheduled = _scheduled(optimizer)
 

@@ -115,6 +115,9 @@ class StepSpec:
       accumulation_steps: micro-batches per optimizer update (1: update every step).
       weighted_metrics: ``(name, metric)`` pairs of metrics weighted by the batches'
         sample weights (Keras's ``weighted_metrics``); `metrics` ignore the weights.
+      loss_scale_factor: a Keras optimizer's ``loss_scale_factor``: the loss is multiplied
+        by it before differentiating (Keras's ``optimizer.scale_loss``); the optimizer
+        divides the gradients by it.
     """
 
     strategy: Strategy
@@ -124,6 +127,7 @@ class StepSpec:
     policy: mp.Policy = _FLOAT32
     accumulation_steps: int = 1
     weighted_metrics: tuple[tuple[str, Metric], ...] = ()
+    loss_scale_factor: float | None = None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -427,6 +431,8 @@ def _replica_loss(
         y_pred, model_state = _forward(spec.policy, rest, params, x, train=True, axis_name=axis)
         loss_sum = _loss_sum(spec, y, y_pred, maskf, w)
         scaled = loss_sum if scale is None else loss_sum * scale
+        if spec.loss_scale_factor is not None:
+            scaled = scaled * spec.loss_scale_factor
         return scaled, (loss_sum, y_pred, model_state)
 
     return local_loss, y, maskf

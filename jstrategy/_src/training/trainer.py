@@ -8,6 +8,7 @@ writing the model's variables in checkpoints. The loops in `fit_loop.py` run on 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import TYPE_CHECKING
 from typing import Any
@@ -131,7 +132,10 @@ class Trainer:
         """Sets the step and the optimizer; a built state gets a fresh optimizer state."""
         optimizer, tx = optimizers.resolve_optimizer(optimizer)
         if isinstance(optimizer, keras_optimizers.Optimizer):
-            optimizer.attach(self)
+            # Under the model's accumulation its schedule counts micro-batches, as Keras's.
+            tx = optimizer.attach(self, micro_batches=spec.accumulation_steps)
+            if optimizer.loss_scale_factor is not None:
+                spec = dataclasses.replace(spec, loss_scale_factor=optimizer.loss_scale_factor)
         self.optimizer = optimizer
         self.spec = spec
         self.steps_per_execution = steps_per_execution
@@ -148,6 +152,18 @@ class Trainer:
         self._tx = self._raw_tx
         state = place_state(self.state.with_optimizer(self._tx), self.strategy)
         self.set_state(step_lib.prepare_state(self.compiled_spec, state))
+
+    def finalize_variables(self) -> None:
+        """At the end of `fit`: an optimizer with ``use_ema`` replaces the variables by
+        their moving average (Keras's ``finalize_variable_values``)."""
+        optimizer = self.optimizer
+        if not isinstance(optimizer, keras_optimizers.Optimizer) or not optimizer.use_ema:
+            return
+        if self.state is None or self._tx is None:
+            return
+        average = keras_optimizers.ema_average(self.state.opt_state)
+        state = self.state.with_variables(average, self.state.model_state)
+        self.state = place_state(state, self.strategy)
 
     def _learning_rate(self) -> optimizers.LearningRate:
         if self.spec is None or self.state is None or self._rate is None:
