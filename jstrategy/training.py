@@ -10,6 +10,7 @@ True
 from jstrategy._src.placement import place_state
 from jstrategy._src.training.accumulation import GradientAccumulator
 from jstrategy._src.training.fit_loop import FitState
+from jstrategy._src.training.global_batch import BatchNormSync
 from jstrategy._src.training.model import Model
 from jstrategy._src.training.nnx import NNXTrainState
 from jstrategy._src.training.nnx import create_nnx_train_state
@@ -24,6 +25,7 @@ from jstrategy._src.training.train_step import make_predict_step
 from jstrategy._src.training.train_step import make_train_step
 
 __all__ = [
+    "BatchNormSync",
     "EvalStep",
     "FitState",
     "GradientAccumulator",

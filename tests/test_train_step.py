@@ -199,26 +199,32 @@ class UnsyncedNorm(nn.Module):
         return nn.BatchNorm(use_running_average=not train, momentum=0.5)(x)
 
 
-def test_unsynchronized_batch_stats_are_averaged_across_replicas():
+def test_per_replica_batch_stats_are_averaged_across_replicas():
     rng = np.random.default_rng(2)
     x = rng.normal(size=(8, FEATURES)).astype(np.float32) * np.arange(1, 9)[:, None]
     y = np.zeros(8, np.float32)
 
-    def stats(strategy, rows):
+    def stats(strategy, rows, **options):
         with strategy.scope():
             state = training.create_train_state(UnsyncedNorm(), _tx(), jnp.ones((1, FEATURES)))
-            step = training.make_train_step(lambda t, p: jnp.sum(p, axis=-1) * 0 + t)
+            step = training.make_train_step(lambda t, p: jnp.sum(p, axis=-1) * 0 + t, **options)
         state, _ = step(state, distribute_batch(strategy, (x[rows], y[rows])))
         return jax.device_get(state.batch_stats["BatchNorm_0"])
 
     one = jstrategy.OneDeviceStrategy("cpu:0")
+    two = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     halves = [stats(one, slice(0, 4)), stats(one, slice(4, 8))]
-    mirrored = stats(jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"]), slice(0, 8))
+    per_replica = stats(two, slice(0, 8), sync_batch_norm="per_replica")
     for name in ("mean", "var"):
         expected = (halves[0][name] + halves[1][name]) / 2
-        np.testing.assert_allclose(mirrored[name], expected, rtol=1e-5)
-    # The variance of the halves' average is not the variance of all rows.
-    assert not np.allclose(mirrored["var"], stats(one, slice(0, 8))["var"])
+        np.testing.assert_allclose(per_replica[name], expected, rtol=1e-5)
+    # The variance of the halves' average is not the variance of all rows, which the
+    # default (statistics over the global batch) computes, as one device.
+    whole = stats(one, slice(0, 8))
+    assert not np.allclose(per_replica["var"], whole["var"])
+    synchronized = stats(two, slice(0, 8))
+    for name in ("mean", "var"):
+        np.testing.assert_allclose(synchronized[name], whole[name], rtol=1e-5)
 
 
 class DropoutProbe(nn.Module):

@@ -29,6 +29,7 @@ from jstrategy._src.training import fit_loop
 from jstrategy._src.training import input_checks
 from jstrategy._src.training import step as step_lib
 from jstrategy._src.training import summary as summary_lib
+from jstrategy._src.training.global_batch import BatchNormSync
 from jstrategy._src.training.model_variables import CustomLoopMixin
 from jstrategy._src.training.nnx import create_nnx_train_state
 from jstrategy._src.training.saving import SavingMixin
@@ -146,6 +147,12 @@ class Model(SavingMixin, CustomLoopMixin):
         """Batches per optimizer update, as given to `compile` (1 before it)."""
         spec = self._trainer.spec
         return 1 if spec is None else spec.accumulation_steps
+
+    @property
+    def sync_batch_norm(self) -> BatchNormSync:
+        """The rows BatchNorm normalizes over in training, as given to `compile`."""
+        spec = self._trainer.spec
+        return BatchNormSync.GLOBAL if spec is None else spec.sync_batch_norm
 
     @property
     def built(self) -> bool:
@@ -282,6 +289,7 @@ class Model(SavingMixin, CustomLoopMixin):
         steps_per_execution: int = 1,
         gradient_accumulation_steps: int = 1,
         weighted_metrics: Sequence[Any] | None = None,
+        sync_batch_norm: BatchNormSync | str = BatchNormSync.GLOBAL,
     ) -> None:
         """Configures training, as Keras's ``compile``.
 
@@ -316,10 +324,18 @@ class Model(SavingMixin, CustomLoopMixin):
             ``sample_weight``, as Keras's: ``sum(value * weight) / sum(weight)`` over the
             elements (a ``(b, t)`` weight weighs time steps); `metrics` ignore the weights.
             One named as a metric in `metrics` is logged as ``"weighted_" + name``.
+          sync_batch_norm: which rows a BatchNorm built without ``axis_name`` (linen
+            ``nn.BatchNorm``, ``nnx.BatchNorm``) normalizes over in training:
+            ``"global"`` (the default) the global batch, as on one device, as Keras's
+            ``BatchNormalization(synchronized=True)`` and Keras 3's JAX ``DataParallel``;
+            ``"per_replica"`` each replica's rows, as TF's BatchNormalization under a
+            ``tf.distribute`` strategy (the running statistics averaged over the
+            replicas after each step). A `jstrategy.training.BatchNormSync` or its value.
+            Dropout follows one device under every strategy either way.
 
         Raises:
           ValueError: for a missing loss, unknown names, or a bad `steps_per_execution` or
-            `gradient_accumulation_steps`.
+            `gradient_accumulation_steps`, or an unknown `sync_batch_norm`.
 
         Example:
 
@@ -343,6 +359,7 @@ class Model(SavingMixin, CustomLoopMixin):
             dtype_policy=self._trainer.policy,
             gradient_accumulation_steps=gradient_accumulation_steps,
             weighted_metrics=weighted_metrics,
+            sync_batch_norm=sync_batch_norm,
         )
         self._trainer.compile(optimizer, spec, steps_per_execution)
 

@@ -7,10 +7,11 @@ exactly as for linen: `NNXTrainState` implements the same `TrainStateProtocol`. 
 compiled step the module is re-assembled with ``nnx.merge``, called, updated with
 ``optimizer.update`` and split again.
 
-NNX keeps its random streams (``nnx.Rngs``) in the module's state. In a training step each
-replica folds its replica index into every stream's key before calling the module, so
-dropout differs across replicas; the stored keys stay the same (only the streams' counts
-advance), so runs are reproducible and the state stays identical on every replica.
+NNX keeps its random streams (``nnx.Rngs``) in the module's state. In a training step every
+replica calls the module with the same keys, and its ``nnx.Dropout`` layers keep their
+rows of the global batch's mask (`global_batch`), so dropout is one device's whatever the
+mesh; the stored keys stay the same (only the streams' counts advance), so runs are
+reproducible and the state stays identical on every replica.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from jstrategy._src import flax_annotations
 from jstrategy._src import mixed_precision as mp
 from jstrategy._src.placement import in_device_memory
 from jstrategy._src.placement import place_state
+from jstrategy._src.training import global_batch
 from jstrategy._src.training import keras_optimizers
 from jstrategy._src.training import summary as summary_lib
+from jstrategy._src.training.global_batch import BatchNormSync
 from jstrategy._src.training.train_state import loss_scale_for
 
 if TYPE_CHECKING:
@@ -98,17 +101,25 @@ class NNXTrainState(struct.PyTreeNode):
         return nnx.merge_state(self.params, self.model_state)
 
     def forward(
-        self, params: Any, x: Any, *, train: bool, axis_name: str | None
+        self,
+        params: Any,
+        x: Any,
+        *,
+        train: bool,
+        axis_name: str | None,
+        sync_batch_norm: BatchNormSync = BatchNormSync.GLOBAL,
     ) -> tuple[Any, Any]:
         if not train:
             model = nnx.merge(self.eval_graphdef, _fresh(params), _fresh(self.model_state))
             return model(x), None
-        assert axis_name is not None, "a training forward pass runs over the replicas"
-        model_state = _fresh(_fold_keys(self.model_state, axis_name))
+        model_state = _fresh(_fold_keys(self.model_state))
         model = nnx.merge(self.graphdef, _fresh(params), model_state)
-        y_pred = model(x)
+        with global_batch.nnx_global_batch(
+            model, x, axis_name=axis_name, sync_batch_norm=sync_batch_norm
+        ):
+            y_pred = model(x)
         _, _, model_state = split_model(model, self.wrt)
-        # The folded keys were this replica's; the stored keys stay shared.
+        # The stored keys stay as they were; only the streams' counts advance.
         return y_pred, _restore_keys(model_state, self.model_state)
 
     def apply_update(self, grads: Any, model_state: Any) -> NNXTrainState:
@@ -187,12 +198,13 @@ def _fresh(tree: Any) -> Any:
     return jax.tree.map(lambda x: x, tree)
 
 
-def _fold_keys(model_state: nnx.State, axis_name: str) -> nnx.State:
-    index = jax.lax.axis_index(axis_name)
-
+def _fold_keys(model_state: nnx.State) -> nnx.State:
+    # The same keys on every replica: Dropout draws the global batch's mask and keeps this
+    # replica's rows (`global_batch`). (Folding in 0, the first replica's index, keeps
+    # one-replica trajectories as they always were.)
     def fold(v: Any) -> Any:
         if isinstance(v, nnx.RngKey):
-            return v.replace(value=jax.random.fold_in(v[...], index))
+            return v.replace(value=jax.random.fold_in(v[...], 0))
         return v
 
     return jax.tree.map(fold, model_state, is_leaf=_is_variable)

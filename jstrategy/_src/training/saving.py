@@ -138,6 +138,7 @@ def compile_arguments(
         "metrics": [_deserialize_metric(m, loss, custom_objects) for m in compiled["metrics"]],
         "steps_per_execution": int(compiled["steps_per_execution"]),
         "gradient_accumulation_steps": int(compiled.get("gradient_accumulation_steps", 1)),
+        "sync_batch_norm": compiled.get("sync_batch_norm", "global"),
     }
 
 
@@ -178,6 +179,7 @@ def save_model(model: Model, filepath: os.PathLike | str, *, overwrite: bool = T
             "metrics": [_serialize_metric(m) for m in model.metrics],
             "steps_per_execution": model.steps_per_execution,
             "gradient_accumulation_steps": model.gradient_accumulation_steps,
+            "sync_batch_norm": model.sync_batch_norm.value,
         }
         extra = model.strategy.fit_backup_state(model, state)
         if extra is not None:

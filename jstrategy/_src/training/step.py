@@ -57,6 +57,8 @@ from jstrategy._src.training import accumulation
 from jstrategy._src.training import check_numerics
 from jstrategy._src.training import losses as losses_lib
 from jstrategy._src.training import metrics as metrics_lib
+from jstrategy._src.training.global_batch import BatchNormSync
+from jstrategy._src.training.global_batch import as_batch_norm_sync
 from jstrategy._src.training.per_example import samplewise
 from jstrategy._src.training.per_example import weighted_values
 from jstrategy._src.training.train_state import TrainStateProtocol
@@ -118,6 +120,8 @@ class StepSpec:
       loss_scale_factor: a Keras optimizer's ``loss_scale_factor``: the loss is multiplied
         by it before differentiating (Keras's ``optimizer.scale_loss``); the optimizer
         divides the gradients by it.
+      sync_batch_norm: the rows a BatchNorm without ``axis_name`` normalizes over in
+        training (`BatchNormSync`: the global batch by default).
     """
 
     strategy: Strategy
@@ -128,6 +132,7 @@ class StepSpec:
     accumulation_steps: int = 1
     weighted_metrics: tuple[tuple[str, Metric], ...] = ()
     loss_scale_factor: float | None = None
+    sync_batch_norm: BatchNormSync = BatchNormSync.GLOBAL
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -202,6 +207,7 @@ def make_spec(
     dtype_policy: mp.Policy | str | None = None,
     gradient_accumulation_steps: int = 1,
     weighted_metrics: Any = None,
+    sync_batch_norm: BatchNormSync | str = BatchNormSync.GLOBAL,
 ) -> StepSpec:
     """The `StepSpec` of a loss (or None), metrics and options given as `compile` takes them.
 
@@ -222,6 +228,7 @@ def make_spec(
             "1 updates every step; k > 1 updates once every k micro-batches.",
         ),
         check_numerics=check_numerics.check_numerics_enabled(),
+        sync_batch_norm=as_batch_norm_sync(sync_batch_norm),
     )
 
 
@@ -339,16 +346,22 @@ def _forward(
     *,
     train: bool,
     axis_name: str | None,
+    sync_batch_norm: BatchNormSync = BatchNormSync.GLOBAL,
 ) -> tuple[Any, Any]:
     """The model under `policy`: ``(y_pred in float32, model_state in the variable dtype)``.
 
     Called inside the differentiated function, so the casts' gradients bring the gradients
     back to the parameters' dtype. Under ``"float32"`` nothing is cast.
     """
+    options: dict[str, Any] = {
+        "train": train,
+        "axis_name": axis_name,
+        "sync_batch_norm": sync_batch_norm,
+    }
     if policy == _FLOAT32:
-        return state.forward(params, x, train=train, axis_name=axis_name)
+        return state.forward(params, x, **options)
     params, x = mp.cast_to_compute((params, x), policy)
-    y_pred, model_state = state.forward(params, x, train=train, axis_name=axis_name)
+    y_pred, model_state = state.forward(params, x, **options)
     return mp.cast_to_float32(y_pred), mp.cast_to_variable(model_state, policy)
 
 
@@ -428,7 +441,15 @@ def _replica_loss(
     maskf = mask.astype(jnp.float32)
 
     def local_loss(params: Any) -> tuple[jax.Array, tuple[Any, Any, Any]]:
-        y_pred, model_state = _forward(spec.policy, rest, params, x, train=True, axis_name=axis)
+        y_pred, model_state = _forward(
+            spec.policy,
+            rest,
+            params,
+            x,
+            train=True,
+            axis_name=axis,
+            sync_batch_norm=spec.sync_batch_norm,
+        )
         loss_sum = _loss_sum(spec, y, y_pred, maskf, w)
         scaled = loss_sum if scale is None else loss_sum * scale
         if spec.loss_scale_factor is not None:

@@ -29,8 +29,10 @@ from jstrategy._src import mixed_precision as mp
 from jstrategy._src.loss_scale import DynamicLossScale
 from jstrategy._src.placement import in_device_memory
 from jstrategy._src.placement import place_state
+from jstrategy._src.training import global_batch
 from jstrategy._src.training import keras_optimizers
 from jstrategy._src.training import summary as summary_lib
+from jstrategy._src.training.global_batch import BatchNormSync
 
 if TYPE_CHECKING:
     from jstrategy._src.strategy import Strategy
@@ -104,12 +106,22 @@ class TrainStateProtocol(Protocol):
         ...
 
     def forward(
-        self, params: Any, x: Any, *, train: bool, axis_name: str | None
+        self,
+        params: Any,
+        x: Any,
+        *,
+        train: bool,
+        axis_name: str | None,
+        sync_batch_norm: BatchNormSync = BatchNormSync.GLOBAL,
     ) -> tuple[Any, Any]:
         """Runs the model on `x` with `params`: ``(y_pred, new model_state or None)``.
 
-        In training mode (inside a step over the replicas' data axis `axis_name`) dropout
-        keys differ per replica and the new `model_state` is returned.
+        In training mode the new `model_state` is returned. Inside a per-replica step over
+        the data axis `axis_name` (`x` this replica's rows), Flax's Dropout layers draw
+        the mask of their global rows and BatchNorm layers without ``axis_name`` take
+        statistics over the global batch (per replica with `sync_batch_norm`
+        ``PER_REPLICA``), so the step follows one device's (`global_batch`); with
+        `axis_name` None (a global view) the model already sees the global batch.
         """
         ...
 
@@ -170,8 +182,8 @@ class TrainState(flax_train_state.TrainState):
       params: the trained parameters (the ``"params"`` collection).
       opt_state: the optimizer's state.
       batch_stats: the ``"batch_stats"`` collection (BatchNorm running statistics), or None.
-      rng: the base dropout key. Step ``s`` on replica ``r`` uses
-        ``fold_in(fold_in(rng, s), r)``: different on every replica, reproducible.
+      rng: the base dropout key. Step ``s`` uses ``fold_in(fold_in(rng, s), 0)`` on
+        every replica; Dropout layers keep their rows of the global batch's mask.
       train_arg: the keyword of the module's ``__call__`` that switches training mode
         (``"train"``, ``"training"`` or ``"deterministic"``), or None if it has none.
       loss_scale: the `jstrategy.mixed_precision.DynamicLossScale` the train step
@@ -205,22 +217,31 @@ class TrainState(flax_train_state.TrainState):
         return {self.train_arg: train if self.train_arg != "deterministic" else not train}
 
     def forward(
-        self, params: Any, x: Any, *, train: bool, axis_name: str | None
+        self,
+        params: Any,
+        x: Any,
+        *,
+        train: bool,
+        axis_name: str | None,
+        sync_batch_norm: BatchNormSync = BatchNormSync.GLOBAL,
     ) -> tuple[Any, Any]:
         variables = {"params": params}
         if self.batch_stats is not None:
             variables["batch_stats"] = self.batch_stats
         kwargs = self._mode_kwargs(train)
         if train and self.rng is not None:
-            assert axis_name is not None, "a training forward pass runs over the replicas"
+            # The same key on every replica: Dropout draws the global batch's mask and
+            # keeps this replica's rows (`global_batch`). (Folding in 0, the first
+            # replica's index, keeps one-replica trajectories as they always were.)
             step_key = jax.random.fold_in(self.rng, self.step)
-            kwargs["rngs"] = {
-                "dropout": jax.random.fold_in(step_key, jax.lax.axis_index(axis_name))
-            }
-        if train and self.batch_stats is not None:
-            y_pred, updates = self.apply_fn(variables, x, mutable=["batch_stats"], **kwargs)
-            return y_pred, updates["batch_stats"]
-        return self.apply_fn(variables, x, **kwargs), None
+            kwargs["rngs"] = {"dropout": jax.random.fold_in(step_key, 0)}
+        with global_batch.linen_global_batch(
+            x, axis_name=axis_name if train else None, sync_batch_norm=sync_batch_norm
+        ):
+            if train and self.batch_stats is not None:
+                y_pred, updates = self.apply_fn(variables, x, mutable=["batch_stats"], **kwargs)
+                return y_pred, updates["batch_stats"]
+            return self.apply_fn(variables, x, **kwargs), None
 
     def apply_update(self, grads: Any, model_state: Any) -> TrainState:
         if model_state is not None:

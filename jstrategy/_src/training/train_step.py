@@ -24,6 +24,7 @@ from jstrategy._src.placement import check_placed
 from jstrategy._src.training import check_numerics
 from jstrategy._src.training import data_adapters
 from jstrategy._src.training import step as step_lib
+from jstrategy._src.training.global_batch import BatchNormSync
 from jstrategy._src.training.train_state import TrainStateProtocol
 from jstrategy._src.training.train_state import as_train_state
 from jstrategy._src.values import PerReplica
@@ -168,6 +169,7 @@ def make_train_step(
     strategy: Strategy | None = None,
     dtype_policy: mp.Policy | str | None = None,
     gradient_accumulation_steps: int = 1,
+    sync_batch_norm: BatchNormSync | str = BatchNormSync.GLOBAL,
 ) -> TrainStep:
     """Builds ``train_step(state, batch) -> (state, metrics)``, one compiled SPMD program.
 
@@ -177,11 +179,14 @@ def make_train_step(
     itself (it waits for old steps once a few are queued), so a plain Python loop over
     thousands of steps is safe.
 
-    Each replica runs the model (training mode, its own dropout key) on its rows, and the
-    gradients of the mask-weighted loss sums are all-reduced with the strategy's
-    `cross_device_ops`; the loss is the mean over the real rows of the global batch. A
-    module built with ``nn.BatchNorm(axis_name=jstrategy.REPLICA_AXIS)`` synchronizes its
-    statistics across replicas; unsynchronized statistics are averaged after the step.
+    Each replica runs the model (training mode) on its rows, and the gradients of the
+    mask-weighted loss sums are all-reduced with the strategy's `cross_device_ops`; the
+    loss is the mean over the real rows of the global batch. The step follows
+    `OneDeviceStrategy`'s for the same global batch on any mesh: Flax's Dropout layers
+    (linen ``nn.Dropout``, ``nnx.Dropout``) keep their rows of the mask one device draws
+    for the whole batch, and BatchNorm layers take their statistics over the global batch
+    (see `sync_batch_norm`). Random numbers the model draws itself (``jax.random`` with
+    ``make_rng``) use the same key on every replica.
 
     Under a precision policy other than ``"float32"`` the step casts the parameters and
     floating inputs to the compute dtype inside the differentiated function (gradients,
@@ -207,6 +212,12 @@ def make_train_step(
         `jstrategy.mixed_precision.global_policy()` (read now). Create the state with the
         same policy (`create_train_state`'s ``dtype_policy``).
       gradient_accumulation_steps: batches (micro-batches) per optimizer update.
+      sync_batch_norm: which rows a BatchNorm built without ``axis_name`` (linen
+        ``nn.BatchNorm``, ``nnx.BatchNorm``) normalizes over: ``"global"`` (the default)
+        the global batch, as on one device and as Keras's
+        ``BatchNormalization(synchronized=True)``; ``"per_replica"`` each replica's rows,
+        as TF's BatchNormalization under a strategy (its running statistics averaged over
+        the replicas after the step). A `jstrategy.training.BatchNormSync` or its value.
 
     Returns:
       A `TrainStep`. Call it with the state and a batch ``(x, y)`` or ``(x, y,
@@ -235,6 +246,7 @@ def make_train_step(
             strategy,
             dtype_policy=dtype_policy,
             gradient_accumulation_steps=gradient_accumulation_steps,
+            sync_batch_norm=sync_batch_norm,
         )
     )
 
