@@ -9,8 +9,13 @@ counts and the same MLP: a hand-written `jax.jit` predict on each array as it is
 XLA compilations (JAX's ``/jax/core/compile/backend_compile_duration`` events) and the
 growth of the process's resident memory.
 
+A serving loop also calls ``predict(x, batch_size=len(x))``: each request its own batch
+size, which compiled one program per size until `evaluate` and `predict` padded batches
+to a bucket too (issue 21, finding 10). It is measured the same way.
+
 Expected: the plain jit compiles once per row count; `Model.predict` at most
-``log2(batch_size) + 1`` times, and its memory does not grow with the row counts.
+``log2(batch_size) + 1`` times with a fixed batch size and ``2 * log2(rows) + 1`` times
+with ``batch_size=len(x)``, and its memory does not grow with the row counts.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/row_counts.py
 """
@@ -79,11 +84,14 @@ def main() -> None:
         "Model.predict": _measure(
             lambda x: model.predict(x, batch_size=args.batch_size, verbose=0), x
         ),
+        "Model.predict, bs=len(x)": _measure(
+            lambda x: model.predict(x, batch_size=len(x), verbose=0), x
+        ),
     }
     print(f"predict on row counts 1..{args.rows} (batch_size={args.batch_size}):")
     for name, (compiles, grown) in results.items():
         print(f"  {name:24s} {compiles:4d} compilations, resident memory +{grown:6.1f} MB")
-    (jit_compiles, jit_mb), (model_compiles, model_mb) = results.values()
+    (jit_compiles, jit_mb), (model_compiles, model_mb), _ = results.values()
     print(
         f"  ratio (jit / Model.predict): {jit_compiles / max(model_compiles, 1):.0f}x "
         f"compilations, memory growth {jit_mb:.0f} MB vs {model_mb:.0f} MB"

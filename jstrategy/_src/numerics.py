@@ -16,6 +16,7 @@ import jax.numpy as jnp
 __all__ = [
     "COUNT",
     "WEIGHT_SUM",
+    "bucket",
     "host_means",
     "means",
     "per_example",
@@ -53,7 +54,25 @@ def round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-def static_rows(rows: int, batch_size: int, replicas: int) -> int:
+def bucket(n: int) -> int:
+    """The smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (``2**k`` and ``3 * 2**k``) >= `n`.
+
+    Two sizes per octave: a batch padded to its bucket grows by less than half, and the
+    sizes up to ``m`` are at most ``2 * log2(m) + 1``.
+
+    Example:
+
+    >>> [bucket(n) for n in (1, 3, 5, 7, 9, 13, 17, 100, 600)]
+    [1, 3, 6, 8, 12, 16, 24, 128, 768]
+    """
+    if n <= 2:
+        return max(n, 1)
+    power = 1 << (n - 1).bit_length()
+    three = 3 * power // 4
+    return three if three >= n else power
+
+
+def static_rows(rows: int, batch_size: int, replicas: int, *, bucket_batch: bool = False) -> int:
     """The rows a batch of at most `batch_size` is padded to, split among `replicas`.
 
     A full batch gets `batch_size` rounded up to divide among the replicas; fewer rows
@@ -62,13 +81,23 @@ def static_rows(rows: int, batch_size: int, replicas: int) -> int:
     ``log2(batch_size / replicas) + 2`` programs whatever the number of rows, and pad a small
     input less than twice over.
 
+    With `bucket_batch` (`evaluate` and `predict`, whose results do not depend on how rows
+    are batched), a full batch is padded further, to its `bucket` per replica: any sequence
+    of batch sizes up to ``m`` per replica then shares at most ``2 * log2(m) + 1`` programs
+    (a serving loop calling ``predict(x, batch_size=len(x))``), for at most half a batch of
+    padding. Powers of two and three times them are their own buckets.
+
     Example:
 
     >>> static_rows(100, 32, 8), static_rows(10, 32, 8), static_rows(5, 32, 1), static_rows(30, 32, 1)
     (32, 16, 8, 32)
+    >>> static_rows(100, 100, 1), static_rows(100, 100, 1, bucket_batch=True)
+    (100, 128)
     """
     per_replica = -(-min(rows, batch_size) // replicas)
     full = -(-batch_size // replicas)
+    if bucket_batch:
+        full = bucket(full)
     return replicas * min(1 << max(per_replica - 1, 0).bit_length(), full)
 
 

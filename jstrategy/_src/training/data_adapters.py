@@ -139,6 +139,7 @@ class ArrayAdapter:
         shuffle: bool,
         seed: int,
         steps: int | None = None,
+        bucket_batch: bool = False,
     ):
         self.strategy = strategy
         self.data = jax.tree.map(np.asarray, (x, y, w))
@@ -148,8 +149,11 @@ class ArrayAdapter:
         self.shuffle = shuffle
         self.seed = seed
         # The static global batch: batch_size rows rounded up to divide among replicas, or
-        # for data smaller than a batch a power of two, so row counts share programs.
-        self.static_rows = static_rows(rows, batch_size, strategy.num_replicas_in_sync)
+        # for data smaller than a batch a power of two, so row counts share programs; with
+        # `bucket_batch` (evaluate, predict) batch sizes share them too (`numerics.bucket`).
+        self.static_rows = static_rows(
+            rows, batch_size, strategy.num_replicas_in_sync, bucket_batch=bucket_batch
+        )
         # `steps` (evaluate/predict's, fit's steps_per_epoch) takes the first batches, as Keras.
         self.steps: int | None = min(math.ceil(rows / batch_size), steps or rows)
         self.limit: int | None = None  # `fit`'s steps_per_epoch cuts epochs short instead
@@ -463,8 +467,12 @@ def make_adapter(
     steps: Any,
     arg: str,
     seed: int,
+    bucket_batch: bool = False,
 ) -> DataAdapter:
     """The adapter for `fit`/`evaluate`/`predict`'s inputs (`arg` names `x` in errors).
+
+    `bucket_batch` (evaluation and prediction) pads array batches to a bucket of sizes
+    (`numerics.static_rows`), so that many batch sizes share a few compiled programs.
 
     Raises:
       ValueError: for a bad `batch_size` or `steps`, empty or inconsistent arrays, or `y`,
@@ -484,6 +492,7 @@ def make_adapter(
             shuffle=shuffle,
             seed=seed,
             steps=steps,
+            bucket_batch=bucket_batch,
         )
     if x is None or not (hasattr(x, "__iter__") or callable(x)):
         raise TypeError(

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from jstrategy._src.training import saved_config
 from jstrategy._src.training import saving
 from jstrategy._src.training.model import Model
 
@@ -23,6 +24,7 @@ def load_model(
     *,
     custom_objects: Mapping[str, Any] | None = None,
     compile: bool = True,
+    allow_other_module: bool = False,
 ) -> Model:
     """Loads a model that `Model.save` wrote: builds it from `module`, compiles it, restores
     its state (Keras's ``load_model``).
@@ -37,9 +39,14 @@ def load_model(
         instance); its code is not saved.
       custom_objects: losses, metrics or the optimizer the model was compiled with that
         jstrategy does not define (functions, optax transformations, your own classes), by
-        the name the error names (a function's ``__name__``; ``"optimizer"``).
+        the name the error names (a function's ``__name__``, or the name it was wrapped
+        with; ``"optimizer"``).
       compile: compile the model as it was saved and restore the optimizer state too;
         False: restore the variables only, uncompiled.
+      allow_other_module: load into a module of another class than the saved one (the
+        file records the class name). By default that is an error: two architectures
+        with the same variables (a ReLU and a tanh network) would load each other's
+        weights silently. Pass True when it is meant, e.g. the class was renamed.
 
     Returns:
       A `jstrategy.Model`.
@@ -47,8 +54,9 @@ def load_model(
     Raises:
       FileNotFoundError: if nothing is at `filepath`.
       ValueError: if `filepath` is not a directory `Model.save` wrote (the message says
-        what to use for weights or checkpoints), a custom object is missing, or `module`
-        does not match the saved variables.
+        what to use for weights or checkpoints), its configuration file is damaged (the
+        message names the file and the field), a custom object is missing, `module` is
+        of another class than the saved one, or it does not match the saved variables.
 
     Example:
 
@@ -63,6 +71,7 @@ def load_model(
     """
     path = os.path.abspath(os.fspath(filepath))
     config = saving.read_config(path)
+    saved_config.check_module(config, module, path, allow_other_module=allow_other_module)
     input_shape = config["input_shape"]
     model = Model(
         module,
@@ -81,7 +90,7 @@ def load_model(
         )
     compiled = config["compile"]
     if compile and compiled is not None:
-        model.compile(**saving.compile_arguments(compiled, dict(custom_objects or {})))
+        model.compile(**saved_config.compile_arguments(compiled, custom_objects, path))
         model.restore_checkpoint(path)
     else:
         model.load_weights(path)

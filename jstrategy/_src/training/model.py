@@ -484,7 +484,14 @@ class Model(SavingMixin, CustomLoopMixin):
         if validation_data is not None:
             vx, vy, vw, vbatch = data_adapters.validation_inputs(validation_data, batch_size)
             val_data = self._adapter(
-                vx, vy, vw, batch_size=vbatch, shuffle=False, steps=None, arg="validation_data"
+                vx,
+                vy,
+                vw,
+                batch_size=vbatch,
+                shuffle=False,
+                steps=None,
+                arg="validation_data",
+                bucket_batch=True,
             )
             self._check_labels(val_data, "validation_data")
         cbs = self._callbacks(
@@ -525,7 +532,9 @@ class Model(SavingMixin, CustomLoopMixin):
         Args:
           x: inputs (arrays) or a dataset of ``(x, y)`` batches.
           y: targets, for array inputs.
-          batch_size: the global batch size for arrays (default 32).
+          batch_size: the global batch size for arrays (default 32). Each batch is
+            padded (and masked) to one of a few sizes, so that calls with many batch sizes
+            (a serving loop's ``batch_size=len(x)``) share a few compiled programs.
           verbose: 0, 1, 2 or ``"auto"``, as in `fit`.
           sample_weight: per-example weights for array inputs.
           steps: for datasets, how many batches to evaluate (default: all).
@@ -540,7 +549,14 @@ class Model(SavingMixin, CustomLoopMixin):
         if data_adapters.is_array_tree(x) and y is None:
             raise ValueError("`y` is required when `x` holds arrays; pass evaluate(x, y).")
         data = self._adapter(
-            x, y, sample_weight, batch_size=batch_size, shuffle=False, steps=steps, arg="x"
+            x,
+            y,
+            sample_weight,
+            batch_size=batch_size,
+            shuffle=False,
+            steps=steps,
+            arg="x",
+            bucket_batch=True,
         )
         self._ensure_ready(training=True)
         self._check_labels(data, "x")
@@ -563,7 +579,9 @@ class Model(SavingMixin, CustomLoopMixin):
 
         Args:
           x: inputs (arrays) or a dataset of batches (``x`` or ``(x, ...)``).
-          batch_size: the global batch size for arrays (default 32).
+          batch_size: the global batch size for arrays (default 32). Each batch is
+            padded (and masked) to one of a few sizes, so that calls with many batch sizes
+            (a serving loop's ``batch_size=len(x)``) share a few compiled programs.
           verbose: 0, 1, 2 or ``"auto"``, as in `fit`.
           steps: for datasets, how many batches to predict (default: all).
           callbacks: callbacks whose ``on_predict_*`` hooks are called.
@@ -573,7 +591,14 @@ class Model(SavingMixin, CustomLoopMixin):
         """
         self._trainer.check_scope("predict")
         data = self._adapter(
-            x, None, None, batch_size=batch_size, shuffle=False, steps=steps, arg="x"
+            x,
+            None,
+            None,
+            batch_size=batch_size,
+            shuffle=False,
+            steps=steps,
+            arg="x",
+            bucket_batch=True,
         )
         self._ensure_ready(training=False)
         cbs = self._callbacks(callbacks, verbose, steps=data.steps)

@@ -12,16 +12,18 @@ A saved model is a directory holding:
 
 The module's code is not saved (a Flax module is Python code): `load_model(path, module)`
 takes a module of the same architecture, builds the model, compiles it from the config and
-restores the state. Losses, metrics and optimizers that jstrategy does not define (a
-function, an optax transformation) are saved by name; pass them to `load_model` in
-``custom_objects``.
+restores the state; it refuses a module of another class than the saved one. Losses and
+metrics are saved by class name and config when their class is registered
+(`saved_config.register_saveable`); those that jstrategy does not define (a function, an
+optax transformation) are saved by name, and two different ones under one name are
+refused; pass them to `load_model` in ``custom_objects``. What the file holds is written,
+read and checked by `saved_config`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
@@ -33,9 +35,8 @@ from orbax.checkpoint import multihost
 from jstrategy._src import checkpoint as checkpoint_lib
 from jstrategy._src import coordination
 from jstrategy._src import fault_tolerance
-from jstrategy._src.training import keras_optimizers
-from jstrategy._src.training import losses as losses_lib
-from jstrategy._src.training import metrics as metrics_lib
+from jstrategy._src.training import saved_config
+from jstrategy._src.training.saved_config import CONFIG_FILE
 from jstrategy._src.values import to_host
 
 if TYPE_CHECKING:
@@ -46,100 +47,13 @@ __all__ = [
     "CONFIG_FILE",
     "STATE_DIR",
     "SavingMixin",
-    "compile_arguments",
     "is_saved_model",
     "read_config",
     "save_model",
 ]
 
-CONFIG_FILE = "jstrategy_model.json"
 STATE_DIR = "state"
-_FORMAT = "jstrategy.Model"
-_VERSION = 1
-_CUSTOM = "custom"
 _EVERY_WORKER = "In a multi-worker job every worker calls model.save with the same path."
-
-
-# Configurations ------------------------------------------------------------------------
-def _serialize_loss(loss: Any) -> dict[str, Any]:
-    cls = type(loss)
-    if getattr(losses_lib, cls.__name__, None) is cls and cls is not losses_lib.LossFunctionWrapper:
-        return {"class_name": cls.__name__, "config": loss.get_config()}
-    return {"class_name": _CUSTOM, "name": loss.name}
-
-
-def _serialize_metric(metric: Any) -> dict[str, Any]:
-    cls = type(metric)
-    if cls is metrics_lib.MeanMetricWrapper and isinstance(metric.fn, losses_lib.Loss):
-        fn = _serialize_loss(metric.fn)
-        if fn["class_name"] != _CUSTOM:
-            config = {"name": metric.name, "direction": metric.direction}
-            return {"class_name": "MeanMetricWrapper", "loss": fn, "config": config}
-    if getattr(metrics_lib, cls.__name__, None) is cls and cls is not metrics_lib.MeanMetricWrapper:
-        return {"class_name": cls.__name__, "config": metric.get_config()}
-    if metric.name in ("accuracy", "acc"):  # resolved from the loss and shapes at compile
-        return {"identifier": metric.name}
-    return {"class_name": _CUSTOM, "name": metric.name}
-
-
-def _serialize_optimizer(optimizer: Any) -> dict[str, Any]:
-    if isinstance(optimizer, keras_optimizers.Optimizer):
-        try:
-            return keras_optimizers.serialize(optimizer)
-        except TypeError:  # a schedule that is a plain function
-            return {"class_name": _CUSTOM, "name": "optimizer"}
-    return {"class_name": _CUSTOM, "name": "optimizer"}
-
-
-def _custom(config: dict[str, Any], custom_objects: Mapping[str, Any], what: str) -> Any:
-    name = config["name"]
-    if name not in custom_objects:
-        raise ValueError(
-            f"The saved model's {what} {name!r} is not one jstrategy defines (a function, "
-            f"an optax transformation or your own class), so it was saved by name. Pass it "
-            f"to load_model: custom_objects={{{name!r}: ...}}."
-        )
-    return custom_objects[name]
-
-
-def _deserialize_loss(config: dict[str, Any], custom_objects: Mapping[str, Any]) -> Any:
-    if config["class_name"] == _CUSTOM:
-        return _custom(config, custom_objects, "loss")
-    return getattr(losses_lib, config["class_name"])(**config["config"])
-
-
-def _deserialize_metric(
-    config: dict[str, Any], loss: Any, custom_objects: Mapping[str, Any]
-) -> Any:
-    if "identifier" in config:
-        return metrics_lib.get(config["identifier"], loss=loss)
-    if config["class_name"] == _CUSTOM:
-        return _custom(config, custom_objects, "metric")
-    if config["class_name"] == "MeanMetricWrapper":
-        fn = _deserialize_loss(config["loss"], custom_objects)
-        return metrics_lib.MeanMetricWrapper(fn, **config["config"])
-    return getattr(metrics_lib, config["class_name"])(**config["config"])
-
-
-def _deserialize_optimizer(config: dict[str, Any], custom_objects: Mapping[str, Any]) -> Any:
-    if config["class_name"] == _CUSTOM:
-        return _custom(config, custom_objects, "optimizer")
-    return keras_optimizers.deserialize(config)
-
-
-def compile_arguments(
-    compiled: dict[str, Any], custom_objects: Mapping[str, Any]
-) -> dict[str, Any]:
-    """The keyword arguments of `Model.compile` that a saved ``compile`` config describes."""
-    loss = None if compiled["loss"] is None else _deserialize_loss(compiled["loss"], custom_objects)
-    return {
-        "optimizer": _deserialize_optimizer(compiled["optimizer"], custom_objects),
-        "loss": loss,
-        "metrics": [_deserialize_metric(m, loss, custom_objects) for m in compiled["metrics"]],
-        "steps_per_execution": int(compiled["steps_per_execution"]),
-        "gradient_accumulation_steps": int(compiled.get("gradient_accumulation_steps", 1)),
-        "sync_batch_norm": compiled.get("sync_batch_norm", "global"),
-    }
 
 
 # Saving --------------------------------------------------------------------------------
@@ -165,22 +79,15 @@ def save_model(model: Model, filepath: os.PathLike | str, *, overwrite: bool = T
             )
     state = model.state
     config: dict[str, Any] = {
-        "format": _FORMAT,
-        "version": _VERSION,
+        "format": saved_config.FORMAT,
+        "version": saved_config.VERSION,
         "module": type(model.module).__name__,
         **model.get_config(),
         "compile": None,
     }
     tree: dict[str, Any] = {"train_state": fault_tolerance.to_savable(state)}
     if model.compiled:
-        config["compile"] = {
-            "optimizer": _serialize_optimizer(model.optimizer),
-            "loss": None if model.loss is None else _serialize_loss(model.loss),
-            "metrics": [_serialize_metric(m) for m in model.metrics],
-            "steps_per_execution": model.steps_per_execution,
-            "gradient_accumulation_steps": model.gradient_accumulation_steps,
-            "sync_batch_norm": model.sync_batch_norm.value,
-        }
+        config["compile"] = saved_config.serialize_compile(model)  # before anything is written
         extra = model.strategy.fit_backup_state(model, state)
         if extra is not None:
             tree["strategy_state"] = extra
@@ -199,7 +106,8 @@ def save_model(model: Model, filepath: os.PathLike | str, *, overwrite: bool = T
 
 # Loading -------------------------------------------------------------------------------
 def read_config(path: str) -> dict[str, Any]:
-    """The configuration in a `Model.save` directory, checked to be one this version reads."""
+    """The configuration in a `Model.save` directory, checked to be one this version reads
+    (`saved_config.read_config`: every error names the file and the field)."""
     if not os.path.exists(path):
         raise FileNotFoundError(
             f"No saved model at {path}. Pass a directory written by model.save(path)."
@@ -213,15 +121,7 @@ def read_config(path: str) -> dict[str, Any]:
         raise ValueError(
             f"{path} is not a directory written by model.save (it has no {CONFIG_FILE}).{hint}"
         )
-    with open(os.path.join(path, CONFIG_FILE)) as f:
-        config = json.load(f)
-    if config.get("format") != _FORMAT or config.get("version") != _VERSION:
-        raise ValueError(
-            f"{os.path.join(path, CONFIG_FILE)} describes format {config.get('format')!r} "
-            f"version {config.get('version')!r}; this jstrategy reads {_FORMAT!r} version "
-            f"{_VERSION}."
-        )
-    return config
+    return saved_config.read_config(path)
 
 
 class SavingMixin:

@@ -1,0 +1,559 @@
+"""What ``jstrategy_model.json`` in a `Model.save` directory says: written, read, checked.
+
+`saving.py` writes the directory and `loading.py` builds the model again; this module
+holds what both must agree on:
+
+* the registry of saveable classes (`register_saveable`): a class is saved by its
+  registered name and config, and a saved ``class_name`` is resolved only through the
+  registry, never as any attribute of a module. jstrategy's losses and metrics are
+  registered here; other modules register their own kinds (``"layer"``, ...);
+* the compile configuration (`serialize_compile`), which refuses two different custom
+  functions under one name: ``custom_objects`` maps a name to one object, so one of
+  them would come back as the other;
+* reading the file (`read_config`): every error names the file and the field;
+* the module check (`check_module`): the saved module's class against the one given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+from collections.abc import Callable
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+from typing import Any
+from typing import TypeVar
+
+import numpy as np
+
+from jstrategy._src.training import keras_optimizers
+from jstrategy._src.training import losses as losses_lib
+from jstrategy._src.training import metrics as metrics_lib
+from jstrategy._src.validation import is_int
+
+if TYPE_CHECKING:
+    from jstrategy._src.training.model import Model
+
+__all__ = [
+    "CONFIG_FILE",
+    "CUSTOM",
+    "FORMAT",
+    "VERSION",
+    "check_module",
+    "compile_arguments",
+    "read_config",
+    "register_saveable",
+    "saveable_class",
+    "saveable_name",
+    "serialize_compile",
+]
+
+CONFIG_FILE = "jstrategy_model.json"
+FORMAT = "jstrategy.Model"
+VERSION = 1
+CUSTOM = "custom"  # the class_name of an object saved by name, given back in custom_objects
+_FIX = (
+    "Save the model again with model.save(path), or restore the file from a copy; "
+    "model.load_weights(path) reads the variables alone into a model you build."
+)
+
+_T = TypeVar("_T", bound=type)
+
+
+# The registry of saveable classes --------------------------------------------------------
+#: For each kind, its registered classes by saved name.
+_REGISTRY: dict[str, dict[str, type]] = {}
+#: What a class of a kind must derive from; a kind not listed takes any class.
+_BASES: dict[str, type] = {"loss": losses_lib.Loss, "metric": metrics_lib.Metric}
+
+
+def register_saveable(cls: _T | None = None, *, kind: str, name: str | None = None) -> Any:
+    """Registers `cls` as saved by name and ``get_config()``, rebuilt as ``cls(**config)``.
+
+    A saved ``class_name`` is resolved only through this registry. Use it as a function
+    or as a decorator (``@register_saveable(kind="layer")``).
+
+    Args:
+      cls: the class; its ``get_config()`` returns JSON types that its constructor takes.
+      kind: what it is: ``"loss"`` (a `jstrategy.losses.Loss`), ``"metric"`` (a
+        `jstrategy.metrics.Metric`) or another module's kind.
+      name: the name saved; defaults to ``cls.__name__``.
+
+    Returns:
+      `cls` (or, without `cls`, a decorator that registers its class).
+
+    Raises:
+      TypeError: if `cls` is not a class of the kind.
+      ValueError: if another class is registered under the name.
+
+    Example:
+
+    >>> from jstrategy._src.training import losses
+    >>> saveable_class("loss", "MeanSquaredError") is losses.MeanSquaredError
+    True
+    >>> saveable_class("loss", "get") is None  # an attribute of the module, not a class
+    True
+    """
+
+    def register(cls: _T) -> _T:
+        base = _BASES.get(kind)
+        if not isinstance(cls, type) or (base is not None and not issubclass(cls, base)):
+            expected = "a class" if base is None else f"a subclass of {base.__qualname__}"
+            raise TypeError(f"`cls` must be {expected} to register as a {kind!r}; got {cls!r}.")
+        key = cls.__name__ if name is None else name
+        classes = _REGISTRY.setdefault(kind, {})
+        other = classes.get(key)
+        if other is not None and other is not cls:
+            raise ValueError(
+                f"{kind.capitalize()} name {key!r} is already registered for "
+                f"{other.__module__}.{other.__qualname__}; register "
+                f"{cls.__module__}.{cls.__qualname__} with another name=."
+            )
+        classes[key] = cls
+        return cls
+
+    return register if cls is None else register(cls)
+
+
+def saveable_class(kind: str, name: str) -> type | None:
+    """The class registered under `name` for `kind`, or None."""
+    return _REGISTRY.get(kind, {}).get(name)
+
+
+def saveable_name(obj: Any, kind: str) -> str | None:
+    """The name `obj`'s class (exactly, not a subclass) is registered under, or None."""
+    for key, cls in _REGISTRY.get(kind, {}).items():
+        if type(obj) is cls:
+            return key
+    return None
+
+
+def _register_public(module: types.ModuleType, kind: str, special: tuple[type, ...]) -> None:
+    """Registers `module`'s public classes of `kind`, but for base and wrapper classes
+    (`special`), whose configs hold functions."""
+    base = _BASES[kind]
+    for attr in module.__all__:
+        cls = getattr(module, attr)
+        if isinstance(cls, type) and issubclass(cls, base) and cls not in special:
+            register_saveable(cls, kind=kind)
+
+
+_register_public(losses_lib, "loss", (losses_lib.Loss, losses_lib.LossFunctionWrapper))
+_register_public(
+    metrics_lib, "metric", (metrics_lib.Metric, metrics_lib.Mean, metrics_lib.MeanMetricWrapper)
+)
+
+
+# Writing ---------------------------------------------------------------------------------
+def _serialize_loss(loss: Any) -> dict[str, Any]:
+    name = saveable_name(loss, "loss")
+    if name is not None:
+        return {"class_name": name, "config": loss.get_config()}
+    return {"class_name": CUSTOM, "name": loss.name}
+
+
+def _serialize_metric(metric: Any) -> dict[str, Any]:
+    config = {"name": metric.name, "direction": getattr(metric, "direction", None)}
+    if type(metric) is metrics_lib.MeanMetricWrapper and isinstance(metric.fn, losses_lib.Loss):
+        fn = _serialize_loss(metric.fn)
+        if fn["class_name"] != CUSTOM:
+            return {"class_name": "MeanMetricWrapper", "loss": fn, "config": config}
+    name = saveable_name(metric, "metric")
+    if name is not None:
+        return {"class_name": name, "config": metric.get_config()}
+    if metric.name in ("accuracy", "acc"):  # resolved from the loss and shapes at compile
+        return {"identifier": metric.name}
+    if type(metric) is metrics_lib.MeanMetricWrapper:  # a function: rewrapped on loading
+        return {"class_name": CUSTOM, "name": metric.name, "direction": config["direction"]}
+    return {"class_name": CUSTOM, "name": metric.name}
+
+
+def _serialize_optimizer(optimizer: Any) -> dict[str, Any]:
+    if isinstance(optimizer, keras_optimizers.Optimizer):
+        try:
+            return keras_optimizers.serialize(optimizer)
+        except TypeError:  # a schedule that is a plain function
+            pass
+    return {"class_name": CUSTOM, "name": "optimizer"}
+
+
+def _given(obj: Any) -> Any:
+    """What `custom_objects` gives back for `obj`: the function inside a wrapper."""
+    while isinstance(obj, (losses_lib.LossFunctionWrapper, metrics_lib.MeanMetricWrapper)):
+        obj = obj.fn
+    return obj
+
+
+def _describe(obj: Any) -> str:
+    code = getattr(obj, "__code__", None)
+    if code is not None:
+        where = f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}"
+        return f"{getattr(obj, '__qualname__', '?')} ({where})"
+    return f"a {type(obj).__qualname__}"
+
+
+def _check_names_apart(entries: list[tuple[str, str, Any]]) -> None:
+    """Refuses two different objects saved under one name (`entries`: field, name, object)."""
+    seen: dict[str, tuple[str, Any]] = {}
+    for field, name, obj in entries:
+        if name not in seen:
+            seen[name] = (field, obj)
+            continue
+        first, other = seen[name]
+        if _given(other) is not _given(obj):
+            raise ValueError(
+                f"model.save cannot keep {first} and {field} apart: they are different "
+                f"objects, {_describe(_given(other))} and {_describe(_given(obj))}, saved "
+                f"by one name, {name!r}, and load_model's custom_objects gives one object "
+                f"per name, so one would come back as the other. Give each its own name: "
+                f"define them with `def` under different names, or wrap one with a name, "
+                f"e.g. jstrategy.metrics.MeanMetricWrapper(fn, name='...') "
+                f"(jstrategy.losses.LossFunctionWrapper(fn, name='...') for the loss)."
+            )
+
+
+def serialize_compile(model: Model) -> dict[str, Any]:
+    """The ``compile`` section of the file for compiled `model`.
+
+    Raises:
+      ValueError: if two different custom objects (functions, optax transformations, your
+        own classes) would be saved under one name.
+    """
+    loss = model.loss
+    compiled: dict[str, Any] = {
+        "optimizer": _serialize_optimizer(model.optimizer),
+        "loss": None if loss is None else _serialize_loss(loss),
+        "metrics": [_serialize_metric(m) for m in model.metrics],
+        "steps_per_execution": model.steps_per_execution,
+        "gradient_accumulation_steps": model.gradient_accumulation_steps,
+        "sync_batch_norm": model.sync_batch_norm.value,
+    }
+    custom = [("the optimizer (compile.optimizer)", compiled["optimizer"], model.optimizer)]
+    if loss is not None:
+        custom.append(("the loss (compile.loss)", compiled["loss"], loss))
+    for i, (entry, metric) in enumerate(zip(compiled["metrics"], model.metrics, strict=True)):
+        custom.append((f"the metric compile.metrics[{i}]", entry, metric))
+    _check_names_apart(
+        [(field, e["name"], obj) for field, e, obj in custom if e.get("class_name") == CUSTOM]
+    )
+    return compiled
+
+
+# Reading ---------------------------------------------------------------------------------
+def _shown(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, (dict, list)) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+class _Fields:
+    """Reads fields of the file's JSON, each error naming the file and the field."""
+
+    def __init__(self, file: str):
+        self.file = file
+
+    def fail(self, field: str, expected: str, got: str) -> ValueError:
+        return ValueError(f"{self.file}: `{field}` must be {expected}; got {got}. {_FIX}")
+
+    def get(
+        self,
+        obj: dict[str, Any],
+        key: str,
+        field: str,
+        expected: str,
+        check: Callable[[Any], bool],
+        *,
+        default: Any = ...,
+    ) -> Any:
+        if key not in obj:
+            if default is not ...:
+                return default
+            raise self.fail(field, expected, "nothing (the field is missing)")
+        value = obj[key]
+        if not check(value):
+            raise self.fail(field, expected, _shown(value))
+        return value
+
+    def object(self, obj: dict[str, Any], key: str, field: str) -> dict[str, Any]:
+        value: dict[str, Any] = self.get(
+            obj, key, field, "a JSON object", lambda v: isinstance(v, dict)
+        )
+        return value
+
+    def string(self, obj: dict[str, Any], key: str, field: str) -> str:
+        value: str = self.get(obj, key, field, "a string", lambda v: isinstance(v, str))
+        return value
+
+
+def _is_dtype(value: Any) -> bool:
+    if not isinstance(value, str):
+        return False
+    try:
+        np.dtype(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _is_shape(value: Any) -> bool:
+    return value is None or (isinstance(value, list) and all(is_int(d) and d >= 0 for d in value))
+
+
+def _check_entry(fields: _Fields, entry: Any, field: str, kind: str) -> None:
+    """The shape of a loss or metric entry: ``{"class_name", "config"}``, a custom one
+    ``{"class_name": "custom", "name"}``, or (metrics) ``{"identifier"}``."""
+    if not isinstance(entry, dict):
+        raise fields.fail(field, f"a JSON object describing the {kind}", _shown(entry))
+    if kind == "metric" and "identifier" in entry:
+        fields.get(
+            entry,
+            "identifier",
+            f"{field}.identifier",
+            "'accuracy' or 'acc'",
+            lambda v: v in ("accuracy", "acc"),
+        )
+        return
+    class_name = fields.string(entry, "class_name", f"{field}.class_name")
+    if class_name == CUSTOM:
+        fields.string(entry, "name", f"{field}.name")
+        return
+    fields.object(entry, "config", f"{field}.config")
+    if kind == "metric" and class_name == "MeanMetricWrapper":
+        _check_entry(fields, entry.get("loss"), f"{field}.loss", "loss")
+
+
+def _check_compile(fields: _Fields, compiled: dict[str, Any]) -> None:
+    optimizer = fields.object(compiled, "optimizer", "compile.optimizer")
+    if fields.string(optimizer, "class_name", "compile.optimizer.class_name") == CUSTOM:
+        fields.string(optimizer, "name", "compile.optimizer.name")
+    loss = fields.get(
+        compiled,
+        "loss",
+        "compile.loss",
+        "a JSON object or null",
+        lambda v: v is None or isinstance(v, dict),
+    )
+    if loss is not None:
+        _check_entry(fields, loss, "compile.loss", "loss")
+    metrics = fields.get(
+        compiled, "metrics", "compile.metrics", "a list", lambda v: isinstance(v, list)
+    )
+    for i, entry in enumerate(metrics):
+        _check_entry(fields, entry, f"compile.metrics[{i}]", "metric")
+    positive = "a positive int"
+    fields.get(
+        compiled,
+        "steps_per_execution",
+        "compile.steps_per_execution",
+        positive,
+        lambda v: is_int(v) and v >= 1,
+    )
+    fields.get(
+        compiled,
+        "gradient_accumulation_steps",
+        "compile.gradient_accumulation_steps",
+        positive,
+        lambda v: is_int(v) and v >= 1,
+        default=1,
+    )
+    fields.get(
+        compiled,
+        "sync_batch_norm",
+        "compile.sync_batch_norm",
+        '"global" or "per_replica"',
+        lambda v: v in ("global", "per_replica"),
+        default="global",
+    )
+
+
+def read_config(path: str) -> dict[str, Any]:
+    """The configuration in ``path/jstrategy_model.json``, checked field by field.
+
+    Raises:
+      ValueError: naming the file and the field, for a file that is not JSON, not a
+        JSON object, of another format or version, or with a field missing or of
+        another type.
+    """
+    file = os.path.join(path, CONFIG_FILE)
+    try:
+        with open(file, encoding="utf-8") as f:
+            config = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{file} is not valid JSON ({e.msg}: line {e.lineno}, column {e.colno}); it "
+            f"was cut short or edited. {_FIX}"
+        ) from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{file} is not UTF-8 text ({e.reason}). {_FIX}") from None
+    fields = _Fields(file)
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"{file} must hold a JSON object (the model's configuration); got a "
+            f"{type(config).__name__}: {_shown(config)}. {_FIX}"
+        )
+    if config.get("format") != FORMAT or config.get("version") != VERSION:
+        raise ValueError(
+            f"{file} describes format {config.get('format')!r} version "
+            f"{config.get('version')!r}; this jstrategy reads {FORMAT!r} version {VERSION}."
+        )
+    fields.string(config, "module", "module")
+    fields.string(config, "name", "name")
+    fields.get(config, "input_shape", "input_shape", "a list of sizes or null", _is_shape)
+    fields.get(config, "input_dtype", "input_dtype", "a NumPy dtype name", _is_dtype)
+    fields.get(config, "seed", "seed", "an int", is_int)
+    fields.get(
+        config,
+        "train_arg",
+        "train_arg",
+        "a string or null",
+        lambda v: v is None or isinstance(v, str),
+    )
+    fields.get(
+        config,
+        "dtype_policy",
+        "dtype_policy",
+        "a policy name",
+        lambda v: isinstance(v, str),
+        default="float32",
+    )
+    compiled = fields.get(
+        config,
+        "compile",
+        "compile",
+        "a JSON object or null (not compiled)",
+        lambda v: v is None or isinstance(v, dict),
+    )
+    if compiled is not None:
+        _check_compile(fields, compiled)
+    return config
+
+
+def check_module(
+    config: dict[str, Any], module: Any, path: str, *, allow_other_module: bool
+) -> None:
+    """Refuses a `module` of another class than the saved one (unless allowed).
+
+    The variables of two modules with the same layout (a ReLU and a tanh network) load
+    into either one; the class is what tells them apart.
+
+    Raises:
+      ValueError: if the classes differ and `allow_other_module` is False.
+    """
+    if not isinstance(allow_other_module, bool):
+        raise TypeError(f"`allow_other_module` must be True or False; got {allow_other_module!r}.")
+    saved, given = config["module"], type(module).__name__
+    if saved == given or allow_other_module:
+        return
+    raise ValueError(
+        f"{os.path.join(path, CONFIG_FILE)}: `module` says the model was saved from a "
+        f"{saved}, but load_model got a {given}. Its variables may fit a {given} and "
+        f"compute something else. Pass a {saved} of the saved architecture, or "
+        f"allow_other_module=True if the {given} is meant to take them (e.g. the class "
+        f"was renamed)."
+    )
+
+
+# Building the compile arguments ----------------------------------------------------------
+def _custom(
+    entry: dict[str, Any], custom_objects: Mapping[str, Any], what: str, field: str, file: str
+) -> Any:
+    name = entry["name"]
+    if name not in custom_objects:
+        raise ValueError(
+            f"{file}: `{field}` is the {what} {name!r}, which jstrategy does not define (a "
+            f"function, an optax transformation or your own class), so it was saved by "
+            f"name. Pass it to load_model: custom_objects={{{name!r}: ...}}."
+        )
+    return custom_objects[name]
+
+
+def _registered(entry: dict[str, Any], kind: str, field: str, file: str) -> Any:
+    cls = saveable_class(kind, entry["class_name"])
+    if cls is None:
+        known = sorted(_REGISTRY.get(kind, {}))
+        raise ValueError(
+            f"{file}: `{field}.class_name` must name a {kind} class jstrategy saves, one "
+            f"of {known}, or be {CUSTOM!r} (with custom_objects); got "
+            f"{entry['class_name']!r}. {_FIX}"
+        )
+    try:
+        return cls(**entry["config"])
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"{file}: `{field}.config` does not build a {cls.__name__}: {e} {_FIX}"
+        ) from e
+
+
+def _loss(entry: dict[str, Any], custom_objects: Mapping[str, Any], field: str, file: str) -> Any:
+    if entry["class_name"] == CUSTOM:
+        return _custom(entry, custom_objects, "loss", field, file)
+    return _registered(entry, "loss", field, file)
+
+
+def _metric(
+    entry: dict[str, Any], loss: Any, custom_objects: Mapping[str, Any], field: str, file: str
+) -> Any:
+    if "identifier" in entry:
+        return metrics_lib.get(entry["identifier"], loss=loss)
+    if entry["class_name"] == CUSTOM:
+        obj = _custom(entry, custom_objects, "metric", field, file)
+        if "direction" in entry and not isinstance(obj, (metrics_lib.Metric, type)):
+            # A function was wrapped: again, under the name it was saved (and logged) by.
+            return metrics_lib.MeanMetricWrapper(
+                obj, name=entry["name"], direction=entry["direction"]
+            )
+        return obj
+    if entry["class_name"] == "MeanMetricWrapper":
+        fn = _loss(entry["loss"], custom_objects, f"{field}.loss", file)
+        try:
+            return metrics_lib.MeanMetricWrapper(fn, **entry["config"])
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"{file}: `{field}.config` does not build a MeanMetricWrapper: {e} {_FIX}"
+            ) from e
+    return _registered(entry, "metric", field, file)
+
+
+def _optimizer(entry: dict[str, Any], custom_objects: Mapping[str, Any], file: str) -> Any:
+    if entry["class_name"] == CUSTOM:
+        return _custom(entry, custom_objects, "optimizer", "compile.optimizer", file)
+    try:
+        return keras_optimizers.deserialize(entry)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{file}: `compile.optimizer`: {e} {_FIX}") from e
+
+
+def compile_arguments(compiled: dict[str, Any], custom_objects: Any, path: str) -> dict[str, Any]:
+    """The keyword arguments of `Model.compile` that a saved ``compile`` section (read by
+    `read_config` from the directory `path`) describes.
+
+    Raises:
+      TypeError: if `custom_objects` is not a mapping of names.
+      ValueError: naming the file and the field, for a class that is not registered, a
+        config its class does not take, or a custom object `custom_objects` lacks.
+    """
+    if custom_objects is None:
+        custom_objects = {}
+    if not isinstance(custom_objects, Mapping) or not all(
+        isinstance(k, str) for k in custom_objects
+    ):
+        raise TypeError(
+            f"`custom_objects` must be a dict from the names the saved model uses to "
+            f"objects, e.g. {{'my_loss': my_loss}}; got {_shown(custom_objects)}."
+        )
+    file = os.path.join(path, CONFIG_FILE)
+    loss = compiled["loss"]
+    if loss is not None:
+        loss = _loss(loss, custom_objects, "compile.loss", file)
+    metrics = [
+        _metric(entry, loss, custom_objects, f"compile.metrics[{i}]", file)
+        for i, entry in enumerate(compiled["metrics"])
+    ]
+    return {
+        "optimizer": _optimizer(compiled["optimizer"], custom_objects, file),
+        "loss": loss,
+        "metrics": metrics,
+        "steps_per_execution": int(compiled["steps_per_execution"]),
+        "gradient_accumulation_steps": int(compiled.get("gradient_accumulation_steps", 1)),
+        "sync_batch_norm": compiled.get("sync_batch_norm", "global"),
+    }
