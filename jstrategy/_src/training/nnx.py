@@ -110,6 +110,12 @@ class NNXTrainState(struct.PyTreeNode):
         # The folded keys were this replica's; the stored keys stay shared.
         return y_pred, _restore_keys(model_state, self.model_state)
 
+    def forward_with_losses(
+        self, params: Any, x: Any, *, train: bool, axis_name: str | None
+    ) -> tuple[Any, Any, Any]:
+        # NNX modules add no losses the step collects (jstrategy.layers are linen).
+        return (*self.forward(params, x, train=train, axis_name=axis_name), None)
+
     def apply_update(self, grads: Any, model_state: Any) -> NNXTrainState:
         model = nnx.merge(self.graphdef, _fresh(self.params), _fresh(model_state))
         optimizer = nnx.merge(self.opt_graphdef, _fresh(self.opt_state))

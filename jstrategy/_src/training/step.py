@@ -314,17 +314,20 @@ def _forward(
     *,
     train: bool,
     axis_name: str | None,
-) -> tuple[Any, Any]:
-    """The model under `policy`: ``(y_pred in float32, model_state in the variable dtype)``.
+) -> tuple[Any, Any, Any]:
+    """The model under `policy`: ``(y_pred in float32, model_state in the variable dtype,
+    the model's own losses in float32 or None)``.
 
     Called inside the differentiated function, so the casts' gradients bring the gradients
     back to the parameters' dtype. Under ``"float32"`` nothing is cast.
     """
     if policy == _FLOAT32:
-        return state.forward(params, x, train=train, axis_name=axis_name)
+        return state.forward_with_losses(params, x, train=train, axis_name=axis_name)
     params, x = mp.cast_to_compute((params, x), policy)
-    y_pred, model_state = state.forward(params, x, train=train, axis_name=axis_name)
-    return mp.cast_to_float32(y_pred), mp.cast_to_variable(model_state, policy)
+    y_pred, model_state, model_loss = state.forward_with_losses(
+        params, x, train=train, axis_name=axis_name
+    )
+    return mp.cast_to_float32(y_pred), mp.cast_to_variable(model_state, policy), model_loss
 
 
 def _loss_scale_factor(spec: StepSpec, rest: Any, rows: int) -> jax.Array | None:
@@ -340,11 +343,21 @@ def _loss_scale_factor(spec: StepSpec, rest: Any, rows: int) -> jax.Array | None
     return ls.loss_scale / rows
 
 
-def _loss_sum(spec: StepSpec, y: Any, y_pred: Any, weight: jax.Array) -> jax.Array:
-    """One replica's weighted sum of per-example losses (training and evaluation alike)."""
+def _loss_sum(
+    spec: StepSpec, y: Any, y_pred: Any, weight: jax.Array, model_loss: Any, maskf: jax.Array
+) -> jax.Array:
+    """One replica's weighted sum of per-example losses (training and evaluation alike).
+
+    The model's own losses (`model_loss`: regularization penalties, the same on every
+    replica) count once per real row, so dividing the global sum by the global count of
+    real rows adds them once to the mean loss, as Keras adds ``model.losses``.
+    """
     assert spec.loss is not None
     values = spec.loss.per_example(y, y_pred)  # type: ignore[attr-defined]
-    return jnp.sum(_per_row(values, weight.shape[0], "The loss") * weight)
+    loss_sum = jnp.sum(_per_row(values, weight.shape[0], "The loss") * weight)
+    if model_loss is None:
+        return loss_sum
+    return loss_sum + model_loss * jnp.sum(maskf)
 
 
 def _sums(
@@ -379,8 +392,10 @@ def _replica_loss(
     weight = _weights(maskf, w)
 
     def local_loss(params: Any) -> tuple[jax.Array, tuple[Any, Any, Any]]:
-        y_pred, model_state = _forward(spec.policy, rest, params, x, train=True, axis_name=axis)
-        loss_sum = _loss_sum(spec, y, y_pred, weight)
+        y_pred, model_state, model_loss = _forward(
+            spec.policy, rest, params, x, train=True, axis_name=axis
+        )
+        loss_sum = _loss_sum(spec, y, y_pred, weight, model_loss, maskf)
         scaled = loss_sum if scale is None else loss_sum * scale
         return scaled, (loss_sum, y_pred, model_state)
 
@@ -543,9 +558,13 @@ def eval_sums(
     if y is None:
         raise ValueError("An evaluation batch must be (x, y) or (x, y, sample_weight).")
     maskf = mask.astype(jnp.float32)
-    y_pred, _ = _forward(spec.policy, state, state.params, x, train=False, axis_name=None)
+    y_pred, _, model_loss = _forward(
+        spec.policy, state, state.params, x, train=False, axis_name=None
+    )
     weight = _weights(maskf, w)
-    loss_sum = _loss_sum(spec, y, y_pred, weight) if spec.loss is not None else None
+    loss_sum = None
+    if spec.loss is not None:
+        loss_sum = _loss_sum(spec, y, y_pred, weight, model_loss, maskf)
     sums = _sums(spec, y, y_pred, maskf, loss_sum)
     if spec.check_numerics:
         sums.update(check_numerics.step_flags(spec, y, y_pred, maskf, loss_sum))
@@ -558,7 +577,7 @@ def eval_sums(
 def predict_outputs(policy: mp.Policy, state: TrainStateProtocol, x: Any) -> Any:
     """The model's outputs in inference mode (floating outputs in float32 under a policy
     other than ``"float32"``)."""
-    y_pred, _ = _forward(policy, state, state.params, x, train=False, axis_name=None)
+    y_pred, _, _ = _forward(policy, state, state.params, x, train=False, axis_name=None)
     return y_pred
 
 

@@ -25,6 +25,7 @@ from flax.training import train_state as flax_train_state
 
 from jstrategy._src import context
 from jstrategy._src import mixed_precision as mp
+from jstrategy._src.layers.regularizers import LOSSES
 from jstrategy._src.loss_scale import DynamicLossScale
 from jstrategy._src.placement import in_device_memory
 from jstrategy._src.placement import place_state
@@ -110,6 +111,14 @@ class TrainStateProtocol(Protocol):
         In training mode (inside a step over the replicas' data axis `axis_name`) dropout
         keys differ per replica and the new `model_state` is returned.
         """
+        ...
+
+    def forward_with_losses(
+        self, params: Any, x: Any, *, train: bool, axis_name: str | None
+    ) -> tuple[Any, Any, Any]:
+        """`forward`, plus the sum of the losses the model adds (regularization penalties,
+        Keras's ``model.losses``) or None when it adds none; the train and evaluation
+        steps add it to the loss."""
         ...
 
     def apply_update(self: _S, grads: Any, model_state: Any) -> _S:
@@ -206,6 +215,18 @@ class TrainState(flax_train_state.TrainState):
     def forward(
         self, params: Any, x: Any, *, train: bool, axis_name: str | None
     ) -> tuple[Any, Any]:
+        return self._apply(params, x, train=train, axis_name=axis_name, losses=False)[:2]
+
+    def forward_with_losses(
+        self, params: Any, x: Any, *, train: bool, axis_name: str | None
+    ) -> tuple[Any, Any, Any]:
+        # Layers sow their penalties into the "losses" collection when it is mutable
+        # (`jstrategy.layers`' regularizers); nothing is added when none does.
+        return self._apply(params, x, train=train, axis_name=axis_name, losses=True)
+
+    def _apply(
+        self, params: Any, x: Any, *, train: bool, axis_name: str | None, losses: bool
+    ) -> tuple[Any, Any, Any]:
         variables = {"params": params}
         if self.batch_stats is not None:
             variables["batch_stats"] = self.batch_stats
@@ -216,10 +237,15 @@ class TrainState(flax_train_state.TrainState):
             kwargs["rngs"] = {
                 "dropout": jax.random.fold_in(step_key, jax.lax.axis_index(axis_name))
             }
-        if train and self.batch_stats is not None:
-            y_pred, updates = self.apply_fn(variables, x, mutable=["batch_stats"], **kwargs)
-            return y_pred, updates["batch_stats"]
-        return self.apply_fn(variables, x, **kwargs), None
+        mutable = ["batch_stats"] if train and self.batch_stats is not None else []
+        if losses:
+            mutable.append(LOSSES)
+        if not mutable:
+            return self.apply_fn(variables, x, **kwargs), None, None
+        y_pred, updates = self.apply_fn(variables, x, mutable=mutable, **kwargs)
+        sown = jax.tree.leaves(updates.get(LOSSES, {}))
+        total = sum(jnp.sum(leaf.astype(jnp.float32)) for leaf in sown) if sown else None
+        return y_pred, updates.get("batch_stats") if "batch_stats" in mutable else None, total
 
     def apply_update(self, grads: Any, model_state: Any) -> TrainState:
         if model_state is not None:
