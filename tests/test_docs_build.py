@@ -96,3 +96,11 @@ def test_a_docstring_is_rendered(built: Path) -> None:
     entry = page[start : start + 20000]
     assert "One replica per device" in entry
     assert "Parameters" in entry
+
+
+def test_make_docs_and_ci_build_it_as_the_suite_does():
+    """`make docs` runs the suite's Sphinx command (warnings are errors), and CI runs it."""
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    assert "-m sphinx -W --keep-going -q -b html docs/api docs/_build/html" in makefile
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    assert ci.index("make test") < ci.index("make docs")
