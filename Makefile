@@ -20,7 +20,7 @@ OLDEST_LANE ?= tests/test_jax_compat.py tests/test_strategy.py tests/test_train_
 	tests/test_launch.py tests/test_multi_worker.py tests/test_central_storage.py \
 	tests/test_sharded.py tests/test_parameter_server.py tests/test_notebooks.py
 
-.PHONY: demo test test-oldest lint bench format clean
+.PHONY: demo test test-oldest lint bench format clean docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +71,15 @@ bench: $(VENV)/.dev
 	$(FAKE_DEVICES) $(BIN)/python benchmarks/parameter_server.py
 	$(FAKE_DEVICES) $(BIN)/python benchmarks/tf_custom_loop.py
 	$(BIN)/python benchmarks/multi_worker.py
+
+$(VENV)/.docs: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[docs]'
+	touch $@
+
+# The API reference from the docstrings; any Sphinx warning fails it.
+docs: $(VENV)/.docs
+	$(BIN)/python -m sphinx -W --keep-going -q -b html docs/api docs/_build/html
+	@echo "API reference: docs/_build/html/index.html"
 
 clean:
 	rm -rf $(VENV) $(OLDEST) build dist *.egg-info

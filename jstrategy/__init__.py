@@ -3,13 +3,17 @@
 from jstrategy import callbacks
 from jstrategy import cluster_resolver
 from jstrategy import config
+from jstrategy import coordinator
 from jstrategy import experimental
+from jstrategy import layers
 from jstrategy import losses
 from jstrategy import metrics
 from jstrategy import mixed_precision
 from jstrategy import models
 from jstrategy import optimizers
+from jstrategy import regularizers
 from jstrategy import tpu
+from jstrategy import training
 from jstrategy._src.central_storage import CentralStorageStrategy
 from jstrategy._src.checkpoint import CheckpointError
 from jstrategy._src.checkpoint import CheckpointManager
@@ -40,6 +44,7 @@ from jstrategy._src.strategy import Strategy
 from jstrategy._src.strategy import ValueContext
 from jstrategy._src.tpu import TPUStrategy
 from jstrategy._src.training.model import Model
+from jstrategy._src.training.sequential import Sequential
 from jstrategy._src.values import PerReplica
 
 __version__ = "0.1.0.dev0"
@@ -64,6 +69,7 @@ __all__ = [
     "ReduceOp",
     "ReductionToOneDevice",
     "ReplicaContext",
+    "Sequential",
     "Strategy",
     "TPUStrategy",
     "ValueContext",
@@ -71,12 +77,14 @@ __all__ = [
     "cluster_resolver",
     "compute_average_loss",
     "config",
+    "coordinator",
     "experimental",
     "experimental_set_strategy",
     "get_replica_context",
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "layers",
     "load_weights",
     "save_weights",
     "scale_regularization_loss",
@@ -85,5 +93,7 @@ __all__ = [
     "mixed_precision",
     "models",
     "optimizers",
+    "regularizers",
     "tpu",
+    "training",
 ]

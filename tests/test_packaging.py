@@ -73,6 +73,10 @@ def test_sdist_carries_what_its_tests_import(dist):
     assert {"benchmarks/memory.py", "benchmarks/sharded_step.py"} <= names
     assert {"colab/tpu_quickstart.ipynb", ".ci/oldest-constraints.txt"} <= names
     assert not [n for n in names if n.startswith("wip/") or n.endswith(".pyc")]
+    # The API reference's sources (tests/test_docs_build.py builds them), not what a build
+    # generated in the checkout.
+    assert {"docs/api/conf.py", "docs/api/index.rst"} <= names
+    assert not [n for n in names if n.startswith(("docs/_build/", "docs/api/reference/"))]
 
 
 def test_wheel_holds_the_library_its_license_and_the_tested_ranges(dist):
@@ -90,6 +94,7 @@ def test_wheel_holds_the_library_its_license_and_the_tested_ranges(dist):
     assert any(r.startswith("jax[cuda12]") and 'extra == "cuda"' in r for r in requires)
     assert any(r.startswith("jax[tpu]") and 'extra == "tpu"' in r for r in requires)
     assert meta["Requires-Python"] == ">=3.11"
+    assert any(r.startswith("sphinx>=") and 'extra == "docs"' in r for r in requires)
 
 
 def test_the_oldest_lane_pins_every_declared_floor():

@@ -54,7 +54,7 @@ class CentralStorageStrategy(Strategy):
     copied to the replicas first. Single process only, as in TF.
 
     Args:
-      compute_devices: the devices that compute (TF-style strings or `jax.Device`s); None
+      compute_devices: the devices that compute (TF-style strings or `jax.Device` objects); None
         means every local device of JAX's default backend.
       parameter_device: the device whose host memory holds the variables. None means the
         first compute device. A CPU device while the compute devices are accelerators

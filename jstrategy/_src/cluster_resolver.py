@@ -13,14 +13,19 @@ rendezvous. Nothing here initializes a JAX backend except `ClusterResolver.num_a
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import itertools
 import json
 import os
 import re
+import socket
 from collections.abc import Iterable
 from collections.abc import Mapping
 from typing import Any
+
+from jstrategy._src.rendezvous import is_loopback_host
+from jstrategy._src.rendezvous import split_address
 
 __all__ = [
     "ClusterResolver",
@@ -31,6 +36,8 @@ __all__ = [
     "TFConfigClusterResolver",
     "expand_hostlist",
     "expand_tasks_per_node",
+    "is_this_machine",
+    "tasks_on_other_hosts",
     "training_process_layout",
 ]
 
@@ -1100,3 +1107,68 @@ def training_process_layout(resolver: ClusterResolver) -> ProcessLayout:
         task_id=task_id,
         tasks=tuple(tasks),
     )
+
+
+def _this_machine() -> tuple[set[str], set[str]]:
+    """This machine's host names (lower case) and the addresses they resolve to."""
+    names = {socket.gethostname().lower(), socket.getfqdn().lower()}
+    addresses: set[str] = set()
+    for name in names:
+        with contextlib.suppress(OSError):  # a name that does not resolve gives no address
+            addresses.update(socket.gethostbyname_ex(name)[2])
+    return names, addresses
+
+
+def is_this_machine(host: str) -> bool:
+    """Whether `host` (a name or an address, as in a ``TF_CONFIG`` task) is this machine.
+
+    True for ``localhost``, loopback addresses, this machine's host names, and names or
+    addresses that resolve to one of those; a name that does not resolve is another host.
+
+    Example:
+
+    >>> is_this_machine("localhost"), is_this_machine("127.0.0.1"), is_this_machine("203.0.113.1")
+    (True, True, False)
+    """
+    if is_loopback_host(host):
+        return True
+    names, addresses = _this_machine()
+    if host.lower() in names or host in addresses:
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    resolved = {str(info[4][0]) for info in infos}
+    return any(is_loopback_host(a) or a in addresses for a in resolved)
+
+
+def tasks_on_other_hosts(spec: ClusterSpec, jobs: Iterable[str]) -> dict[str, list[str]]:
+    """The hosts of `jobs`' tasks that are not this machine, each with its tasks.
+
+    Args:
+      spec: the cluster.
+      jobs: the job names to look at (those `spec` lacks are skipped).
+
+    Returns:
+      ``{host: ["worker:0", ...]}`` in the order the tasks are listed; empty when every
+      task is on this machine.
+
+    Example:
+
+    >>> spec = ClusterSpec({"worker": ["203.0.113.1:2222", "localhost:2223"]})
+    >>> tasks_on_other_hosts(spec, ["worker", "ps"])
+    {'203.0.113.1': ['worker:0']}
+    """
+    hosts: dict[str, list[str]] = {}
+    local: dict[str, bool] = {}
+    for job in jobs:
+        if job not in spec.jobs:
+            continue
+        for index in spec.task_indices(job):
+            host = split_address(spec.task_address(job, index))[0]
+            if host not in local:
+                local[host] = is_this_machine(host)
+            if not local[host]:
+                hosts.setdefault(host, []).append(f"{job}:{index}")
+    return hosts

@@ -59,7 +59,7 @@ class FSDPStrategy(ShardedStrategy):
     local devices. `jstrategy.launch` runs such a job on one machine.
 
     Args:
-      devices: the devices (TF-style strings or `jax.Device`s), one replica each. None
+      devices: the devices (TF-style strings or `jax.Device` objects), one replica each. None
         means every device of JAX's default backend, of every process of the job.
       min_shard_size: the fewest elements a variable must have to be sharded.
       cluster_resolver: the job to join, as for `MultiWorkerMirroredStrategy`; defaults to

@@ -32,7 +32,7 @@ class DeviceMesh:
       shape: the extent of each axis, e.g. ``(2, 4)``; the product must equal the number
         of devices.
       axis_names: one distinct name per axis, e.g. ``("batch", "model")``.
-      devices: the devices (TF-style strings or `jax.Device`s, in any nesting); None means
+      devices: the devices (TF-style strings or `jax.Device` objects, in any nesting); None means
         every device of JAX's default backend (of every process). `jax.make_mesh` arranges
         them so that the mesh follows the physical topology.
 

@@ -17,7 +17,7 @@ class MirroredStrategy(Strategy):
     """One replica per device; parameters replicated; gradients all-reduced each step.
 
     Args:
-      devices: the devices to replicate over (TF-style strings or `jax.Device`s). None
+      devices: the devices to replicate over (TF-style strings or `jax.Device` objects). None
         means every local device of JAX's default backend.
       cross_device_ops: how values are combined across replicas: `NcclAllReduce`,
         `HierarchicalCopyAllReduce()` or `ReductionToOneDevice()`. None means

@@ -62,13 +62,15 @@ class Policy:
 
     The names and their meanings are Keras's:
 
-    | name               | variable_dtype | compute_dtype |
-    |--------------------|----------------|---------------|
-    | ``"float32"``        | float32        | float32       |
-    | ``"mixed_bfloat16"`` | float32        | bfloat16      |
-    | ``"mixed_float16"``  | float32        | float16       |
-    | ``"bfloat16"``       | bfloat16       | bfloat16      |
-    | ``"float16"``        | float16        | float16       |
+    ====================  ==============  =============
+    name                  variable_dtype  compute_dtype
+    ====================  ==============  =============
+    ``"float32"``         float32         float32
+    ``"mixed_bfloat16"``  float32         bfloat16
+    ``"mixed_float16"``   float32         float16
+    ``"bfloat16"``        bfloat16        bfloat16
+    ``"float16"``         float16         float16
+    ====================  ==============  =============
 
     A policy is immutable, hashable and equal to any other policy of the same name.
 

@@ -31,6 +31,7 @@ from jstrategy._src import tracked
 from jstrategy._src.cross_device_ops import CrossDeviceOps
 from jstrategy._src.cross_device_ops import NcclAllReduce
 from jstrategy._src.devices import canonical_name
+from jstrategy._src.extended import StrategyExtended
 from jstrategy._src.mesh import DeviceMesh
 from jstrategy._src.mesh import auto_mesh
 from jstrategy._src.reduce_util import ReduceOp
@@ -176,6 +177,24 @@ class Strategy:
         """This process's devices, in mesh order (all of them in one process)."""
         me = jax.process_index()
         return tuple(d for d in self._devices if d.process_index == me)
+
+    @property
+    def worker_devices(self) -> tuple[jax.Device, ...]:
+        """The devices this process computes on (`extended`'s ``worker_devices``)."""
+        return self.local_devices
+
+    @property
+    def parameter_devices(self) -> tuple[jax.Device, ...]:
+        """The devices the variables live on, as `variable_sharding` places them, in mesh
+        order (`extended`'s ``parameter_devices``)."""
+        held = self.variable_sharding(jax.ShapeDtypeStruct((), np.float32)).device_set
+        return tuple(d for d in self._devices if d in held) or tuple(held)
+
+    @property
+    def extended(self) -> StrategyExtended:
+        """TF's ``strategy.extended``: `worker_devices`, `parameter_devices` and
+        ``variable_created_in_scope(v)``."""
+        return StrategyExtended(self)
 
     @property
     def cross_device_ops(self) -> CrossDeviceOps:

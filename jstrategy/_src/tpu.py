@@ -54,7 +54,7 @@ def tpu_device_order(devices: Sequence[Any]) -> list[Any]:
 
     Args:
       devices: devices with `platform`, `device_kind`, `coords` and `core_on_chip` (real
-        `jax.Device`s, or descriptions of them).
+        `jax.Device` objects, or descriptions of them).
 
     Returns:
       The same devices, in replica order.

@@ -15,6 +15,7 @@ __all__ = [
     "check_non_negative_int",
     "check_positive_float",
     "check_positive_int",
+    "check_row_shape",
     "is_int",
 ]
 
@@ -96,3 +97,38 @@ def check_bool(value: Any, name: str, fix: str = "Pass True or False.") -> bool:
     if not isinstance(value, bool):
         raise _fail(name, "a bool", value, fix)
     return value
+
+
+def check_row_shape(value: Any, name: str) -> tuple[int, ...]:
+    """`value` (an int or a sequence of ints) as the shape of one row, without the batch.
+
+    A model builds its variables from one concrete row, so every dimension must be a
+    positive int; a None (Keras's unknown dimension, often the batch axis written out)
+    is refused with the fix.
+
+    Example:
+
+    >>> check_row_shape(10, "input_shape"), check_row_shape([28, 28, 1], "input_shape")
+    ((10,), (28, 28, 1))
+    >>> check_row_shape((None, 10), "input_shape")
+    Traceback (most recent call last):
+    ...
+    ValueError: `input_shape` must be the shape of one row without the batch axis, every dimension a positive int; got (None, 10). Drop the batch dimension: input_shape=(10,).
+    """
+    if is_int(value):
+        value = (value,)
+    if isinstance(value, (tuple, list)) and all(is_int(d) and d > 0 for d in value):
+        return tuple(int(d) for d in value)
+    fix = "E.g. input_shape=(10,) for rows of 10 features."
+    if isinstance(value, (tuple, list)) and value and value[0] is None:
+        rest = tuple(value[1:])
+        if all(is_int(d) and d > 0 for d in rest):
+            fix = f"Drop the batch dimension: {name}={rest!r}."
+    elif isinstance(value, (tuple, list)) and None in value:
+        fix = "Variable-size dimensions are not supported: give the size of one row."
+    raise _fail(
+        name,
+        "the shape of one row without the batch axis, every dimension a positive int",
+        tuple(value) if isinstance(value, list) else value,
+        fix,
+    )

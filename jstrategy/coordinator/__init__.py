@@ -1,9 +1,9 @@
 """`jstrategy.coordinator`: mirrors `tf.distribute.experimental.coordinator`.
 
 Asynchronous training with `jstrategy.ParameterServerStrategy`: the `ClusterCoordinator`
-schedules functions on the workers and returns `RemoteValue`s; per-worker datasets and
+schedules functions on the workers and returns `RemoteValue` objects; per-worker datasets and
 `PerWorkerValues` give each worker its own input. The variables a strategy places on its
-parameter servers are `Variable`s and `ShardedVariable`s, grouped in a `VariableTree`.
+parameter servers are `Variable` and `ShardedVariable` objects, grouped in a `VariableTree`.
 
 Example:
 

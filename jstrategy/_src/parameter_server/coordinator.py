@@ -14,7 +14,7 @@ Failures follow TF:
 * a parameter server that dies: the function fails with `ParameterServerFailureError`,
   and `join`, `done` and every later `schedule` raise it (training must be restarted);
 * an error raised by a scheduled function: `join` (or `done`, or the next `schedule`)
-  raises it once, the functions still queued are cancelled (their `RemoteValue`s raise
+  raises it once, the functions still queued are cancelled (their `RemoteValue` objects raise
   `FunctionCancelledError`), and the coordinator can be used again.
 """
 
@@ -457,7 +457,7 @@ class ClusterCoordinator:
         """Queues ``fn(*args, **kwargs)`` to run on some worker; returns at once.
 
         `PerWorkerValues` in the arguments (such as per-worker dataset iterators) become the
-        executing worker's value; `RemoteValue`s become their results. Blocks only when
+        executing worker's value; `RemoteValue` objects become their results. Blocks only when
         256 functions per worker are already queued.
 
         Args:
@@ -509,7 +509,7 @@ class ClusterCoordinator:
         return self._queue.done()
 
     def fetch(self, val: Any, timeout: float | None = None) -> Any:
-        """The NumPy results of a structure of `RemoteValue`s (other leaves as they are).
+        """The NumPy results of a structure of `RemoteValue` objects (other leaves as they are).
 
         Args:
           val: a `RemoteValue`, or a nested structure (lists, tuples, dicts) of them.

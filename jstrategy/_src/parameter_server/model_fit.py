@@ -3,7 +3,7 @@
 `ParameterServerStrategy.run_fit_epoch` hands each epoch of `fit` to `run_fit_epoch` here.
 As Keras with TF's strategy, `steps_per_epoch` is required. The model's trained variables
 and its other mutable variables (BatchNorm statistics, NNX random-stream counts) are
-`VariableTree`s on the parameter servers, created at the first epoch with the compiled
+`VariableTree` objects on the parameter servers, created at the first epoch with the compiled
 optimizer (run per variable there) and kept across epochs and `fit` calls. The coordinator
 cuts the epoch's batches as the model does for any strategy and schedules one step per
 batch; each worker pulls the current variables, computes the gradient of the mean loss

@@ -3,7 +3,7 @@
 Each parameter server is an actor holding an `ArrayStore` on its process's first JAX
 device; Ray runs one method of an actor at a time, so its updates are atomic. Each worker
 is an actor with its own `ResourceTable` (per-worker datasets and iterators); a scheduled
-function travels to it by cloudpickle, with the `VariableTree`s it uses, whose variables
+function travels to it by cloudpickle, with the `VariableTree` objects it uses, whose variables
 hold the parameter servers' actor handles: workers pull and push directly, never through
 the coordinator.
 

@@ -18,6 +18,7 @@ from jstrategy._src import coordination
 from jstrategy._src.cluster_resolver import ClusterResolver
 from jstrategy._src.cluster_resolver import SimpleClusterResolver
 from jstrategy._src.cluster_resolver import TFConfigClusterResolver
+from jstrategy._src.cluster_resolver import tasks_on_other_hosts
 from jstrategy._src.input import InputContext
 from jstrategy._src.parameter_server import backend as backend_lib
 from jstrategy._src.parameter_server import model_fit
@@ -90,6 +91,25 @@ def _resolve_backend(backend: Backend | str) -> Backend:
         ) from None
 
 
+def _refuse_other_hosts(spec: Any) -> None:
+    """The local backend runs every task on this machine: a cluster on other hosts is an
+    error, never a silent single-machine run."""
+    hosts = tasks_on_other_hosts(spec, ("worker", "ps"))
+    if not hosts:
+        return
+    named = "; ".join(f"{host} ({', '.join(tasks)})" for host, tasks in hosts.items())
+    raise ValueError(
+        "ParameterServerStrategy(backend='local') runs every worker and ps task as a thread "
+        f"of this process, on this machine's devices, but the cluster names other hosts: "
+        f"{named}. To run the tasks on those hosts, start a Ray cluster with one node per "
+        "host (`ray start --head` on this one, `ray start --address=<this host>:6379` on "
+        "each of the others) and pass backend='ray', ray_address='auto': each task is placed "
+        "on the Ray node at its host's address. To train on this machine alone, pass "
+        f"jstrategy.coordinator.local_cluster_resolver(num_workers={spec.num_tasks('worker')}, "
+        f"num_ps={spec.num_tasks('ps')})."
+    )
+
+
 class ParameterServerStrategy(Strategy):
     """Asynchronous data parallelism with variables on parameter servers, as TF's.
 
@@ -105,10 +125,11 @@ class ParameterServerStrategy(Strategy):
     process: parameter server ``i`` is local device ``i`` and worker ``j`` is device
     ``num_ps + j`` (wrapping around when there are fewer devices), so with
     ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` every task has its own CPU
-    device. With ``backend="ray"`` every parameter server and worker is a Ray actor, in
-    the Ray cluster at `ray_address` (or the one this process already joined, or a new
-    local one that listens on 127.0.0.1 only); a task whose ``TF_CONFIG`` host is a Ray
-    node's address is placed there.
+    device; a cluster whose worker or ps tasks name other hosts is refused (it would train
+    on this machine alone). With ``backend="ray"`` every parameter server and worker is a
+    Ray actor, in the Ray cluster at `ray_address` (or the one this process already joined,
+    or a new local one that listens on 127.0.0.1 only); a task whose ``TF_CONFIG`` host is
+    a Ray node's address is placed there.
 
     Inside a scheduled function, `run` runs on the executing worker's device and
     `num_replicas_in_sync` is 1 (one replica per worker, as TF's CPU workers). Outside,
@@ -132,7 +153,8 @@ class ParameterServerStrategy(Strategy):
 
     Raises:
       ValueError: if the cluster has no worker or no ps task, or this process is a
-        worker or ps task (those are started by the coordinator here).
+        worker or ps task (those are started by the coordinator here), or, with the local
+        backend, the cluster's worker or ps tasks are on other hosts.
       ImportError: with ``backend="ray"`` when Ray is not installed.
 
     Example:
@@ -186,11 +208,19 @@ class ParameterServerStrategy(Strategy):
         task_type = resolver.task_type
         if task_type not in (None, "chief", "master"):
             raise ValueError(
-                f"ParameterServerStrategy runs on the coordinator (the 'chief' task); this "
-                f"process is task {task_type!r}:{resolver.task_id}. The worker and ps tasks "
-                "are started by the coordinator (as threads, or Ray actors): run the training "
-                "program only as the chief."
+                "ParameterServerStrategy runs on the coordinator only: TF_CONFIG's task must be "
+                f"{{'type': 'chief', 'index': 0}}, and this process is task "
+                f"{task_type!r}:{resolver.task_id}. In TF, worker and ps tasks do not run the "
+                "training program: they run tf.distribute.Server(...).join() and wait. Here "
+                "the coordinator starts the workers and parameter servers itself: as threads "
+                "of its own process (backend='local'), or as Ray actors on the hosts TF_CONFIG "
+                "names (backend='ray'). So on a worker or ps host, run `ray start "
+                "--address=<the Ray head's host>:6379` (the counterpart of server.join()) "
+                "instead of this program, and run this program once, as the chief."
             )
+        self._backend_kind = _resolve_backend(backend)
+        if self._backend_kind is Backend.LOCAL:
+            _refuse_other_hosts(spec)
         if timeout_seconds is not None and (
             isinstance(timeout_seconds, bool)
             or not isinstance(timeout_seconds, (int, float))
@@ -202,7 +232,6 @@ class ParameterServerStrategy(Strategy):
                 "worker or parameter server at 10 minutes."
             )
         self._timeout_seconds = None if timeout_seconds is None else float(timeout_seconds)
-        self._backend_kind = _resolve_backend(backend)
         self._cluster_resolver = resolver
         self._variable_partitioner = variable_partitioner
         self._num_workers = num_workers

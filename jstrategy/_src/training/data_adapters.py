@@ -431,6 +431,60 @@ def split_validation(
     return cut(x, train), cut(y, train), cut(w, train), validation
 
 
+def class_weight_to_sample_weight(x: Any, y: Any, w: Any, class_weight: Any) -> np.ndarray:
+    """`fit`'s ``class_weight`` as per-row weights: Keras's rule, on the host.
+
+    Each row weighs ``class_weight.get(label, 1.0)``, its label being `y` itself for
+    ``(n,)`` or ``(n, 1)`` labels and the argmax of one-hot ``(n, classes)`` labels,
+    rounded to an int (Keras's ``class_weight_to_sample_weights``).
+
+    Raises:
+      ValueError: for a `class_weight` that is not ``{int: number}``, with `sample_weight`
+        also given, a dataset, or labels that are not one array.
+
+    Example:
+
+    >>> y = np.array([0, 1, 1, 2])
+    >>> class_weight_to_sample_weight(np.ones((4, 1)), y, None, {1: 3.0}).tolist()
+    [1.0, 3.0, 3.0, 1.0]
+    """
+    ok = isinstance(class_weight, dict) and all(
+        isinstance(k, (int, np.integer)) and not isinstance(k, bool) for k in class_weight
+    )
+    if ok:
+        ok = all(
+            isinstance(v, (int, float, np.number)) and not isinstance(v, bool)
+            for v in class_weight.values()
+        )
+    if not ok:
+        raise ValueError(
+            f"`class_weight` must be a dict from class index (int) to weight (number); got "
+            f"{class_weight!r}. E.g. class_weight={{0: 1.0, 1: 5.0}}."
+        )
+    if not is_array_tree(x):
+        raise ValueError(
+            f"`class_weight` needs array inputs (x and y); got x of type {type(x).__name__}. "
+            "For a dataset, yield (x, y, sample_weight) batches with the weights you want."
+        )
+    if w is not None:
+        raise ValueError(
+            "`class_weight` and `sample_weight` cannot both be given (Keras refuses them "
+            "together too). Multiply the class weights into sample_weight yourself, or pass "
+            "one of them."
+        )
+    if not is_array(y):
+        raise ValueError(
+            f"`class_weight` needs `y` to be one array of labels; got {type(y).__name__}. "
+            "It is supported for models with a single output."
+        )
+    labels = np.asarray(y)
+    if labels.ndim > 1:
+        labels = labels.argmax(axis=-1) if labels.shape[-1] != 1 else labels.squeeze(-1)
+    labels = np.round(labels).astype(np.int32).reshape(labels.shape[0], -1)[:, 0]
+    table = {int(k): float(v) for k, v in class_weight.items()}
+    return np.array([table.get(int(c), 1.0) for c in labels], np.float32)
+
+
 def validation_inputs(validation_data: Any, batch_size: Any) -> tuple[Any, Any, Any, Any]:
     """``(x, y, sample_weight, batch_size)`` of `fit`'s ``validation_data``: arrays
     ``(x, y[, w])`` batched like the training data, or a dataset as it is.

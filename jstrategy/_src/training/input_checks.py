@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from jstrategy._src.training.step import StepSpec
     from jstrategy._src.training.trainer import Trainer
 
-__all__ = ["array_rows", "check_class_labels", "class_label_functions"]
+__all__ = ["array_rows", "check_class_labels", "check_row_shape", "class_label_functions"]
 
 # The functions whose labels are class indices into the last axis of the predictions.
 _CLASS_INDEX_TYPES = (
@@ -174,4 +174,26 @@ def check_class_labels(trainer: Trainer, data: Any, *, arg: str) -> None:
             f"the first {y.flat[index].item()!r} at flat index {index} (labels range over "
             f"[{y.min().item()!r}, {y.max().item()!r}]). Fix the labels, or give the model one output per "
             "class."
+        )
+
+
+def check_row_shape(expected: tuple[int, ...] | None, x: Any, arg: str) -> None:
+    """Array inputs whose rows have the shape the model was built for.
+
+    Checked before any work, so a wrong feature count names the argument instead of
+    failing inside the program with the module's parameter-shape error.
+
+    Raises:
+      ValueError: if `x` is one array whose row shape differs from `expected`.
+    """
+    if expected is None or not hasattr(x, "shape") or np.ndim(x) < 1:
+        return
+    given = tuple(int(d) for d in np.shape(x)[1:])
+    if given != tuple(expected):
+        name = _names(arg)[0]
+        raise ValueError(
+            f"`{name}` must have rows of shape {tuple(expected)}, the shape the model was "
+            f"built for; got rows of shape {given} (x of shape {tuple(np.shape(x))}). Pass "
+            "inputs with that shape, or build a new model for these (input_shape="
+            f"{given})."
         )

@@ -18,9 +18,31 @@ from jstrategy._src.training.model import Model
 __all__ = ["load_model"]
 
 
+def _load_model(config: dict[str, Any], module: Any, path: str) -> Model:
+    """A `Model` of `module` from a saved config (the registered loader of ``"Model"``)."""
+    if module is None:
+        raise ValueError(
+            f"The model saved in {path} is a jstrategy.Model of a {config.get('module')} "
+            "module, whose code is not saved. Pass the module: load_model(path, module)."
+        )
+    input_shape = config["input_shape"]
+    return Model(
+        module,
+        None if input_shape is None else tuple(input_shape),
+        input_dtype=np.dtype(config["input_dtype"]),
+        seed=int(config["seed"]),
+        name=config["name"],
+        train_arg=config["train_arg"],
+        dtype_policy=config.get("dtype_policy", "float32"),
+    )
+
+
+saving.register_model_class("Model", _load_model)
+
+
 def load_model(
     filepath: os.PathLike | str,
-    module: Any,
+    module: Any = None,
     *,
     custom_objects: Mapping[str, Any] | None = None,
     compile: bool = True,
@@ -36,7 +58,9 @@ def load_model(
     Args:
       filepath: the directory `Model.save` wrote.
       module: a Flax module of the saved model's architecture (linen, or an NNX module
-        instance); its code is not saved.
+        instance); its code is not saved. None for a `jstrategy.Sequential` of
+        `jstrategy.layers` (rebuilt from its saved config); for one holding other
+        modules, the list of its layers.
       custom_objects: losses, metrics or the optimizer the model was compiled with that
         jstrategy does not define (functions, optax transformations, your own classes), by
         the name the error names (a function's ``__name__``, or the name it was wrapped
@@ -71,17 +95,9 @@ def load_model(
     """
     path = os.path.abspath(os.fspath(filepath))
     config = saving.read_config(path)
-    saved_config.check_module(config, module, path, allow_other_module=allow_other_module)
-    input_shape = config["input_shape"]
-    model = Model(
-        module,
-        None if input_shape is None else tuple(input_shape),
-        input_dtype=np.dtype(config["input_dtype"]),
-        seed=int(config["seed"]),
-        name=config["name"],
-        train_arg=config["train_arg"],
-        dtype_policy=config.get("dtype_policy", "float32"),
-    )
+    if module is not None:
+        saved_config.check_module(config, module, path, allow_other_module=allow_other_module)
+    model = saving.model_loader(config)(config, module, path)
     if not model.built:
         raise ValueError(
             f"The model saved in {path} was built from its first data (no input_shape); "

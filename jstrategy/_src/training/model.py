@@ -37,6 +37,7 @@ from jstrategy._src.training.train_state import create_train_state
 from jstrategy._src.training.trainer import Trainer
 from jstrategy._src.validation import check_non_negative_int
 from jstrategy._src.validation import check_positive_int
+from jstrategy._src.validation import check_row_shape
 from jstrategy._src.validation import is_int
 
 __all__ = ["Model"]
@@ -102,11 +103,11 @@ class Model(SavingMixin, CustomLoopMixin):
             )
         if not is_int(seed):
             raise TypeError(f"`seed` must be an int; got {seed!r}.")
-        if isinstance(input_shape, (int, np.integer)):
-            input_shape = (int(input_shape),)
         self.module = module
         self.name = name or type(module).__name__.lower()
-        self._input_shape = None if input_shape is None else tuple(int(d) for d in input_shape)
+        self._input_shape = (
+            None if input_shape is None else check_row_shape(input_shape, "input_shape")
+        )
         self._input_dtype = input_dtype
         self._train_arg = train_arg
         policy = mp.as_policy(dtype_policy, argument="dtype_policy")
@@ -390,6 +391,36 @@ class Model(SavingMixin, CustomLoopMixin):
         )
         (print_fn or print)(table)
 
+    @property
+    def layers(self) -> list[Any]:
+        """The module's direct submodules, in the order the model calls them (Keras's
+        ``layers``; for NNX, its child modules).
+
+        Example:
+
+        >>> import flax.linen as nn, jstrategy
+        >>> model = jstrategy.Model(nn.Sequential([nn.Dense(4), nn.Dense(1)]), input_shape=(3,))
+        >>> [type(layer).__name__ for layer in model.layers]
+        ['Dense', 'Dense']
+        """
+        return summary_lib.direct_layers(self.state, self.module, self._sample_row())
+
+    def count_params(self) -> int:
+        """The number of scalars in the model's floating-point variables, trained or not
+        (Keras's ``count_params``: the summary's "Total params").
+
+        Example:
+
+        >>> import flax.linen as nn, jstrategy
+        >>> jstrategy.Model(nn.Dense(4), input_shape=(3,)).count_params()
+        16
+        """
+        return summary_lib.count_params(self.state.variables)
+
+    def _sample_row(self) -> Any:
+        shape = self._input_shape
+        return None if shape is None else jax.ShapeDtypeStruct((1, *shape), self._input_dtype)
+
     # Data ---------------------------------------------------------------------------------
     def _adapter(self, x: Any, y: Any, w: Any, **kwargs: Any) -> data_adapters.DataAdapter:
         adapter = data_adapters.make_adapter(
@@ -401,6 +432,8 @@ class Model(SavingMixin, CustomLoopMixin):
                 self._input_shape = tuple(sample.shape[1:])
                 self._input_dtype = sample.dtype
             self._ensure_ready(sample, training=False)
+        elif isinstance(adapter, data_adapters.ArrayAdapter):
+            input_checks.check_row_shape(self._input_shape, adapter.data[0], kwargs["arg"])
         return adapter
 
     def _check_labels(self, data: data_adapters.DataAdapter, arg: str) -> None:
@@ -427,6 +460,8 @@ class Model(SavingMixin, CustomLoopMixin):
         initial_epoch: int = 0,
         steps_per_epoch: int | None = None,
         sample_weight: Any = None,
+        class_weight: dict[int, float] | None = None,
+        validation_steps: int | None = None,
     ) -> callbacks_lib.History:
         """Trains the model, as Keras's ``fit``.
 
@@ -451,6 +486,12 @@ class Model(SavingMixin, CustomLoopMixin):
           steps_per_epoch: steps per epoch; for datasets, batches are drawn from one
             iterator that continues across epochs (restarted when exhausted).
           sample_weight: per-example weights for array inputs.
+          class_weight: ``{class index: weight}`` for array inputs, as Keras: each training
+            row's weight is the weight of its label (the label itself, or the argmax of a
+            one-hot label; classes not named weigh 1). Not with `sample_weight`; not
+            applied to validation data.
+          validation_steps: the number of validation batches evaluated after each epoch
+            (default: all of them).
 
         Returns:
           The `History` of the run.
@@ -464,9 +505,17 @@ class Model(SavingMixin, CustomLoopMixin):
         initial_epoch = check_non_negative_int(initial_epoch, "initial_epoch")
         if steps_per_epoch is not None:
             check_positive_int(steps_per_epoch, "steps_per_epoch", "Pass None for whole epochs.")
+        if validation_steps is not None:
+            check_positive_int(
+                validation_steps, "validation_steps", "Pass None for every validation batch."
+            )
         x, y, sample_weight, validation_data = data_adapters.split_validation(
             x, y, sample_weight, validation_split, validation_data
         )
+        if class_weight is not None:
+            sample_weight = data_adapters.class_weight_to_sample_weight(
+                x, y, sample_weight, class_weight
+            )
         if data_adapters.is_array_tree(x) and y is None:
             raise ValueError("`y` is required when `x` holds arrays; pass fit(x, y, ...).")
         data = self._adapter(
@@ -489,7 +538,7 @@ class Model(SavingMixin, CustomLoopMixin):
                 vw,
                 batch_size=vbatch,
                 shuffle=False,
-                steps=None,
+                steps=validation_steps,
                 arg="validation_data",
                 bucket_batch=True,
             )

@@ -122,6 +122,19 @@ class NNXTrainState(struct.PyTreeNode):
         # The stored keys stay as they were; only the streams' counts advance.
         return y_pred, _restore_keys(model_state, self.model_state)
 
+    def forward_with_losses(
+        self,
+        params: Any,
+        x: Any,
+        *,
+        train: bool,
+        axis_name: str | None,
+        sync_batch_norm: BatchNormSync = BatchNormSync.GLOBAL,
+    ) -> tuple[Any, Any, Any]:
+        # NNX modules add no losses the step collects (jstrategy.layers are linen).
+        options = {"train": train, "axis_name": axis_name, "sync_batch_norm": sync_batch_norm}
+        return (*self.forward(params, x, **options), None)
+
     def apply_update(self, grads: Any, model_state: Any) -> NNXTrainState:
         model = nnx.merge(self.graphdef, _fresh(self.params), _fresh(model_state))
         optimizer = nnx.merge(self.opt_graphdef, _fresh(self.opt_state))

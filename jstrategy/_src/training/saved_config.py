@@ -398,6 +398,14 @@ def read_config(path: str) -> dict[str, Any]:
         )
     fields.string(config, "module", "module")
     fields.string(config, "name", "name")
+    fields.get(
+        config,
+        "class_name",
+        "class_name",
+        "the saved model's class name",
+        lambda v: isinstance(v, str),
+        default="Model",
+    )
     fields.get(config, "input_shape", "input_shape", "a list of sizes or null", _is_shape)
     fields.get(config, "input_dtype", "input_dtype", "a NumPy dtype name", _is_dtype)
     fields.get(config, "seed", "seed", "an int", is_int)

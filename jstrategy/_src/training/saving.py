@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
@@ -48,12 +49,35 @@ __all__ = [
     "STATE_DIR",
     "SavingMixin",
     "is_saved_model",
+    "model_loader",
     "read_config",
+    "register_model_class",
     "save_model",
 ]
 
 STATE_DIR = "state"
 _EVERY_WORKER = "In a multi-worker job every worker calls model.save with the same path."
+
+
+# Model classes -------------------------------------------------------------------------
+# How `load_model` builds each saved class (``class_name`` in the config): a function
+# ``(config, module, path) -> Model``. Only registered names are built; a config without
+# one (written before classes were recorded) or naming a subclass of `Model` that is not
+# registered is built as a `Model` around the given module.
+_MODEL_LOADERS: dict[str, Callable[[dict[str, Any], Any, str], Any]] = {}
+
+
+def register_model_class(
+    class_name: str, loader: Callable[[dict[str, Any], Any, str], Any]
+) -> None:
+    """Registers how `load_model` builds a saved model of class `class_name`."""
+    _MODEL_LOADERS[class_name] = loader
+
+
+def model_loader(config: dict[str, Any]) -> Callable[[dict[str, Any], Any, str], Any]:
+    """The registered builder for a saved config's ``class_name`` (``"Model"`` if none)."""
+    name = config.get("class_name", "Model")
+    return _MODEL_LOADERS.get(name, _MODEL_LOADERS["Model"])
 
 
 # Saving --------------------------------------------------------------------------------
@@ -81,6 +105,7 @@ def save_model(model: Model, filepath: os.PathLike | str, *, overwrite: bool = T
     config: dict[str, Any] = {
         "format": saved_config.FORMAT,
         "version": saved_config.VERSION,
+        "class_name": type(model).__name__,
         "module": type(model.module).__name__,
         **model.get_config(),
         "compile": None,

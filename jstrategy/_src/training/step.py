@@ -347,8 +347,9 @@ def _forward(
     train: bool,
     axis_name: str | None,
     sync_batch_norm: BatchNormSync = BatchNormSync.GLOBAL,
-) -> tuple[Any, Any]:
-    """The model under `policy`: ``(y_pred in float32, model_state in the variable dtype)``.
+) -> tuple[Any, Any, Any]:
+    """The model under `policy`: ``(y_pred in float32, model_state in the variable dtype,
+    the model's own losses in float32 or None)``.
 
     Called inside the differentiated function, so the casts' gradients bring the gradients
     back to the parameters' dtype. Under ``"float32"`` nothing is cast.
@@ -359,10 +360,10 @@ def _forward(
         "sync_batch_norm": sync_batch_norm,
     }
     if policy == _FLOAT32:
-        return state.forward(params, x, **options)
+        return state.forward_with_losses(params, x, **options)
     params, x = mp.cast_to_compute((params, x), policy)
-    y_pred, model_state = state.forward(params, x, **options)
-    return mp.cast_to_float32(y_pred), mp.cast_to_variable(model_state, policy)
+    y_pred, model_state, model_loss = state.forward_with_losses(params, x, **options)
+    return mp.cast_to_float32(y_pred), mp.cast_to_variable(model_state, policy), model_loss
 
 
 def _loss_scale_factor(spec: StepSpec, rest: Any, rows: int) -> jax.Array | None:
@@ -382,14 +383,18 @@ def _row_mask(maskf: jax.Array, values: jax.Array) -> jax.Array:
     return maskf.reshape(maskf.shape + (1,) * (values.ndim - 1))
 
 
-def _loss_sum(spec: StepSpec, y: Any, y_pred: Any, maskf: jax.Array, w: Any) -> jax.Array:
+def _loss_sum(
+    spec: StepSpec, y: Any, y_pred: Any, maskf: jax.Array, w: Any, model_loss: Any = None
+) -> jax.Array:
     """One replica's weighted loss sum over the elements of its real rows, divided by the
     elements per row (training and evaluation alike).
 
     Divided by the global count of real rows, it is Keras's ``"sum_over_batch_size"``
     loss: the loss per element (``(b, t)`` for sequence outputs), times its sample weight
     (per row or per element, a padding mask say), summed and divided by the number of
-    elements, ``rows * t``.
+    elements, ``rows * t``. The model's own losses (`model_loss`: regularization
+    penalties, the same on every replica) count once per real row, so the division adds
+    them once to the mean loss, as Keras adds ``model.losses``.
     """
     assert spec.loss is not None
     values = spec.loss.values(y, y_pred).astype(jnp.float32)  # type: ignore[attr-defined]
@@ -397,7 +402,10 @@ def _loss_sum(spec: StepSpec, y: Any, y_pred: Any, maskf: jax.Array, w: Any) -> 
     values = values * _row_mask(maskf, values)
     per_row = values.size // maskf.shape[0]
     total = jnp.sum(values)
-    return total if per_row == 1 else total / per_row
+    total = total if per_row == 1 else total / per_row
+    if model_loss is None:
+        return total
+    return total + model_loss * jnp.sum(maskf)
 
 
 def _sums(
@@ -441,7 +449,7 @@ def _replica_loss(
     maskf = mask.astype(jnp.float32)
 
     def local_loss(params: Any) -> tuple[jax.Array, tuple[Any, Any, Any]]:
-        y_pred, model_state = _forward(
+        y_pred, model_state, model_loss = _forward(
             spec.policy,
             rest,
             params,
@@ -450,7 +458,7 @@ def _replica_loss(
             axis_name=axis,
             sync_batch_norm=spec.sync_batch_norm,
         )
-        loss_sum = _loss_sum(spec, y, y_pred, maskf, w)
+        loss_sum = _loss_sum(spec, y, y_pred, maskf, w, model_loss)
         scaled = loss_sum if scale is None else loss_sum * scale
         if spec.loss_scale_factor is not None:
             scaled = scaled * spec.loss_scale_factor
@@ -615,8 +623,12 @@ def eval_sums(
     if y is None:
         raise ValueError("An evaluation batch must be (x, y) or (x, y, sample_weight).")
     maskf = mask.astype(jnp.float32)
-    y_pred, _ = _forward(spec.policy, state, state.params, x, train=False, axis_name=None)
-    loss_sum = _loss_sum(spec, y, y_pred, maskf, w) if spec.loss is not None else None
+    y_pred, _, model_loss = _forward(
+        spec.policy, state, state.params, x, train=False, axis_name=None
+    )
+    loss_sum = None
+    if spec.loss is not None:
+        loss_sum = _loss_sum(spec, y, y_pred, maskf, w, model_loss)
     sums = _sums(spec, y, y_pred, maskf, loss_sum, w)
     if spec.check_numerics:
         sums.update(check_numerics.step_flags(spec, y, y_pred, maskf, loss_sum))
@@ -629,7 +641,7 @@ def eval_sums(
 def predict_outputs(policy: mp.Policy, state: TrainStateProtocol, x: Any) -> Any:
     """The model's outputs in inference mode (floating outputs in float32 under a policy
     other than ``"float32"``)."""
-    y_pred, _ = _forward(policy, state, state.params, x, train=False, axis_name=None)
+    y_pred, _, _ = _forward(policy, state, state.params, x, train=False, axis_name=None)
     return y_pred
 
 

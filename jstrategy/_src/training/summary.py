@@ -25,7 +25,7 @@ from jstrategy._src.names import path_str
 from jstrategy._src.names import snake_case
 from jstrategy._src.strategy import REPLICA_AXIS
 
-__all__ = ["layout_table", "model_table", "summarize"]
+__all__ = ["count_params", "direct_layers", "layout_table", "model_table", "summarize"]
 
 
 @dataclasses.dataclass
@@ -334,12 +334,12 @@ def summarize(module: Any, variables: Any, *sample_args: Any, **sample_kwargs: A
     such as ``batch_stats``. Output shapes are those of the sample batch.
 
     The forward pass is traced with `jax.eval_shape`, so nothing is computed and the
-    sample inputs may be `jax.ShapeDtypeStruct`s.
+    sample inputs may be `jax.ShapeDtypeStruct` objects.
 
     Args:
       module: a `flax.linen.Module` or a `flax.nnx.Module`.
       variables: for linen, the collections from ``module.init`` (arrays or
-        `jax.ShapeDtypeStruct`s); for NNX, None (the module's own state) or an
+        `jax.ShapeDtypeStruct` objects); for NNX, None (the module's own state) or an
         `nnx.State` to summarize instead.
       *sample_args: positional inputs for one forward call.
       **sample_kwargs: keyword inputs for it (e.g. ``train=False``).
@@ -452,3 +452,55 @@ def layout_table(weights: Any) -> str | None:
         lines.append(f" {cells}{row[3]}")
     lines.append("Optimizer state is laid out like its parameter.")
     return "\n".join(lines)
+
+
+def count_params(variables: Any) -> int:
+    """The scalars in the floating-point arrays of `variables` (Keras's ``count_params``;
+    random-stream keys and counters are not weights).
+
+    Example:
+
+    >>> import numpy as np
+    >>> count_params({"params": {"w": np.zeros((3, 4)), "b": np.zeros(4)}})
+    16
+    """
+    return sum(
+        int(np.size(leaf))
+        for leaf in jax.tree.leaves(variables)
+        if jnp.issubdtype(getattr(leaf, "dtype", np.float32), jnp.floating)
+    )
+
+
+def direct_layers(state: Any, module: Any, sample: Any) -> list[Any]:
+    """`module`'s direct submodules, in call order (`jstrategy.Model.layers`).
+
+    For linen, the modules the forward pass calls at the top level, found by tracing
+    `state`'s forward pass on `sample` (a `jax.ShapeDtypeStruct`; shapes only, nothing is
+    computed); for NNX, the module's child modules.
+
+    Raises:
+      ValueError: for a linen module when `sample` is None (the row shape is unknown).
+    """
+    if isinstance(module, nnx.Module):
+        iter_children = getattr(nnx, "iter_children", None)
+        children = iter_children(module) if iter_children is not None else module.iter_children()
+        return [child for _, child in children]
+    if sample is None:
+        raise ValueError(
+            "The model's row shape is unknown, so its layers cannot be found; pass "
+            "input_shape=(...) to Model (the shape of one row, without the batch axis)."
+        )
+    found: dict[str, Any] = {}
+
+    def interceptor(next_fun, call_args, call_kwargs, context):
+        mod = context.module
+        if context.method_name != "setup" and len(mod.path) == 1 and mod.path[0] not in found:
+            found[mod.path[0]] = mod.clone(parent=None)
+        return next_fun(*call_args, **call_kwargs)
+
+    def forward(state: Any, x: Any) -> Any:
+        with nn.intercept_methods(interceptor):
+            return state.forward(state.params, x, train=False, axis_name=None)[0]
+
+    jax.eval_shape(forward, state.replica_view(with_params=True), sample)
+    return list(found.values())

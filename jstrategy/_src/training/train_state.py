@@ -26,6 +26,7 @@ from flax.training import train_state as flax_train_state
 from jstrategy._src import context
 from jstrategy._src import flax_annotations
 from jstrategy._src import mixed_precision as mp
+from jstrategy._src.layers.regularizers import LOSSES
 from jstrategy._src.loss_scale import DynamicLossScale
 from jstrategy._src.placement import in_device_memory
 from jstrategy._src.placement import place_state
@@ -123,6 +124,20 @@ class TrainStateProtocol(Protocol):
         ``PER_REPLICA``), so the step follows one device's (`global_batch`); with
         `axis_name` None (a global view) the model already sees the global batch.
         """
+        ...
+
+    def forward_with_losses(
+        self,
+        params: Any,
+        x: Any,
+        *,
+        train: bool,
+        axis_name: str | None,
+        sync_batch_norm: BatchNormSync = BatchNormSync.GLOBAL,
+    ) -> tuple[Any, Any, Any]:
+        """`forward`, plus the sum of the losses the model adds (regularization penalties,
+        Keras's ``model.losses``) or None when it adds none; the train and evaluation
+        steps add it to the loss."""
         ...
 
     def apply_update(self: _S, grads: Any, model_state: Any) -> _S:
@@ -225,6 +240,33 @@ class TrainState(flax_train_state.TrainState):
         axis_name: str | None,
         sync_batch_norm: BatchNormSync = BatchNormSync.GLOBAL,
     ) -> tuple[Any, Any]:
+        options = {"train": train, "axis_name": axis_name, "sync_batch_norm": sync_batch_norm}
+        return self._apply(params, x, losses=False, **options)[:2]
+
+    def forward_with_losses(
+        self,
+        params: Any,
+        x: Any,
+        *,
+        train: bool,
+        axis_name: str | None,
+        sync_batch_norm: BatchNormSync = BatchNormSync.GLOBAL,
+    ) -> tuple[Any, Any, Any]:
+        # Layers sow their penalties into the "losses" collection when it is mutable
+        # (`jstrategy.layers`' regularizers); nothing is added when none does.
+        options = {"train": train, "axis_name": axis_name, "sync_batch_norm": sync_batch_norm}
+        return self._apply(params, x, losses=True, **options)
+
+    def _apply(
+        self,
+        params: Any,
+        x: Any,
+        *,
+        train: bool,
+        axis_name: str | None,
+        sync_batch_norm: BatchNormSync,
+        losses: bool,
+    ) -> tuple[Any, Any, Any]:
         variables = {"params": params}
         if self.batch_stats is not None:
             variables["batch_stats"] = self.batch_stats
@@ -235,13 +277,18 @@ class TrainState(flax_train_state.TrainState):
             # replica's index, keeps one-replica trajectories as they always were.)
             step_key = jax.random.fold_in(self.rng, self.step)
             kwargs["rngs"] = {"dropout": jax.random.fold_in(step_key, 0)}
+        mutable = ["batch_stats"] if train and self.batch_stats is not None else []
+        if losses:
+            mutable.append(LOSSES)
         with global_batch.linen_global_batch(
             x, axis_name=axis_name if train else None, sync_batch_norm=sync_batch_norm
         ):
-            if train and self.batch_stats is not None:
-                y_pred, updates = self.apply_fn(variables, x, mutable=["batch_stats"], **kwargs)
-                return y_pred, updates["batch_stats"]
-            return self.apply_fn(variables, x, **kwargs), None
+            if not mutable:
+                return self.apply_fn(variables, x, **kwargs), None, None
+            y_pred, updates = self.apply_fn(variables, x, mutable=mutable, **kwargs)
+        sown = jax.tree.leaves(updates.get(LOSSES, {}))
+        total = sum(jnp.sum(leaf.astype(jnp.float32)) for leaf in sown) if sown else None
+        return y_pred, updates.get("batch_stats") if "batch_stats" in mutable else None, total
 
     def apply_update(self, grads: Any, model_state: Any) -> TrainState:
         if model_state is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 from typing import Any
 
@@ -73,9 +74,17 @@ class Trainer:
         self._raw_tx: optax.GradientTransformation | None = None  # compiled, to apply
         self._tx: optax.GradientTransformation | None = None  # applied to the state
         self._rate: optimizers.LearningRate | None = None
+        # Builds the state when its shape became known after the model was made (a
+        # `Sequential` whose layers are added one by one); None: nothing to build.
+        self.build_pending: Callable[[], None] | None = None
+
+    def _build_pending(self) -> None:
+        if self.state is None and self.build_pending is not None:
+            self.build_pending()
 
     def require_state(self, what: str) -> Any:
         """The train state, or a clear error naming `what` needed it before it existed."""
+        self._build_pending()
         if self.state is None:
             raise ValueError(
                 f"The model has no variables yet, so `{what}` is not available. Pass "
@@ -97,6 +106,7 @@ class Trainer:
     def ready(self, *, training: bool) -> None:
         """Checks the model can run (built; compiled to train or evaluate), then gives the
         state the compiled optimizer."""
+        self._build_pending()
         if self.state is None:
             raise ValueError(
                 "The model has no variables: pass input_shape=(...) to Model or give fit "

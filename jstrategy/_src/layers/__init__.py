@@ -1,0 +1,1 @@
+"""Keras 3's layers as Flax linen modules (`jstrategy.layers`), one concern a file."""

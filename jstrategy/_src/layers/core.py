@@ -1,0 +1,299 @@
+"""Keras's core layers as linen modules: `Input`, `Dense`, `Embedding`, `Activation`,
+`Dropout`.
+
+Weights have Keras's names (``kernel``, ``bias``, ``embeddings``), so a variable's path
+is Keras's (``dense/kernel`` in a `jstrategy.Sequential`) and `LayoutMap` keys written for
+Keras match it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from typing import ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jstrategy._src.layers import activations
+from jstrategy._src.layers import initializers
+from jstrategy._src.layers import regularizers
+from jstrategy._src.layers.base import Layer
+from jstrategy._src.validation import check_positive_int
+from jstrategy._src.validation import check_row_shape
+from jstrategy._src.validation import is_int
+
+__all__ = ["Activation", "Dense", "Dropout", "Embedding", "Input", "InputLayer"]
+
+
+class InputLayer(Layer):
+    """The input of a `jstrategy.Sequential`: the shape and dtype of one row (identity).
+
+    Made by `Input`; a `Sequential` takes it as its first element and does not list it
+    in ``layers``, as Keras.
+
+    Attributes:
+      shape: the shape of one row, without the batch axis.
+      dtype: the dtype of the rows.
+    """
+
+    shape: tuple[int, ...] = ()
+    dtype: str = "float32"
+
+    @staticmethod
+    def validate(self: Any) -> None:  # static: Flax does not wrap it (no bound scope yet)
+        object.__setattr__(self, "shape", check_row_shape(self.shape, "shape"))
+        object.__setattr__(self, "dtype", np.dtype(self.dtype).name)
+
+    @nn.compact
+    def __call__(self, inputs: Any, training: bool | None = None) -> Any:
+        return inputs
+
+
+def Input(
+    shape: Any = None,
+    batch_size: int | None = None,
+    dtype: Any = None,
+    batch_shape: Any = None,
+    name: str | None = None,
+) -> InputLayer:
+    """Keras's ``Input``: the row shape (and dtype) a `jstrategy.Sequential` starts from.
+
+    Args:
+      shape: the shape of one row, without the batch axis, e.g. ``(28, 28, 1)``.
+      batch_size: accepted as Keras does; batches come from the data.
+      dtype: the rows' dtype (default float32).
+      batch_shape: instead of `shape`, the shape with the batch axis first (which may be
+        None).
+      name: the input's name.
+
+    Returns:
+      An `InputLayer`.
+
+    Raises:
+      ValueError: for a missing or non-concrete shape.
+
+    Example:
+
+    >>> import jstrategy
+    >>> model = jstrategy.Sequential([jstrategy.layers.Input((3,)), jstrategy.layers.Dense(2)])
+    >>> model.count_params()
+    8
+    """
+    del batch_size  # the data decides the batch size
+    if batch_shape is not None:
+        if shape is not None:
+            raise ValueError("Pass `shape` or `batch_shape` to Input, not both.")
+        if not isinstance(batch_shape, (tuple, list)) or len(batch_shape) < 2:
+            raise ValueError(
+                f"`batch_shape` must be (batch, *row_shape), e.g. (None, 10); got {batch_shape!r}."
+            )
+        shape = tuple(batch_shape[1:])
+    if shape is None:
+        raise ValueError("Input needs `shape`, the shape of one row, e.g. Input(shape=(10,)).")
+    return InputLayer(shape=check_row_shape(shape, "shape"), dtype=dtype or "float32", name=name)
+
+
+class Dense(Layer):
+    """Keras's ``Dense``: ``activation(inputs @ kernel + bias)`` on the last axis.
+
+    Args:
+      units: the output size.
+      activation: a Keras activation name, a callable or None (linear).
+      use_bias: whether to add a bias.
+      kernel_initializer: Keras's name (default ``"glorot_uniform"``) or a Flax
+        initializer.
+      bias_initializer: likewise (default ``"zeros"``).
+      kernel_regularizer: a `jstrategy.regularizers` object, a name (``"l2"``) or None;
+        its penalty is added to the loss, as in Keras.
+      bias_regularizer: likewise, for the bias.
+      input_shape: the shape of one input row, for the first layer of a `Sequential`.
+
+    Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> layer = Dense(4, activation="relu")
+    >>> variables = layer.init(jax.random.key(0), jnp.ones((2, 3)))
+    >>> jax.tree.map(jnp.shape, variables["params"])
+    {'bias': (4,), 'kernel': (3, 4)}
+    """
+
+    units: int
+    activation: Any = None
+    use_bias: bool = True
+    kernel_initializer: Any = "glorot_uniform"
+    bias_initializer: Any = "zeros"
+    kernel_regularizer: Any = None
+    bias_regularizer: Any = None
+    input_shape: Any = None
+
+    @staticmethod
+    def validate(self: Any) -> None:  # static: Flax does not wrap it (no bound scope yet)
+        check_positive_int(self.units, "units", "E.g. Dense(16).")
+        activations.get(self.activation)
+        initializers.get(self.kernel_initializer, "kernel_initializer")
+        initializers.get(self.bias_initializer, "bias_initializer")
+        object.__setattr__(self, "kernel_regularizer", regularizers.get(self.kernel_regularizer))
+        object.__setattr__(
+            self, "bias_regularizer", regularizers.get(self.bias_regularizer, "bias_regularizer")
+        )
+
+    @nn.compact
+    def __call__(self, inputs: Any, training: bool | None = None) -> Any:
+        kernel = self.param(
+            "kernel",
+            initializers.get(self.kernel_initializer, "kernel_initializer"),
+            (jnp.shape(inputs)[-1], self.units),
+            jnp.float32,
+        )
+        regularizers.add_weight_loss(self, "kernel", kernel, self.kernel_regularizer)
+        y = jnp.matmul(inputs, kernel.astype(jnp.result_type(inputs, kernel)))
+        if self.use_bias:
+            bias = self.param(
+                "bias",
+                initializers.get(self.bias_initializer, "bias_initializer"),
+                (self.units,),
+                jnp.float32,
+            )
+            regularizers.add_weight_loss(self, "bias", bias, self.bias_regularizer)
+            y = y + bias.astype(y.dtype)
+        return activations.get(self.activation)(y)
+
+
+class Embedding(Layer):
+    """Keras's ``Embedding``: integer indices to rows of ``embeddings``.
+
+    Args:
+      input_dim: the vocabulary size (indices in ``[0, input_dim)``).
+      output_dim: the size of each row.
+      embeddings_initializer: default ``"uniform"``: Keras's ``RandomUniform(-0.05, 0.05)``.
+      embeddings_regularizer: a regularizer for the table, or None.
+      mask_zero: Keras's masking of index 0; not supported (masks are not propagated).
+      input_shape: the shape of one input row, for the first layer of a `Sequential`.
+
+    Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> layer = Embedding(10, 3)
+    >>> variables = layer.init(jax.random.key(0), jnp.zeros((2, 5), jnp.int32))
+    >>> layer.apply(variables, jnp.zeros((2, 5), jnp.int32)).shape
+    (2, 5, 3)
+    """
+
+    input_dim: int
+    output_dim: int
+    embeddings_initializer: Any = "uniform"
+    embeddings_regularizer: Any = None
+    mask_zero: bool = False
+    input_shape: Any = None
+
+    sample_dtype: ClassVar[str] = "int32"
+
+    @staticmethod
+    def validate(self: Any) -> None:  # static: Flax does not wrap it (no bound scope yet)
+        check_positive_int(self.input_dim, "input_dim", "The vocabulary size, e.g. 1000.")
+        check_positive_int(self.output_dim, "output_dim", "E.g. 64.")
+        initializers.get(self.embeddings_initializer, "embeddings_initializer")
+        object.__setattr__(
+            self,
+            "embeddings_regularizer",
+            regularizers.get(self.embeddings_regularizer, "embeddings_regularizer"),
+        )
+        if self.mask_zero:
+            raise ValueError(
+                "`mask_zero=True` is not supported: jstrategy's layers do not propagate "
+                "Keras masks. Pass mask_zero=False and weight padded positions with "
+                "sample_weight (or mask them in your loss)."
+            )
+
+    @nn.compact
+    def __call__(self, inputs: Any, training: bool | None = None) -> Any:
+        table = self.param(
+            "embeddings",
+            initializers.get(self.embeddings_initializer, "embeddings_initializer"),
+            (self.input_dim, self.output_dim),
+            jnp.float32,
+        )
+        regularizers.add_weight_loss(self, "embeddings", table, self.embeddings_regularizer)
+        return jnp.take(table, jnp.asarray(inputs).astype(jnp.int32), axis=0)
+
+
+class Activation(Layer):
+    """Keras's ``Activation``: applies `activation` (a Keras name or a callable).
+
+    Example:
+
+    >>> import jax.numpy as jnp
+    >>> Activation("relu").apply({}, jnp.array([-1.0, 1.0])).tolist()
+    [0.0, 1.0]
+    """
+
+    activation: Any
+    input_shape: Any = None
+
+    @staticmethod
+    def validate(self: Any) -> None:  # static: Flax does not wrap it (no bound scope yet)
+        activations.get(self.activation)
+
+    @nn.compact
+    def __call__(self, inputs: Any, training: bool | None = None) -> Any:
+        return activations.get(self.activation)(inputs)
+
+
+class Dropout(Layer):
+    """Keras's ``Dropout``: in training, zeroes a `rate` fraction and scales the rest by
+    ``1 / (1 - rate)``; the identity otherwise.
+
+    The mask is drawn from the ``"dropout"`` stream the train step gives each replica (a
+    different key per replica and step, from the model's seed).
+
+    Args:
+      rate: the fraction to drop, in ``[0, 1)``.
+      noise_shape: the shape of the mask, broadcast over the inputs (None entries take
+        the inputs' size), or None for the inputs' shape.
+      seed: folded into the step's dropout key, so two Dropout layers with different
+        seeds draw different masks; None uses the key as it is.
+      input_shape: the shape of one input row, for the first layer of a `Sequential`.
+
+    Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> x = jnp.ones((4, 8))
+    >>> bool((Dropout(0.5).apply({}, x, training=False) == x).all())
+    True
+    >>> y = Dropout(0.5).apply({}, x, training=True, rngs={"dropout": jax.random.key(0)})
+    >>> sorted({float(v) for v in y.ravel()})
+    [0.0, 2.0]
+    """
+
+    rate: float
+    noise_shape: Any = None
+    seed: int | None = None
+    input_shape: Any = None
+
+    @staticmethod
+    def validate(self: Any) -> None:  # static: Flax does not wrap it (no bound scope yet)
+        if isinstance(self.rate, bool) or not isinstance(self.rate, (int, float)):
+            raise ValueError(f"`rate` must be a float in [0, 1); got {self.rate!r}. E.g. 0.5.")
+        if not 0 <= self.rate < 1:
+            raise ValueError(f"`rate` must be in [0, 1); got {self.rate!r}. E.g. 0.5.")
+        if self.seed is not None and not is_int(self.seed):
+            raise ValueError(f"`seed` must be an int or None; got {self.seed!r}.")
+
+    @nn.compact
+    def __call__(self, inputs: Any, training: bool | None = None) -> Any:
+        if not training or self.rate == 0:
+            return inputs
+        key = self.make_rng("dropout")
+        if self.seed is not None:
+            key = jax.random.fold_in(key, self.seed)
+        shape = jnp.shape(inputs)
+        if self.noise_shape is not None:
+            shape = tuple(
+                s if n is None else n for n, s in zip(self.noise_shape, shape, strict=True)
+            )
+        keep_prob = 1.0 - self.rate
+        keep = jax.random.bernoulli(key, keep_prob, shape)
+        keep = jnp.broadcast_to(keep, jnp.shape(inputs))
+        return jax.lax.select(keep, inputs / keep_prob, jnp.zeros_like(inputs))

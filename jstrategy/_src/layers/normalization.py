@@ -1,0 +1,226 @@
+"""Keras's normalization layers as linen modules: `BatchNormalization`, `LayerNormalization`.
+
+Keras's names and defaults: ``gamma``/``beta`` are trained (``params``),
+``moving_mean``/``moving_variance`` are BatchNorm's statistics (``batch_stats``, updated
+by the train step and averaged over the replicas, as tf.distribute aggregates them with
+MEAN); momentum 0.99, epsilon 1e-3. Statistics are computed in float32 for float16 and
+bfloat16 inputs, as Keras does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jstrategy._src.layers import initializers
+from jstrategy._src.layers import regularizers
+from jstrategy._src.layers.base import Layer
+from jstrategy._src.strategy import REPLICA_AXIS
+from jstrategy._src.validation import check_bool
+
+__all__ = ["BatchNormalization", "LayerNormalization"]
+
+
+def _axes(axis: Any, ndim: int) -> tuple[int, ...]:
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    for a in axes:
+        if not -ndim <= a < ndim:
+            raise ValueError(f"`axis` {axis!r} is out of range for inputs of rank {ndim}.")
+    return tuple(sorted(a % ndim for a in axes))
+
+
+def _check_axis(axis: Any) -> None:
+    ok = isinstance(axis, int) or (
+        isinstance(axis, (tuple, list)) and axis and all(isinstance(a, int) for a in axis)
+    )
+    if not ok or isinstance(axis, bool):
+        raise ValueError(f"`axis` must be an int or a tuple of ints; got {axis!r}. E.g. -1.")
+
+
+def _check_epsilon(epsilon: Any) -> None:
+    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or epsilon <= 0:
+        raise ValueError(f"`epsilon` must be a positive float; got {epsilon!r}. E.g. 1e-3.")
+
+
+def _float32(x: Any) -> Any:
+    return x.astype(jnp.float32) if x.dtype in (jnp.float16, jnp.bfloat16) else x
+
+
+class _Normalization(Layer):
+    """``gamma``/``beta`` over the feature axes, shared by both layers."""
+
+    def _affine(self, shape: tuple[int, ...]) -> tuple[Any, Any]:
+        gamma = beta = None
+        if self.scale:  # type: ignore[attr-defined]
+            gamma = self.param(
+                "gamma",
+                initializers.get(self.gamma_initializer, "gamma_initializer"),  # type: ignore[attr-defined]
+                shape,
+                jnp.float32,
+            )
+            regularizers.add_weight_loss(self, "gamma", gamma, self.gamma_regularizer)  # type: ignore[attr-defined]
+        if self.center:  # type: ignore[attr-defined]
+            beta = self.param(
+                "beta",
+                initializers.get(self.beta_initializer, "beta_initializer"),  # type: ignore[attr-defined]
+                shape,
+                jnp.float32,
+            )
+            regularizers.add_weight_loss(self, "beta", beta, self.beta_regularizer)  # type: ignore[attr-defined]
+        return gamma, beta
+
+    @staticmethod
+    def _check_common(self: Any) -> None:
+        _check_axis(self.axis)  # type: ignore[attr-defined]
+        _check_epsilon(self.epsilon)  # type: ignore[attr-defined]
+        check_bool(self.center, "center")  # type: ignore[attr-defined]
+        check_bool(self.scale, "scale")  # type: ignore[attr-defined]
+        for name in ("beta_initializer", "gamma_initializer"):
+            initializers.get(getattr(self, name), name)
+        for name in ("beta_regularizer", "gamma_regularizer"):
+            object.__setattr__(self, name, regularizers.get(getattr(self, name), name))
+
+
+def _normalize(x: Any, mean: Any, var: Any, gamma: Any, beta: Any, epsilon: float) -> Any:
+    inv = jax.lax.rsqrt(var + epsilon)
+    if gamma is not None:
+        inv = inv * gamma
+    out = x * inv - mean * inv
+    return out + beta if beta is not None else out
+
+
+class BatchNormalization(_Normalization):
+    """Keras's ``BatchNormalization``: batch statistics in training, moving ones otherwise.
+
+    In training each replica normalizes by its own rows' statistics (Keras's default
+    ``synchronized=False``); ``synchronized=True`` uses the global batch's, over
+    jstrategy's replica axis (`jstrategy.REPLICA_AXIS`). Either way the moving
+    statistics the step keeps are the replicas' mean.
+
+    Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> layer = BatchNormalization()
+    >>> variables = layer.init(jax.random.key(0), jnp.ones((4, 3)))
+    >>> sorted(variables["params"]), sorted(variables["batch_stats"])
+    (['beta', 'gamma'], ['moving_mean', 'moving_variance'])
+    """
+
+    axis: Any = -1
+    momentum: float = 0.99
+    epsilon: float = 1e-3
+    center: bool = True
+    scale: bool = True
+    beta_initializer: Any = "zeros"
+    gamma_initializer: Any = "ones"
+    moving_mean_initializer: Any = "zeros"
+    moving_variance_initializer: Any = "ones"
+    beta_regularizer: Any = None
+    gamma_regularizer: Any = None
+    synchronized: bool = False
+    input_shape: Any = None
+
+    @staticmethod
+    def validate(self: Any) -> None:  # static: Flax does not wrap it (no bound scope yet)
+        _Normalization._check_common(self)
+        m = self.momentum
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m <= 1:
+            raise ValueError(f"`momentum` must be a float in [0, 1]; got {m!r}. E.g. 0.99.")
+        check_bool(self.synchronized, "synchronized")
+        for name in ("moving_mean_initializer", "moving_variance_initializer"):
+            initializers.get(getattr(self, name), name)
+
+    @nn.compact
+    def __call__(self, inputs: Any, training: bool | None = None) -> Any:
+        x = _float32(inputs)
+        axes = _axes(self.axis, x.ndim)
+        feature_shape = tuple(x.shape[a] for a in axes)
+        stat_shape = tuple(x.shape[a] if a in axes else 1 for a in range(x.ndim))
+        reduce = tuple(a for a in range(x.ndim) if a not in axes)
+        moving_mean = self.variable(
+            "batch_stats",
+            "moving_mean",
+            lambda: initializers.get(self.moving_mean_initializer, "moving_mean_initializer")(
+                jax.random.key(0), feature_shape, jnp.float32
+            ),
+        )
+        moving_var = self.variable(
+            "batch_stats",
+            "moving_variance",
+            lambda: initializers.get(
+                self.moving_variance_initializer, "moving_variance_initializer"
+            )(jax.random.key(0), feature_shape, jnp.float32),
+        )
+        gamma, beta = self._affine(feature_shape)
+        if training:
+            mean = jnp.mean(x, axis=reduce)
+            if self.synchronized:
+                mean_sq = jnp.mean(jnp.square(x), axis=reduce)
+                mean, mean_sq = jax.lax.pmean((mean, mean_sq), REPLICA_AXIS)
+                var = jnp.maximum(mean_sq - jnp.square(mean), 0.0)
+            else:
+                var = jnp.var(x, axis=reduce)
+            if not self.is_initializing():
+                m = self.momentum
+                moving_mean.value = moving_mean.value * m + mean * (1 - m)
+                moving_var.value = moving_var.value * m + var * (1 - m)
+        else:
+            mean, var = moving_mean.value, moving_var.value
+        out = _normalize(
+            x,
+            mean.reshape(stat_shape),
+            var.reshape(stat_shape),
+            None if gamma is None else gamma.reshape(stat_shape),
+            None if beta is None else beta.reshape(stat_shape),
+            self.epsilon,
+        )
+        return out.astype(inputs.dtype)
+
+
+class LayerNormalization(_Normalization):
+    """Keras's ``LayerNormalization``: each row normalized over `axis` (epsilon 1e-3).
+
+    Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> x = jnp.arange(6.0).reshape(2, 3)
+    >>> layer = LayerNormalization()
+    >>> y = layer.apply(layer.init(jax.random.key(0), x), x)
+    >>> [round(float(v), 3) for v in y[0]]
+    [-1.224, 0.0, 1.224]
+    """
+
+    axis: Any = -1
+    epsilon: float = 1e-3
+    center: bool = True
+    scale: bool = True
+    beta_initializer: Any = "zeros"
+    gamma_initializer: Any = "ones"
+    beta_regularizer: Any = None
+    gamma_regularizer: Any = None
+    input_shape: Any = None
+
+    @staticmethod
+    def validate(self: Any) -> None:  # static: Flax does not wrap it (no bound scope yet)
+        _Normalization._check_common(self)
+
+    @nn.compact
+    def __call__(self, inputs: Any, training: bool | None = None) -> Any:
+        x = _float32(inputs)
+        axes = _axes(self.axis, x.ndim)
+        stat_shape = tuple(x.shape[a] if a in axes else 1 for a in range(x.ndim))
+        gamma, beta = self._affine(tuple(x.shape[a] for a in axes))
+        mean = jnp.mean(x, axis=axes, keepdims=True)
+        var = jnp.var(x, axis=axes, keepdims=True)
+        out = _normalize(
+            x,
+            mean,
+            var,
+            None if gamma is None else gamma.reshape(stat_shape),
+            None if beta is None else beta.reshape(stat_shape),
+            self.epsilon,
+        )
+        return out.astype(inputs.dtype)

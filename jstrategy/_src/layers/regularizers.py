@@ -1,0 +1,163 @@
+"""Keras's weight regularizers (`jstrategy.regularizers`) and how a layer reports them.
+
+A layer given ``kernel_regularizer=`` sows the penalty of its weight into the ``"losses"``
+collection during every forward pass of the train and evaluation steps; the step adds
+their sum to the mean loss over the global batch, as Keras adds ``model.losses`` to the
+loss it reports and differentiates. Nothing is sown while the module is initialized, so
+the collection never becomes a variable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["L1", "L1L2", "L2", "LOSSES", "Regularizer", "add_weight_loss", "get"]
+
+#: The Flax collection layers sow their regularization penalties into.
+LOSSES = "losses"
+
+
+def _factor(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(
+            f"`{name}` must be a non-negative number (the penalty's factor); got {value!r}. "
+            "E.g. 0.01."
+        )
+    return float(value)
+
+
+class Regularizer:
+    """The base of weight regularizers: ``regularizer(weight) -> scalar penalty``."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        raise NotImplementedError
+
+    def get_config(self) -> dict[str, Any]:
+        """The constructor's arguments, as Keras's ``get_config``."""
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+
+@dataclasses.dataclass(frozen=True)
+class L1L2(Regularizer):
+    """``l1 * sum(|x|) + l2 * sum(x ** 2)``, Keras's ``L1L2`` (both factors default to 0).
+
+    Example:
+
+    >>> import jax.numpy as jnp
+    >>> round(float(L1L2(l1=0.1, l2=0.5)(jnp.array([1.0, -2.0]))), 6)
+    2.8
+    """
+
+    l1: float = 0.0
+    l2: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "l1", _factor(self.l1, "l1"))
+        object.__setattr__(self, "l2", _factor(self.l2, "l2"))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        penalty = jnp.zeros((), x.dtype)
+        if self.l1:
+            penalty += self.l1 * jnp.sum(jnp.abs(x))
+        if self.l2:
+            penalty += self.l2 * jnp.sum(jnp.square(x))
+        return penalty
+
+
+@dataclasses.dataclass(frozen=True)
+class L1(Regularizer):
+    """``l1 * sum(|x|)``, Keras's ``L1`` (default 0.01).
+
+    Example:
+
+    >>> import jax.numpy as jnp
+    >>> float(L1(0.5)(jnp.array([1.0, -2.0])))
+    1.5
+    """
+
+    l1: float = 0.01
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "l1", _factor(self.l1, "l1"))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.l1 * jnp.sum(jnp.abs(x))
+
+
+@dataclasses.dataclass(frozen=True)
+class L2(Regularizer):
+    """``l2 * sum(x ** 2)``, Keras's ``L2`` (default 0.01; no factor 1/2).
+
+    Example:
+
+    >>> import jax.numpy as jnp
+    >>> round(float(L2(0.01)(jnp.array([1.0, -2.0]))), 6)
+    0.05
+    """
+
+    l2: float = 0.01
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "l2", _factor(self.l2, "l2"))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.l2 * jnp.sum(jnp.square(x))
+
+
+# Keras's names: a class name, or its snake-case form (built with the class's defaults).
+_BY_NAME: dict[str, type[Regularizer]] = {
+    "L1": L1,
+    "L2": L2,
+    "L1L2": L1L2,
+    "l1": L1,
+    "l2": L2,
+    "l1_l2": L1L2,
+}
+
+
+def get(identifier: Any, argument: str = "kernel_regularizer") -> Any:
+    """A regularizer from a Keras name (``"l2"``: ``L2(0.01)``), an object, or None.
+
+    A callable ``weight -> scalar`` is used as it is.
+
+    Raises:
+      ValueError: for an unknown name or a non-callable, naming `argument`.
+
+    Example:
+
+    >>> get("l2")
+    L2(l2=0.01)
+    """
+    if identifier is None:
+        return None
+    if isinstance(identifier, str):
+        if identifier in _BY_NAME:
+            return _BY_NAME[identifier]()
+        raise ValueError(
+            f"`{argument}` must be a regularizer name ({sorted(_BY_NAME)}), a "
+            f"jstrategy.regularizers object or None; got {identifier!r}."
+        )
+    if callable(identifier):
+        return identifier
+    raise ValueError(
+        f"`{argument}` must be a regularizer name, a jstrategy.regularizers object (e.g. "
+        f"L2(0.01)) or None; got {type(identifier).__name__} {identifier!r}."
+    )
+
+
+def add_weight_loss(module: Any, weight_name: str, weight: jax.Array, regularizer: Any) -> None:
+    """Sows `regularizer`'s penalty of `weight` into ``"losses"`` when the step collects it.
+
+    The penalty is computed in float32 (a weight cast to a lower compute dtype by a
+    precision policy is read back at float32, as Keras reads the variable).
+    """
+    if regularizer is None or module.is_initializing():
+        return
+    if not module.is_mutable_collection(LOSSES):
+        return  # prediction and custom calls: nothing adds it to a loss
+    penalty = regularizer(jnp.asarray(weight, jnp.float32))
+    module.sow(LOSSES, f"{weight_name}_regularizer", penalty)
