@@ -132,7 +132,11 @@ class NNXTrainState(struct.PyTreeNode):
         sync_batch_norm: BatchNormSync = BatchNormSync.GLOBAL,
     ) -> tuple[Any, Any, Any]:
         # NNX modules add no losses the step collects (jstrategy.layers are linen).
-        options = {"train": train, "axis_name": axis_name, "sync_batch_norm": sync_batch_norm}
+        options: dict[str, Any] = {
+            "train": train,
+            "axis_name": axis_name,
+            "sync_batch_norm": sync_batch_norm,
+        }
         return (*self.forward(params, x, **options), None)
 
     def apply_update(self, grads: Any, model_state: Any) -> NNXTrainState:

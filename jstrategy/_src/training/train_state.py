@@ -240,7 +240,11 @@ class TrainState(flax_train_state.TrainState):
         axis_name: str | None,
         sync_batch_norm: BatchNormSync = BatchNormSync.GLOBAL,
     ) -> tuple[Any, Any]:
-        options = {"train": train, "axis_name": axis_name, "sync_batch_norm": sync_batch_norm}
+        options: dict[str, Any] = {
+            "train": train,
+            "axis_name": axis_name,
+            "sync_batch_norm": sync_batch_norm,
+        }
         return self._apply(params, x, losses=False, **options)[:2]
 
     def forward_with_losses(
@@ -254,7 +258,11 @@ class TrainState(flax_train_state.TrainState):
     ) -> tuple[Any, Any, Any]:
         # Layers sow their penalties into the "losses" collection when it is mutable
         # (`jstrategy.layers`' regularizers); nothing is added when none does.
-        options = {"train": train, "axis_name": axis_name, "sync_batch_norm": sync_batch_norm}
+        options: dict[str, Any] = {
+            "train": train,
+            "axis_name": axis_name,
+            "sync_batch_norm": sync_batch_norm,
+        }
         return self._apply(params, x, losses=True, **options)
 
     def _apply(
