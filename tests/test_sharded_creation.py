@@ -180,6 +180,14 @@ def test_model_is_built_and_compiled_sharded(sharded):
     assert np.isfinite(history.history["loss"][0])
 
 
+def test_nnx_model_gets_its_optimizer_state_sharded_at_compile(sharded):
+    with sharded.scope():
+        model = jstrategy.Model(_NNXNet(nnx.Rngs(0)))
+        model.compile(optax.adamw(1e-3), loss="mse")
+    _assert_born_sharded(model.state, sharded)
+    _assert_kernels_split((model.state.params, model.state.opt_state), sharded)
+
+
 def test_load_model_under_fsdp_restores_into_a_state_created_sharded(tmp_path):
     x = np.random.default_rng(0).normal(size=(16, FEATURES)).astype(np.float32)
     y = np.zeros((16, OUT), np.float32)
