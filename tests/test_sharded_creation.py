@@ -83,6 +83,19 @@ def _data(leaf):
     return np.asarray(leaf)
 
 
+# Same key, same values: bit for bit on the newest stack; older XLA (jax 0.10) may round a
+# scaled normal initializer fused into the jitted init differently in the last bit.
+_EXACT = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 12)
+
+
+def _assert_same_values(state, eager):
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(eager), strict=True):
+        if _EXACT:
+            np.testing.assert_array_equal(_data(a), _data(b))
+        else:
+            np.testing.assert_allclose(_data(a), _data(b), rtol=1e-6, atol=0)
+
+
 def _assert_born_sharded(state, strategy):
     """Every array where `variable_sharding` says; whole on a device only if replicated."""
     split = 0
@@ -126,8 +139,7 @@ def test_linen_state_is_created_sharded_with_the_eager_values(sharded):
         _Net(), optax.adamw(1e-3), x, rng=7, strategy=jstrategy.OneDeviceStrategy("cpu:0")
     )
     assert _SEEN[-2:] == [False, False]  # the control: OneDevice initializes eagerly
-    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(eager), strict=True):
-        np.testing.assert_array_equal(_data(a), _data(b))  # same key, same values
+    _assert_same_values(state, eager)
 
 
 def test_nnx_state_is_created_sharded_from_a_factory_with_the_eager_values(sharded):
@@ -143,8 +155,7 @@ def test_nnx_state_is_created_sharded_from_a_factory_with_the_eager_values(shard
     eager = training.create_nnx_train_state(
         module, optax.adamw(1e-3), strategy=jstrategy.OneDeviceStrategy("cpu:0")
     )
-    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(eager), strict=True):
-        np.testing.assert_array_equal(_data(a), _data(b))
+    _assert_same_values(state, eager)
 
 
 def test_nnx_state_of_an_existing_module_gets_its_optimizer_state_sharded(sharded):
