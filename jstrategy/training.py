@@ -16,6 +16,7 @@ from jstrategy._src.training.nnx import NNXTrainState
 from jstrategy._src.training.nnx import create_nnx_train_state
 from jstrategy._src.training.train_state import TrainState
 from jstrategy._src.training.train_state import TrainStateProtocol
+from jstrategy._src.training.train_state import compile_train_state_creation
 from jstrategy._src.training.train_state import create_train_state
 from jstrategy._src.training.train_step import EvalStep
 from jstrategy._src.training.train_step import PredictStep
@@ -35,6 +36,7 @@ __all__ = [
     "TrainState",
     "TrainStateProtocol",
     "TrainStep",
+    "compile_train_state_creation",
     "create_nnx_train_state",
     "create_train_state",
     "make_eval_step",

@@ -6,6 +6,7 @@ functions here, where each variable lives; a variable's path is named by `names.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 from typing import Any
 
@@ -24,8 +25,12 @@ __all__ = [
     "HOST_MEMORY_KINDS",
     "abstract",
     "check_placed",
+    "create_placed",
+    "creation_shardings",
     "in_device_memory",
+    "lower_creation",
     "place_state",
+    "splits",
     "variable_shardings",
 ]
 
@@ -80,6 +85,88 @@ def place_state(tree: Any, strategy: Strategy | None = None) -> Any:
     return jax.tree.map(device_put_global, tree, shardings)
 
 
+def splits(shardings: Any) -> bool:
+    """Whether any sharding of the pytree `shardings` splits its variable across devices
+    (each device holding a slice, not a whole copy)."""
+    return any(not s.is_fully_replicated for s in jax.tree.leaves(shardings))
+
+
+def creation_shardings(fn: Callable[..., Any], *args: Any, strategy: Strategy) -> Any:
+    """Where `strategy` keeps each output of ``fn(*args)``, from its shapes alone.
+
+    ``fn`` is traced by `jax.eval_shape` (nothing is computed) and every leaf of its
+    result gets ``strategy.variable_sharding(leaf, path)``, as `place_state` would give
+    it.
+
+    Returns:
+      A pytree of shardings shaped like ``fn(*args)``.
+    """
+    return variable_shardings(jax.eval_shape(fn, *args), strategy)
+
+
+def _creation_inputs(args: Any, strategy: Strategy) -> Any:
+    # Arrays already placed (committed) stay where they are; anything else (NumPy sample
+    # inputs, a fresh key) reaches every device whole, also across processes.
+    replicated = strategy.replicated_sharding()
+
+    def put(x: Any) -> Any:
+        if isinstance(x, jax.Array) and x.committed:
+            return x
+        return device_put_global(x, replicated)
+
+    return jax.tree.map(put, args)
+
+
+def lower_creation(
+    fn: Callable[..., Any], *args: Any, strategy: Strategy, shardings: Any = None
+) -> jax.stages.Lowered:
+    """The program that creates ``fn(*args)`` where `strategy` keeps it, lowered.
+
+    ``jax.jit(fn, out_shardings=...)`` with `creation_shardings` (or `shardings`, when
+    already computed): XLA computes each device's slice of every output on that device, so
+    no device ever holds a whole variable that its layout splits. ``.compile()`` it to run
+    it or to read its ``memory_analysis()`` (the creation's peak per device).
+    """
+    if shardings is None:
+        shardings = creation_shardings(fn, *args, strategy=strategy)
+    return jax.jit(fn, out_shardings=shardings).lower(*_creation_inputs(args, strategy))
+
+
+def create_placed(
+    fn: Callable[..., Any],
+    *args: Any,
+    strategy: Strategy,
+    eager: Callable[[], Any] | None = None,
+    place_args: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None = None,
+) -> Any:
+    """``fn(*args)``, placed where `strategy` keeps variables: created there when split.
+
+    When `variable_sharding` splits any output across devices (FSDP, ModelParallel), the
+    outputs are created where they live by one jitted program (`lower_creation`): no whole
+    copy of a split variable ever exists on one device. Otherwise `eager` (by default
+    ``fn(*args)``) runs op by op and `place_state` places its result: each op's kernel is
+    cached across models, while a jitted creation compiles a new program per model.
+
+    Both paths compute the same values (the same keys give the same parameters).
+
+    Args:
+      fn: a pure function of `args` returning a pytree of arrays (static fields allowed).
+      *args: its arguments (arrays or pytrees of arrays).
+      strategy: where the outputs live.
+      eager: the eager creation when nothing is split, returning what ``fn(*args)`` does.
+      place_args: places `args` for the jitted creation; by default arrays already placed
+        stay where they are and everything else is put whole on every device.
+
+    Returns:
+      The outputs, placed by `variable_sharding`.
+    """
+    shardings = creation_shardings(fn, *args, strategy=strategy)
+    if not splits(shardings):
+        return place_state(eager() if eager is not None else fn(*args), strategy)
+    inputs = place_args(args) if place_args is not None else _creation_inputs(args, strategy)
+    return jax.jit(fn, out_shardings=shardings)(*inputs)
+
+
 def in_device_memory(tree: Any) -> Any:
     """`tree` with every array held in host memory copied to device memory, same devices.
 
@@ -105,7 +192,11 @@ def in_device_memory(tree: Any) -> Any:
     """
 
     def move(x: Any) -> Any:
-        if isinstance(x, jax.Array) and x.sharding.memory_kind in HOST_MEMORY_KINDS:
+        if (
+            isinstance(x, jax.Array)
+            and not isinstance(x, jax.core.Tracer)  # inside a creation program
+            and x.sharding.memory_kind in HOST_MEMORY_KINDS
+        ):
             return jax.device_put(x, x.sharding.with_memory_kind("device"))
         return x
 

@@ -22,12 +22,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from flax import linen
 from flax import nnx
 from flax import struct
 
 from jstrategy._src import context
 from jstrategy._src import flax_annotations
 from jstrategy._src import mixed_precision as mp
+from jstrategy._src.placement import create_placed
 from jstrategy._src.placement import in_device_memory
 from jstrategy._src.placement import place_state
 from jstrategy._src.training import global_batch
@@ -269,9 +271,17 @@ def create_nnx_train_state(
     values back with ``nnx.update(model, state.params, state.model_state)``.
 
     Args:
-      model: the `nnx.Module` (already initialized, e.g. with ``rngs=nnx.Rngs(0)``).
-      optimizer: an ``nnx.Optimizer(model, tx, wrt=...)`` for this model, or an optax
-        transformation or `jstrategy.optimizers` object to build one with.
+      model: the `nnx.Module` (already initialized, e.g. with ``rngs=nnx.Rngs(0)``), or a
+        function of no arguments that creates it (``lambda: MLP(rngs=nnx.Rngs(0))``).
+        Given a function, a strategy that splits variables (FSDP, ModelParallel) creates
+        the module where it lives: its shapes come from `jax.eval_shape`, then the
+        function and the optimizer's init run as one jitted program with
+        ``out_shardings`` from `variable_sharding`, so no device holds a whole split
+        variable (the same values as calling it eagerly). An existing module's variables
+        are placed first, and its optimizer state is then created where it lives.
+      optimizer: an ``nnx.Optimizer(model, tx, wrt=...)`` for this model (not with a
+        function), or an optax transformation or `jstrategy.optimizers` object to build
+        one with.
       wrt: the filter of trained variables when `optimizer` is an optax transformation;
         an `nnx.Optimizer` brings its own.
       strategy: where to place the state; None means `jstrategy.get_strategy()`.
@@ -297,14 +307,24 @@ def create_nnx_train_state(
     """
     strategy = strategy if strategy is not None else context.get_strategy()
     policy = mp.as_policy(dtype_policy, argument="dtype_policy")
+    factory = None
     if not isinstance(model, nnx.Module):
-        raise TypeError(
-            f"`model` must be an nnx.Module; got {type(model).__name__}. For linen modules "
-            "use create_train_state."
-        )
+        if isinstance(model, linen.Module) or not callable(model):
+            raise TypeError(
+                f"`model` must be an nnx.Module or a function of no arguments that creates "
+                f"one; got {type(model).__name__}. For linen modules use create_train_state."
+            )
+        factory = model
     if isinstance(optimizer, keras_optimizers.Optimizer):
         optimizer = optimizer.tx
     if isinstance(optimizer, nnx.Optimizer):
+        if factory is not None:
+            raise TypeError(
+                "With a function that creates the module, `optimizer` must be an optax "
+                "transformation or a jstrategy.optimizers object (an nnx.Optimizer belongs "
+                "to a module that already exists); pass its transformation, e.g. "
+                "optax.adam(1e-3)."
+            )
         wrt = optimizer.wrt
     elif not isinstance(optimizer, optax.GradientTransformation):
         raise TypeError(
@@ -312,17 +332,60 @@ def create_nnx_train_state(
             f"jstrategy.optimizers object; got "
             f"{type(optimizer).__name__} {optimizer!r}."
         )
-    graphdef, variables = nnx.split(model)
-    flax_annotations.prepare_nnx(variables, strategy)  # Flax's sharding metadata, to the strategy
-    cast = mp.cast_to_variable(variables, policy)
-    leaves = zip(jax.tree.leaves(cast), jax.tree.leaves(variables), strict=True)
-    if any(a is not b for a, b in leaves):
-        # Variables in another dtype: a cast copy (the user's module stays as it is), with
-        # the optimizer's state created anew for it.
-        model = nnx.merge(graphdef, cast)
-        if isinstance(optimizer, nnx.Optimizer):
-            optimizer = optimizer.tx
-    if isinstance(optimizer, optax.GradientTransformation):
-        optimizer = nnx.Optimizer(model, optimizer, wrt=wrt)
-    state = _split_state(model, optimizer, wrt).replace(loss_scale=loss_scale_for(policy))
-    return place_state(state, strategy)
+
+    def assemble(model: nnx.Module, optimizer: Any) -> NNXTrainState:
+        graphdef, variables = nnx.split(model)
+        flax_annotations.prepare_nnx(variables, strategy)  # Flax's sharding metadata
+        cast = mp.cast_to_variable(variables, policy)
+        leaves = zip(jax.tree.leaves(cast), jax.tree.leaves(variables), strict=True)
+        if any(a is not b for a, b in leaves):
+            # Variables in another dtype: a cast copy (the user's module stays as it is),
+            # with the optimizer's state created anew for it.
+            model = nnx.merge(graphdef, cast)
+            if isinstance(optimizer, nnx.Optimizer):
+                optimizer = optimizer.tx
+        if isinstance(optimizer, optax.GradientTransformation):
+            optimizer = nnx.Optimizer(model, optimizer, wrt=wrt)
+        return _split_state(model, optimizer, wrt).replace(loss_scale=loss_scale_for(policy))
+
+    # Where variables are split (FSDP, ModelParallel) the state is created where it lives
+    # by one jitted program; otherwise eagerly, then placed.
+    if factory is not None:
+
+        def create() -> NNXTrainState:
+            made = factory()
+            if not isinstance(made, nnx.Module):
+                raise TypeError(
+                    f"`model` must create an nnx.Module; it returned {type(made).__name__}."
+                )
+            return assemble(made, optimizer)
+
+        def eager() -> NNXTrainState:
+            with jax.default_device(strategy.local_devices[0]):
+                return create()
+
+        return create_placed(create, strategy=strategy, eager=eager)
+
+    # An existing module: its variables are placed first (split, if their layout says so),
+    # then the optimizer state is created next to them.
+    flax_annotations.prepare_nnx(nnx.split(model)[1], strategy)  # before any placement
+    graphdef, params, model_state = split_model(model, wrt)
+    opt_graphdef = opt_state = None
+    if isinstance(optimizer, nnx.Optimizer):
+        opt_graphdef, opt_state = nnx.split(optimizer)
+
+    def build(variables: dict[str, Any]) -> NNXTrainState:
+        built = nnx.merge(graphdef, variables["params"], variables["model_state"])
+        opt: Any = optimizer
+        if opt_graphdef is not None:
+            opt = nnx.merge(opt_graphdef, variables["opt_state"])
+        return assemble(built, opt)
+
+    variables = {"params": params, "model_state": model_state, "opt_state": opt_state}
+    return create_placed(
+        build,
+        variables,
+        strategy=strategy,
+        eager=lambda: assemble(model, optimizer),
+        place_args=lambda args: (place_state(args[0], strategy),),
+    )

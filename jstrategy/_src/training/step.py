@@ -46,8 +46,8 @@ from jstrategy._src.numerics import WEIGHT_SUM
 from jstrategy._src.numerics import means
 from jstrategy._src.numerics import per_example
 from jstrategy._src.numerics import weight_key
-from jstrategy._src.placement import in_device_memory
-from jstrategy._src.placement import place_state
+from jstrategy._src.placement import abstract
+from jstrategy._src.placement import create_placed
 from jstrategy._src.reduce_util import ReduceOp
 from jstrategy._src.staging import StepFunctions
 from jstrategy._src.staging import TrainProgram
@@ -63,6 +63,7 @@ from jstrategy._src.training.per_example import samplewise
 from jstrategy._src.training.per_example import weighted_values
 from jstrategy._src.training.train_state import TrainStateProtocol
 from jstrategy._src.training.train_state import loss_scale_for
+from jstrategy._src.training.train_state import uses_loss_scale
 from jstrategy._src.validation import check_positive_int
 from jstrategy._src.values import PerReplica
 from jstrategy._src.values import is_per_replica
@@ -245,13 +246,11 @@ def prepare_state(spec: StepSpec, state: TrainStateProtocol) -> Any:
       ValueError: if the state holds gradient accumulators but the step does not
         accumulate (their pending sums would be ignored).
     """
-    added: dict[str, Any] = {}
-    if state.loss_scale is None and (loss_scale := loss_scale_for(spec.policy)) is not None:
-        added["loss_scale"] = loss_scale
+    wanted: list[str] = []
+    if state.loss_scale is None and uses_loss_scale(spec.policy):
+        wanted.append("loss_scale")
     if spec.accumulation_steps > 1 and state.grad_accumulator is None:
-        added["grad_accumulator"] = accumulation.GradientAccumulator.zeros(
-            in_device_memory(state.params)
-        )
+        wanted.append("grad_accumulator")
     if spec.accumulation_steps == 1 and state.grad_accumulator is not None:
         raise ValueError(
             "The state holds gradient accumulators (`state.grad_accumulator`, from a step "
@@ -260,9 +259,20 @@ def prepare_state(spec: StepSpec, state: TrainStateProtocol) -> Any:
             "step with the same gradient_accumulation_steps, or drop them with "
             "state.replace(grad_accumulator=None)."
         )
-    if not added:
+    if not wanted:
         return state
-    return state.replace(**place_state(added, spec.strategy))
+    shapes = jax.tree.map(abstract, state.params)
+
+    def added() -> dict[str, Any]:
+        new: dict[str, Any] = {}
+        if "loss_scale" in wanted:
+            new["loss_scale"] = loss_scale_for(spec.policy)
+        if "grad_accumulator" in wanted:
+            new["grad_accumulator"] = accumulation.GradientAccumulator.zeros(shapes)
+        return new
+
+    # Created where they live: split like their parameters under FSDP and ModelParallel.
+    return state.replace(**create_placed(added, strategy=spec.strategy))
 
 
 # ---------------------------------------------------------------------------------------

@@ -28,8 +28,9 @@ from jstrategy._src import flax_annotations
 from jstrategy._src import mixed_precision as mp
 from jstrategy._src.layers.regularizers import LOSSES
 from jstrategy._src.loss_scale import DynamicLossScale
+from jstrategy._src.placement import create_placed
 from jstrategy._src.placement import in_device_memory
-from jstrategy._src.placement import place_state
+from jstrategy._src.placement import lower_creation
 from jstrategy._src.training import global_batch
 from jstrategy._src.training import keras_optimizers
 from jstrategy._src.training import summary as summary_lib
@@ -42,6 +43,7 @@ __all__ = [
     "TrainState",
     "TrainStateProtocol",
     "as_train_state",
+    "compile_train_state_creation",
     "create_train_state",
     "loss_scale_for",
 ]
@@ -431,7 +433,12 @@ def create_train_state(
       **init_kwargs: extra keyword arguments for ``module.init``.
 
     Returns:
-      A `TrainState` whose arrays are placed by `place_state`.
+      A `TrainState` whose arrays are placed by `variable_sharding`. Where it splits
+      variables across devices (FSDP, ModelParallel) the state is created there: its
+      shapes come from `jax.eval_shape`, then ``module.init`` and ``tx.init`` run as one
+      jitted program with ``out_shardings`` (`compile_train_state_creation`), each device
+      computing only its slices; otherwise they run eagerly on this process's first
+      device and the result is placed. The same `rng` gives the same values either way.
 
     Raises:
       ValueError: if the module creates variable collections other than ``"params"`` and
@@ -447,6 +454,76 @@ def create_train_state(
     ((4, 3), 0)
     """
     strategy = strategy if strategy is not None else context.get_strategy()
+    init, args = _creation(
+        module, tx, sample_args, rng, train_arg, dtype_policy, init_kwargs, strategy
+    )
+
+    def eager() -> TrainState:
+        # Eagerly, op by op: each op's kernel is cached across models, while a jitted init
+        # would compile a new program for every model (seconds, for nothing reused).
+        # This process's first replica device: under a multi-worker strategy the mesh's
+        # first device may belong to another process.
+        with jax.default_device(strategy.local_devices[0]):
+            return init(*args)
+
+    # Where variables are split (FSDP, ModelParallel) the state is created where it lives,
+    # each device computing its slices: no device ever holds the whole model.
+    return create_placed(init, *args, strategy=strategy, eager=eager)
+
+
+def compile_train_state_creation(
+    module: Any,
+    tx: Any,
+    *sample_args: Any,
+    rng: Any = 0,
+    strategy: Strategy | None = None,
+    train_arg: str | None = "auto",
+    dtype_policy: mp.Policy | str | None = None,
+    **init_kwargs: Any,
+) -> jax.stages.Compiled:
+    """The compiled program that creates `create_train_state`'s state where it lives.
+
+    Takes `create_train_state`'s arguments and returns the program it runs when the
+    strategy's `variable_sharding` splits variables (FSDP, ModelParallel): ``module.init``
+    and ``tx.init`` under ``jax.jit`` with ``out_shardings`` from `variable_sharding`. For
+    any strategy the program is built the same way, so its ``memory_analysis()`` gives the
+    creation's peak memory per device (the arguments, outputs and temporaries of one
+    device's program), e.g. for a benchmark to compare with one whole copy of the state.
+
+    Returns:
+      A `jax.stages.Compiled`; nothing has run.
+
+    Example:
+
+    >>> import jax.numpy as jnp, optax, flax.linen as nn
+    >>> import jstrategy
+    >>> strategy = jstrategy.experimental.FSDPStrategy(min_shard_size=0)
+    >>> program = compile_train_state_creation(
+    ...     nn.Dense(64), optax.adam(1e-3), jnp.ones((1, 64)), strategy=strategy
+    ... )
+    >>> stats = program.memory_analysis()
+    >>> whole = 3 * (64 * 64 + 64) * 4  # params and Adam's two moments, float32
+    >>> stats.output_size_in_bytes < whole / 4
+    True
+    """
+    strategy = strategy if strategy is not None else context.get_strategy()
+    init, args = _creation(
+        module, tx, sample_args, rng, train_arg, dtype_policy, init_kwargs, strategy
+    )
+    return lower_creation(init, *args, strategy=strategy).compile()
+
+
+def _creation(
+    module: Any,
+    tx: Any,
+    sample_args: tuple[Any, ...],
+    rng: Any,
+    train_arg: str | None,
+    dtype_policy: mp.Policy | str | None,
+    init_kwargs: dict[str, Any],
+    strategy: Strategy,
+) -> tuple[Any, tuple[Any, ...]]:
+    """``(init, args)``: ``init(*args)`` is the new `TrainState`, a pure function."""
     policy = mp.as_policy(dtype_policy, argument="dtype_policy")
     if isinstance(tx, keras_optimizers.Optimizer):
         tx = tx.tx
@@ -456,17 +533,13 @@ def create_train_state(
             f"jstrategy.optimizers object; got {type(tx).__name__} {tx!r}."
         )
     key = _rng_key(rng)
-    params_key, dropout_key = jax.random.split(key)
     resolved = _resolve_train_arg(module, train_arg)
     kwargs = dict(init_kwargs)
     if resolved is not None and resolved not in kwargs:
         kwargs[resolved] = resolved == "deterministic"
 
-    # Eagerly, op by op: each op's kernel is cached across models, while a jitted init
-    # would compile a new program for every model (seconds, for nothing reused).
-    # This process's first replica device: under a multi-worker strategy the mesh's first
-    # device may belong to another process.
-    with jax.default_device(strategy.local_devices[0]):
+    def init(key: jax.Array, *sample_args: Any) -> TrainState:
+        params_key, dropout_key = jax.random.split(key)
         variables = dict(
             module.init({"params": params_key, "dropout": dropout_key}, *sample_args, **kwargs)
         )
@@ -474,26 +547,26 @@ def create_train_state(
         # state holds plain arrays.
         variables = flax_annotations.prepare(variables, strategy)
         variables = mp.cast_to_variable(variables, policy)
-        opt_state = tx.init(variables["params"])
-    unknown = sorted(set(variables) - {"params", "batch_stats"})
-    if unknown:
-        raise ValueError(
-            f"The module creates variable collections {unknown}; the train step keeps only "
-            "'params' and 'batch_stats'. Make other collections non-persistent (e.g. do "
-            "not `sow` during init)."
+        unknown = sorted(set(variables) - {"params", "batch_stats"})
+        if unknown:
+            raise ValueError(
+                f"The module creates variable collections {unknown}; the train step keeps "
+                "only 'params' and 'batch_stats'. Make other collections non-persistent "
+                "(e.g. do not `sow` during init)."
+            )
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            apply_fn=module.apply,
+            params=variables["params"],
+            tx=tx,
+            opt_state=tx.init(variables["params"]),
+            batch_stats=variables.get("batch_stats"),
+            rng=dropout_key,
+            train_arg=resolved,
+            loss_scale=loss_scale_for(policy),
         )
-    state = TrainState(
-        step=jnp.zeros((), jnp.int32),
-        apply_fn=module.apply,
-        params=variables["params"],
-        tx=tx,
-        opt_state=opt_state,
-        batch_stats=variables.get("batch_stats"),
-        rng=dropout_key,
-        train_arg=resolved,
-        loss_scale=loss_scale_for(policy),
-    )
-    return place_state(state, strategy)
+
+    return init, (key, *sample_args)
 
 
 def uses_loss_scale(policy: mp.Policy) -> bool:

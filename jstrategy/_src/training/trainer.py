@@ -22,6 +22,7 @@ from jstrategy._src import checkpoint as checkpoint_lib
 from jstrategy._src import context
 from jstrategy._src import fault_tolerance
 from jstrategy._src import mixed_precision as mp
+from jstrategy._src.placement import create_placed
 from jstrategy._src.placement import place_state
 from jstrategy._src.training import keras_optimizers
 from jstrategy._src.training import optimizers
@@ -159,8 +160,14 @@ class Trainer:
             return
         # Optimizer state is created in device memory (JAX cannot build arrays "like" a
         # host-memory array outside a program); place_state then puts it where it lives.
-        self._tx = self._raw_tx
-        state = place_state(self.state.with_optimizer(self._tx), self.strategy)
+        # Where variables are split (FSDP, ModelParallel) it is created where it lives.
+        tx = self._tx = self._raw_tx
+        state = create_placed(
+            lambda state: state.with_optimizer(tx),
+            self.state,
+            strategy=self.strategy,
+            eager=lambda: self.state.with_optimizer(tx),
+        )
         self.set_state(step_lib.prepare_state(self.compiled_spec, state))
 
     def finalize_variables(self) -> None:
