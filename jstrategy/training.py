@@ -13,6 +13,7 @@ from jstrategy._src.training.fit_loop import FitState
 from jstrategy._src.training.model import Model
 from jstrategy._src.training.nnx import NNXTrainState
 from jstrategy._src.training.nnx import create_nnx_train_state
+from jstrategy._src.training.remat import remat
 from jstrategy._src.training.train_state import TrainState
 from jstrategy._src.training.train_state import TrainStateProtocol
 from jstrategy._src.training.train_state import create_train_state
@@ -39,4 +40,5 @@ __all__ = [
     "make_predict_step",
     "make_train_step",
     "place_state",
+    "remat",
 ]

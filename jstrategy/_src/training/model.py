@@ -281,6 +281,7 @@ class Model(SavingMixin, CustomLoopMixin):
         metrics: Sequence[Any] | None = None,
         steps_per_execution: int = 1,
         gradient_accumulation_steps: int = 1,
+        remat: Any = None,
     ) -> None:
         """Configures training, as Keras's ``compile``.
 
@@ -306,10 +307,13 @@ class Model(SavingMixin, CustomLoopMixin):
             a cycle exactly; any ``steps_per_execution`` works with any k. ``fit``'s steps,
             ``steps_per_epoch`` and ``state.step`` count batches; the optimizer (and an
             optax schedule) counts updates.
+          remat: rematerialization of the module's repeated blocks (those it wraps with
+            `jstrategy.training.remat`), as `make_train_step`'s ``remat``: None or False
+            (off), True, a ``jax.checkpoint_policies`` policy or its name.
 
         Raises:
           ValueError: for a missing loss, unknown names, or a bad `steps_per_execution` or
-            `gradient_accumulation_steps`.
+            `gradient_accumulation_steps`, or a `remat` that is not a policy.
 
         Example:
 
@@ -332,6 +336,7 @@ class Model(SavingMixin, CustomLoopMixin):
             self.strategy,
             dtype_policy=self._trainer.policy,
             gradient_accumulation_steps=gradient_accumulation_steps,
+            remat=remat,
         )
         self._trainer.compile(optimizer, spec, steps_per_execution)
 

@@ -54,6 +54,7 @@ from jstrategy._src.training import accumulation
 from jstrategy._src.training import check_numerics
 from jstrategy._src.training import losses as losses_lib
 from jstrategy._src.training import metrics as metrics_lib
+from jstrategy._src.training import remat as remat_lib
 from jstrategy._src.training.train_state import TrainStateProtocol
 from jstrategy._src.training.train_state import loss_scale_for
 from jstrategy._src.validation import check_positive_int
@@ -108,6 +109,8 @@ class StepSpec:
       policy: the precision policy (`jstrategy.mixed_precision.Policy`). Under
         ``"float32"`` (the default) the step casts nothing.
       accumulation_steps: micro-batches per optimizer update (1: update every step).
+      remat: the checkpoint policy the model's `jstrategy.training.remat` blocks are
+        rematerialized with in the differentiated forward pass, or None (no remat).
     """
 
     strategy: Strategy
@@ -116,6 +119,7 @@ class StepSpec:
     check_numerics: bool = False
     policy: mp.Policy = _FLOAT32
     accumulation_steps: int = 1
+    remat: Callable[..., bool] | None = None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -173,6 +177,7 @@ def make_spec(
     *,
     dtype_policy: mp.Policy | str | None = None,
     gradient_accumulation_steps: int = 1,
+    remat: Any = None,
 ) -> StepSpec:
     """The `StepSpec` of a loss (or None), metrics and options given as `compile` takes them.
 
@@ -190,6 +195,7 @@ def make_spec(
             "1 updates every step; k > 1 updates once every k micro-batches.",
         ),
         check_numerics=check_numerics.check_numerics_enabled(),
+        remat=remat_lib.resolve_remat(remat),
     )
 
 
@@ -379,7 +385,9 @@ def _replica_loss(
     weight = _weights(maskf, w)
 
     def local_loss(params: Any) -> tuple[jax.Array, tuple[Any, Any, Any]]:
-        y_pred, model_state = _forward(spec.policy, rest, params, x, train=True, axis_name=axis)
+        with remat_lib.applying(spec.remat) as active:
+            y_pred, model_state = _forward(spec.policy, rest, params, x, train=True, axis_name=axis)
+        remat_lib.check_used(active)
         loss_sum = _loss_sum(spec, y, y_pred, weight)
         scaled = loss_sum if scale is None else loss_sum * scale
         return scaled, (loss_sum, y_pred, model_state)

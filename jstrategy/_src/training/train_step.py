@@ -168,6 +168,7 @@ def make_train_step(
     strategy: Strategy | None = None,
     dtype_policy: mp.Policy | str | None = None,
     gradient_accumulation_steps: int = 1,
+    remat: Any = None,
 ) -> TrainStep:
     """Builds ``train_step(state, batch) -> (state, metrics)``, one compiled SPMD program.
 
@@ -207,6 +208,14 @@ def make_train_step(
         `jstrategy.mixed_precision.global_policy()` (read now). Create the state with the
         same policy (`create_train_state`'s ``dtype_policy``).
       gradient_accumulation_steps: batches (micro-batches) per optimizer update.
+      remat: rematerialization of the model's repeated blocks in the backward pass, to
+        trade compute for memory: None or False (off, the default), True (recompute
+        everything in each block: ``jax.checkpoint_policies.nothing_saveable``), a
+        policy from ``jax.checkpoint_policies`` (e.g. ``dots_saveable``, or
+        ``save_only_these_names(...)``) or the name of one (``"dots_saveable"``). It
+        acts on the block classes the model wraps with `jstrategy.training.remat` in its
+        ``__call__`` (e.g. before ``nn.scan``); a model that wraps none raises when the
+        step is traced. The loss and gradients are the same as without.
 
     Returns:
       A `TrainStep`. Call it with the state and a batch ``(x, y)`` or ``(x, y,
@@ -235,6 +244,7 @@ def make_train_step(
             strategy,
             dtype_policy=dtype_policy,
             gradient_accumulation_steps=gradient_accumulation_steps,
+            remat=remat,
         )
     )
 
