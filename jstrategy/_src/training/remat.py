@@ -214,4 +214,5 @@ def remat(
     if active is None:
         return block
     active.used = True
-    return _rematted(block, active.policy, bool(prevent_cse), tuple(static_argnums))
+    key: Any = block  # classes hash by identity
+    return _rematted(key, active.policy, bool(prevent_cse), tuple(static_argnums))
