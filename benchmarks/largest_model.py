@@ -156,7 +156,9 @@ def measure(
     tokens = jnp.zeros((1, config.seq_len), jnp.int32)
     # The train state's structure from a tiny real state (the same blocks); its
     # parameters and optimizer state replaced by abstract ones of the full size.
-    tiny = dataclasses.replace(config, vocab_size=16, d_model=8, seq_len=4, batch_size=1)
+    tiny = dataclasses.replace(
+        config, vocab_size=16, d_model=2 * config.n_heads, seq_len=4, batch_size=1
+    )
     with strategy.scope():
         small = training.create_train_state(
             tiny.model(scan_layers=scan_layers),
@@ -294,7 +296,7 @@ def worker(args: argparse.Namespace) -> None:
     config = Config(
         args.vocab_size, args.d_model, args.n_layers, args.n_heads, args.seq_len, args.batch_size
     )
-    for scan_layers in [m == "scanned" for m in args.models]:
+    for scan_layers in [m == "scanned" for m in args.models if not args.only_search]:
         for remat in [r == "on" for r in args.remat]:
             for name in STRATEGY_NAMES:
                 m = measure(name, config, scan_layers=scan_layers, remat=remat)
@@ -420,6 +422,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--k-max", type=int, default=32, help="the search's largest k")
     parser.add_argument("--no-search", action="store_true", help="skip part 2")
     parser.add_argument("--progress", action="store_true", help="each figure on stderr")
+    parser.add_argument("--only-search", action="store_true", help="part 2 only (8 devices)")
     parser.add_argument(
         "--models", nargs="+", choices=["unrolled", "scanned"], default=["unrolled", "scanned"]
     )
@@ -458,11 +461,12 @@ def main(argv: list[str] | None = None) -> None:
         *args.remat,
         "--policies",
         *args.policies,
+        *(["--only-search"] if args.only_search else []),
         "--budgets",
         *map(str, args.budgets),
     ]
     rows: list[dict[str, Any]] = []
-    for devices in args.devices:
+    for devices in [8] if args.only_search else args.devices:
         search = devices == 8 and not args.no_search
         rows += _run(devices, forwarded, search=search, progress=args.progress)
     report(rows, args)

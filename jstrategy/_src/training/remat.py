@@ -186,6 +186,7 @@ def remat(
     Example:
 
     >>> import flax.linen as nn, jax.numpy as jnp, optax, jstrategy
+    >>> from jstrategy import training
     >>> class Block(nn.Module):
     ...     @nn.compact
     ...     def __call__(self, x, _):
@@ -193,13 +194,13 @@ def remat(
     >>> class Deep(nn.Module):
     ...     @nn.compact
     ...     def __call__(self, x):
-    ...         block = jstrategy.training.remat(Block, prevent_cse=False)
+    ...         block = training.remat(Block, prevent_cse=False)
     ...         scan = nn.scan(block, variable_axes={"params": 0},
     ...                        split_rngs={"params": True}, length=4)
     ...         return scan(name="blocks")(x, None)[0]
     >>> with jstrategy.OneDeviceStrategy("cpu:0").scope():
-    ...     state = jstrategy.training.create_train_state(Deep(), optax.sgd(0.1), jnp.ones((1, 3)))
-    ...     step = jstrategy.training.make_train_step("mse", remat=True)
+    ...     state = training.create_train_state(Deep(), optax.sgd(0.1), jnp.ones((1, 3)))
+    ...     step = training.make_train_step("mse", remat=True)
     >>> state, logs = step(state, (jnp.ones((2, 3)), jnp.zeros((2, 3))))
     >>> sorted(logs)
     ['loss']
