@@ -281,6 +281,7 @@ class Model(SavingMixin, CustomLoopMixin):
         metrics: Sequence[Any] | None = None,
         steps_per_execution: int = 1,
         gradient_accumulation_steps: int = 1,
+        *,
         remat: Any = None,
     ) -> None:
         """Configures training, as Keras's ``compile``.
