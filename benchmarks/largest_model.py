@@ -25,8 +25,9 @@ of 16 GiB and of 80 GiB, per strategy and precision policy (``float32`` and
 These are the CPU compiler's figures: on GPU and TPU, XLA's scheduling and fusion differ,
 so the bytes do too, but the ratios between strategies and settings carry over.
 
-    python benchmarks/largest_model.py            # about 3 minutes on 2 cores
-    python benchmarks/largest_model.py --tiny     # seconds: the test's configuration
+    python benchmarks/largest_model.py --progress     # ~40 minutes on 2 shared cores
+    python benchmarks/largest_model.py --no-search    # part 1 only
+    python benchmarks/largest_model.py --tiny         # the test's configuration
 """
 
 from __future__ import annotations
