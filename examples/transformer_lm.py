@@ -14,7 +14,15 @@ a Megatron layout map): ``embed/embedding``, ``pos_embed/embedding``,
 ``(d_model, d_model)``; split ``query|key|value`` on their output dimension and ``out`` on
 its input dimension for tensor parallelism), ``blocks_{i}/ln2/...``,
 ``blocks_{i}/mlp/{up,down}/kernel`` (likewise ``up`` on output, ``down`` on input) and
-``ln_f/{scale,bias}``. Dense layers have no biases.
+``ln_f/{scale,bias}``. Dense layers have no biases. With ``scan_layers=True`` the blocks
+are one ``nn.scan`` over a block (compiled once, not ``n_layers`` times) and their
+parameters ``blocks/...`` carry a leading layer axis: ``blocks/attn/query/kernel`` is
+``(n_layers, d_model, d_model)``.
+
+Rematerialization: the model wraps its block class with `jstrategy.training.remat`, so a
+train step built with ``remat=`` (``--remat``) recomputes each block's activations in the
+backward pass instead of keeping them (the train step's memory then grows with one
+block's activations, not all of them); without ``remat`` nothing changes.
 
 The data is a language made up here, deterministic and with structure to learn: each
 sequence's first half is a walk on a fixed random Markov chain (every token has a few
@@ -26,7 +34,8 @@ learn to copy). Nothing is downloaded.
 
 ``--strategy fsdp`` shards every parameter and optimizer moment over the devices;
 ``--strategy megatron`` splits attention and MLP kernels over a ``"model"`` axis of 4
-devices (`megatron_strategy`), the batch over the rest.
+devices (`megatron_strategy`), the batch over the rest. ``--scan-layers`` scans the
+blocks; ``--remat full`` (or a policy's name, e.g. ``dots_saveable``) rematerializes them.
 """
 
 from __future__ import annotations
@@ -47,22 +56,26 @@ import jstrategy
 from jstrategy import training
 
 
-def megatron_strategy(model_axis: int = 4) -> jstrategy.experimental.ModelParallelStrategy:
+def megatron_strategy(
+    model_axis: int = 4, *, scan_layers: bool = False
+) -> jstrategy.experimental.ModelParallelStrategy:
     """Megatron-style tensor parallelism over `model_axis` devices, data parallel over the rest.
 
     Attention's ``query``, ``key`` and ``value`` kernels are split on their output (heads)
     dimension and ``out`` on its input dimension over the ``"model"`` axis; likewise the
     MLP's ``up`` (output) and ``down`` (input). Each block then needs one all-reduce over
     ``"model"`` in attention and one in the MLP; embeddings and norms stay replicated.
-    ``n_heads`` must divide by `model_axis`.
+    ``n_heads`` must divide by `model_axis`. `scan_layers`: the layouts of a model with
+    ``scan_layers=True``, whose kernels have a leading (unsplit) layer axis.
     """
     n = len(jax.devices())
     mesh = jstrategy.experimental.DeviceMesh((n // model_axis, model_axis), ("batch", "model"))
     layout_map = jstrategy.experimental.LayoutMap(mesh)
-    layout_map["attn/(query|key|value)/kernel"] = (None, "model")
-    layout_map["attn/out/kernel"] = ("model", None)
-    layout_map["mlp/up/kernel"] = (None, "model")
-    layout_map["mlp/down/kernel"] = ("model", None)
+    layers: tuple[None, ...] = (None,) if scan_layers else ()
+    layout_map["attn/(query|key|value)/kernel"] = (*layers, None, "model")
+    layout_map["attn/out/kernel"] = (*layers, "model", None)
+    layout_map["mlp/up/kernel"] = (*layers, None, "model")
+    layout_map["mlp/down/kernel"] = (*layers, "model", None)
     return jstrategy.experimental.ModelParallelStrategy(layout_map)
 
 
@@ -148,22 +161,27 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """A pre-LayerNorm transformer block."""
+    """A pre-LayerNorm transformer block.
+
+    ``scanned=True``: called as `nn.scan` calls its body, ``(x, None) -> (x, None)``.
+    """
 
     n_heads: int
     mlp_ratio: int = 4
     dtype: Any = None
     out_std: float = 0.02
     attention: str = "auto"
+    scanned: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, _: Any = None) -> Any:
         norm = lambda name: nn.LayerNorm(epsilon=1e-5, dtype=self.dtype, name=name)  # noqa: E731
         attn = CausalSelfAttention(
             self.n_heads, self.dtype, self.out_std, self.attention, name="attn"
         )
         x = x + attn(norm("ln1")(x))
-        return x + MLP(self.mlp_ratio, self.dtype, self.out_std, name="mlp")(norm("ln2")(x))
+        x = x + MLP(self.mlp_ratio, self.dtype, self.out_std, name="mlp")(norm("ln2")(x))
+        return (x, None) if self.scanned else x
 
 
 class TransformerLM(nn.Module):
@@ -181,6 +199,8 @@ class TransformerLM(nn.Module):
         a `jstrategy.mixed_precision` policy's casts set it.
       attention: ``"auto"`` (cuDNN flash attention where supported), ``"xla"`` or
         ``"cudnn"``: `jax.nn.dot_product_attention`'s ``implementation``.
+      scan_layers: one ``nn.scan`` over the blocks (parameters ``blocks/...`` with a
+        leading layer axis) instead of ``n_layers`` blocks ``blocks_{i}``.
 
     Example:
 
@@ -199,6 +219,7 @@ class TransformerLM(nn.Module):
     mlp_ratio: int = 4
     dtype: Any = None
     attention: str = "auto"
+    scan_layers: bool = False
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -228,15 +249,21 @@ class TransformerLM(nn.Module):
         x = embed(tokens) + positions(jnp.arange(length))
         # GPT-2: residual projections scaled by 1/sqrt(2 * n_layers) at initialization.
         out_std = 0.02 / (2 * self.n_layers) ** 0.5
-        for i in range(self.n_layers):
-            x = Block(
-                self.n_heads,
-                self.mlp_ratio,
-                self.dtype,
-                out_std,
-                self.attention,
-                name=f"blocks_{i}",
-            )(x)
+        args = (self.n_heads, self.mlp_ratio, self.dtype, out_std, self.attention)
+        # Block itself, or rematerialized under a train step built with remat=.
+        if self.scan_layers:
+            block = training.remat(Block, prevent_cse=False)
+            blocks = nn.scan(
+                block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True, "dropout": True},
+                length=self.n_layers,
+            )
+            x, _ = blocks(*args, scanned=True, name="blocks")(x, None)
+        else:
+            block = training.remat(Block)
+            for i in range(self.n_layers):
+                x = block(*args, name=f"blocks_{i}")(x)
         x = nn.LayerNorm(epsilon=1e-5, dtype=self.dtype, name="ln_f")(x)
         return embed.attend(x)  # logits in the compute dtype; the loss casts them
 
@@ -311,8 +338,11 @@ def train(
     batch_size: int,
     learning_rate: float = 3e-3,
     seed: int = 0,
+    remat: Any = None,
 ) -> list[float]:
     """Trains `model` on generated sequences under `strategy`; returns every step's loss.
+
+    `remat`: the train step's ``remat`` (None: off; True; a checkpoint policy or its name).
 
     The same global batches in the same order under every strategy, so the losses of
     different strategies can be compared step by step.
@@ -323,7 +353,7 @@ def train(
         state = training.create_train_state(
             model, tx, jnp.zeros((1, model.seq_len), jnp.int32), rng=seed
         )
-        train_step = training.make_train_step(lm_loss)
+        train_step = training.make_train_step(lm_loss, remat=remat)
     losses = []
     for i in range(steps):
         rows = data[i * batch_size : (i + 1) * batch_size]
@@ -346,9 +376,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-heads", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--mlp-ratio", type=int, default=4)
+    parser.add_argument("--scan-layers", action="store_true", help="one nn.scan over the blocks")
+    parser.add_argument(
+        "--remat",
+        choices=["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"],
+        default="none",
+        help="rematerialize each block: full (nothing saved) or a checkpoint policy's name",
+    )
     args = parser.parse_args(argv)
 
-    strategy = STRATEGIES[args.strategy]()
+    if args.strategy == "megatron":
+        strategy = megatron_strategy(scan_layers=args.scan_layers)
+    else:
+        strategy = STRATEGIES[args.strategy]()
     model = TransformerLM(
         vocab_size=args.vocab_size,
         d_model=args.d_model,
@@ -357,14 +397,17 @@ def main(argv: list[str] | None = None) -> int:
         seq_len=args.seq_len,
         mlp_ratio=args.mlp_ratio,
         dtype=jnp.dtype(args.dtype),
+        scan_layers=args.scan_layers,
     )
+    remat = {"none": None, "full": True}.get(args.remat, args.remat)
     print(
         f"jax {jax.__version__}: {type(strategy).__name__} over "
         f"{strategy.num_replicas_in_sync} {jax.devices()[0].platform} replica(s), "
-        f"compute dtype {args.dtype}"
+        f"compute dtype {args.dtype}, {'scanned' if args.scan_layers else 'unrolled'} "
+        f"blocks, remat {args.remat}"
     )
     start = time.perf_counter()
-    losses = train(strategy, model, steps=args.steps, batch_size=args.batch_size)
+    losses = train(strategy, model, steps=args.steps, batch_size=args.batch_size, remat=remat)
     for i in range(0, args.steps, max(1, args.steps // 10)):
         print(f"  step {i:4d}: loss {losses[i]:.4f}")
     print(

@@ -14,6 +14,7 @@ from jstrategy._src.training.global_batch import BatchNormSync
 from jstrategy._src.training.model import Model
 from jstrategy._src.training.nnx import NNXTrainState
 from jstrategy._src.training.nnx import create_nnx_train_state
+from jstrategy._src.training.remat import remat
 from jstrategy._src.training.train_state import TrainState
 from jstrategy._src.training.train_state import TrainStateProtocol
 from jstrategy._src.training.train_state import compile_train_state_creation
@@ -43,4 +44,5 @@ __all__ = [
     "make_predict_step",
     "make_train_step",
     "place_state",
+    "remat",
 ]

@@ -88,6 +88,29 @@ def test_parameter_names_are_regular():
     assert paths == expected
 
 
+def test_scanned_layers_megatron_and_remat_give_the_same_steps(capsys):
+    """--scan-layers: one nn.scan over the blocks, stacked kernels split Megatron-style on
+    their (head, MLP) dimension; --remat recomputes each block without changing a step."""
+    model = lm.TransformerLM(**SMALL, scan_layers=True)
+    params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    d, n = SMALL["d_model"], SMALL["n_layers"]
+    assert params["blocks"]["attn"]["query"]["kernel"].shape == (n, d, d)
+    assert params["blocks"]["mlp"]["up"]["kernel"].shape == (n, d, 4 * d)
+    strategy = lm.megatron_strategy(scan_layers=True)
+    leaf = params["blocks"]["attn"]["out"]["kernel"]
+    spec = strategy.variable_sharding(leaf, ("params", "blocks", "attn", "out", "kernel")).spec
+    assert spec == P(None, "model", None)
+    plain = lm.train(strategy, model, steps=6, batch_size=16)
+    rematted = lm.train(
+        lm.megatron_strategy(scan_layers=True), model, steps=6, batch_size=16, remat=True
+    )
+    np.testing.assert_allclose(rematted, plain, rtol=1e-6)
+    assert plain[-1] < plain[0]
+    flags = ["--strategy", "one_device", "--steps", "1", "--scan-layers", "--remat", "full"]
+    lm.main([*flags, "--d-model", "16", "--seq-len", "8", "--vocab-size", "16"])
+    assert "scanned blocks, remat full" in capsys.readouterr().out
+
+
 def test_compute_dtype_and_float32_loss():
     model = lm.TransformerLM(**SMALL, dtype=jnp.bfloat16)
     tokens = jnp.asarray(lm.make_data(2, 8, SMALL["vocab_size"]))

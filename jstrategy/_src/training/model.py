@@ -291,6 +291,8 @@ class Model(SavingMixin, CustomLoopMixin):
         gradient_accumulation_steps: int = 1,
         weighted_metrics: Sequence[Any] | None = None,
         sync_batch_norm: BatchNormSync | str = BatchNormSync.GLOBAL,
+        *,
+        remat: Any = None,
     ) -> None:
         """Configures training, as Keras's ``compile``.
 
@@ -334,9 +336,15 @@ class Model(SavingMixin, CustomLoopMixin):
             replicas after each step). A `jstrategy.training.BatchNormSync` or its value.
             Dropout follows one device under every strategy either way.
 
+          remat: rematerialization of the module's repeated blocks (those it wraps with
+            `jstrategy.training.remat`), as `make_train_step`'s ``remat``: None or False
+            (off), True, a ``jax.checkpoint_policies`` policy or its name.
+
+
         Raises:
           ValueError: for a missing loss, unknown names, or a bad `steps_per_execution` or
-            `gradient_accumulation_steps`, or an unknown `sync_batch_norm`.
+            `gradient_accumulation_steps`, an unknown `sync_batch_norm`, or a `remat` that
+            is not a policy.
 
         Example:
 
@@ -361,6 +369,7 @@ class Model(SavingMixin, CustomLoopMixin):
             gradient_accumulation_steps=gradient_accumulation_steps,
             weighted_metrics=weighted_metrics,
             sync_batch_norm=sync_batch_norm,
+            remat=remat,
         )
         self._trainer.compile(optimizer, spec, steps_per_execution)
 

@@ -57,6 +57,7 @@ from jstrategy._src.training import accumulation
 from jstrategy._src.training import check_numerics
 from jstrategy._src.training import losses as losses_lib
 from jstrategy._src.training import metrics as metrics_lib
+from jstrategy._src.training import remat as remat_lib
 from jstrategy._src.training.global_batch import BatchNormSync
 from jstrategy._src.training.global_batch import as_batch_norm_sync
 from jstrategy._src.training.per_example import samplewise
@@ -123,6 +124,8 @@ class StepSpec:
         divides the gradients by it.
       sync_batch_norm: the rows a BatchNorm without ``axis_name`` normalizes over in
         training (`BatchNormSync`: the global batch by default).
+      remat: the checkpoint policy the model's `jstrategy.training.remat` blocks are
+        rematerialized with in the differentiated forward pass, or None (no remat).
     """
 
     strategy: Strategy
@@ -134,6 +137,7 @@ class StepSpec:
     weighted_metrics: tuple[tuple[str, Metric], ...] = ()
     loss_scale_factor: float | None = None
     sync_batch_norm: BatchNormSync = BatchNormSync.GLOBAL
+    remat: Callable[..., bool] | None = None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -209,6 +213,7 @@ def make_spec(
     gradient_accumulation_steps: int = 1,
     weighted_metrics: Any = None,
     sync_batch_norm: BatchNormSync | str = BatchNormSync.GLOBAL,
+    remat: Any = None,
 ) -> StepSpec:
     """The `StepSpec` of a loss (or None), metrics and options given as `compile` takes them.
 
@@ -230,6 +235,7 @@ def make_spec(
         ),
         check_numerics=check_numerics.check_numerics_enabled(),
         sync_batch_norm=as_batch_norm_sync(sync_batch_norm),
+        remat=remat_lib.resolve_remat(remat),
     )
 
 
@@ -459,15 +465,17 @@ def _replica_loss(
     maskf = mask.astype(jnp.float32)
 
     def local_loss(params: Any) -> tuple[jax.Array, tuple[Any, Any, Any]]:
-        y_pred, model_state, model_loss = _forward(
-            spec.policy,
-            rest,
-            params,
-            x,
-            train=True,
-            axis_name=axis,
-            sync_batch_norm=spec.sync_batch_norm,
-        )
+        with remat_lib.applying(spec.remat) as active:
+            y_pred, model_state, model_loss = _forward(
+                spec.policy,
+                rest,
+                params,
+                x,
+                train=True,
+                axis_name=axis,
+                sync_batch_norm=spec.sync_batch_norm,
+            )
+        remat_lib.check_used(active)
         loss_sum = _loss_sum(spec, y, y_pred, maskf, w, model_loss)
         scaled = loss_sum if scale is None else loss_sum * scale
         if spec.loss_scale_factor is not None:

@@ -170,6 +170,7 @@ def make_train_step(
     dtype_policy: mp.Policy | str | None = None,
     gradient_accumulation_steps: int = 1,
     sync_batch_norm: BatchNormSync | str = BatchNormSync.GLOBAL,
+    remat: Any = None,
 ) -> TrainStep:
     """Builds ``train_step(state, batch) -> (state, metrics)``, one compiled SPMD program.
 
@@ -218,6 +219,14 @@ def make_train_step(
         ``BatchNormalization(synchronized=True)``; ``"per_replica"`` each replica's rows,
         as TF's BatchNormalization under a strategy (its running statistics averaged over
         the replicas after the step). A `jstrategy.training.BatchNormSync` or its value.
+      remat: rematerialization of the model's repeated blocks in the backward pass, to
+        trade compute for memory: None or False (off, the default), True (recompute
+        everything in each block: ``jax.checkpoint_policies.nothing_saveable``), a
+        policy from ``jax.checkpoint_policies`` (e.g. ``dots_saveable``, or
+        ``save_only_these_names(...)``) or the name of one (``"dots_saveable"``). It
+        acts on the block classes the model wraps with `jstrategy.training.remat` in its
+        ``__call__`` (e.g. before ``nn.scan``); a model that wraps none raises when the
+        step is traced. The loss and gradients are the same as without.
 
     Returns:
       A `TrainStep`. Call it with the state and a batch ``(x, y)`` or ``(x, y,
@@ -247,6 +256,7 @@ def make_train_step(
             dtype_policy=dtype_policy,
             gradient_accumulation_steps=gradient_accumulation_steps,
             sync_batch_norm=sync_batch_norm,
+            remat=remat,
         )
     )
 

@@ -1,0 +1,219 @@
+"""Rematerialization per layer: the train step's ``remat`` option and `remat`, its hook.
+
+A train step built with ``remat=`` (`make_train_step`, `Model.compile`) traces the model's
+forward pass with that checkpoint policy in effect (`applying`). The library cannot
+rewrite the user's module, so the module says where the layers are: it wraps its repeated
+block class with `remat` inside its own ``__call__`` (before `nn.scan`, or before the
+unrolled loop). `remat` returns ``nn.remat(block, policy=...)`` while a train step with
+``remat`` set traces the model, and the block itself otherwise (initialization,
+evaluation, prediction, a step without ``remat``), so the parameters are the same either
+way and one checkpoint serves both.
+
+Checkpointing the whole forward pass instead would save nothing: the backward pass would
+recompute every activation at once and hold them all, as without remat. Per layer, only
+each block's input (a scan's carry) is kept between the passes and one block's
+activations are live at a time in the backward pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+from collections.abc import Callable
+from collections.abc import Iterator
+from typing import Any
+
+import flax.linen as nn
+import jax
+
+__all__ = ["POLICY_NAMES", "applying", "remat", "resolve_remat"]
+
+Policy = Callable[..., bool]
+
+# The policies `remat=` accepts by name: those in jax.checkpoint_policies that are
+# policies themselves (not factories taking names).
+POLICY_NAMES = (
+    "nothing_saveable",
+    "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
+    "everything_saveable",
+)
+
+# Factories in jax.checkpoint_policies: passing one uncalled is a likely mistake.
+_FACTORIES = {
+    name: getattr(jax.checkpoint_policies, name)
+    for name in (
+        "save_only_these_names",
+        "save_any_names_but_these",
+        "save_anything_except_these_names",
+        "save_and_offload_only_these_names",
+        "save_from_both_policies",
+    )
+    if hasattr(jax.checkpoint_policies, name)
+}
+
+_HOW = (
+    "Pass None or False (no rematerialization), True (recompute everything in each "
+    "block: jax.checkpoint_policies.nothing_saveable), a policy from "
+    "jax.checkpoint_policies (e.g. dots_saveable, or save_only_these_names('name', ...)) "
+    f"or a policy's name, one of {', '.join(map(repr, POLICY_NAMES))}."
+)
+
+
+def resolve_remat(value: Any, *, argument: str = "remat") -> Policy | None:
+    """The checkpoint policy `value` means, or None for no rematerialization.
+
+    Raises:
+      TypeError: for a value that is not a bool, a policy's name or a policy.
+      ValueError: for an unknown name, or an uncalled policy factory.
+
+    Example:
+
+    >>> import jax
+    >>> resolve_remat(True) is jax.checkpoint_policies.nothing_saveable
+    True
+    >>> resolve_remat("dots_saveable") is jax.checkpoint_policies.dots_saveable
+    True
+    >>> resolve_remat(None) is resolve_remat(False) is None
+    True
+    """
+    if value is None or value is False:
+        return None
+    if value is True:
+        return jax.checkpoint_policies.nothing_saveable
+    if isinstance(value, str):
+        if value not in POLICY_NAMES:
+            raise ValueError(
+                f"`{argument}` must name a checkpoint policy, one of "
+                f"{', '.join(map(repr, POLICY_NAMES))}; got {value!r}. {_HOW}"
+            )
+        return getattr(jax.checkpoint_policies, value)  # type: ignore[no-any-return]
+    for name, factory in _FACTORIES.items():
+        if value is factory:
+            raise ValueError(
+                f"`{argument}` got jax.checkpoint_policies.{name} itself, which makes a "
+                f"policy and is not one: call it, e.g. {argument}=jax.checkpoint_policies."
+                f"{name}(...) with the names given to jax.ad_checkpoint.checkpoint_name."
+            )
+    if isinstance(value, (int, float)) or not callable(value):
+        raise TypeError(
+            f"`{argument}` must be None, a bool, a policy's name or a checkpoint policy "
+            f"(a callable); got {value!r} of type {type(value).__name__}. {_HOW}"
+        )
+    return value  # type: ignore[no-any-return]
+
+
+@dataclasses.dataclass
+class _Active:
+    policy: Policy
+    used: bool = False
+
+
+_ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar(
+    "jstrategy_remat", default=None
+)
+
+
+@contextlib.contextmanager
+def applying(policy: Policy | None) -> Iterator[_Active | None]:
+    """Traces what runs inside with `policy` in effect for `remat` (None: none in effect).
+
+    Yields the record whose ``used`` says whether the model called `remat`.
+    """
+    if policy is None:
+        token = _ACTIVE.set(None)
+        try:
+            yield None
+        finally:
+            _ACTIVE.reset(token)
+        return
+    active = _Active(policy)
+    token = _ACTIVE.set(active)
+    try:
+        yield active
+    finally:
+        _ACTIVE.reset(token)
+
+
+def check_used(active: _Active | None) -> None:
+    """Raises if a step with ``remat`` set traced a model that never called `remat`."""
+    if active is not None and not active.used:
+        raise ValueError(
+            "The train step has `remat` set, but the model never called "
+            "jstrategy.training.remat, so nothing would be rematerialized. Wrap the "
+            "repeated block class inside the model's __call__, e.g. "
+            "`blocks = nn.scan(jstrategy.training.remat(Block, prevent_cse=False), "
+            "variable_axes={'params': 0}, split_rngs={'params': True}, length=n)`, or "
+            "build the step with remat=None."
+        )
+
+
+@functools.lru_cache(maxsize=256)
+def _rematted(
+    block: type[nn.Module], policy: Policy, prevent_cse: bool, static_argnums: tuple[int, ...]
+) -> type[nn.Module]:
+    return nn.remat(  # type: ignore[no-any-return]
+        block, policy=policy, prevent_cse=prevent_cse, static_argnums=static_argnums
+    )
+
+
+def remat(
+    block: type[nn.Module], *, prevent_cse: bool = True, static_argnums: tuple[int, ...] = ()
+) -> type[nn.Module]:
+    """`block` rematerialized with the train step's ``remat`` policy, or `block` itself.
+
+    Call it inside the model's ``__call__`` (``nn.compact``), where the step's policy is
+    in effect while the step traces the model; create the blocks from the class it
+    returns, scanned or unrolled. Outside a train step with ``remat`` set it returns
+    `block` unchanged, and ``nn.remat`` adds no level to the parameters, so they are the
+    same with and without rematerialization.
+
+    Args:
+      block: a Flax linen Module class (the repeated layer).
+      prevent_cse: as ``nn.remat``'s: keep True for unrolled blocks; False is safe and
+        faster for blocks under ``nn.scan``.
+      static_argnums: as ``nn.remat``'s, where ``self`` is argument 0 (e.g. ``(2,)`` for
+        a ``train`` flag in ``__call__(self, x, train)``).
+
+    Returns:
+      A Module class: ``nn.remat(block, policy=...)`` or `block`.
+
+    Raises:
+      TypeError: if `block` is not a linen Module class.
+
+    Example:
+
+    >>> import flax.linen as nn, jax.numpy as jnp, optax, jstrategy
+    >>> from jstrategy import training
+    >>> class Block(nn.Module):
+    ...     @nn.compact
+    ...     def __call__(self, x, _):
+    ...         return x + nn.Dense(x.shape[-1])(jnp.tanh(x)), None
+    >>> class Deep(nn.Module):
+    ...     @nn.compact
+    ...     def __call__(self, x):
+    ...         block = training.remat(Block, prevent_cse=False)
+    ...         scan = nn.scan(block, variable_axes={"params": 0},
+    ...                        split_rngs={"params": True}, length=4)
+    ...         return scan(name="blocks")(x, None)[0]
+    >>> with jstrategy.OneDeviceStrategy("cpu:0").scope():
+    ...     state = training.create_train_state(Deep(), optax.sgd(0.1), jnp.ones((1, 3)))
+    ...     step = training.make_train_step("mse", remat=True)
+    >>> state, logs = step(state, (jnp.ones((2, 3)), jnp.zeros((2, 3))))
+    >>> sorted(logs)
+    ['loss']
+    """
+    if not (isinstance(block, type) and issubclass(block, nn.Module)):
+        raise TypeError(
+            f"`block` must be a flax.linen Module class (the repeated layer, e.g. Block, "
+            f"not Block(...)); got {block!r} of type {type(block).__name__}. Pass the class "
+            "and create the layers from the class remat returns."
+        )
+    active = _ACTIVE.get()
+    if active is None:
+        return block
+    active.used = True
+    key: Any = block  # classes hash by identity
+    return _rematted(key, active.policy, bool(prevent_cse), tuple(static_argnums))
