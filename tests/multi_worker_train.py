@@ -30,6 +30,11 @@ def main() -> int:
     parser.add_argument(
         "--fsdp", action="store_true", help="FSDPStrategy over every worker's devices instead"
     )
+    parser.add_argument(
+        "--model-parallel",
+        choices=sorted(MESHES),
+        help="ModelParallelStrategy (a Megatron MLP's layout map) over this mesh instead",
+    )
     args = parser.parse_args()
 
     import jstrategy
@@ -42,6 +47,12 @@ def main() -> int:
         strategy = jstrategy.experimental.FSDPStrategy(
             min_shard_size=0, communication_options=options
         )
+    elif args.model_parallel:
+        strategy = model_parallel_strategy(
+            args.model_parallel, communication_options=options, checkpoint=bool(args.restore)
+        )
+        processes = [[d.process_index for d in row] for row in strategy.mesh.devices]
+        print(f"mesh {dict(strategy.mesh.shape)} processes {processes}", flush=True)
     else:
         strategy = jstrategy.MultiWorkerMirroredStrategy(communication_options=options)
     task = json.loads(os.environ["TF_CONFIG"])["task"]
@@ -61,8 +72,20 @@ def main() -> int:
         with jstrategy.CheckpointManager(args.restore) as manager:
             restored = manager.restore(strategy=strategy)
         leaves = jax.tree.leaves(restored)
-        assert all(len(leaf.sharding.device_set) == 4 for leaf in leaves)
-        if args.fsdp:
+        assert all(leaf.sharding.device_set == set(strategy.mesh.devices.flat) for leaf in leaves)
+        if args.model_parallel:
+            # Read into the layout map's layout: this process read (and holds) its part only.
+            for name in ("w", "b"):
+                leaf = restored[name]
+                want = strategy.variable_sharding(leaf, (name,))
+                assert leaf.sharding.is_equivalent_to(want, leaf.ndim), (leaf.sharding, want)
+                n = leaf.shape[0]
+                rows = sorted({r for s in leaf.addressable_shards for r in range(n)[s.index[0]]})
+                print(
+                    f"worker {task['index']}: {name} {leaf.sharding.spec}, rows {rows} here",
+                    flush=True,
+                )
+        elif args.fsdp:
             # Read into the split layout: this process holds (and read) its rows only.
             w = restored["w"]
             rows = sorted({r for s in w.addressable_shards for r in range(4)[s.index[0]]})
@@ -138,6 +161,13 @@ def fit_model(strategy, tensorboard=None, save=None):
     kernel = model.state.params["layers_0"]["kernel"]
     local = sum(s.data.size for s in kernel.addressable_shards)
     print(f"kernel {kernel.sharding.spec}: this process holds {local} of {kernel.size}", flush=True)
+    # The distinct pieces this process holds (one copy of each: replicas over "batch" agree).
+    pieces = {str(s.index): s.data.size for s in kernel.addressable_shards}
+    print(
+        f"kernel pieces here: {len(pieces)} of {sum(pieces.values())} elements, "
+        f"{max(pieces.values())} per device",
+        flush=True,
+    )
     weights = model.get_weights()
     if save is not None:
         model.save(save)
@@ -149,6 +179,42 @@ def fit_model(strategy, tensorboard=None, save=None):
             np.testing.assert_array_equal(a, b)
         print("saved and loaded", flush=True)
     return weights
+
+
+#: The meshes of ``--model-parallel``. Over 2 processes x 4 devices the first axis crosses
+#: the processes (`jax.make_mesh` keeps each process's devices together): under
+#: "batch2xmodel4" each process is one replica, its four devices one slice each of every
+#: split kernel; under "model2xbatch4" each process holds one half of every split kernel
+#: (on each of its four replicas), and every replica spans both processes.
+MESHES = {
+    "batch2xmodel4": ((2, 4), ("batch", "model")),
+    "model2xbatch4": ((2, 4), ("model", "batch")),
+}
+
+
+def model_parallel_strategy(mesh, communication_options=None, *, checkpoint=False):
+    """`ModelParallelStrategy` over `MESHES[mesh]`, the layout map a Megatron MLP's.
+
+    `fit_model`'s ``nn.Sequential``: the first kernel (and its bias) split on its output
+    dimension over "model", the second kernel on its input dimension; the second bias
+    replicated. With `checkpoint`, the layout map is instead that of the ``{"w", "b"}``
+    state of tests/test_multi_worker.py's checkpoints: both split over "model" (a model's
+    layout map must match its variables).
+    """
+    import jstrategy
+
+    shape, axes = MESHES[mesh]
+    layout_map = jstrategy.experimental.LayoutMap(jstrategy.experimental.DeviceMesh(shape, axes))
+    if checkpoint:
+        layout_map["^w$"] = ("model", None)
+        layout_map["^b$"] = ("model",)
+    else:
+        layout_map["layers_0/kernel"] = (None, "model")
+        layout_map["layers_0/bias"] = ("model",)
+        layout_map["layers_2/kernel"] = ("model", None)
+    return jstrategy.experimental.ModelParallelStrategy(
+        layout_map, communication_options=communication_options
+    )
 
 
 def _flatten(tree, prefix=()):
