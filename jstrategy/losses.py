@@ -18,6 +18,7 @@ from jstrategy._src.training.losses import MeanSquaredError
 from jstrategy._src.training.losses import Reduction
 from jstrategy._src.training.losses import SparseCategoricalCrossentropy
 from jstrategy._src.training.losses import get
+from jstrategy._src.training.probability_check import NotProbabilitiesWarning
 
 __all__ = [
     "BinaryCrossentropy",
@@ -27,6 +28,7 @@ __all__ = [
     "LossFunctionWrapper",
     "MeanAbsoluteError",
     "MeanSquaredError",
+    "NotProbabilitiesWarning",
     "Reduction",
     "SparseCategoricalCrossentropy",
     "get",

@@ -179,7 +179,7 @@ def test_labels_out_of_range_are_caught_on_the_host_before_training():
     metric_only = _model(loss="mse", metrics=["sparse_categorical_accuracy"])
     with pytest.raises(ValueError, match="for SparseCategoricalAccuracy: 1 of 12"):
         metric_only.evaluate(x, bad, verbose=0)
-    one_hot = _model(loss="categorical_crossentropy", metrics=[])
+    one_hot = _model(loss=losses.CategoricalCrossentropy(from_logits=True), metrics=[])
     one_hot.evaluate(x, np.eye(CLASSES, dtype=np.float32)[y] * 5, verbose=0)
 
 

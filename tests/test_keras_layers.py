@@ -198,7 +198,10 @@ def test_class_weight_is_keras_sample_weight():
     x, y = _data()
     weighted, reference = _mlp(), _mlp()
     for model in (weighted, reference):
-        model.compile(jstrategy.optimizers.SGD(0.1), loss="binary_crossentropy")
+        model.compile(
+            jstrategy.optimizers.SGD(0.1),
+            loss=jstrategy.losses.BinaryCrossentropy(from_logits=True),  # _mlp gives logits
+        )
     a = weighted.fit(x, y, batch_size=16, epochs=2, class_weight={1: 3.0}, verbose=0)
     w = np.where(y[:, 0] == 1, 3.0, 1.0).astype(np.float32)
     b = reference.fit(x, y, batch_size=16, epochs=2, sample_weight=w, verbose=0)

@@ -127,7 +127,8 @@ def test_model_compile_takes_remat_and_fits_the_same():
     for remat in (None, "dots_saveable"):
         with jstrategy.OneDeviceStrategy("cpu:0").scope():
             model = jstrategy.Model(_Scanned(), input_shape=(WIDTH,), seed=0)
-            model.compile(optax.sgd(0.1), loss="sparse_categorical_crossentropy", remat=remat)
+            loss = jstrategy.losses.SparseCategoricalCrossentropy(from_logits=True)  # logits
+            model.compile(optax.sgd(0.1), loss=loss, remat=remat)
             histories.append(model.fit(x, y, batch_size=16, epochs=2, verbose=0).history["loss"])
     np.testing.assert_allclose(histories[1], histories[0], atol=1e-6)
 

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jstrategy._src.loss_scale import DynamicLossScale
 from jstrategy._src.loss_scale import LossScaleFloorWarning
 from jstrategy._src.loss_scale import all_finite
+from jstrategy._src.training import probability_check
 from jstrategy._src.training import train_state
 from jstrategy._src.training.input_checks import class_label_functions
 
@@ -82,7 +83,8 @@ def enable_check_numerics() -> None:
     >>> import numpy as np, flax.linen as nn, jstrategy
     >>> jstrategy.config.enable_check_numerics()
     >>> model = jstrategy.Model(nn.Dense(3), input_shape=(2,))
-    >>> model.compile("sgd", loss="sparse_categorical_crossentropy")
+    >>> loss = jstrategy.losses.SparseCategoricalCrossentropy(from_logits=True)
+    >>> model.compile("sgd", loss=loss)
     >>> jstrategy.config.disable_check_numerics()
     >>> x, y = np.ones((4, 2), np.float32), np.array([0, 1, 2, 1])
     >>> x[2, 0] = np.nan
@@ -112,7 +114,8 @@ def _loss_scaled(spec: StepSpec) -> bool:
 
 def sum_keys(spec: StepSpec) -> tuple[str, ...]:
     """The keys a step of `spec` adds to its sums besides the loss, metrics and count."""
-    return (KEYS if spec.check_numerics else ()) + ((FLOOR,) if _loss_scaled(spec) else ())
+    checked = KEYS if spec.check_numerics else ()
+    return checked + ((FLOOR,) if _loss_scaled(spec) else ()) + probability_check.keys(spec)
 
 
 def loss_scale_flags(
@@ -182,20 +185,29 @@ class Watch:
 
     `add` records a step's logs and checks those of earlier steps that have finished (a
     test, not a wait); `finish` checks the rest, where the loop waits anyway. A disabled
-    watch (the step was compiled without the check) does nothing.
+    watch (the step was compiled without the check) checks only the first step's
+    predictions against a loss that expects probabilities (`probability_check`), once per
+    `probed` set.
 
     Args:
       spec: the compiled step.
       what: how a step is named in the error, e.g. ``"training step"``.
       context: appended to the step's name, e.g. ``" of epoch 3"``.
+      probed: the watches sharing this set check the predictions of the first step any
+        of them sees, and only that one (a model's epochs and evaluations share one).
     """
 
-    def __init__(self, spec: StepSpec, what: str, context: str = ""):
+    def __init__(
+        self, spec: StepSpec, what: str, context: str = "", probed: set[str] | None = None
+    ):
         self.enabled = spec.check_numerics
+        self._spec = spec
         self._keys = sum_keys(spec)
         self._what = what
         self._context = context
         self._pending: collections.deque[tuple[int, int, dict[str, Any]]] = collections.deque()
+        self._probed = set() if probed is None else probed
+        self._probe: tuple[str, Any] | None = None
 
     def add(self, logs: dict[str, Any], first: int, last: int | None = None) -> dict[str, Any]:
         """Records the logs of steps `first` to `last`; returns them without the counts.
@@ -205,24 +217,42 @@ class Watch:
         """
         if not self._keys:
             return logs
+        last = first if last is None else last
+        key = probability_check.KEY
+        if key in logs and key not in self._probed:
+            self._probed.add(key)
+            self._probe = (self._where(first, last), logs[key])
+        self._read_probe(wait=False)
         if self.enabled:
             flags = {k: logs[k] for k in self._keys if k in logs}
-            self._pending.append((first, first if last is None else last, flags))
+            self._pending.append((first, last, flags))
             while self._pending and all(v.is_ready() for v in self._pending[0][2].values()):
                 self._check(*self._pending.popleft())
         return {k: v for k, v in logs.items() if k not in self._keys}
 
     def finish(self) -> None:
         """Checks every step recorded (waiting for them)."""
+        self._read_probe(wait=True)
         while self._pending:
             self._check(*self._pending.popleft())
 
+    def _read_probe(self, *, wait: bool) -> None:
+        if self._probe is None or not (wait or self._probe[1].is_ready()):
+            return
+        where, fraction = self._probe
+        self._probe = None
+        fraction = float(jax.device_get(fraction))
+        if fraction:
+            probability_check.warn(self._spec, fraction, where)
+
+    def _where(self, first: int, last: int) -> str:
+        if first == last:
+            return f"{self._what} {first}{self._context}"
+        return f"{self._what}s {first} to {last}{self._context} (one execution)"
+
     def _check(self, first: int, last: int, flags: dict[str, Any]) -> None:
         values = {k: float(v) for k, v in jax.device_get(flags).items()}
-        if first == last:
-            where = f"{self._what} {first}{self._context}"
-        else:
-            where = f"{self._what}s {first} to {last}{self._context} (one execution)"
+        where = self._where(first, last)
         if values.get(LABELS):
             self._pending.clear()
             raise ValueError(

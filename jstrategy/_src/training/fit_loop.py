@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 from typing import Any
 
@@ -236,7 +237,9 @@ class FitEpoch:
         )
         # As Keras, skip the per-batch hooks when no callback implements them.
         batch_hooks = implements(cbs, "train_batch")
-        watch = check_numerics.Watch(self.spec, "training step", f" of epoch {progress.epoch}")
+        watch = check_numerics.Watch(
+            self.spec, "training step", f" of epoch {progress.epoch}", trainer.probed
+        )
         for execution in prefetch(executions):
             if batch_hooks:
                 cbs.on_train_batch_begin(step)
@@ -296,8 +299,12 @@ def fit(
     epochs: int,
     initial_epoch: int,
     steps_per_epoch: int | None,
+    validate: Callable[[int], bool] = lambda epoch: True,
 ) -> callbacks_lib.History:
     """`Model.fit`'s loop over epochs, after its arguments were checked and adapted.
+
+    `validate(epoch)` says whether `val_data` is evaluated after that epoch (Keras's
+    ``validation_freq``).
 
     Each epoch runs through `Strategy.run_fit_epoch`; validation follows it. A backup
     restored by `BackupAndRestore.on_train_begin` makes it start at the backup's step, with
@@ -329,7 +336,7 @@ def fit(
             logs = result.logs
             if data.exhausted:
                 trainer.stop_training = True
-            if val_data is not None:
+            if val_data is not None and validate(epoch):
                 val_logs = evaluate(trainer, val_data, cbs)
                 logs.update({f"val_{k}": v for k, v in val_logs.items()})
             cbs.on_epoch_end(epoch, logs)
@@ -358,7 +365,7 @@ def evaluate(
     logs: dict[str, Any] = {}
     cbs.on_test_begin()
     batch_hooks = implements(cbs, "test_batch")
-    watch = check_numerics.Watch(trainer.compiled_spec, "evaluation batch")
+    watch = check_numerics.Watch(trainer.compiled_spec, "evaluation batch", probed=trainer.probed)
     for i, (batch, mask, _) in enumerate(prefetch(data.batches())):
         if batch_hooks:
             cbs.on_test_batch_begin(i)

@@ -156,6 +156,11 @@ class Loss(PerExampleFunction):
     0.75
     """
 
+    #: What the loss expects its predictions to be when ``from_logits`` is False:
+    #: ``"binary"`` (each value a probability) or ``"categorical"`` (rows of
+    #: probabilities summing to 1); None: any value (`expects_probabilities`).
+    _probabilities: str | None = None
+
     def __init__(self, *, reduction: Any = "sum_over_batch_size", name: str | None = None):
         super().__init__(name=name)
         self.reduction = _reduction(reduction)
@@ -221,6 +226,25 @@ class Loss(PerExampleFunction):
     def get_config(self) -> dict[str, Any]:
         return {"reduction": self.reduction.value, **super().get_config()}
 
+    @property
+    def expects_probabilities(self) -> str | None:
+        """``"binary"`` or ``"categorical"`` when the loss reads its predictions as
+        probabilities (a cross-entropy with ``from_logits=False``), else None.
+
+        The train step checks the first step's predictions against it and warns once when
+        they are not probabilities (`jstrategy.losses.NotProbabilitiesWarning`).
+
+        Example:
+
+        >>> SparseCategoricalCrossentropy().expects_probabilities
+        'categorical'
+        >>> SparseCategoricalCrossentropy(from_logits=True).expects_probabilities is None
+        True
+        """
+        if getattr(self, "from_logits", False):
+            return None
+        return self._probabilities
+
 
 class _SmoothedCrossentropy(Loss):
     """What the binary and categorical cross-entropies share: logits and label smoothing."""
@@ -260,6 +284,8 @@ class BinaryCrossentropy(_SmoothedCrossentropy):
     >>> [round(float(v), 4) for v in loss(np.array([1.0, 0.0]), np.array([[0.0], [0.0]]))]
     [0.6931, 0.6931]
     """
+
+    _probabilities = "binary"
 
     def __init__(
         self,
@@ -311,6 +337,8 @@ class CategoricalCrossentropy(_SmoothedCrossentropy):
     [0.6931, 0.1054]
     """
 
+    _probabilities = "categorical"
+
     def __init__(
         self,
         from_logits: bool = False,
@@ -358,6 +386,8 @@ class SparseCategoricalCrossentropy(Loss):
     >>> [round(float(v), 4) for v in loss(np.array([[1], [0]]), np.zeros((2, 4)))]
     [1.3863, 1.3863]
     """
+
+    _probabilities = "categorical"
 
     def __init__(
         self,

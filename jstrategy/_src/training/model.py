@@ -293,6 +293,10 @@ class Model(SavingMixin, CustomLoopMixin):
         sync_batch_norm: BatchNormSync | str = BatchNormSync.GLOBAL,
         *,
         remat: Any = None,
+        loss_weights: Any = None,
+        run_eagerly: bool = False,
+        jit_compile: bool | str = "auto",
+        auto_scale_loss: bool = True,
     ) -> None:
         """Configures training, as Keras's ``compile``.
 
@@ -339,12 +343,20 @@ class Model(SavingMixin, CustomLoopMixin):
           remat: rematerialization of the module's repeated blocks (those it wraps with
             `jstrategy.training.remat`), as `make_train_step`'s ``remat``: None or False
             (off), True, a ``jax.checkpoint_policies`` policy or its name.
-
+          loss_weights: Keras's weights of a multi-output model's losses; only None
+            (`compile` takes one loss over the module's whole output: weigh inside it).
+          run_eagerly: Keras's eager mode; only False (every step is compiled).
+          jit_compile: Keras's switch; ``"auto"`` or True (the steps are always compiled).
+          auto_scale_loss: Keras's loss scaling under float16; True (the state gets a
+            dynamic loss scale, as Keras's ``LossScaleOptimizer``), or False where the
+            policy computes in another dtype (nothing to scale).
 
         Raises:
           ValueError: for a missing loss, unknown names, or a bad `steps_per_execution` or
-            `gradient_accumulation_steps`, an unknown `sync_batch_norm`, or a `remat` that
-            is not a policy.
+            `gradient_accumulation_steps`, an unknown `sync_batch_norm`, a `remat` that
+            is not a policy, or a Keras option that would mean something else here
+            (`loss_weights`, ``run_eagerly=True``, ``jit_compile=False``,
+            ``auto_scale_loss=False`` under float16): each message shows the fix.
 
         Example:
 
@@ -356,6 +368,9 @@ class Model(SavingMixin, CustomLoopMixin):
         (['loss', 'accuracy'], 0.001)
         """
         self._trainer.check_scope("compile")
+        _check_keras_compile_options(
+            loss_weights, run_eagerly, jit_compile, auto_scale_loss, self._trainer.policy
+        )
         steps_per_execution = check_positive_int(
             steps_per_execution,
             "steps_per_execution",
@@ -471,6 +486,8 @@ class Model(SavingMixin, CustomLoopMixin):
         sample_weight: Any = None,
         class_weight: dict[int, float] | None = None,
         validation_steps: int | None = None,
+        validation_batch_size: int | None = None,
+        validation_freq: int | Sequence[int] = 1,
     ) -> callbacks_lib.History:
         """Trains the model, as Keras's ``fit``.
 
@@ -501,6 +518,10 @@ class Model(SavingMixin, CustomLoopMixin):
             applied to validation data.
           validation_steps: the number of validation batches evaluated after each epoch
             (default: all of them).
+          validation_batch_size: the batch size of array validation data (default: the
+            training `batch_size`).
+          validation_freq: as Keras: validate after every N-th epoch (an int), or after
+            the epochs listed (1-based, a list of ints).
 
         Returns:
           The `History` of the run.
@@ -518,6 +539,7 @@ class Model(SavingMixin, CustomLoopMixin):
             check_positive_int(
                 validation_steps, "validation_steps", "Pass None for every validation batch."
             )
+        validate = _validation_epochs(validation_freq)
         x, y, sample_weight, validation_data = data_adapters.split_validation(
             x, y, sample_weight, validation_split, validation_data
         )
@@ -540,7 +562,14 @@ class Model(SavingMixin, CustomLoopMixin):
         self._check_labels(data, "x")
         val_data = None
         if validation_data is not None:
-            vx, vy, vw, vbatch = data_adapters.validation_inputs(validation_data, batch_size)
+            vbatch = batch_size if validation_batch_size is None else validation_batch_size
+            vx, vy, vw, vbatch = data_adapters.validation_inputs(validation_data, vbatch)
+            if validation_batch_size is not None and vy is None:
+                raise ValueError(
+                    f"`validation_batch_size` ({validation_batch_size!r}) is for array "
+                    "validation data; a validation dataset's batches have their size. Drop "
+                    "validation_batch_size, or batch the dataset with it."
+                )
             val_data = self._adapter(
                 vx,
                 vy,
@@ -568,6 +597,7 @@ class Model(SavingMixin, CustomLoopMixin):
             epochs=epochs,
             initial_epoch=initial_epoch,
             steps_per_epoch=steps_per_epoch,
+            validate=validate,
         )
         self.state.write_back(self.module)
         return self.history
@@ -664,3 +694,55 @@ class Model(SavingMixin, CustomLoopMixin):
 
     def __repr__(self) -> str:
         return f"Model(name={self.name!r}, strategy={self.strategy!r}, built={self.built})"
+
+
+def _check_keras_compile_options(
+    loss_weights: Any, run_eagerly: Any, jit_compile: Any, auto_scale_loss: Any, policy: mp.Policy
+) -> None:
+    """Keras 3's `compile` options that exist here only as what jstrategy always does:
+    anything else would silently mean something else, so it is an error with the fix."""
+    if loss_weights is not None:
+        raise ValueError(
+            f"`loss_weights` weighs the losses of a multi-output Keras model; got "
+            f"{loss_weights!r}, but jstrategy's compile takes one loss over the module's "
+            "whole output (a dict or tuple output goes to one loss function). Weigh inside "
+            "the loss: loss=lambda y, p: 0.7 * loss_a(y['a'], p['a']) + 0.3 * "
+            "loss_b(y['b'], p['b']) (a def, to save the model), and pass loss_weights=None."
+        )
+    if run_eagerly is not False:
+        raise ValueError(
+            f"`run_eagerly` must be False: every jstrategy step is one compiled program over "
+            f"the strategy's devices; got {run_eagerly!r}. To look inside the model, use "
+            "jax.debug.print or jax.debug.breakpoint in its __call__ (they run in the "
+            "compiled step), or call module.apply(variables, x) on a batch outside fit."
+        )
+    if jit_compile not in (True, "auto"):
+        raise ValueError(
+            f"`jit_compile` must be 'auto' or True: jstrategy's steps are always compiled "
+            f"with XLA; got {jit_compile!r}. Drop the argument (see run_eagerly's message "
+            "for debugging inside the step)."
+        )
+    if auto_scale_loss not in (True, False):
+        raise ValueError(f"`auto_scale_loss` must be True or False; got {auto_scale_loss!r}.")
+    if not auto_scale_loss and policy.compute_dtype == "float16":
+        raise ValueError(
+            f"`auto_scale_loss=False` under the {policy.name!r} policy: float16 gradients "
+            "underflow without loss scaling, so jstrategy always scales the loss under a "
+            "float16 compute dtype (Keras's LossScaleOptimizer). Keep auto_scale_loss=True, "
+            "or train with dtype_policy='mixed_bfloat16', which needs no loss scale."
+        )
+
+
+def _validation_epochs(validation_freq: Any) -> Callable[[int], bool]:
+    """Keras's ``validation_freq``: whether to validate after (0-based) epoch ``e``."""
+    if is_int(validation_freq) and validation_freq >= 1:
+        return lambda epoch: (epoch + 1) % validation_freq == 0
+    if isinstance(validation_freq, (list, tuple)) and all(
+        is_int(e) and e >= 1 for e in validation_freq
+    ):
+        chosen = frozenset(validation_freq)
+        return lambda epoch: epoch + 1 in chosen
+    raise ValueError(
+        f"`validation_freq` must be a positive int (validate every N-th epoch) or a list "
+        f"of epochs counted from 1 (e.g. [1, 5, 10]); got {validation_freq!r}."
+    )

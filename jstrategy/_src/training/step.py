@@ -57,6 +57,7 @@ from jstrategy._src.training import accumulation
 from jstrategy._src.training import check_numerics
 from jstrategy._src.training import losses as losses_lib
 from jstrategy._src.training import metrics as metrics_lib
+from jstrategy._src.training import probability_check
 from jstrategy._src.training import remat as remat_lib
 from jstrategy._src.training.global_batch import BatchNormSync
 from jstrategy._src.training.global_batch import as_batch_norm_sync
@@ -431,7 +432,8 @@ def _sums(
 
     A metric is the mean of its rows' values (each row's mean over its time steps), as
     Keras's ``Mean`` of unweighted values. A weighted metric (`StepSpec.weighted_metrics`)
-    also sums its rows' weights (`samplewise`), the denominator of its mean.
+    also sums its rows' weights (`samplewise`), the denominator of its mean. A loss that
+    expects probabilities adds its count of rows that are not (`probability_check`).
     """
     rows = maskf.shape[0]
     out: dict[str, jax.Array] = {}
@@ -446,6 +448,7 @@ def _sums(
         out[name] = jnp.sum(values * maskf)
         out[weight_key(name)] = jnp.sum(maskf if weights is None else weights * maskf)
     out[COUNT] = jnp.sum(maskf)
+    out.update(probability_check.count(spec, y_pred, maskf))
     return out
 
 

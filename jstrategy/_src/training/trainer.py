@@ -56,6 +56,7 @@ class Trainer:
         function of ``(seed, e)``, so a backup that records it resumes the same order).
       stop_training: set to end `fit` after the current step (`Model.stop_training`).
       fit_state: where `fit` is, while it runs.
+      probed: the one-off checks of the compiled step done (`check_numerics.Watch`).
       resume: a backup's position that the next `fit` starts from.
     """
 
@@ -72,6 +73,8 @@ class Trainer:
         self.fit_state: FitState | None = None
         self.resume: Resume | None = None
         self.programs: dict[Any, Any] = {}
+        # What the watches of this model's steps have checked once (`check_numerics.Watch`).
+        self.probed: set[str] = set()
         self._raw_tx: optax.GradientTransformation | None = None  # compiled, to apply
         self._tx: optax.GradientTransformation | None = None  # applied to the state
         self._rate: optimizers.LearningRate | None = None
@@ -149,6 +152,7 @@ class Trainer:
                 spec = dataclasses.replace(spec, loss_scale_factor=optimizer.loss_scale_factor)
         self.optimizer = optimizer
         self.spec = spec
+        self.probed = set()  # a new loss: its first step's predictions are checked anew
         self.steps_per_execution = steps_per_execution
         self._raw_tx, self._tx = tx, None
         if self.state is not None:
