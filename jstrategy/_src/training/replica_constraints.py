@@ -19,6 +19,7 @@ constraints move data, never change it.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -33,6 +34,9 @@ from jstrategy._src import jax_compat
 __all__ = ["drop_data_axis"]
 
 _CONSTRAINT = jcore.primitives.sharding_constraint_p
+# Whether the rewrite being done dropped the axis from some constraint (per thread: a
+# rewrite runs to its end before the thread starts another).
+_STATE = threading.local()
 
 
 def drop_data_axis(fn: Callable[..., Any], axis: str, batched: Sequence[bool]) -> Callable:
@@ -49,6 +53,7 @@ def drop_data_axis(fn: Callable[..., Any], axis: str, batched: Sequence[bool]) -
     """
 
     def wrapped(*args: Any) -> Any:
+        _STATE.dropped = False
         leaves, in_tree = jax.tree.flatten(args)
         flags = [
             flag
@@ -64,6 +69,10 @@ def drop_data_axis(fn: Callable[..., Any], axis: str, batched: Sequence[bool]) -
 
         closed = jax.make_jaxpr(flat)(*leaves)
         rewritten = _rewrite_closed(closed, flags, axis)[0]
+        if not _STATE.dropped:
+            # No constraint named the data axis: the model runs as written, not re-evaluated
+            # from its jaxpr (only models that constrain their batch take this path).
+            return fn(*args)
         return jax.tree.unflatten(out_tree[0], jcore.jaxpr_as_fun(rewritten)(*leaves))
 
     return wrapped
@@ -95,6 +104,7 @@ def _rewrite(jaxpr: Any, flags: Sequence[bool], axis: str) -> tuple[Any, list[bo
             sharding = params["sharding"]
             if isinstance(sharding, NamedSharding) and _names(sharding.spec, axis):
                 params = {**params, "sharding": _without(sharding, axis)}
+                _STATE.dropped = True
         for v, f in zip(eqn.outvars, outs, strict=True):
             batched[v] = f
         eqns.append(eqn.replace(params=params) if params is not eqn.params else eqn)
