@@ -50,6 +50,13 @@ def test_every_private_reader_exists_on_this_jax():
     assert jax_compat.backends_started() is True
     for fn in jax_compat.cpu_collectives_internals():
         assert callable(fn)
+    # A scan with one const (w), one carry and one scanned input.
+    w = jnp.float32(2.0)
+    jaxpr = jax.make_jaxpr(lambda c, xs: jax.lax.scan(lambda c, x: (c * w + x, c), c, xs))(
+        jnp.float32(0), jnp.ones(3)
+    )
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    assert jax_compat.scan_counts(eqn.params) == (1, 1)
 
 
 def test_inside_staging_trace_tells_jit_from_eager():

@@ -29,6 +29,7 @@ __all__ = [
     "distributed_client",
     "inside_staging_trace",
     "preemption_sync_manager",
+    "scan_counts",
 ]
 
 
@@ -119,6 +120,18 @@ def cpu_collectives_internals() -> tuple[
         )
     except (ImportError, AttributeError) as e:
         raise _unsupported("jax._src.lib._jax.make_gloo_tcp_collectives (gloo on loopback)") from e
+
+
+def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+    """``(consts, carries)``: how many of a ``scan`` equation's inputs are each (its
+    params: ``num_consts``/``num_carry`` before jax 0.12, the ``ft_in`` groups since)."""
+    if "num_carry" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    try:
+        consts, carries, _ = params["ft_in"].unpack()
+    except (KeyError, AttributeError, ValueError) as e:
+        raise _unsupported("a scan equation's num_consts/num_carry or ft_in params") from e
+    return len(consts), len(carries)
 
 
 _TOP_LEVEL: list[Any] = []

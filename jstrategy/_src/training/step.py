@@ -59,6 +59,7 @@ from jstrategy._src.training import losses as losses_lib
 from jstrategy._src.training import metrics as metrics_lib
 from jstrategy._src.training import probability_check
 from jstrategy._src.training import remat as remat_lib
+from jstrategy._src.training import replica_constraints
 from jstrategy._src.training.global_batch import BatchNormSync
 from jstrategy._src.training.global_batch import as_batch_norm_sync
 from jstrategy._src.training.per_example import samplewise
@@ -594,6 +595,9 @@ def global_gradients(
         model_state = jax.tree.map(lambda x: _replica_mean(x, axis, n), model_state)
         return scaled, (sums, model_state)
 
+    # A model's constraints naming the data axis on its batch (``P("data", "model")``, as
+    # written for a global jit) mean the replicas' axis here: taken out, the map adds it back.
+    one_replica = replica_constraints.drop_data_axis(one_replica, axis, (False, True, True))
     replicas = jax.vmap(one_replica, in_axes=(None, 0, 0), axis_name=axis, spmd_axis_name=axis)
 
     def total(params: Any) -> tuple[jax.Array, Any]:
