@@ -268,6 +268,16 @@ DAMAGED = [
         "a NumPy dtype name; got 'float99'",
     ),
     (lambda c: c.pop("module"), "module", "a string; got nothing"),
+    (
+        lambda c: c["compile"].update(remat="dots"),
+        "compile.remat",
+        "null, 'custom' or a checkpoint policy's name; got 'dots'",
+    ),
+    (
+        lambda c: c["compile"].update(weighted_metrics=[3]),
+        r"compile.weighted_metrics\[0\]",
+        "a JSON object describing the metric; got 3",
+    ),
 ]
 
 
@@ -281,3 +291,34 @@ def test_every_damaged_field_is_named_with_the_file(tmp_path, change, field, exp
         ValueError, match=rf"{_file(path)}: `{field}` must be {expected}.*model\.save\(path\)"
     ):
         _load(path)
+
+
+def test_weighted_metrics_and_remat_are_saved_with_the_compile_config(tmp_path):
+    import jax
+
+    policies = {
+        "none": None,
+        "named": "dots_saveable",
+        "custom": jax.checkpoint_policies.save_only_these_names("h"),
+    }
+    for name, remat in policies.items():
+        model = jstrategy.Model(nn.Dense(3), input_shape=(4,))
+        loss = jstrategy.losses.SparseCategoricalCrossentropy(from_logits=True)
+        model.compile("adam", loss=loss, metrics=["accuracy"], weighted_metrics=["accuracy"],
+                      remat=remat)  # fmt: skip
+        path = str(tmp_path / name)
+        model.save(path)
+        if name == "custom":
+            with pytest.raises(ValueError, match=r"`compile.remat` was a checkpoint policy of"):
+                jstrategy.models.load_model(path, nn.Dense(3))
+            loaded = jstrategy.models.load_model(path, nn.Dense(3), custom_objects={"remat": remat})
+            assert loaded.remat is remat
+        else:
+            loaded = jstrategy.models.load_model(path, nn.Dense(3))
+            assert loaded.remat is model.remat
+        assert (
+            loaded.metrics_names == model.metrics_names == ["loss", "accuracy", "weighted_accuracy"]
+        )
+        assert [type(m) for m in loaded.weighted_metrics] == [
+            type(m) for m in model.weighted_metrics
+        ]

@@ -199,6 +199,18 @@ class Model(SavingMixin, CustomLoopMixin):
         return [] if spec is None else [m for _, m in spec.metrics]
 
     @property
+    def weighted_metrics(self) -> list[Any]:
+        """The compiled weighted metrics (`compile`'s ``weighted_metrics``)."""
+        spec = self._trainer.spec
+        return [] if spec is None else [m for _, m in spec.weighted_metrics]
+
+    @property
+    def remat(self) -> Any:
+        """The checkpoint policy `compile`'s ``remat`` resolved to, or None."""
+        spec = self._trainer.spec
+        return None if spec is None else spec.remat
+
+    @property
     def metrics_names(self) -> list[str]:
         """The keys of the logs: ``"loss"`` then each metric's name."""
         spec = self._trainer.spec

@@ -28,7 +28,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-__all__ = ["POLICY_NAMES", "applying", "remat", "resolve_remat"]
+__all__ = ["POLICY_NAMES", "applying", "policy_name", "remat", "resolve_remat"]
 
 Policy = Callable[..., bool]
 
@@ -60,6 +60,27 @@ _HOW = (
     "jax.checkpoint_policies (e.g. dots_saveable, or save_only_these_names('name', ...)) "
     f"or a policy's name, one of {', '.join(map(repr, POLICY_NAMES))}."
 )
+
+
+def policy_name(policy: Policy | None) -> str | None:
+    """How `model.save` records a resolved policy: None, its name in
+    ``jax.checkpoint_policies``, or ``"custom"`` (a policy built by a factory, e.g.
+    ``save_only_these_names(...)``: code, given back to `load_model` by the caller).
+
+    Example:
+
+    >>> import jax
+    >>> policy_name(jax.checkpoint_policies.dots_saveable), policy_name(None)
+    ('dots_saveable', None)
+    >>> policy_name(jax.checkpoint_policies.save_only_these_names("h"))
+    'custom'
+    """
+    if policy is None:
+        return None
+    for name in POLICY_NAMES:
+        if getattr(jax.checkpoint_policies, name, None) is policy:
+            return name
+    return "custom"
 
 
 def resolve_remat(value: Any, *, argument: str = "remat") -> Policy | None:

@@ -30,6 +30,7 @@ import numpy as np
 from jstrategy._src.training import keras_optimizers
 from jstrategy._src.training import losses as losses_lib
 from jstrategy._src.training import metrics as metrics_lib
+from jstrategy._src.training import remat as remat_lib
 from jstrategy._src.validation import is_int
 
 if TYPE_CHECKING:
@@ -228,12 +229,17 @@ def serialize_compile(model: Model) -> dict[str, Any]:
         "steps_per_execution": model.steps_per_execution,
         "gradient_accumulation_steps": model.gradient_accumulation_steps,
         "sync_batch_norm": model.sync_batch_norm.value,
+        "weighted_metrics": [_serialize_metric(m) for m in model.weighted_metrics],
+        "remat": remat_lib.policy_name(model.remat),
     }
     custom = [("the optimizer (compile.optimizer)", compiled["optimizer"], model.optimizer)]
     if loss is not None:
         custom.append(("the loss (compile.loss)", compiled["loss"], loss))
     for i, (entry, metric) in enumerate(zip(compiled["metrics"], model.metrics, strict=True)):
         custom.append((f"the metric compile.metrics[{i}]", entry, metric))
+    weighted = zip(compiled["weighted_metrics"], model.weighted_metrics, strict=True)
+    for i, (entry, metric) in enumerate(weighted):
+        custom.append((f"the weighted metric compile.weighted_metrics[{i}]", entry, metric))
     _check_names_apart(
         [(field, e["name"], obj) for field, e, obj in custom if e.get("class_name") == CUSTOM]
     )
@@ -363,6 +369,24 @@ def _check_compile(fields: _Fields, compiled: dict[str, Any]) -> None:
         '"global" or "per_replica"',
         lambda v: v in ("global", "per_replica"),
         default="global",
+    )
+    weighted = fields.get(
+        compiled,
+        "weighted_metrics",
+        "compile.weighted_metrics",
+        "a list",
+        lambda v: isinstance(v, list),
+        default=[],
+    )
+    for i, entry in enumerate(weighted):
+        _check_entry(fields, entry, f"compile.weighted_metrics[{i}]", "metric")
+    fields.get(
+        compiled,
+        "remat",
+        "compile.remat",
+        f"null, {CUSTOM!r} or a checkpoint policy's name",
+        lambda v: v is None or v == CUSTOM or v in remat_lib.POLICY_NAMES,
+        default=None,
     )
 
 
@@ -564,4 +588,23 @@ def compile_arguments(compiled: dict[str, Any], custom_objects: Any, path: str) 
         "steps_per_execution": int(compiled["steps_per_execution"]),
         "gradient_accumulation_steps": int(compiled.get("gradient_accumulation_steps", 1)),
         "sync_batch_norm": compiled.get("sync_batch_norm", "global"),
+        "weighted_metrics": [
+            _metric(entry, loss, custom_objects, f"compile.weighted_metrics[{i}]", file)
+            for i, entry in enumerate(compiled.get("weighted_metrics", []))
+        ],
+        "remat": _remat(compiled.get("remat"), custom_objects, file),
     }
+
+
+def _remat(name: Any, custom_objects: Mapping[str, Any], file: str) -> Any:
+    """The saved ``remat``: a policy's name as it is; a policy of your own (saved as
+    ``"custom"``: it is code) given back by ``custom_objects={"remat": policy}``."""
+    if name != CUSTOM:
+        return name
+    if "remat" not in custom_objects:
+        raise ValueError(
+            f"{file}: `compile.remat` was a checkpoint policy of your own (e.g. "
+            "jax.checkpoint_policies.save_only_these_names(...)), which is code and is not "
+            "saved. Pass it again: load_model(..., custom_objects={'remat': policy})."
+        )
+    return custom_objects["remat"]
