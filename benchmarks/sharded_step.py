@@ -179,6 +179,7 @@ def prepare_peer(
         jax.tree.map(lambda leaf: jax.device_put(leaf, leaf.sharding, may_alias=False), variables)
     ]
     hlo = jitted.lower(*box[0], tokens, targets).compile().as_text()
+    assert hlo is not None
     one_copy = sum(leaf.nbytes for leaf in jax.tree.leaves(variables))
 
     def step(i: int) -> Any:
