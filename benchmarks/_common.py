@@ -26,13 +26,29 @@ def time_loop(step: Callable[[int], object], steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def compare(candidates: dict[str, Callable[[int], object]], *, steps: int, repeats: int):
-    """Median seconds per step of each candidate, measured interleaved in one process."""
+def interleaved_samples(
+    candidates: dict[str, Callable[[int], object]], *, steps: int, repeats: int
+) -> dict[str, list[float]]:
+    """Seconds per step of each candidate in each of `repeats` rounds; every round times
+    every candidate in turn, so the i-th samples of two candidates were taken close
+    together (their ratio is a paired comparison)."""
     samples: dict[str, list[float]] = {name: [] for name in candidates}
     for _ in range(repeats):
         for name, step in candidates.items():
             samples[name].append(time_loop(step, steps))
+    return samples
+
+
+def compare(candidates: dict[str, Callable[[int], object]], *, steps: int, repeats: int):
+    """Median seconds per step of each candidate, measured interleaved in one process."""
+    samples = interleaved_samples(candidates, steps=steps, repeats=repeats)
     return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def paired_ratio(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    """The median, min and max over rounds of ``a[i] / b[i]`` (`interleaved_samples`)."""
+    ratios = [x / y for x, y in zip(a, b, strict=True)]
+    return statistics.median(ratios), min(ratios), max(ratios)
 
 
 def mlp_step_arguments(description: str, argv: list[str] | None) -> argparse.Namespace:

@@ -511,8 +511,16 @@ def test_sharded_step_benchmark_smoke(capsys):
     rows = bench.main([*tiny, "--vocab-size", "64", "--batch-size", "16", "--steps", "1",
                        "--repeats", "1"])  # fmt: skip
     out = capsys.readouterr().out
-    assert [row.name for row in rows] == ["Mirrored", "FSDP", "ModelParallel (Megatron)"]
-    mirrored, fsdp, megatron = rows
+    mirrored, fsdp, fsdp_peer, megatron, megatron_peer = rows
+    assert [row.name for row in rows] == [
+        "Mirrored",
+        "FSDP",
+        "FSDP: hand-written jax.jit",
+        "ModelParallel (Megatron)",
+        "ModelParallel (Megatron): hand-written jax.jit",
+    ]
+    assert mirrored.peer is None and (fsdp.peer, megatron.peer) == (fsdp_peer, megatron_peer)
+    assert (fsdp_peer.peer_of, megatron_peer.peer_of) == ("FSDP", "ModelParallel (Megatron)")
     assert mirrored.collectives == {"all-reduce[replica]": 1} and mirrored.per_device == 1.0
     # Only the (64, 32) embedding reaches 1024 elements: the global-view step gathers it
     # (or, XLA's choice at this size, the activations it meets) and all-reduces the rest.
@@ -520,7 +528,17 @@ def test_sharded_step_benchmark_smoke(capsys):
     assert fsdp.per_device < 1.0
     # One block: Megatron's two forward and two backward all-reduces over "model".
     assert megatron.collectives == {"all-reduce[batch]": 1, "all-reduce[model]": 4}
-    assert all(row.step_s > 0 for row in rows)
+    # Each peer holds the same layouts (the jstrategy state's shardings) and, written as
+    # the same global-view step, XLA gives it the same communication.
+    assert fsdp_peer.per_device == fsdp.per_device
+    assert megatron_peer.per_device == megatron.per_device
+    assert megatron_peer.collectives == megatron.collectives
+    assert all(row.step_s > 0 and len(row.samples) == 1 for row in rows)
     assert (
         "| FSDP | replica 8 |" in out and "| ModelParallel (Megatron) | batch 2 x model 4 |" in out
     )
+    assert "| FSDP: hand-written jax.jit | replica 8 |" in out
+    assert "| ModelParallel (Megatron): hand-written jax.jit | batch 2 x model 4 |" in out
+    # A sharded strategy's row gives its ratio to its peer; every row its ratio to Mirrored.
+    assert "| Mirrored | replica 8 | " in out and " |  | 1.00x (1.00-1.00) | 1.000x |" in out
+    assert out.count("x (") == 2 + len(rows)

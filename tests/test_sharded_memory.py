@@ -47,6 +47,17 @@ class _Scanned(nn.Module):
         return nn.Dense(8)(x)
 
 
+# The scanned step's bound on the oldest supported stack. jax 0.10.2's XLA keeps one more
+# stacked per-iteration residual (an f32[4, 64, 64] loop carry of the forward scan, and its
+# copy: 65,544 more temporary bytes) in the hand-written global-view step and in
+# jstrategy's alike: measured per device, jstrategy 1,722,212 bytes (0.814 of one
+# parameter copy, 2,115,616) and the hand-written step 1,696,936 (0.802), where jax 0.12
+# gives 1,656,668 (0.783) and 1,631,392 (0.771); arguments, outputs and aliases are the
+# same on both, and jstrategy/hand-written is 1.015 on both. XLA's buffer assignment, not
+# jstrategy: the bound against the hand-written step below holds on every version.
+SCANNED_BOUND = 0.8 if jax.__version_info__ >= (0, 12) else 0.82
+
+
 def _peak(compiled) -> int:
     m = compiled.memory_analysis()
     return (
@@ -102,7 +113,7 @@ def test_fsdp_step_peak_is_the_hand_written_global_view_steps(module):
     # Before: the whole model gathered at the step's start, whole gradients to its end
     # (above one parameter copy per device, 2.5x to 5x the hand-written step's peak).
     assert peak <= 1.05 * reference, (peak / one_copy, reference / one_copy)
-    assert peak < 0.8 * one_copy
+    assert peak < (0.8 if isinstance(module, _Unrolled) else SCANNED_BOUND) * one_copy
     # Per-layer gathers: one all-gather per kernel where it is read (unrolled), or one
     # inside the scan's loop per iteration (the loop body's, counted once).
     gathers = hlo.count(" all-gather(") + hlo.count(" all-gather-start(")
