@@ -214,6 +214,7 @@ def _hand_written_peak(
     rows: NamedSharding,
     params: Any,
     batch: Any,
+    loss_fn: Any = transformer_lm.lm_loss,
 ) -> int:
     """The same step written by hand in the global view: one ``jax.jit`` whose inputs and
     outputs carry the strategy's `NamedSharding`s, gradients constrained to the
@@ -228,7 +229,7 @@ def _hand_written_peak(
                 p = mixed_precision.cast_to_compute(p, compute)
             with remat_lib.applying(checkpoint):
                 logits = model.apply({"params": p}, x)
-            return transformer_lm.lm_loss(y, logits).mean()
+            return loss_fn(y, logits).mean()
 
         loss, grads = jax.value_and_grad(mean_loss)(params)
         grads = jax.lax.with_sharding_constraint(grads, param_shardings)
