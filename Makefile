@@ -55,7 +55,7 @@ LANE_B ?= tests/test_multi_worker.py tests/test_multi_worker_checkpoints.py \
 	tests/test_fault_tolerance.py tests/test_custom_training_tutorial.py \
 	tests/test_parameter_server.py tests/test_parameter_server_tutorial.py \
 	tests/test_ray_loopback.py tests/test_launch.py tests/test_cluster_startup.py \
-	tests/test_checkpoint.py tests/test_keras_loss_weights.py \
+	tests/test_keras_loss_weights.py \
 	tests/test_global_batch_parity.py tests/test_remat.py
 
 test-lane-a: $(VENV)/.dev
