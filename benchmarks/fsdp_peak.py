@@ -3,8 +3,9 @@
 The three models of issue 19 (8 fake CPU devices, AdamW, float32): 16 residual MLP
 blocks (d 512, 4x hidden) unrolled and under ``nn.scan``, and `examples/transformer_lm.py`
 with 16 layers of d 512 (the example's other defaults: vocab 128, 4 heads, 64 tokens; a
-global batch of 8 sequences, as issue 19 measured), unrolled, with ``--scan-layers``, and
-with ``--remat full`` too. For each, the peak per device
+global batch of 8 sequences, as issue 19 measured), unrolled, and with ``--scan-layers``
+under the example's three remat settings: its default (``--remat auto``, which for scanned
+blocks is ``dots_with_no_batch_dims_saveable``), ``none`` and ``full``. For each, the peak per device
 (the compiled program's ``memory_analysis()``: arguments + temporaries + outputs - aliased)
 of the jstrategy train step under `MirroredStrategy` and `FSDPStrategy` (8), and of the
 same FSDP step hand-written as a global-view ``jax.jit`` over the same `NamedSharding`s,
@@ -32,6 +33,7 @@ import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import largest_model
+import transformer_lm
 
 import jstrategy
 from jstrategy import training
@@ -111,7 +113,7 @@ def mlp_peaks(module: ResidualMLP, rows: int) -> dict[str, float]:
 
 
 def transformer_peaks(
-    config: largest_model.Config, *, scan_layers: bool, remat: bool = False
+    config: largest_model.Config, *, scan_layers: bool, remat: bool | str = False
 ) -> dict[str, float]:
     out: dict[str, float] = {}
     for name in ("Mirrored", "FSDP"):
@@ -145,6 +147,7 @@ def main() -> None:
         seq_len=args.seq_len,
         batch_size=args.batch_size,
     )
+    auto = transformer_lm.default_remat(scan_layers=True)
     rows = [
         (f"{args.blocks} residual MLP blocks (d {args.width}), unrolled",
          mlp_peaks(ResidualMLP(args.width, args.blocks, False), args.rows)),
@@ -152,7 +155,10 @@ def main() -> None:
          mlp_peaks(ResidualMLP(args.width, args.blocks, True), args.rows)),
         (f"transformer_lm, {args.blocks} layers, d {args.width}",
          transformer_peaks(config, scan_layers=False)),
-        (f"transformer_lm, {args.blocks} layers, d {args.width}, --scan-layers",
+        (f"transformer_lm, {args.blocks} layers, d {args.width}, --scan-layers "
+         f"(--remat auto: {auto})",
+         transformer_peaks(config, scan_layers=True, remat=auto)),
+        (f"transformer_lm, {args.blocks} layers, d {args.width}, --scan-layers --remat none",
          transformer_peaks(config, scan_layers=True)),
         (f"transformer_lm, {args.blocks} layers, d {args.width}, --scan-layers --remat full",
          transformer_peaks(config, scan_layers=True, remat=True)),
@@ -168,6 +174,13 @@ def main() -> None:
             f"| {name} | {r['Mirrored']:.2f}x | {r['FSDP']:.3f}x | {r['hand-written']:.3f}x "
             f"| {ratio:.3f} |"
         )
+    # What the scanned blocks keep for the backward pass beyond one block's recomputation:
+    # the activations (they scale with the batch), the same in the hand-written step.
+    kept = rows[-2][1]["FSDP"] - rows[-1][1]["FSDP"]
+    print(
+        f"Without remat the scanned transformer's blocks keep {kept:.3f}x one parameter copy "
+        f"for the backward pass (the --remat none row minus the --remat full row)."
+    )
 
 
 if __name__ == "__main__":

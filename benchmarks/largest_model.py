@@ -143,11 +143,15 @@ def measure(
     config: Config,
     *,
     scan_layers: bool,
-    remat: bool,
+    remat: bool | str,
     policy: str = "float32",
     hand_written: bool = True,
 ) -> Measured:
-    """Lowers and compiles the step from abstract inputs; reads its memory analysis."""
+    """Lowers and compiles the step from abstract inputs; reads its memory analysis.
+
+    `remat`: the train step's ``remat`` (False: none; True: nothing saved in a block; or
+    a ``jax.checkpoint_policies`` policy's name); the hand-written step uses the same.
+    """
     strategy = make_strategy(strategy_name, scan_layers=scan_layers)
     model = config.model(scan_layers=scan_layers)
     tx = optax.adamw(1e-3, b2=0.98, weight_decay=0.01)
@@ -209,7 +213,7 @@ def _hand_written_peak(
     model: Any,
     tx: Any,
     policy: str,
-    remat: bool,
+    remat: bool | str,
     shardings: Any,
     rows: NamedSharding,
     params: Any,
@@ -221,7 +225,7 @@ def _hand_written_peak(
     parameters' (so XLA reduce-scatters them where they are split)."""
     param_shardings, opt_shardings = shardings
     compute = mixed_precision.Policy(policy)
-    checkpoint = jax.checkpoint_policies.nothing_saveable if remat else None
+    checkpoint = remat_lib.resolve_remat(remat)
 
     def step(params: Any, opt_state: Any, x: Any, y: Any) -> Any:
         def mean_loss(p: Any) -> jax.Array:

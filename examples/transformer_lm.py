@@ -36,6 +36,9 @@ learn to copy). Nothing is downloaded.
 ``--strategy megatron`` splits attention and MLP kernels over a ``"model"`` axis of 4
 devices (`megatron_strategy`), the batch over the rest. ``--scan-layers`` scans the
 blocks; ``--remat full`` (or a policy's name, e.g. ``dots_saveable``) rematerializes them.
+``--remat auto``, the default, is ``dots_with_no_batch_dims_saveable`` with
+``--scan-layers`` (each scanned block keeps its matmul outputs and recomputes the rest:
+`default_remat`) and ``none`` without; ``--remat none`` keeps everything.
 """
 
 from __future__ import annotations
@@ -364,6 +367,22 @@ def train(
     return [float(v) for v in losses]  # one host sync, after the loop
 
 
+def default_remat(scan_layers: bool) -> str:
+    """``--remat auto``: what each block keeps for the backward pass by default.
+
+    Scanned blocks (``--scan-layers``, the layout for models larger than one device) keep
+    only their matmul outputs (``dots_with_no_batch_dims_saveable``, MaxText's "minimal"
+    policy; MaxText rematerializes scanned layers by default, fully) and recompute the
+    rest, which includes any parameters gathered inside the block: under FSDP the step's
+    peak per device is then its share of the state plus about a layer. Unrolled blocks
+    keep everything (``none``), as a plain Flax step does.
+
+    >>> default_remat(True), default_remat(False)
+    ('dots_with_no_batch_dims_saveable', 'none')
+    """
+    return "dots_with_no_batch_dims_saveable" if scan_layers else "none"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategy", choices=sorted(STRATEGIES), default="mirrored")
@@ -379,9 +398,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scan-layers", action="store_true", help="one nn.scan over the blocks")
     parser.add_argument(
         "--remat",
-        choices=["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"],
-        default="none",
-        help="rematerialize each block: full (nothing saved) or a checkpoint policy's name",
+        choices=["auto", "none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"],
+        default="auto",
+        help="rematerialize each block: full (nothing saved) or a checkpoint policy's name; "
+        "auto (the default): dots_with_no_batch_dims_saveable with --scan-layers, else none",
     )
     args = parser.parse_args(argv)
 
@@ -399,12 +419,13 @@ def main(argv: list[str] | None = None) -> int:
         dtype=jnp.dtype(args.dtype),
         scan_layers=args.scan_layers,
     )
-    remat = {"none": None, "full": True}.get(args.remat, args.remat)
+    remat_name = default_remat(args.scan_layers) if args.remat == "auto" else args.remat
+    remat = {"none": None, "full": True}.get(remat_name, remat_name)
     print(
         f"jax {jax.__version__}: {type(strategy).__name__} over "
         f"{strategy.num_replicas_in_sync} {jax.devices()[0].platform} replica(s), "
         f"compute dtype {args.dtype}, {'scanned' if args.scan_layers else 'unrolled'} "
-        f"blocks, remat {args.remat}"
+        f"blocks, remat {remat_name}"
     )
     start = time.perf_counter()
     losses = train(strategy, model, steps=args.steps, batch_size=args.batch_size, remat=remat)

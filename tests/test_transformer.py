@@ -109,6 +109,13 @@ def test_scanned_layers_megatron_and_remat_give_the_same_steps(capsys):
     flags = ["--strategy", "one_device", "--steps", "1", "--scan-layers", "--remat", "full"]
     lm.main([*flags, "--d-model", "16", "--seq-len", "8", "--vocab-size", "16"])
     assert "scanned blocks, remat full" in capsys.readouterr().out
+    # --remat auto (the default): the matmul outputs kept for scanned blocks, nothing for
+    # unrolled ones.
+    small = ["--strategy", "one_device", "--steps", "1", "--d-model", "16", "--seq-len", "8"]
+    lm.main([*small, "--vocab-size", "16", "--scan-layers"])
+    assert "scanned blocks, remat dots_with_no_batch_dims_saveable" in capsys.readouterr().out
+    lm.main([*small, "--vocab-size", "16"])
+    assert "unrolled blocks, remat none" in capsys.readouterr().out
 
 
 def test_compute_dtype_and_float32_loss():
