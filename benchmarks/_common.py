@@ -31,10 +31,13 @@ def interleaved_samples(
 ) -> dict[str, list[float]]:
     """Seconds per step of each candidate in each of `repeats` rounds; every round times
     every candidate in turn, so the i-th samples of two candidates were taken close
-    together (their ratio is a paired comparison)."""
+    together (their ratio is a paired comparison). Odd rounds run the candidates in the
+    reverse order, so neither of two neighbours always runs first (after the other's
+    caches, threads and allocations)."""
     samples: dict[str, list[float]] = {name: [] for name in candidates}
-    for _ in range(repeats):
-        for name, step in candidates.items():
+    order = list(candidates.items())
+    for i in range(repeats):
+        for name, step in order if i % 2 == 0 else order[::-1]:
             samples[name].append(time_loop(step, steps))
     return samples
 

@@ -21,9 +21,9 @@ the data axis: ``value_and_grad`` of the mean of `transformer_lm.lm_loss` over t
 batch, then AdamW's update. It starts from a copy of the jstrategy state's parameters and
 optimizer state, so both run the same numbers. The train step does a little more than its
 peer, as it must for any batch: it takes the mean over the batch's *real* rows (a row
-mask, for padded last batches), so it differentiates the loss sum and divides each
-gradient by the count of real rows, known only at run time, where the peer's mean divides
-by a constant; it also counts its steps (``state.step``).
+mask, for padded last batches), so it differentiates the loss sum over the count of real
+rows, known only at run time, where the peer's mean divides by a constant (the compiled
+programs then read and write the same bytes); it also counts its steps (``state.step``).
 
 Printed per strategy (and peer): the median step time (interleaved repeats in one process),
 its ratio to the strategy's hand-written peer and to Mirrored, the bytes of parameters and
