@@ -37,6 +37,7 @@ from jstrategy._src.staging import replica_map
 from jstrategy._src.staging import row_spec
 from jstrategy._src.strategy import Strategy
 from jstrategy._src.training import keras_optimizers
+from jstrategy._src.training import learning_rate as learning_rate_lib
 from jstrategy._src.training import step as step_lib
 from jstrategy._src.training.fit_loop import FitEpoch
 from jstrategy._src.training.fit_loop import FitEpochResult
@@ -285,44 +286,19 @@ def _check_synchronous_options(spec: step_lib.StepSpec, state: Any) -> None:
         )
 
 
-def _injected(tree: Any) -> bool:
-    return isinstance(tree, keras_optimizers._INJECTED)
-
-
 def _with_update_count(state: Any, count: int) -> Any:
-    """`state` whose injected learning rate's step count is `count`, the updates the
-    parameter servers applied (so a schedule's current rate reads right)."""
-    if keras_optimizers.injected_state(state.opt_state) is None:
-        return state
-
-    def recount(x: Any) -> Any:
-        if _injected(x):
-            return x._replace(count=np.asarray(count, np.asarray(x.count).dtype))
-        return x
-
-    opt_state = jax.tree.map(recount, jax.device_get(state.opt_state), is_leaf=_injected)
-    return state.replace(opt_state=opt_state)
+    """`state` whose learning rate's update count is `count`, the updates the parameter
+    servers applied (so a schedule's current rate reads right)."""
+    return state.replace(opt_state=learning_rate_lib.with_count(state.opt_state, count))
 
 
 def _sync_rate(session: _Session, state: Any) -> None:
     """Sets the learning rate of the train state (`Model.learning_rate`, a scheduler) in
     every variable's optimizer state on the parameter servers, when it changed."""
-    injected = keras_optimizers.injected_state(state.opt_state)
-    if injected is None or "learning_rate" not in injected.hyperparams:
+    rate = learning_rate_lib.stored(state.opt_state)
+    if rate is None or session.rate == rate:
         return
-    rate = float(np.asarray(local_copy(injected.hyperparams["learning_rate"])))
-    if session.rate == rate:
-        return
-
-    def with_rate(x: Any) -> Any:
-        if _injected(x):
-            hyper = dict(x.hyperparams)
-            hyper["learning_rate"] = np.asarray(rate, np.asarray(hyper["learning_rate"]).dtype)
-            return x._replace(hyperparams=hyper)
-        return x
-
-    states = session.params.opt_state()
-    session.params.assign_opt_state(jax.tree.map(with_rate, states, is_leaf=_injected))
+    session.params.assign_opt_state(learning_rate_lib.fill(session.params.opt_state(), rate))
     session.rate = rate
 
 

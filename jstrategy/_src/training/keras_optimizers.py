@@ -40,6 +40,7 @@ from jstrategy._src.tracked import TrackedState
 from jstrategy._src.tracked import TrainableHolder
 from jstrategy._src.tracked import owner_of_trainable
 from jstrategy._src.training import keras_transform
+from jstrategy._src.training import learning_rate as learning_rate_lib
 from jstrategy._src.training import schedules as schedules_lib
 from jstrategy._src.values import local_copy
 from jstrategy._src.values import varying_axes
@@ -394,25 +395,24 @@ class Optimizer:
         iteration count).
 
         Settable for a fixed rate; with a schedule, setting raises a `TypeError` (as in
-        Keras).
+        Keras). Read from and written to the optimizer state it updates (`learning_rate.py`):
+        the model's it is compiled into, or its own in a custom loop; the constructor's rate
+        before either exists.
         """
         trainer = self._trainer()
         if trainer is not None:
             return trainer.get_learning_rate()
         state = self._custom_state()
-        if state is None:
-            if self.schedule is not None:
-                return float(self.schedule(0))
-            return float(self._learning_rate)
-        injected = injected_state(state)
+        if state is not None:
+            return learning_rate_lib.read(state, self.schedule)
         if self.schedule is not None:
-            return float(self.schedule(injected.count))
-        return float(injected.hyperparams["learning_rate"])
+            return float(self.schedule(0))
+        return float(self._learning_rate)
 
     @learning_rate.setter
     def learning_rate(self, value: float) -> None:
         if self.schedule is not None:
-            raise TypeError(_SCHEDULE_NOT_SETTABLE)
+            raise TypeError(learning_rate_lib.SCHEDULE_NOT_SETTABLE)
         trainer = self._trainer()
         if trainer is not None:
             trainer.set_learning_rate(value)
@@ -422,16 +422,7 @@ class Optimizer:
             self._learning_rate = value
             self._tx = None
             return
-        state = self._slots.read()
-        injected = injected_state(state)
-        hyper = dict(injected.hyperparams)
-        hyper["learning_rate"] = jnp.asarray(value, hyper["learning_rate"].dtype)
-        new = jax.tree.map(
-            lambda x: injected._replace(hyperparams=hyper) if x is injected else x,
-            state,
-            is_leaf=lambda x: x is injected,
-        )
-        self._slots.write(new)
+        self._slots.write(learning_rate_lib.write(self._slots.read(), value))
 
     @property
     def iterations(self) -> int:
@@ -576,13 +567,6 @@ class Optimizer:
     def __repr__(self) -> str:
         rate = self._learning_rate
         return f"{type(self).__name__}(learning_rate={rate!r}, name={self.name!r})"
-
-
-_SCHEDULE_NOT_SETTABLE = (
-    "This optimizer was created with a learning-rate schedule, so its rate follows the "
-    "step count and cannot be set (as in Keras). Create it with a float learning_rate to "
-    "set the rate, e.g. from LearningRateScheduler or ReduceLROnPlateau."
-)
 
 
 def ema_average(opt_state: Any) -> Any:

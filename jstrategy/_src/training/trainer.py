@@ -25,6 +25,7 @@ from jstrategy._src import mixed_precision as mp
 from jstrategy._src.placement import create_placed
 from jstrategy._src.placement import place_state
 from jstrategy._src.training import keras_optimizers
+from jstrategy._src.training import learning_rate as learning_rate_lib
 from jstrategy._src.training import optimizers
 from jstrategy._src.training import saving
 from jstrategy._src.training import step as step_lib
@@ -77,7 +78,6 @@ class Trainer:
         self.probed: set[str] = set()
         self._raw_tx: optax.GradientTransformation | None = None  # compiled, to apply
         self._tx: optax.GradientTransformation | None = None  # applied to the state
-        self._rate: optimizers.LearningRate | None = None
         # Builds the state when its shape became known after the model was made (a
         # `Sequential` whose layers are added one by one); None: nothing to build.
         self.build_pending: Callable[[], None] | None = None
@@ -131,11 +131,8 @@ class Trainer:
 
     # Optimizer ----------------------------------------------------------------------------
     def set_state(self, state: Any) -> None:
-        """A new state (built or restored): programs and the rate's place are redone."""
+        """A new state (built or restored): the programs are redone."""
         self.state = state
-        self._rate = (
-            optimizers.LearningRate(state, self.optimizer) if self._tx is not None else None
-        )
         self.programs = {}
 
     def initial_tx(self) -> optax.GradientTransformation:
@@ -186,21 +183,27 @@ class Trainer:
         state = self.state.with_variables(average, self.state.model_state)
         self.state = place_state(state, self.strategy)
 
-    def _learning_rate(self) -> optimizers.LearningRate:
-        if self.spec is None or self.state is None or self._rate is None:
+    def _opt_state(self) -> Any:
+        if self.spec is None or self.state is None or self._tx is None:
             raise RuntimeError(
                 "`learning_rate` is kept in the optimizer state, which exists after "
                 "`compile` and once the model is built. Call model.compile(...) first."
             )
-        return self._rate
+        return self.state.opt_state
 
     def get_learning_rate(self) -> float:
-        """`Model.learning_rate`: read from the optimizer state."""
-        return self._learning_rate().get(self.state)
+        """`Model.learning_rate`: read from the optimizer state (`learning_rate.read`; a
+        `jstrategy.optimizers` object's schedule at the state's update count)."""
+        optimizer = self.optimizer
+        schedule = (
+            optimizer.update_schedule if isinstance(optimizer, keras_optimizers.Optimizer) else None
+        )
+        return learning_rate_lib.read(self._opt_state(), schedule)
 
     def set_learning_rate(self, value: float) -> None:
         """Sets `Model.learning_rate` in the optimizer state (nothing recompiles)."""
-        self.state = self._learning_rate().set(self.state, value)
+        opt_state = learning_rate_lib.write(self._opt_state(), value)
+        self.state = self.state.replace(opt_state=opt_state)
 
     # Programs -----------------------------------------------------------------------------
     def program(self, key: tuple[Any, ...]) -> Any:
