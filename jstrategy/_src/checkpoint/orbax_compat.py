@@ -209,7 +209,8 @@ def _manager_options(ocp: Any) -> dict[str, Any]:
 
 
 # 4. Handlers declared up front (orbax-checkpoint 0.12.3 to 0.12.8) -------------------------
-# Orbax learns which handler reads an item from the save or restore that names it.
+# Orbax learns which handler reads an item from the save or restore that names it: without
+# the registry, a new process's `item_metadata(step)` has None for ``state`` (0.12.3, 0.12.8).
 def _handler_registry(ocp: Any) -> Any:
     """A `CheckpointManager`'s handlers of the ``state`` and ``jstrategy`` items."""
     # Registered up front so that a new process can read a step's metadata before any
