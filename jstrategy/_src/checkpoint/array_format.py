@@ -44,6 +44,12 @@ def _numeric(dtype: np.dtype) -> bool:
 
 
 # Saving ---------------------------------------------------------------------------------------
+def _as_saveable(state: Any) -> Any:
+    """A state as a pytree of arrays: containers of variables say how (`checkpoint_value`)."""
+    value = getattr(state, "checkpoint_value", None)
+    return value() if callable(value) else state
+
+
 def _flatten_state(state: Any, argname: str) -> list[tuple[tuple[str, ...], Any]]:
     flat, _ = jax.tree_util.tree_flatten_with_path(state)
     if not flat:
@@ -193,6 +199,7 @@ def _save_args(flat, state, metadata, metrics, key_impls):
     )
 
 
+# Reading ---------------------------------------------------------------------------------------
 def _dtype(name: str) -> np.dtype:
     # jnp.dtype also knows the ml_dtypes names NumPy lacks ("bfloat16", "float8_e4m3fn").
     return np.dtype(jnp.dtype(name))
@@ -215,12 +222,6 @@ def _leaf_records(record: dict, location: str) -> dict[tuple[str, ...], dict]:
         raise CheckpointError(
             f"The checkpoint record in {location} is malformed. {_advice(location)}", path=location
         ) from None
-
-
-def _as_saveable(state: Any) -> Any:
-    """A state as a pytree of arrays: containers of variables say how (`checkpoint_value`)."""
-    value = getattr(state, "checkpoint_value", None)
-    return value() if callable(value) else state
 
 
 def _read_record(read, location: str) -> dict:

@@ -20,7 +20,6 @@ if TYPE_CHECKING:
 __all__ = ["latest_step_dir", "read_by_paths"]
 
 
-# Weights files ------------------------------------------------------------------------------------
 # Reading a Model's variables from any checkpoint directory, by path -------------------------
 def latest_step_dir(path: str) -> str | None:
     """The newest committed step of a `CheckpointManager` directory, or None if it is none.
