@@ -9,7 +9,7 @@ True
 
 from jstrategy._src.placement import place_state
 from jstrategy._src.training.accumulation import GradientAccumulator
-from jstrategy._src.training.fit_loop import FitState
+from jstrategy._src.training.fit_runner import FitState
 from jstrategy._src.training.global_batch import BatchNormSync
 from jstrategy._src.training.model import Model
 from jstrategy._src.training.nnx import NNXTrainState

@@ -21,7 +21,6 @@ from sklearn.datasets import load_digits
 
 import jstrategy
 import jstrategy.losses
-from jstrategy._src.parameter_server import model_fit
 from jstrategy._src.parameter_server import ray_backend
 from jstrategy.cluster_resolver import SimpleClusterResolver
 from jstrategy.coordinator import ClusterCoordinator
@@ -411,7 +410,7 @@ def test_model_fit_trains_on_the_workers(cluster):
     assert len(history.history["loss"]) == 5
     assert history.history["loss"][-1] < history.history["loss"][0]
     # The parameters live on the parameter servers; fit copies them back into the model.
-    session = model_fit._SESSIONS[model]
+    session = model._trainer.fit_runner._session
     assert session.coordinator is coordinator
     jax.tree.map(
         lambda a, b: np.testing.assert_array_equal(a, np.asarray(b)),
@@ -450,7 +449,7 @@ def test_model_checkpoints_and_weights_restore_onto_the_same_parameter_server_va
     model.fit(x, y, epochs=1, callbacks=[jstrategy.callbacks.ModelCheckpoint(checkpoints)], **fit)
     after_one = model.get_weights()
     model.save_weights(str(tmp_path / "weights"))
-    params = model_fit._SESSIONS[model].params
+    params = model._trainer.fit_runner._session.params
     model.fit(x, y, epochs=1, **fit)
     after_two = model.get_weights()
 
@@ -460,7 +459,7 @@ def test_model_checkpoints_and_weights_restore_onto_the_same_parameter_server_va
     model.restore_checkpoint(checkpoints)
     assert int(model.state.step) == 8
     model.fit(x, y, epochs=1, **fit)
-    assert model_fit._SESSIONS[model].params is params
+    assert model._trainer.fit_runner._session.params is params
     for a, b in zip(model.get_weights(), after_two, strict=True):
         np.testing.assert_array_equal(a, b)  # Adam's state on the servers came back too
 

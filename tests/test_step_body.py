@@ -12,6 +12,7 @@ import jstrategy
 from jstrategy import training
 from jstrategy._src import dispatch
 from jstrategy._src.input import distribute_batch
+from jstrategy._src.training.fit_runner import FitRunner
 from jstrategy.coordinator import local_cluster_resolver
 
 FEATURES = 5
@@ -132,15 +133,21 @@ class _Recording(jstrategy.MirroredStrategy):
         self.calls.append(("read_on_replicas",))
         return super().read_on_replicas(tree)
 
-    def run_fit_epoch(self, epoch):
-        self.calls.append(("run_fit_epoch", epoch.trainer.epochs_run))
-        return super().run_fit_epoch(epoch)
-
 
 def test_training_plugs_into_the_strategy_hooks():
     strategy = _Recording()
     x, y = _batch(rows=14)
     model = _model(strategy, spe=3)
+    # Each epoch runs through the fit runner the model's trainer owns (the default one).
+    runner = model._trainer.fit_runner
+    assert type(runner) is FitRunner
+    run_epoch = runner.run_epoch
+
+    def recording_run_epoch(epoch):
+        strategy.calls.append(("run_fit_epoch", epoch.trainer.epochs_run))
+        return run_epoch(epoch)
+
+    runner.run_epoch = recording_run_epoch
     model.fit(np.tile(x, (4, 1)), np.tile(y, 4), batch_size=8, epochs=2, verbose=0)
     model.evaluate(x, y, verbose=0)
     model.predict(x, verbose=0)
@@ -239,7 +246,10 @@ def test_nnx_model_trains_under_parameter_server_fit(shut_down_coordinators):
 
 def test_backup_and_restore_asks_the_strategy_whether_fit_resumes_exactly(tmp_path):
     ps = jstrategy.ParameterServerStrategy(local_cluster_resolver(num_workers=1, num_ps=1))
-    assert not ps.fit_resumes_exactly and jstrategy.MirroredStrategy().fit_resumes_exactly
+    assert ps.should_use_with_coordinator
+    assert not jstrategy.MirroredStrategy().should_use_with_coordinator
+    assert not _model(ps)._trainer.fit_runner.resumes_exactly
+    assert _model(jstrategy.MirroredStrategy())._trainer.fit_runner.resumes_exactly
     x, y = _batch()
     backup = jstrategy.callbacks.BackupAndRestore(str(tmp_path / "backup"), save_freq=1)
     with pytest.raises(ValueError, match="save_freq='epoch'"):

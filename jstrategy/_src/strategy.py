@@ -11,7 +11,6 @@ import threading
 from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 from typing import Any
 
 import jax
@@ -41,10 +40,6 @@ from jstrategy._src.values import local_replica_devices
 from jstrategy._src.values import local_results
 from jstrategy._src.values import on_a_mesh
 from jstrategy._src.values import varying_axes
-
-if TYPE_CHECKING:
-    from jstrategy._src.training.fit_loop import FitEpoch
-    from jstrategy._src.training.fit_loop import FitEpochResult
 
 __all__ = ["REPLICA_AXIS", "Strategy", "ValueContext"]
 
@@ -829,59 +824,16 @@ class Strategy:
         """
         return tree
 
-    def run_fit_epoch(self, epoch: FitEpoch) -> FitEpochResult | None:
-        """How an epoch of `jstrategy.Model.fit` runs.
-
-        The default runs ``epoch.run()``: the compiled steps on the replicas, one dispatch
-        per ``steps_per_execution`` steps, asynchronously. `ParameterServerStrategy`
-        schedules the epoch's steps on its workers instead.
-
-        Args:
-          epoch: what the epoch needs (a ``FitEpoch``): ``state`` (the train state),
-            ``spec`` (the compiled step), ``data`` (``train_executions`` cuts it into
-            executions), ``callbacks``, ``steps_per_epoch``, and ``run()``, the default.
-
-        Returns:
-          The new train state and the epoch's logs, or None when the data gave no batch.
-        """
-        return epoch.run()
-
     @property
-    def fit_resumes_exactly(self) -> bool:
-        """Whether `Model.fit` can stop after any step and resume it exactly.
+    def should_use_with_coordinator(self) -> bool:
+        """Whether `jstrategy.Model.fit` trains through a `ClusterCoordinator` (TF's Keras
+        reads ``strategy._should_use_with_coordinator`` for the same decision).
 
-        True by default (`jstrategy.callbacks.BackupAndRestore` backs up at any step);
-        False for `ParameterServerStrategy`, whose workers train asynchronously: its
-        backups are taken between epochs only.
+        False by default: `fit` runs the compiled steps on the replicas. True for
+        `ParameterServerStrategy`, whose `fit` schedules each step on a worker; the training
+        layer then runs its epochs with a coordinated fit runner.
         """
-        return True
-
-    def fit_backup_state(self, owner: Any, state: Any) -> Any:
-        """What a `BackupAndRestore` backup of `owner`'s `Model.fit` holds besides its train
-        state `state`: None by default (the train state is all there is).
-        `ParameterServerStrategy` returns each variable's optimizer state on the parameter
-        servers.
-
-        Args:
-          owner: the `jstrategy.Model` being trained.
-          state: its train state.
-
-        Returns:
-          A pytree of arrays, or None.
-        """
-        del owner, state
-        return None
-
-    def restore_fit_backup_state(self, owner: Any, state: Any, saved: Any) -> None:
-        """Puts back what `fit_backup_state` saved, after the train state `state` was
-        restored (nothing to do by default).
-
-        Args:
-          owner: the `jstrategy.Model` being trained.
-          state: the restored train state.
-          saved: the restored `fit_backup_state`.
-        """
-        del owner, state, saved
+        return False
 
     def restore_variables(self, read: Callable[[Strategy | None], Any]) -> Any:
         """How a checkpoint's variables are laid out when restored under this strategy.

@@ -7,7 +7,6 @@ import itertools
 import threading
 from collections.abc import Callable
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 from typing import Any
 
 import jax
@@ -21,17 +20,12 @@ from jstrategy._src.cluster_resolver import TFConfigClusterResolver
 from jstrategy._src.cluster_resolver import tasks_on_other_hosts
 from jstrategy._src.input import InputContext
 from jstrategy._src.parameter_server import backend as backend_lib
-from jstrategy._src.parameter_server import model_fit
 from jstrategy._src.parameter_server import run_capture
 from jstrategy._src.parameter_server import sharded_variable
 from jstrategy._src.parameter_server.partitioners import Partitioner
 from jstrategy._src.reduce_util import ReduceOp
 from jstrategy._src.strategy import Strategy
 from jstrategy._src.values import is_per_replica
-
-if TYPE_CHECKING:
-    from jstrategy._src.training.fit_loop import FitEpoch
-    from jstrategy._src.training.fit_loop import FitEpochResult
 
 __all__ = ["Backend", "ParameterServerStrategy", "local_cluster_resolver"]
 
@@ -488,24 +482,11 @@ class ParameterServerStrategy(Strategy):
         return jax.tree.map(one, value, is_leaf=is_per_replica)
 
     # Hooks (see `Strategy`) ---------------------------------------------------------------
-    def run_fit_epoch(self, epoch: FitEpoch) -> FitEpochResult | None:
-        """`jstrategy.Model.fit`'s epoch: one step scheduled on the workers per batch; each
-        pulls the variables, computes its gradients and pushes them to the ps."""
-        return model_fit.run_fit_epoch(self, epoch)
-
     @property
-    def fit_resumes_exactly(self) -> bool:
-        """False: the workers train asynchronously, so `BackupAndRestore` backs up between
-        epochs only (a resumed job restarts the interrupted epoch)."""
-        return False
-
-    def fit_backup_state(self, owner: Any, state: Any) -> Any:
-        """Each variable's optimizer state on the parameter servers (see `Strategy`)."""
-        return model_fit.backup_state(self, owner, state)
-
-    def restore_fit_backup_state(self, owner: Any, state: Any, saved: Any) -> None:
-        """Puts the restored variables and optimizer states on the parameter servers."""
-        model_fit.restore_backup_state(self, owner, state, saved)
+    def should_use_with_coordinator(self) -> bool:
+        """True: `jstrategy.Model.fit` schedules one step per batch on the workers (each
+        pulls the variables, computes its gradients and pushes them to the ps)."""
+        return True
 
     def restore_variables(self, read: Callable[[Strategy | None], Any]) -> Any:
         """A checkpoint saved under any strategy lands on the parameter servers, round-robin

@@ -959,6 +959,13 @@ def _fit_state(model: Any, owner: str) -> Any:
     return fit_state
 
 
+def _resumes_exactly(model: Any) -> bool:
+    """Whether the model's `fit` can stop after any step and resume it exactly (its fit
+    runner's `resumes_exactly`; outside `fit`, the default runner's True)."""
+    fit_state = model.fit_state
+    return True if fit_state is None else fit_state.resumes_exactly
+
+
 def _steps_done(model: Any) -> int:
     fit_state = model.fit_state
     return 0 if fit_state is None else fit_state.step
@@ -1112,7 +1119,8 @@ class ModelCheckpoint(Callback):
     def on_train_begin(self, logs=None):
         _check_model(self.model, "ModelCheckpoint")
         strategy = self.model.strategy
-        if not strategy.fit_resumes_exactly and self.save_freq != "epoch":
+        exact = _resumes_exactly(self.model)
+        if not exact and self.save_freq != "epoch":
             raise ValueError(
                 f"ModelCheckpoint(save_freq={self.save_freq!r}) cannot save in the middle of "
                 f"an epoch under {type(strategy).__name__}: its workers train asynchronously "
@@ -1290,7 +1298,7 @@ class BackupAndRestore(Callback):
     def on_train_begin(self, logs=None):
         _check_model(self.model, "BackupAndRestore")
         strategy = self.model.strategy
-        exact = strategy.fit_resumes_exactly
+        exact = _resumes_exactly(self.model)
         if not exact and self.save_freq != "epoch":
             raise ValueError(
                 f"BackupAndRestore(save_freq={self.save_freq!r}) cannot back up in the "

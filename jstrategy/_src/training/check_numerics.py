@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import warnings
-from typing import TYPE_CHECKING
 from typing import Any
 
 import jax
@@ -33,9 +32,9 @@ from jstrategy._src.loss_scale import all_finite
 from jstrategy._src.training import probability_check
 from jstrategy._src.training import train_state
 from jstrategy._src.training.input_checks import class_label_functions
-
-if TYPE_CHECKING:
-    from jstrategy._src.training.step import StepSpec
+from jstrategy._src.training.spec import CHECKED_KEYS
+from jstrategy._src.training.spec import FLOOR_KEY
+from jstrategy._src.training.spec import StepSpec
 
 __all__ = [
     "FLOOR",
@@ -50,13 +49,11 @@ __all__ = [
     "warn_loss_scale_floor",
 ]
 
-LABELS = "check_numerics/labels_out_of_range"
-LOSS = "check_numerics/non_finite_loss"
-GRADIENTS = "check_numerics/non_finite_gradients"
+LABELS, LOSS, GRADIENTS = CHECKED_KEYS
 #: The keys the check adds to a step's sums (and logs); `Model`'s logs leave them out.
-KEYS = (LABELS, LOSS, GRADIENTS)
+KEYS = CHECKED_KEYS
 #: Steps skipped with the loss scale at its floor: in every loss-scaled step's sums.
-FLOOR = "loss_scale/skipped_at_floor"
+FLOOR = FLOOR_KEY
 _FLOOR_FIX = (
     "Train with dtype_policy='mixed_bfloat16' (bfloat16 has float32's range and needs no "
     "loss scale), or with a loss whose gradients do not overflow float16 (inputs and "
@@ -114,8 +111,7 @@ def _loss_scaled(spec: StepSpec) -> bool:
 
 def sum_keys(spec: StepSpec) -> tuple[str, ...]:
     """The keys a step of `spec` adds to its sums besides the loss, metrics and count."""
-    checked = KEYS if spec.check_numerics else ()
-    return checked + ((FLOOR,) if _loss_scaled(spec) else ()) + probability_check.keys(spec)
+    return spec.extra_sum_keys()
 
 
 def loss_scale_flags(

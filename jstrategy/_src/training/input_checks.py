@@ -11,7 +11,6 @@ inside the step (`jstrategy.config.enable_check_numerics`) covers what the host 
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING
 from typing import Any
 
@@ -23,8 +22,7 @@ from jstrategy._src.training import losses as losses_lib
 from jstrategy._src.training import metrics as metrics_lib
 
 if TYPE_CHECKING:
-    from jstrategy._src.training.step import StepSpec
-    from jstrategy._src.training.trainer import Trainer
+    from jstrategy._src.training.spec import StepSpec
 
 __all__ = ["array_rows", "check_class_labels", "check_row_shape", "class_label_functions"]
 
@@ -115,19 +113,15 @@ def class_label_functions(spec: StepSpec) -> list[Any]:
     return [f for f in functions if isinstance(f, _CLASS_INDEX_TYPES)]
 
 
-# The number of classes by model and input layout, per trainer: tracing a large model
-# takes a tenth of a second, too much to repeat at every `evaluate`.
-_CLASSES: weakref.WeakKeyDictionary[Trainer, dict[Any, int | None]] = weakref.WeakKeyDictionary()
-
-
-def _num_classes(trainer: Trainer, x: Any) -> int | None:
-    """The last axis of the model's output for inputs like `x` (None: not one array)."""
+def _num_classes(train_state: Any, x: Any, cache: dict[Any, int | None]) -> int | None:
+    """The last axis of the model's output for inputs like `x` (None: not one array),
+    kept in `cache` by model and input layout: tracing a large model takes a tenth of a
+    second, too much to repeat at every `evaluate`."""
     # Shapes only: the variables may live in host memory (CentralStorageStrategy).
-    leaves, treedef = jax.tree.flatten(trainer.state.replica_view(with_params=True))
+    leaves, treedef = jax.tree.flatten(train_state.replica_view(with_params=True))
     state = [jax.ShapeDtypeStruct(np.shape(a), a.dtype) for a in leaves]
     row = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype), x)
     key = (treedef, tuple(state), jax.tree.structure(row), tuple(jax.tree.leaves(row)))
-    cache = _CLASSES.setdefault(trainer, {})
     if key not in cache:
         out = jax.eval_shape(
             lambda s, v: s.forward(s.params, v, train=False, axis_name=None)[0],
@@ -138,22 +132,24 @@ def _num_classes(trainer: Trainer, x: Any) -> int | None:
     return cache[key]
 
 
-def check_class_labels(trainer: Trainer, data: Any, *, arg: str) -> None:
+def check_class_labels(
+    spec: StepSpec, train_state: Any, data: Any, *, arg: str, cache: dict[Any, int | None]
+) -> None:
     """Integer labels in ``[0, num_classes)`` for sparse categorical losses and metrics.
 
     `data` is an `ArrayAdapter`; the number of classes is the last axis of the model's
-    output, found by tracing the model on one row (no computation). Runs on the host,
-    once per call, over the label array.
+    output of `train_state`'s model, found by tracing it on one row (no computation) and
+    kept in `cache`. Runs on the host, once per call, over the label array.
 
     Raises:
       ValueError: for a label outside the range, or a float label that is not a whole
         number.
     """
-    functions = class_label_functions(trainer.compiled_spec)
+    functions = class_label_functions(spec)
     x, y, _ = data.data
     if not functions or not isinstance(y, np.ndarray) or y.size == 0:
         return
-    num_classes = _num_classes(trainer, x)
+    num_classes = _num_classes(train_state, x, cache)
     if num_classes is None:
         return  # the functions raise their own shape error in the step
     name = _names(arg)[1]

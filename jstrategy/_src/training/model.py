@@ -29,6 +29,7 @@ from jstrategy._src.training import fit_loop
 from jstrategy._src.training import input_checks
 from jstrategy._src.training import step as step_lib
 from jstrategy._src.training import summary as summary_lib
+from jstrategy._src.training.fit_runner import FitState
 from jstrategy._src.training.global_batch import BatchNormSync
 from jstrategy._src.training.model_variables import CustomLoopMixin
 from jstrategy._src.training.nnx import create_nnx_train_state
@@ -231,7 +232,7 @@ class Model(SavingMixin, CustomLoopMixin):
         self._trainer.stop_training = bool(value)
 
     @property
-    def fit_state(self) -> fit_loop.FitState | None:
+    def fit_state(self) -> FitState | None:
         """Where `fit` is, while it runs (else None): the epoch, the step within it, and
         what callbacks save and restore (`FitState.checkpoint_tree`, `restore_backup`)."""
         return self._trainer.fit_state
@@ -474,7 +475,10 @@ class Model(SavingMixin, CustomLoopMixin):
 
     def _check_labels(self, data: data_adapters.DataAdapter, arg: str) -> None:
         if isinstance(data, data_adapters.ArrayAdapter):
-            input_checks.check_class_labels(self._trainer, data, arg=arg)
+            trainer = self._trainer
+            input_checks.check_class_labels(
+                trainer.compiled_spec, trainer.state, data, arg=arg, cache=trainer.class_counts
+            )
 
     def _callbacks(self, callbacks: Any, verbose: Any, **params: Any) -> Any:
         return callbacks_lib.CallbackList(
@@ -602,7 +606,6 @@ class Model(SavingMixin, CustomLoopMixin):
         )
         self.history = fit_loop.fit(
             self._trainer,
-            self,
             data,
             val_data,
             cbs,

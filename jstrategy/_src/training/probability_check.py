@@ -18,21 +18,20 @@ import os
 import sys
 import types
 import warnings
-from typing import TYPE_CHECKING
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-if TYPE_CHECKING:
-    from jstrategy._src.training.step import StepSpec
+from jstrategy._src.training.spec import NOT_PROBABILITIES_KEY
+from jstrategy._src.training.spec import StepSpec
 
 __all__ = ["KEY", "NotProbabilitiesWarning", "count", "keys", "warn"]
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 #: The key of the count in a step's sums (a fraction of the real rows in its logs).
-KEY = "loss/predictions_not_probabilities"
+KEY = NOT_PROBABILITIES_KEY
 
 # Softmax rows sum to 1 within float32 rounding; bfloat16 outputs within ~1e-2. A row of
 # logits almost never sums to 1 within that, or stays inside [0, 1].
@@ -57,8 +56,7 @@ class NotProbabilitiesWarning(UserWarning):
 
 
 def _kind(spec: StepSpec) -> str | None:
-    loss = spec.loss
-    return None if loss is None else getattr(loss, "expects_probabilities", None)
+    return spec.expects_probabilities
 
 
 def keys(spec: StepSpec) -> tuple[str, ...]:

@@ -21,8 +21,8 @@ import os
 import types
 from collections.abc import Callable
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 from typing import Any
+from typing import Protocol
 from typing import TypeVar
 
 import numpy as np
@@ -33,16 +33,16 @@ from jstrategy._src.training import metrics as metrics_lib
 from jstrategy._src.training import remat as remat_lib
 from jstrategy._src.validation import is_int
 
-if TYPE_CHECKING:
-    from jstrategy._src.training.model import Model
-
 __all__ = [
     "CONFIG_FILE",
     "CUSTOM",
     "FORMAT",
+    "STATE_DIR",
     "VERSION",
+    "CompiledModel",
     "check_module",
     "compile_arguments",
+    "is_saved_model",
     "read_config",
     "register_saveable",
     "saveable_class",
@@ -52,6 +52,8 @@ __all__ = [
 
 CONFIG_FILE = "jstrategy_model.json"
 FORMAT = "jstrategy.Model"
+#: The directory in a `Model.save` directory that holds the train state.
+STATE_DIR = "state"
 VERSION = 1
 CUSTOM = "custom"  # the class_name of an object saved by name, given back in custom_objects
 _FIX = (
@@ -214,7 +216,40 @@ def _check_names_apart(entries: list[tuple[str, str, Any]]) -> None:
             )
 
 
-def serialize_compile(model: Model) -> dict[str, Any]:
+def is_saved_model(path: str) -> bool:
+    """Whether `path` is a directory `Model.save` wrote."""
+    return os.path.isfile(os.path.join(path, CONFIG_FILE))
+
+
+class CompiledModel(Protocol):
+    """What `serialize_compile` reads of a compiled `jstrategy.Model`."""
+
+    @property
+    def loss(self) -> Any: ...
+
+    @property
+    def optimizer(self) -> Any: ...
+
+    @property
+    def metrics(self) -> Any: ...
+
+    @property
+    def weighted_metrics(self) -> Any: ...
+
+    @property
+    def steps_per_execution(self) -> int: ...
+
+    @property
+    def gradient_accumulation_steps(self) -> int: ...
+
+    @property
+    def sync_batch_norm(self) -> Any: ...
+
+    @property
+    def remat(self) -> Any: ...
+
+
+def serialize_compile(model: CompiledModel) -> dict[str, Any]:
     """The ``compile`` section of the file for compiled `model`.
 
     Raises:

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
+from typing import Protocol
 from typing import cast
 
 import numpy as np
@@ -38,15 +39,18 @@ from jstrategy._src import coordination
 from jstrategy._src import fault_tolerance
 from jstrategy._src.training import saved_config
 from jstrategy._src.training.saved_config import CONFIG_FILE
+from jstrategy._src.training.saved_config import STATE_DIR
+from jstrategy._src.training.saved_config import CompiledModel
+from jstrategy._src.training.saved_config import is_saved_model
 from jstrategy._src.values import to_host
 
 if TYPE_CHECKING:
-    from jstrategy._src.training.model import Model
     from jstrategy._src.training.trainer import Trainer
 
 __all__ = [
     "CONFIG_FILE",
     "STATE_DIR",
+    "SavableModel",
     "SavingMixin",
     "is_saved_model",
     "model_loader",
@@ -55,7 +59,6 @@ __all__ = [
     "save_model",
 ]
 
-STATE_DIR = "state"
 _EVERY_WORKER = "In a multi-worker job every worker calls model.save with the same path."
 
 
@@ -81,13 +84,23 @@ def model_loader(config: dict[str, Any]) -> Callable[[dict[str, Any], Any, str],
 
 
 # Saving --------------------------------------------------------------------------------
-def is_saved_model(path: str) -> bool:
-    """Whether `path` is a directory `Model.save` wrote."""
-    return os.path.isfile(os.path.join(path, CONFIG_FILE))
+class SavableModel(CompiledModel, Protocol):
+    """What `save_model` reads of a `jstrategy.Model` besides its compile arguments."""
+
+    @property
+    def module(self) -> Any: ...
+
+    @property
+    def compiled(self) -> bool: ...
+
+    def get_config(self) -> dict[str, Any]: ...
 
 
-def save_model(model: Model, filepath: os.PathLike | str, *, overwrite: bool = True) -> None:
-    """Writes `model` to the directory `filepath`: the behaviour of `Model.save`."""
+def save_model(
+    model: SavableModel, trainer: Trainer, filepath: os.PathLike | str, *, overwrite: bool = True
+) -> None:
+    """Writes `model` (its training side: `trainer`) to the directory `filepath`: the
+    behaviour of `Model.save`."""
     if not isinstance(filepath, (str, os.PathLike)) or not os.fspath(filepath):
         raise TypeError(f"`filepath` must be a directory path; got {filepath!r}.")
     path = os.path.abspath(os.fspath(filepath))
@@ -101,7 +114,7 @@ def save_model(model: Model, filepath: os.PathLike | str, *, overwrite: bool = T
                 f"{path} exists and is not a directory written by model.save, so it is not "
                 "replaced. Pass a new path, or remove it first."
             )
-    state = model.state
+    state = trainer.state
     config: dict[str, Any] = {
         "format": saved_config.FORMAT,
         "version": saved_config.VERSION,
@@ -113,7 +126,7 @@ def save_model(model: Model, filepath: os.PathLike | str, *, overwrite: bool = T
     tree: dict[str, Any] = {"train_state": fault_tolerance.to_savable(state)}
     if model.compiled:
         config["compile"] = saved_config.serialize_compile(model)  # before anything is written
-        extra = model.strategy.fit_backup_state(model, state)
+        extra = trainer.fit_runner.backup_state(state)
         if extra is not None:
             tree["strategy_state"] = extra
     meeting = coordination.next_id() if coordination.active() else None
@@ -224,7 +237,7 @@ class SavingMixin:
             something other than a saved model.
         """
         self._trainer.require_state("save")
-        save_model(cast("Model", self), filepath, overwrite=overwrite)
+        save_model(cast("SavableModel", self), self._trainer, filepath, overwrite=overwrite)
 
     def load_weights(self, filepath: os.PathLike | str) -> None:
         """Loads variables saved by `save_weights`, `ModelCheckpoint` or `BackupAndRestore`.
@@ -264,4 +277,4 @@ class SavingMixin:
           CheckpointError: if the checkpoint is damaged.
         """
         self._trainer.ready(training=True)
-        self._trainer.restore_checkpoint(directory, owner=self)
+        self._trainer.restore_checkpoint(directory)

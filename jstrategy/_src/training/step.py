@@ -27,7 +27,6 @@ and counts of real rows go to `accumulation.accumulate`, which updates every k-t
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -64,6 +63,8 @@ from jstrategy._src.training.global_batch import BatchNormSync
 from jstrategy._src.training.global_batch import as_batch_norm_sync
 from jstrategy._src.training.per_example import samplewise
 from jstrategy._src.training.per_example import weighted_values
+from jstrategy._src.training.spec import Metric
+from jstrategy._src.training.spec import StepSpec
 from jstrategy._src.training.train_state import TrainStateProtocol
 from jstrategy._src.training.train_state import loss_scale_for
 from jstrategy._src.training.train_state import uses_loss_scale
@@ -92,66 +93,7 @@ __all__ = [
     "step_functions",
     "unpack_batch",
 ]
-
-Metric = Callable[[Any, Any], Any]
-
-
-# ---------------------------------------------------------------------------------------
-# What a step computes
-# ---------------------------------------------------------------------------------------
 _FLOAT32 = mp.Policy("float32")
-
-
-@dataclasses.dataclass(frozen=True)
-class StepSpec:
-    """What a step computes: the loss and metrics, on which strategy, with which options.
-
-    The step's options live here, read by the step body below: a new option is a field
-    with a default that keeps today's step, and the body's one update path
-    (`apply_update`) and one loss path (`replica_gradients`) are where it acts.
-
-    Attributes:
-      strategy: the strategy whose replicas run the step.
-      loss: the per-example loss, or None (evaluation of metrics only).
-      metrics: ``(name, metric)`` pairs of per-example metrics.
-      check_numerics: whether the step also counts labels out of range and non-finite
-        losses and gradients (`jstrategy.config.enable_check_numerics`).
-      policy: the precision policy (`jstrategy.mixed_precision.Policy`). Under
-        ``"float32"`` (the default) the step casts nothing.
-      accumulation_steps: micro-batches per optimizer update (1: update every step).
-      weighted_metrics: ``(name, metric)`` pairs of metrics weighted by the batches'
-        sample weights (Keras's ``weighted_metrics``); `metrics` ignore the weights.
-      loss_scale_factor: a Keras optimizer's ``loss_scale_factor``: the loss is multiplied
-        by it before differentiating (Keras's ``optimizer.scale_loss``); the optimizer
-        divides the gradients by it.
-      sync_batch_norm: the rows a BatchNorm without ``axis_name`` normalizes over in
-        training (`BatchNormSync`: the global batch by default).
-      remat: the checkpoint policy the model's `jstrategy.training.remat` blocks are
-        rematerialized with in the differentiated forward pass, or None (no remat).
-    """
-
-    strategy: Strategy
-    loss: Metric | None
-    metrics: tuple[tuple[str, Metric], ...]
-    check_numerics: bool = False
-    policy: mp.Policy = _FLOAT32
-    accumulation_steps: int = 1
-    weighted_metrics: tuple[tuple[str, Metric], ...] = ()
-    loss_scale_factor: float | None = None
-    sync_batch_norm: BatchNormSync = BatchNormSync.GLOBAL
-    remat: Callable[..., bool] | None = None
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        """The logs' keys: ``"loss"`` (if any), each metric's name, each weighted metric's."""
-        loss = ("loss",) if self.loss is not None else ()
-        return loss + tuple(n for n, _ in (*self.metrics, *self.weighted_metrics))
-
-    def zero_sums(self) -> dict[str, Any]:
-        """Running sums before the first step: zeros for each name and the counts."""
-        extra = check_numerics.sum_keys(self)
-        weights = tuple(weight_key(n) for n, _ in self.weighted_metrics)
-        return {name: np.float32(0) for name in (*self.names, COUNT, *weights, *extra)}
 
 
 def resolve_loss(loss: Any) -> losses_lib.Loss:

@@ -3,7 +3,8 @@
 `Model` is the Keras-shaped facade; `Trainer` holds what it trains and does the work that
 does not depend on Keras's argument conventions: applying the compiled optimizer to the
 state, the learning rate, the compiled programs (built once per kind), and reading and
-writing the model's variables in checkpoints. The loops in `fit_loop.py` run on it.
+writing the model's variables in checkpoints, and the model's fit runner
+(`fit_runner.py`). The loops in `fit_loop.py` run on it.
 """
 
 from __future__ import annotations
@@ -27,13 +28,15 @@ from jstrategy._src.placement import place_state
 from jstrategy._src.training import keras_optimizers
 from jstrategy._src.training import learning_rate as learning_rate_lib
 from jstrategy._src.training import optimizers
-from jstrategy._src.training import saving
+from jstrategy._src.training import saved_config
 from jstrategy._src.training import step as step_lib
+from jstrategy._src.training.coordinated_fit import CoordinatedFitRunner
+from jstrategy._src.training.fit_runner import FitRunner
+from jstrategy._src.training.fit_runner import FitState
+from jstrategy._src.training.fit_runner import Resume
 
 if TYPE_CHECKING:
     from jstrategy._src.strategy import Strategy
-    from jstrategy._src.training.fit_loop import FitState
-    from jstrategy._src.training.fit_loop import Resume
 
 __all__ = ["Trainer"]
 
@@ -59,6 +62,10 @@ class Trainer:
       fit_state: where `fit` is, while it runs.
       probed: the one-off checks of the compiled step done (`check_numerics.Watch`).
       resume: a backup's position that the next `fit` starts from.
+      fit_runner: how `fit`'s epochs run and what a backup holds besides the state
+        (`CoordinatedFitRunner` for a strategy whose ``should_use_with_coordinator`` is
+        True, else the default `FitRunner`); one for the model's life.
+      class_counts: the model's number of classes by input layout (`input_checks`).
     """
 
     def __init__(self, strategy: Strategy, seed: int, policy: mp.Policy):
@@ -73,6 +80,10 @@ class Trainer:
         self.stop_training = False
         self.fit_state: FitState | None = None
         self.resume: Resume | None = None
+        self.fit_runner: FitRunner = (
+            CoordinatedFitRunner(strategy) if strategy.should_use_with_coordinator else FitRunner()
+        )
+        self.class_counts: dict[Any, int | None] = {}
         self.programs: dict[Any, Any] = {}
         # What the watches of this model's steps have checked once (`check_numerics.Watch`).
         self.probed: set[str] = set()
@@ -262,8 +273,8 @@ class Trainer:
         target = fault_tolerance.to_savable(like)
         path = os.path.abspath(os.fspath(filepath))
         step_dir = checkpoint_lib.latest_step_dir(path)
-        if step_dir is None and saving.is_saved_model(path):
-            step_dir = os.path.join(path, saving.STATE_DIR)  # a model.save directory
+        if step_dir is None and saved_config.is_saved_model(path):
+            step_dir = os.path.join(path, saved_config.STATE_DIR)  # a model.save directory
         if step_dir is None:
             saved = checkpoint_lib.load_arrays(path, target=target, strategy=self.strategy)
         else:
@@ -272,12 +283,13 @@ class Trainer:
         saved = place_state(fault_tolerance.from_savable(saved, like), self.strategy)
         self.state = self.state.with_weights(saved)
 
-    def restore_checkpoint(self, directory: os.PathLike | str, *, owner: Any) -> None:
+    def restore_checkpoint(self, directory: os.PathLike | str) -> None:
         """`Model.restore_checkpoint`: the whole train state of a checkpoint's latest step or
-        of a `Model.save` directory (`owner`: the model, for `Strategy.fit_backup_state`)."""
+        of a `Model.save` directory, with what the fit runner keeps besides
+        (`FitRunner.backup_state`)."""
         path = os.path.abspath(os.fspath(directory))
-        if saving.is_saved_model(path):
-            self._restore_saved_state(os.path.join(path, saving.STATE_DIR), owner)
+        if saved_config.is_saved_model(path):
+            self._restore_saved_state(os.path.join(path, saved_config.STATE_DIR))
             return
         step_dir = checkpoint_lib.latest_step_dir(path)
         if step_dir is None:
@@ -286,7 +298,7 @@ class Trainer:
                 "BackupAndRestore (for save_weights directories use load_weights)."
             )
         target = fault_tolerance.to_savable(self.state)
-        extra = self.strategy.fit_backup_state(owner, self.state)
+        extra = self.fit_runner.backup_state(self.state)
         optional = {} if extra is None else {"strategy_state": extra}
         saved, present = checkpoint_lib.read_by_paths(
             step_dir, target, ("train_state",), self.strategy, optional=optional
@@ -294,12 +306,12 @@ class Trainer:
         saved = fault_tolerance.from_savable(saved, self.state)
         self.state = place_state(saved, self.strategy)
         if "strategy_state" in present:
-            self.strategy.restore_fit_backup_state(owner, self.state, present["strategy_state"])
+            self.fit_runner.restore_backup_state(self.state, present["strategy_state"])
 
-    def _restore_saved_state(self, state_dir: str, owner: Any) -> None:
+    def _restore_saved_state(self, state_dir: str) -> None:
         like = self.state
         target: dict[str, Any] = {"train_state": fault_tolerance.to_savable(like)}
-        extra = self.strategy.fit_backup_state(owner, like)
+        extra = self.fit_runner.backup_state(like)
         if extra is not None:
             target["strategy_state"] = extra
         # Every leaf goes where the target's arrays are: where the model's strategy keeps them.
@@ -308,4 +320,4 @@ class Trainer:
             place_state(fault_tolerance.from_savable(saved["train_state"], like), self.strategy)
         )
         if extra is not None:
-            self.strategy.restore_fit_backup_state(owner, self.state, saved["strategy_state"])
+            self.fit_runner.restore_backup_state(self.state, saved["strategy_state"])

@@ -1,10 +1,12 @@
-"""`jstrategy.Model.fit` under `ParameterServerStrategy`: asynchronous epochs on the workers.
+"""`jstrategy.Model.fit` through a `ClusterCoordinator`: asynchronous epochs on the workers.
 
-`ParameterServerStrategy.run_fit_epoch` hands each epoch of `fit` to `run_fit_epoch` here.
-As Keras with TF's strategy, `steps_per_epoch` is required. The model's trained variables
+A `Trainer` whose strategy says ``should_use_with_coordinator`` (`ParameterServerStrategy`,
+as TF's Keras checks ``strategy._should_use_with_coordinator``) owns a
+`CoordinatedFitRunner`, which runs each epoch of `fit` here. As Keras with TF's strategy,
+`steps_per_epoch` is required. The model's trained variables
 and its other mutable variables (BatchNorm statistics, NNX random-stream counts) are
 `VariableTree` objects on the parameter servers, created at the first epoch with the compiled
-optimizer (run per variable there) and kept across epochs and `fit` calls. The coordinator
+optimizer (run per variable there) and kept by the runner across epochs and `fit` calls. The coordinator
 cuts the epoch's batches as the model does for any strategy and schedules one step per
 batch; each worker pulls the current variables, computes the gradient of the mean loss
 over the batch's real rows on its device with the one step body
@@ -21,8 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-import weakref
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -32,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 from jstrategy._src.numerics import host_means
 from jstrategy._src.parameter_server import backend as backend_lib
 from jstrategy._src.parameter_server.coordinator import ClusterCoordinator
+from jstrategy._src.parameter_server.strategy import ParameterServerStrategy
 from jstrategy._src.placement import place_state
 from jstrategy._src.staging import replica_map
 from jstrategy._src.staging import row_spec
@@ -39,15 +41,13 @@ from jstrategy._src.strategy import Strategy
 from jstrategy._src.training import keras_optimizers
 from jstrategy._src.training import learning_rate as learning_rate_lib
 from jstrategy._src.training import step as step_lib
-from jstrategy._src.training.fit_loop import FitEpoch
-from jstrategy._src.training.fit_loop import FitEpochResult
+from jstrategy._src.training.fit_runner import FitEpoch
+from jstrategy._src.training.fit_runner import FitEpochResult
+from jstrategy._src.training.fit_runner import FitRunner
 from jstrategy._src.validation import check_positive_int
 from jstrategy._src.values import local_copy
 
-if TYPE_CHECKING:
-    from jstrategy._src.parameter_server.strategy import ParameterServerStrategy
-
-__all__ = ["backup_state", "restore_backup_state", "run_fit_epoch"]
+__all__ = ["CoordinatedFitRunner"]
 
 
 def _is_key(x: Any) -> bool:
@@ -97,7 +97,6 @@ class _Session:
     rate: float | None = None
 
 
-_SESSIONS: weakref.WeakKeyDictionary[Any, _Session] = weakref.WeakKeyDictionary()
 # Compiled gradient programs by (session token, device), in whichever process runs them.
 _PROGRAMS: dict[Any, Any] = {}
 
@@ -118,8 +117,9 @@ def _gradients_program(spec: step_lib.StepSpec, worker_strategy: Strategy) -> An
     )
 
 
-def _session(strategy: ParameterServerStrategy, owner: Any, state: Any) -> _Session:
-    session = _SESSIONS.get(owner)
+def _session(strategy: ParameterServerStrategy, session: _Session | None, state: Any) -> _Session:
+    """The session for `state`: `session` (the runner's, or None) when it holds `state`'s
+    variables, or with `state`'s values assigned, or a new one."""
     if session is not None and session.synced_params is state.params:
         return session
     layout = _Mutable.of(state.model_state)
@@ -143,7 +143,7 @@ def _session(strategy: ParameterServerStrategy, owner: Any, state: Any) -> _Sess
     params = strategy.create_variables(jax.device_get(state.params), optimizer=state.tx)
     values = layout.values(state.model_state)
     mutable = strategy.create_variables(jax.device_get(values)) if values else None
-    session = _Session(
+    return _Session(
         coordinator=ClusterCoordinator(strategy),
         params=params,
         mutable=mutable,
@@ -152,8 +152,6 @@ def _session(strategy: ParameterServerStrategy, owner: Any, state: Any) -> _Sess
         step=int(state.step),
         tx=state.tx,
     )
-    _SESSIONS[owner] = session
-    return session
 
 
 def _step_fn(strategy: ParameterServerStrategy, spec: Any, session: _Session, template: Any):
@@ -189,14 +187,71 @@ def _step_fn(strategy: ParameterServerStrategy, spec: Any, session: _Session, te
     return step
 
 
-def run_fit_epoch(strategy: ParameterServerStrategy, epoch: FitEpoch) -> FitEpochResult | None:
-    """One epoch of `Model.fit` on the workers: the new state and the epoch's mean logs.
+class CoordinatedFitRunner(FitRunner):
+    """`Model.fit` on a `ParameterServerStrategy`'s workers, through a `ClusterCoordinator`.
 
-    Returns None (training stops) when the data gave no batches, as the default runner.
+    Each epoch schedules one step per batch on the workers; each pulls the variables,
+    computes its gradients and pushes them to the parameter servers. The runner keeps the
+    model's variables there (with the optimizer) across epochs and `fit` calls.
+
+    Args:
+      strategy: the model's strategy, one whose ``should_use_with_coordinator`` is True.
 
     Raises:
-      ValueError: if `steps_per_epoch` is None or not a positive int.
+      TypeError: if `strategy` is not a `ParameterServerStrategy`.
     """
+
+    #: False: the workers train asynchronously, so `BackupAndRestore` backs up between
+    #: epochs only (a resumed job restarts the interrupted epoch).
+    resumes_exactly = False
+
+    def __init__(self, strategy: Strategy):
+        if not isinstance(strategy, ParameterServerStrategy):
+            raise TypeError(
+                "CoordinatedFitRunner trains through a ClusterCoordinator, which needs a "
+                f"jstrategy.experimental.ParameterServerStrategy; got {strategy!r}. Use the "
+                "default FitRunner for this strategy."
+            )
+        self._strategy = strategy
+        self._session: _Session | None = None
+
+    def _sync(self, state: Any) -> _Session:
+        self._session = _session(self._strategy, self._session, state)
+        return self._session
+
+    def run_epoch(self, epoch: FitEpoch) -> FitEpochResult | None:
+        """One epoch of `Model.fit` on the workers: the new state and the epoch's mean logs.
+
+        Returns None (training stops) when the data gave no batches, as the default runner.
+
+        Raises:
+          ValueError: if `steps_per_epoch` is None or not a positive int.
+        """
+        return _run_epoch(self._strategy, self._sync, epoch)
+
+    def backup_state(self, state: Any) -> Any:
+        """Each variable's optimizer state on the parameter servers (sharded variables: one
+        per shard)."""
+        return {"opt_state": self._sync(state).params.opt_state()}
+
+    def restore_backup_state(self, state: Any, saved: Any) -> None:
+        """Puts a restored backup on the parameter servers: the train state's variables, and
+        each variable's optimizer state."""
+        session = self._sync(state)
+        session.params.assign(jax.device_get(state.params))
+        if session.mutable is not None:
+            session.mutable.assign(jax.device_get(session.layout.values(state.model_state)))
+        session.params.assign_opt_state(saved["opt_state"])
+        session.synced_params = state.params
+        session.step = int(np.asarray(local_copy(state.step)))
+        session.rate = None
+
+
+def _run_epoch(
+    strategy: ParameterServerStrategy, sync: Callable[[Any], _Session], epoch: FitEpoch
+) -> FitEpochResult | None:
+    """`CoordinatedFitRunner.run_epoch`; `sync(state)` gives the session holding `state`'s
+    variables (called once the epoch's options are checked: it may create them)."""
     steps_per_epoch = epoch.steps_per_epoch
     if steps_per_epoch is None:
         raise ValueError(
@@ -207,7 +262,7 @@ def run_fit_epoch(strategy: ParameterServerStrategy, epoch: FitEpoch) -> FitEpoc
     steps_per_epoch = check_positive_int(steps_per_epoch, "steps_per_epoch")
     spec, state, cbs = epoch.spec, epoch.state, epoch.callbacks
     _check_synchronous_options(spec, state)
-    session = _session(strategy, epoch.owner, state)
+    session = sync(state)
     _sync_rate(session, state)
     epoch.begin()
     coordinator = session.coordinator
@@ -300,27 +355,6 @@ def _sync_rate(session: _Session, state: Any) -> None:
         return
     session.params.assign_opt_state(learning_rate_lib.fill(session.params.opt_state(), rate))
     session.rate = rate
-
-
-def backup_state(strategy: ParameterServerStrategy, owner: Any, state: Any) -> Any:
-    """What `BackupAndRestore` saves besides the train state `state`: each variable's
-    optimizer state on the parameter servers (sharded variables: one per shard)."""
-    return {"opt_state": _session(strategy, owner, state).params.opt_state()}
-
-
-def restore_backup_state(
-    strategy: ParameterServerStrategy, owner: Any, state: Any, saved: Any
-) -> None:
-    """Puts a restored backup on the parameter servers: the train state's variables, and
-    each variable's optimizer state."""
-    session = _session(strategy, owner, state)
-    session.params.assign(jax.device_get(state.params))
-    if session.mutable is not None:
-        session.mutable.assign(jax.device_get(session.layout.values(state.model_state)))
-    session.params.assign_opt_state(saved["opt_state"])
-    session.synced_params = state.params
-    session.step = int(np.asarray(local_copy(state.step)))
-    session.rate = None
 
 
 def _accumulate(running: dict[str, float], sums: dict[str, Any]) -> None:
