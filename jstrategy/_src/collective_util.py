@@ -7,7 +7,12 @@ import enum
 
 from jstrategy._src.reduce_util import enum_from_value
 
-__all__ = ["CollectiveCommunication", "CommunicationImplementation", "CommunicationOptions"]
+__all__ = [
+    "CollectiveCommunication",
+    "CommunicationImplementation",
+    "CommunicationOptions",
+    "check_communication_options",
+]
 
 
 class CommunicationImplementation(enum.Enum):
@@ -74,3 +79,15 @@ class CommunicationOptions:
                 f"`timeout_seconds` must be positive or None; got {self.timeout_seconds!r}. "
                 "Pass None for JAX's default heartbeat timeout (100 s)."
             )
+
+
+def check_communication_options(options: CommunicationOptions | None) -> CommunicationOptions:
+    """`options`, or the default `CommunicationOptions()` for None; a `TypeError` otherwise."""
+    if options is None:
+        return CommunicationOptions()
+    if not isinstance(options, CommunicationOptions):
+        raise TypeError(
+            "`communication_options` must be a jstrategy.experimental.CommunicationOptions; "
+            f"got {type(options).__name__}."
+        )
+    return options

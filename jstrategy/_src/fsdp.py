@@ -26,7 +26,6 @@ from jstrategy._src import devices as devices_lib
 from jstrategy._src import flax_annotations
 from jstrategy._src.collective_util import CommunicationOptions
 from jstrategy._src.sharded import ShardedStrategy
-from jstrategy._src.sharded import join_job
 
 if TYPE_CHECKING:
     from jstrategy._src.cluster_resolver import ClusterResolver
@@ -52,7 +51,7 @@ class FSDPStrategy(ShardedStrategy):
 
     Several processes (workers) train together as under `MultiWorkerMirroredStrategy`:
     with ``devices=None`` the strategy joins the job that `cluster_resolver` (by default
-    ``TF_CONFIG``) describes, starting JAX's distributed runtime exactly as
+    ``TF_CONFIG``) describes through `jstrategy.cluster_resolver.join`, as
     `MultiWorkerMirroredStrategy` does (so create it before any other JAX computation),
     and lays one replica on every device of every worker; each process then holds only its
     devices' slices of every variable. Without ``TF_CONFIG`` it is one process over the
@@ -106,13 +105,11 @@ class FSDPStrategy(ShardedStrategy):
                 f"min_shard_size={DEFAULT_MIN_SHARD_SIZE}, or 0 to shard every variable "
                 "that divides."
             )
+        cross_device_ops = None  # across processes, when it joins a job of several
         if devices is None or cluster_resolver is not None or communication_options is not None:
-            self._cluster = join_job(cluster_resolver, communication_options)
+            cross_device_ops = self._join_job(cluster_resolver, communication_options)
         # After joining, JAX's devices are every worker's.
         resolved = jax.devices() if devices is None else devices_lib.resolve_devices(devices)
-        cross_device_ops = None
-        if self._cluster is not None and self._cluster.num_workers > 1:
-            cross_device_ops = self._cluster.cross_device_ops  # across processes
         super().__init__(resolved, cross_device_ops=cross_device_ops)
         self._min_shard_size = min_shard_size
 

@@ -25,7 +25,6 @@ from jstrategy._src.cross_device_ops import CrossDeviceOps
 from jstrategy._src.layout_map import LayoutMap
 from jstrategy._src.mesh import DeviceMesh
 from jstrategy._src.sharded import ShardedStrategy
-from jstrategy._src.sharded import join_job
 
 if TYPE_CHECKING:
     from jstrategy._src.cluster_resolver import ClusterResolver
@@ -62,6 +61,11 @@ class ModelParallelStrategy(ShardedStrategy):
         such as ``nn.BatchNorm(axis_name=strategy.axis_name)``).
       cross_device_ops: how replicas' values are combined across the data axis; defaults
         to `NcclAllReduce(num_packs=0)`.
+      cluster_resolver: the multi-process job to join (`jstrategy.cluster_resolver.join`,
+        as `MultiWorkerMirroredStrategy`); defaults to `TFConfigClusterResolver()` when the
+        mesh's devices are not known yet.
+      communication_options: `jstrategy.experimental.CommunicationOptions` for the job:
+        the collectives across processes and ``timeout_seconds``.
 
     Raises:
       TypeError: if `layout_map` is not a `LayoutMap`.
@@ -115,9 +119,9 @@ class ModelParallelStrategy(ShardedStrategy):
             or communication_options is not None
         ):
             # A mesh over every process's devices: join the job first (TF_CONFIG's).
-            self._cluster = join_job(cluster_resolver, communication_options)
-            if self._cluster.num_workers > 1 and cross_device_ops is None:
-                cross_device_ops = self._cluster.cross_device_ops  # across processes
+            across = self._join_job(cluster_resolver, communication_options)
+            if cross_device_ops is None:
+                cross_device_ops = across  # across processes, or None for one
         super().__init__(mesh, cross_device_ops=cross_device_ops, data_axis=batch_dim_name)
         self._layout_map = layout_map
 

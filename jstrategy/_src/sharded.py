@@ -17,24 +17,18 @@ from typing import Any
 import jax
 from flax.core import spmd as flax_spmd
 
+from jstrategy._src import cluster as cluster_lib
 from jstrategy._src import staging
-from jstrategy._src.multi_worker import MultiWorkerMirroredStrategy
+from jstrategy._src.cluster_resolver import TFConfigClusterResolver
+from jstrategy._src.collective_util import check_communication_options
+from jstrategy._src.cross_device_ops import CollectiveAllReduce
 from jstrategy._src.strategy import Strategy
 
 if TYPE_CHECKING:
     from jstrategy._src.cluster_resolver import ClusterResolver
     from jstrategy._src.collective_util import CommunicationOptions
 
-__all__ = ["ShardedStrategy", "join_job"]
-
-
-def join_job(
-    cluster_resolver: ClusterResolver | None, communication_options: CommunicationOptions | None
-) -> MultiWorkerMirroredStrategy:
-    """Joins the job `cluster_resolver` (by default ``TF_CONFIG``) describes, as
-    `MultiWorkerMirroredStrategy` does (the one place that starts JAX's distributed
-    runtime); the strategy returned is kept for its cluster only."""
-    return MultiWorkerMirroredStrategy(cluster_resolver, communication_options)
+__all__ = ["ShardedStrategy"]
 
 
 class ShardedStrategy(Strategy):
@@ -51,8 +45,29 @@ class ShardedStrategy(Strategy):
     `jax.lax.with_sharding_constraint` / `nn.with_logical_constraint` name its axes.
     """
 
-    #: The job this strategy joined (`join_job`), or None for a local one.
-    _cluster: MultiWorkerMirroredStrategy | None = None
+    #: The job this strategy joined (`_join_job`), or None for a local one.
+    _cluster: cluster_lib.Cluster | None = None
+    _cluster_resolver: ClusterResolver | None = None
+
+    def _join_job(
+        self,
+        cluster_resolver: ClusterResolver | None,
+        communication_options: CommunicationOptions | None,
+    ) -> CollectiveAllReduce | None:
+        """Joins the job `cluster_resolver` (by default ``TF_CONFIG``) describes, through
+        `cluster.join` as `MultiWorkerMirroredStrategy` does.
+
+        Returns:
+          The collectives across the processes (`communication_options`'), or None when
+          this process trains alone.
+        """
+        options = check_communication_options(communication_options)
+        resolver = cluster_resolver if cluster_resolver is not None else TFConfigClusterResolver()
+        self._cluster_resolver = resolver
+        self._cluster = cluster_lib.join(resolver, timeout_seconds=options.timeout_seconds)
+        if self._cluster.num_workers == 1:
+            return None
+        return CollectiveAllReduce(options.implementation, options.bytes_per_pack)
 
     @property
     def logical_axis_rules(self) -> tuple[tuple[str, Any], ...]:
@@ -62,7 +77,7 @@ class ShardedStrategy(Strategy):
     @property
     def cluster_resolver(self) -> ClusterResolver | None:
         """The job's resolver (None when the strategy joined no job)."""
-        return self._cluster.cluster_resolver if self._cluster is not None else None
+        return self._cluster_resolver
 
     @property
     def num_workers(self) -> int:

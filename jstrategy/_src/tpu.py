@@ -1,8 +1,8 @@
 """`TPUStrategy`, `TPUClusterResolver` and the TPU system setup calls of tf.distribute.
 
 On Cloud TPU VMs (and Colab's TPU runtime) JAX finds the TPU cores itself; the resolver's
-job is to describe them, `experimental_connect_to_cluster` starts JAX's distributed runtime
-on multi-host pods, and `initialize_tpu_system` returns the topology. The strategy lays one
+job is to describe them, `experimental_connect_to_cluster` (or the strategy) joins the
+slice's hosts on multi-host pods (`jstrategy.cluster_resolver.join`), and `initialize_tpu_system` returns the topology. The strategy lays one
 replica on every TPU core, in an order that follows the physical interconnect
 (`jax.experimental.mesh_utils`), so neighbouring replicas are neighbouring chips and
 collectives travel short links.
@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from jax.experimental import mesh_utils
 
-from jstrategy._src import jax_compat
+from jstrategy._src import cluster as cluster_lib
 from jstrategy._src.cluster_resolver import ClusterSpec
 from jstrategy._src.strategy import Strategy
 
@@ -199,16 +199,16 @@ def experimental_connect_to_cluster(cluster_spec_or_resolver: Any = None, **_: A
     """Connects this host to the rest of its TPU slice.
 
     The JAX meaning of `tf.config.experimental_connect_to_cluster`: on a multi-host TPU pod
-    slice it starts JAX's distributed runtime (`jax.distributed.initialize()`, which finds
-    the other hosts itself on Cloud TPU); on a single host there is nothing to connect.
-    Call it before any other JAX computation.
+    slice it joins the job through `jstrategy.cluster_resolver.join`, which starts JAX's
+    distributed runtime (finding the other hosts itself on Cloud TPU) and gives SIGTERM
+    back; on a single host there is nothing to connect. Call it before any other JAX
+    computation.
 
     Args:
       cluster_spec_or_resolver: a `TPUClusterResolver` (or anything with `num_hosts()`).
     """
-    hosts = getattr(cluster_spec_or_resolver, "num_hosts", lambda: 1)()
-    if hosts > 1 and jax_compat.distributed_client() is None:
-        jax.distributed.initialize()
+    if callable(getattr(cluster_spec_or_resolver, "num_hosts", None)):
+        cluster_lib.join(cluster_spec_or_resolver)
 
 
 def initialize_tpu_system(cluster_resolver: TPUClusterResolver | None = None) -> Topology:
@@ -259,6 +259,8 @@ class TPUStrategy(Strategy):
             )
         resolver = tpu_cluster_resolver or cluster_resolver or TPUClusterResolver()
         self._cluster_resolver = resolver
+        # A multi-host slice not connected yet (`experimental_connect_to_cluster`) joins now.
+        self._cluster = cluster_lib.join(resolver)
         super().__init__(tpu_device_order(resolver.devices()))
 
     @property

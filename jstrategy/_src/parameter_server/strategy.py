@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jstrategy._src import cluster as cluster_lib
 from jstrategy._src import coordination
 from jstrategy._src.cluster_resolver import ClusterResolver
 from jstrategy._src.cluster_resolver import SimpleClusterResolver
@@ -212,6 +213,12 @@ class ParameterServerStrategy(Strategy):
                 "--address=<the Ray head's host>:6379` (the counterpart of server.join()) "
                 "instead of this program, and run this program once, as the chief."
             )
+        # The chief's view of the job, validated as every strategy's; its tasks are threads
+        # or Ray actors, not JAX processes, so no runtime starts. A coordinator that names
+        # no task (as TF allows) has no place in the job to describe.
+        self._cluster = (
+            cluster_lib.join(resolver, start_runtime=False) if task_type is not None else None
+        )
         self._backend_kind = _resolve_backend(backend)
         if self._backend_kind is Backend.LOCAL:
             _refuse_other_hosts(spec)
