@@ -84,7 +84,9 @@ class _RunProgram:
     # Stateful objects' holders the function touched (`tracked.py`): those it wrote are
     # donated inputs and outputs of the program, the others inputs only.
     written: list[tracked.TrackedState] = dataclasses.field(default_factory=list)
-    read_only: list[tracked.TrackedState] = dataclasses.field(default_factory=list)
+    read_only: list[tracked.Holder] = dataclasses.field(default_factory=list)
+    # The updates it pushed (holder, how), in order: outputs applied after each call.
+    pushes: list[tuple[tracked.Holder, Any]] = dataclasses.field(default_factory=list)
     # With `experimental_check_mirrored`: the output leaves that must be mirrored.
     checked: list[int] = dataclasses.field(default_factory=list)
 
@@ -349,13 +351,13 @@ class Strategy:
                 self._run_cache[key] = program
                 if len(self._run_cache) > _RUN_CACHE_SIZE:
                     self._run_cache.popitem(last=False)
-        if (program.written or program.read_only) and any(
+        if (program.written or program.read_only or program.pushes) and any(
             isinstance(x, jax.core.Tracer) for x in dynamic
         ):
             self._refuse_outer_trace(program)
-        outs, written, flags = program.compiled(*dynamic, *self._held_values(program))
-        if program.written:
-            self._store_written(program, written)
+        outs, written, pushed, flags = program.compiled(*dynamic, *self._held_values(program))
+        if program.written or program.pushes:
+            self._store_written(program, written, pushed)
         dispatch.track(flags)
         if program.checked:
             self._raise_if_disagree(program, flags)
@@ -372,7 +374,8 @@ class Strategy:
         return self.read_on_replicas(written), self.read_on_replicas(read_only)
 
     def _refuse_outer_trace(self, program: _RunProgram) -> None:
-        names = [h.name for h in (*program.written, *program.read_only)]
+        holders = (*program.written, *program.read_only, *(h for h, _ in program.pushes))
+        names = list(dict.fromkeys(h.name for h in holders))
         raise RuntimeError(
             f"strategy.run was called inside a function that JAX compiles (jax.jit, ...) "
             f"and uses {names}: their values would be frozen into that program when it is "
@@ -380,11 +383,13 @@ class Strategy:
             "(TF's @tf.function is not needed): call it outside jax.jit."
         )
 
-    def _store_written(self, program: _RunProgram, values: list[Any]) -> None:
-        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(values)):
+    def _store_written(self, program: _RunProgram, values: list[Any], pushed: list[Any]) -> None:
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((values, pushed))):
             self._refuse_outer_trace(program)
         for holder, value in zip(program.written, values, strict=True):
             holder.store(value, self)
+        for (sink, how), value in zip(program.pushes, pushed, strict=True):
+            sink.apply(value, how)
 
     def _raise_if_disagree(self, program: _RunProgram, flags: Any) -> None:
         disagree = np.asarray(jax.device_get(flags))
@@ -462,6 +467,7 @@ class Strategy:
         out_tree, varying, frame = info[0]
         written = list(frame.written.values())
         read_only = [h for h in frame.touched if id(h) not in frame.written]
+        pushes = [(h, how) for h, _, how in frame.pushes]
         checked: list[int] = []
         if mirrored_check.enabled():
             # With replicated (and checked-mirrored) arguments typed as one shared value,
@@ -494,32 +500,43 @@ class Strategy:
             frame = tracked.RunFrame(self, planned, [*written_values, *read_values])
             try:
                 flat, _ = call(values, frame)
+                if [(id(h), how) for h, _, how in frame.pushes] != [
+                    (id(h), how) for h, how in pushes
+                ]:
+                    raise tracked.Replan()
             except tracked.Replan:
                 raise RuntimeError(
-                    "The function given to strategy.run used other metrics, optimizers or "
-                    "models when it was traced again (for new argument shapes) than the "
-                    "first time. Use the same stateful objects on every call."
+                    "The function given to strategy.run used other metrics, optimizers, "
+                    "models or parameter-server variables when it was traced again (for new "
+                    "argument shapes) than the first time. Use the same stateful objects on "
+                    "every call."
                 ) from None
             outs = [jnp.asarray(x)[None] if v else x for x, v in zip(flat, varying, strict=True)]
             new_values = [frame.final(h) for h in written]
+            pushed = [value for _, value, _ in frame.pushes]
             # A small output of every call that is never donated: what `run` waits on to
             # bound the calls in flight, also when `fn` returns nothing and only writes
             # state (whose arrays the next call consumes).
             flags = jnp.zeros((), jnp.bool_)
             if checked:
                 flags = mirrored_check.disagreement([flat[i] for i in checked], data)
-            return outs, new_values, flags
+            return outs, new_values, pushed, flags
 
-        def holder_specs(holders: list[tracked.TrackedState]) -> list[P]:
+        def holder_specs(holders: Sequence[tracked.Holder]) -> list[P]:
             return [P(data) if h.per_replica else P() for h in holders]
 
-        out_specs = ([P(data) if v else P() for v in varying], holder_specs(written), P())
+        out_specs = (
+            [P(data) if v else P() for v in varying],
+            holder_specs(written),
+            [P() for _ in pushes],
+            P(),
+        )
         in_specs = (*user_specs, holder_specs(written), holder_specs(read_only))
         compiled = jax.jit(
             shard_map(body, in_specs=in_specs, out_specs=out_specs),
             donate_argnums=(len(user_specs),) if written else (),
         )
-        return _RunProgram(compiled, out_tree, varying, written, read_only, checked)
+        return _RunProgram(compiled, out_tree, varying, written, read_only, pushes, checked)
 
     # Cross-replica reductions -----------------------------------------------------------
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:

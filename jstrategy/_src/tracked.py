@@ -18,6 +18,13 @@ combine per-replica contributions with one all-reduce first, as TF's variables a
 Outside `run`, reading and writing act at once, on placed arrays. Inside a user's own
 `jax.jit` they are refused: a read would freeze today's value into the program and a
 write would leak a traced value.
+
+This is `run`'s one capture mechanism; `Holder` is what it threads, and its kinds say where
+the value lives: `TrackedState` (placed arrays, mirrored), `SummedOnRead` (one part per
+replica), `TrainableHolder` (a model's variables), and the parameter-server variables'
+holder (`parameter_server/run_capture.py`), whose input is pulled from the parameter
+servers and whose updates are pushes (`RunFrame.push`), applied after the call in the
+order the function made them.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ if TYPE_CHECKING:
     from jstrategy._src.strategy import Strategy
 
 __all__ = [
+    "Holder",
     "Replan",
     "RunFrame",
     "SummedOnRead",
@@ -60,7 +68,39 @@ __all__ = [
 _LOCAL = threading.local()
 
 
-class TrackedState:
+class Holder:
+    """What `run` threads through its program: a value it reads as an input, and updates.
+
+    The kinds say where the value lives and what an update is: a `TrackedState`'s writes
+    replace its value (the program's output, stored after the call); a kind that pushes
+    (the parameter-server variables') records updates with `RunFrame.push`, applied after
+    the call in order by `apply`.
+    """
+
+    name: str
+    #: Whether each replica keeps its own part (`SummedOnRead`), or one mirrored value.
+    per_replica = False
+
+    @property
+    def spec(self) -> Any:
+        """The value's structure, shapes and dtypes (`jax.ShapeDtypeStruct` leaves)."""
+        raise NotImplementedError
+
+    def value_on(self, strategy: Strategy) -> Any:
+        """The current value, as `strategy`'s `run` program takes it (pulled at each call)."""
+        raise NotImplementedError
+
+    def traced(self, value: Any, axis: str) -> Any:
+        """The value a trace reads: from the program's input (or zeros while discovering)."""
+        del axis
+        return value
+
+    def apply(self, value: Any, how: Any) -> None:
+        """Applies an update pushed inside `run` (`RunFrame.push`), after the call."""
+        raise NotImplementedError(f"{self.name} takes no pushed updates")
+
+
+class TrackedState(Holder):
     """A pytree of arrays kept where the strategy keeps variables, threaded through `run`.
 
     Created with a value (arrays or NumPy); placed for the strategy in force when it is
@@ -72,9 +112,6 @@ class TrackedState:
       value: the initial pytree of arrays.
       name: names the holder in errors, e.g. ``"train_accuracy"``.
     """
-
-    #: Whether each replica keeps its own part (`SummedOnRead`), or one mirrored value.
-    per_replica = False
 
     def __init__(self, value: Any, *, name: str):
         self.name = name
@@ -368,7 +405,11 @@ class Replan(Exception):
 
 
 class RunFrame:
-    """What one trace of a `run` function does with holders: its reads and writes.
+    """What one trace of a `run` function does with holders: its reads, writes and pushes.
+
+    A read is an input of the program (a holder not planned raises `Replan`), a write the
+    holder's new value (an output), a push an update in order (an output, applied after
+    the call by the holder's `apply`).
 
     Args:
       strategy: the strategy whose `run` traces the function.
@@ -376,19 +417,19 @@ class RunFrame:
       values: their values inside the program (None while discovering: zeros stand in).
     """
 
-    def __init__(
-        self, strategy: Strategy, planned: Sequence[TrackedState], values: Sequence[Any] | None
-    ):
+    def __init__(self, strategy: Strategy, planned: Sequence[Holder], values: Sequence[Any] | None):
         self.strategy = strategy
         self._planned = {id(s): i for i, s in enumerate(planned)}
         self._values = values
-        self.touched: list[TrackedState] = []
+        self.touched: list[Holder] = []
         self._current: dict[int, Any] = {}
         self.written: dict[int, TrackedState] = {}
         # TrainableHolder id -> (its trainable tree, the list handed out in this trace).
         self.listed: dict[int, tuple[Any, list[Any]]] = {}
+        # (holder, value, how) per push, in the order made.
+        self.pushes: list[tuple[Holder, Any, Any]] = []
 
-    def _enter(self, state: TrackedState) -> None:
+    def _enter(self, state: Holder) -> None:
         key = id(state)
         if key in self._current:
             return
@@ -399,16 +440,15 @@ class RunFrame:
             value = self._values[index]
             if state.per_replica:  # this replica's block of the parts: (1, ...)
                 value = jax.tree.map(lambda x: x[0], value)
-            self._current[key] = value
         elif self._values is not None:
             raise Replan()
         else:
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), state.spec)
+            value = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), state.spec)
             if state.per_replica:
-                zeros = jax.tree.map(lambda x: _per_replica(x, axis), zeros)
-            self._current[key] = zeros
+                value = jax.tree.map(lambda x: _per_replica(x, axis), value)
+        self._current[key] = state.traced(value, axis)
 
-    def read(self, state: TrackedState) -> Any:
+    def read(self, state: Holder) -> Any:
         """The holder's value in this trace: the program's input, or the latest write."""
         self._enter(state)
         return self._current[id(state)]
@@ -432,6 +472,10 @@ class RunFrame:
         value = jax.tree.map(lambda x, s: jnp.asarray(x).astype(s.dtype), value, state.spec)
         self._current[id(state)] = value
         self.written[id(state)] = state
+
+    def push(self, holder: Holder, value: Any, how: Any) -> None:
+        """Records an update of `holder`, an output applied after the call (`Holder.apply`)."""
+        self.pushes.append((holder, value, how))
 
     def final(self, state: TrackedState) -> Any:
         """The holder's value at the end of the trace (a per-replica holder's: this

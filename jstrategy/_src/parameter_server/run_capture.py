@@ -10,10 +10,12 @@ per-replica function::
 
 `run` compiles that function, like every strategy's `run`, so neither can happen while it
 is traced: a read would freeze the values of that moment into the compiled program, and an
-update would push traced values. `RunCapture` compiles it with its reads as the program's
-inputs, pulled before each call, and its updates as the program's outputs, pushed after
-it, in the order the function made them. Each call therefore reads the current values and
-pushes its own update, and the program is compiled once per function (a function defined
+update would push traced values. The variables are therefore a holder kind of `run`'s one
+capture mechanism (`tracked.py`), `ParameterServerHolder`: a read is an input of the
+program, pulled from the parameter servers before each call; an update is a push
+(`RunFrame.push`), an output of the program applied on the parameter servers after it, in
+the order the function made them. Each call therefore reads the current values and pushes
+its own update. `RunCapture` compiles the program once per function (a function defined
 anew inside every scheduled call, as in TF's tutorial, counts as the same function when it
 closes over the same objects).
 
@@ -24,12 +26,10 @@ refused (`refuse_inside_trace`), as they would happen once, at tracing.
 from __future__ import annotations
 
 import collections
-import contextlib
 import threading
 import types
 import warnings
 from collections.abc import Callable
-from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
@@ -37,22 +37,27 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jstrategy._src import tracked
 from jstrategy._src.jax_compat import inside_staging_trace
-from jstrategy._src.strategy import REPLICA_AXIS
 from jstrategy._src.values import varying_axes
 
 if TYPE_CHECKING:
-    from jstrategy._src.parameter_server.sharded_variable import Variable
+    from jstrategy._src.strategy import Strategy
 
-__all__ = ["RunCapture", "current_recorder", "refuse_inside_trace"]
+__all__ = ["ParameterServerHolder", "RunCapture", "capturing", "refuse_inside_trace"]
 
 _PLANS_KEPT = 256
 # Distinct closures of one function compiled before `run` warns that it recompiles.
 _RECOMPILES_WARNED = 8
-# Traces of a function whose reads keep changing before `run` gives up.
-_MAX_REPLANS = 3
 
-_LOCAL = threading.local()
+
+def capturing() -> tracked.RunFrame | None:
+    """The frame of the `run` function traced on this thread, when it can capture
+    parameter-server reads and updates (its strategy has one replica), or None."""
+    frame = tracked.current_frame()
+    if frame is None or frame.strategy.num_replicas_in_sync != 1:
+        return None
+    return frame
 
 
 def refuse_inside_trace(what: str, *, captured: bool = True) -> None:
@@ -60,14 +65,14 @@ def refuse_inside_trace(what: str, *, captured: bool = True) -> None:
 
     Args:
       what: the operation, e.g. ``"Reading parameter-server variables"``.
-      captured: whether `RunCapture` lifts it out of a function `run` traces (reads and
-        updates); host copies (``numpy()``) cannot be.
+      captured: whether `run` lifts it out of a function it traces (reads and updates);
+        host copies (``numpy()``) cannot be.
 
     Raises:
       RuntimeError: inside `jax.jit` (or another compiling transformation) outside
         `ParameterServerStrategy.run`, or inside `run` when not `captured`.
     """
-    if current_recorder() is not None:
+    if capturing() is not None:
         if captured:
             return
         raise RuntimeError(
@@ -86,20 +91,51 @@ def refuse_inside_trace(what: str, *, captured: bool = True) -> None:
         )
 
 
-class _Recorder:
-    """What one trace of a captured function read and pushed."""
+class ParameterServerHolder(tracked.Holder):
+    """Some variables of a `VariableTree`, as `run` threads them (a `tracked.Holder` kind).
 
-    def __init__(self, plan: _Plan, values: Sequence[Sequence[Any]]):
-        self._plan = plan
-        self._values = values
-        self.reads: list[tuple[Variable, ...]] = []
-        self.pushes: list[tuple[tuple[Variable, ...], str]] = []
-        self.pushed_values: list[list[Any]] = []
-        self._pushed_ids: set[int] = set()
+    Its value is the variables' arrays, pulled from the parameter servers at each call (on
+    the device the one replica computes on); an update is pushed (`RunFrame.push`) with its
+    kind (gradients, assign, ...) and applied on the parameter servers after the call.
+    `VariableTree` keeps one holder per list of variables it reads or updates.
 
-    def read(self, flat: Sequence[Variable]) -> list[Any]:
-        flat = tuple(flat)
-        stale = [v.name for v in flat if v._id in self._pushed_ids]
+    Args:
+      tree: the `VariableTree` of the variables.
+      flat: the variables (`Variable`s, shards unrolled), in order.
+    """
+
+    def __init__(self, tree: Any, flat: Sequence[Any]):
+        self._tree = tree
+        self._flat = tuple(flat)
+        self.ids = frozenset(v._id for v in self._flat)
+        names = [v.name for v in self._flat]
+        self.name = f"parameter-server variables {names}"
+        self._spec = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in self._flat]
+
+    @property
+    def spec(self) -> Any:
+        return self._spec
+
+    def value_on(self, strategy: Strategy) -> Any:
+        return self._tree._pull_flat(self._flat, strategy.devices[0])
+
+    def traced(self, value: Any, axis: str) -> Any:
+        # The replica's own copy, as `run`'s array arguments: the gradient with respect to
+        # it is this replica's.
+        return [
+            x if axis in varying_axes(x) else jax.lax.pcast(x, axis, to="varying") for x in value
+        ]
+
+    def read(self, frame: tracked.RunFrame) -> list[Any]:
+        """The values inside the trace of `frame`: this call's, pulled before it.
+
+        Raises:
+          ValueError: if the function updated some of them before (in this call).
+        """
+        pushed = set().union(
+            *(h.ids for h, _, _ in frame.pushes if isinstance(h, ParameterServerHolder))
+        )
+        stale = [v.name for v in self._flat if v._id in pushed]
         if stale:
             raise ValueError(
                 f"The function given to strategy.run reads {stale} after updating them. Inside "
@@ -107,75 +143,23 @@ class _Recorder:
                 "pushed after it, so this read would not see the update. Read before "
                 "updating, or update in one run call and read in the next."
             )
-        index = len(self.reads)
-        self.reads.append(flat)
-        planned = self._plan.reads
-        if index < len(planned) and _ids(planned[index]) == _ids(flat):
-            return list(self._values[index])
-        # Not an input of this program: the trace is abandoned after the function returns
-        # and `run` traces again with this read as an input.
-        return [jnp.zeros(v.shape, v.dtype) for v in flat]
+        return list(frame.read(self))
 
-    def push(self, flat: Sequence[Variable], values: Sequence[Any], kind: str) -> None:
-        flat = tuple(flat)
-        self.pushes.append((flat, kind))
-        self.pushed_values.append([_invariant(jnp.asarray(x)) for x in values])
-        self._pushed_ids.update(v._id for v in flat)
+    def push(self, frame: tracked.RunFrame, values: Sequence[Any], kind: str) -> None:
+        """Records an update of `kind`, pushed after the call."""
+        axis = frame.strategy.axis_name
+        frame.push(self, [_invariant(jnp.asarray(x), axis) for x in values], kind)
+
+    def apply(self, value: Any, how: Any) -> None:
+        self._tree._apply_flat(self._flat, value, how)
 
 
-def _ids(flat: Sequence[Variable]) -> tuple[int, ...]:
-    return tuple(v._id for v in flat)
-
-
-def _invariant(x: jax.Array) -> jax.Array:
+def _invariant(x: jax.Array, axis: str) -> jax.Array:
     # The strategies that capture have one replica, so the sum over replicas is the value
     # itself; it makes an update computed from per-replica copies a single output.
-    if REPLICA_AXIS in varying_axes(x):
-        return jax.lax.psum(x, REPLICA_AXIS)
+    if axis in varying_axes(x):
+        return jax.lax.psum(x, axis)
     return x
-
-
-def current_recorder() -> _Recorder | None:
-    """The recorder of the function `run` is tracing on this thread, or None."""
-    return getattr(_LOCAL, "recorder", None)
-
-
-@contextlib.contextmanager
-def _recording(recorder: _Recorder) -> Iterator[None]:
-    previous = current_recorder()
-    _LOCAL.recorder = recorder
-    try:
-        yield
-    finally:
-        _LOCAL.recorder = previous
-
-
-class _Replan(Exception):
-    """A trace read other variables than the program was built for."""
-
-    def __init__(self, reads: list[tuple[Variable, ...]]):
-        super().__init__("replan")
-        self.reads = reads
-
-
-class _Plan:
-    """One captured function: the reads its program takes, and the updates it returns."""
-
-    def __init__(self, fn: Callable[..., Any], reads: Sequence[tuple[Variable, ...]]):
-        self.fn = fn
-        self.reads = tuple(reads)
-        self.pushes: tuple[tuple[tuple[Variable, ...], str], ...] = ()
-
-        def captured(read_values, *args, **kwargs):
-            recorder = _Recorder(self, read_values)
-            with _recording(recorder):
-                out = self.fn(*args, **kwargs)
-            if [_ids(r) for r in recorder.reads] != [_ids(r) for r in self.reads]:
-                raise _Replan(recorder.reads)
-            self.pushes = tuple(recorder.pushes)
-            return out, recorder.pushed_values
-
-        self.captured = captured
 
 
 def _function_key(fn: Callable[..., Any]) -> Any:
@@ -198,31 +182,35 @@ def _function_key(fn: Callable[..., Any]) -> Any:
 
 
 class RunCapture:
-    """Runs functions that read and update parameter-server variables, compiled once each.
+    """Runs the functions given to `ParameterServerStrategy.run`, compiled once each.
 
     A `ParameterServerStrategy` has one; its `run` calls `RunCapture.run` with the one-replica
-    strategy of the device it runs on.
+    strategy of the device it runs on. Functions that compute the same thing (the same code
+    closing over the same objects) are given to that strategy's `run` as one function, so
+    its compiled program, which captures their parameter-server reads and updates, is reused.
     """
 
     def __init__(self) -> None:
-        self._plans: collections.OrderedDict[Any, _Plan] = collections.OrderedDict()
+        self._functions: collections.OrderedDict[Any, Callable[..., Any]] = (
+            collections.OrderedDict()
+        )
         self._lock = threading.Lock()
         # Per code object: the last key compiled for it and how many keys it has had.
         self._by_code: dict[Any, tuple[Any, int]] = {}
 
-    def _plan(self, fn: Callable[..., Any]) -> tuple[Any, _Plan]:
+    def _function(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         key = _function_key(fn)
         with self._lock:
-            plan = self._plans.get(key)
-            if plan is None:
-                # The plan keeps `fn`, hence the objects its key names, alive.
-                plan = self._plans[key] = _Plan(fn, ())
-                while len(self._plans) > _PLANS_KEPT:
-                    self._plans.popitem(last=False)
+            first = self._functions.get(key)
+            if first is None:
+                # Kept: it keeps the objects its key names alive.
+                first = self._functions[key] = fn
+                while len(self._functions) > _PLANS_KEPT:
+                    self._functions.popitem(last=False)
                 self._note_new_key(fn, key)
             else:
-                self._plans.move_to_end(key)
-        return key, plan
+                self._functions.move_to_end(key)
+        return first
 
     def _note_new_key(self, fn: Callable[..., Any], key: Any) -> None:
         if not isinstance(key, tuple):
@@ -248,16 +236,15 @@ class RunCapture:
     def run(
         self,
         run_fn: Callable[..., Any],
-        device: jax.Device,
         fn: Callable[..., Any],
         args: Sequence[Any],
         kwargs: dict | None,
     ) -> Any:
-        """``run_fn(fn, args, kwargs)`` with `fn`'s variable reads and updates lifted out.
+        """``run_fn(fn, args, kwargs)``, with `fn` the first function that computes as it.
 
         Args:
-          run_fn: a one-replica strategy's `Strategy.run`.
-          device: where the reads are pulled (the device `run_fn` computes on).
+          run_fn: a one-replica strategy's `Strategy.run`, which pulls `fn`'s
+            parameter-server reads before each call and applies its updates after.
           fn: the per-replica function.
           args: positional arguments.
           kwargs: keyword arguments.
@@ -267,21 +254,4 @@ class RunCapture:
         """
         if not callable(fn) or not isinstance(args, (tuple, list)):
             return run_fn(fn, args, kwargs)  # which raises the usual error
-        key, plan = self._plan(fn)
-        for _ in range(_MAX_REPLANS):
-            values = [r[0]._tree._read_flat(r, device) for r in plan.reads]
-            try:
-                out, pushed = run_fn(plan.captured, (values, *args), kwargs)
-            except _Replan as replan:
-                plan = _Plan(fn, replan.reads)
-                with self._lock:
-                    self._plans[key] = plan
-                continue
-            for (flat, kind), update in zip(plan.pushes, pushed, strict=True):
-                flat[0]._tree._apply_flat(flat, update, kind)
-            return out
-        raise RuntimeError(
-            "The function given to strategy.run reads different parameter-server variables "
-            "each time it is traced (its Python control flow depends on something that "
-            "changes). Read the same variables in the same order on every call."
-        )
+        return run_fn(self._function(fn), args, kwargs)

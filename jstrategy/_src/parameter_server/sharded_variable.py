@@ -296,6 +296,8 @@ class VariableTree:
         self._assemble: Any = None
         self._split: Any = None
         self._lock = threading.Lock()
+        # What `run` threads for each list of variables read or updated inside it.
+        self._holders: dict[tuple[int, ...], run_capture.ParameterServerHolder] = {}
         self._token = uuid.uuid4().hex
         _TREES[self._token] = self
 
@@ -304,7 +306,7 @@ class VariableTree:
         # copy that process already has, whose compiled programs are reused.
         state = dict(self.__dict__)
         # Devices and compiled programs belong to this process.
-        state.update(_coordinator_device=None, _assemble=None, _split=None, _lock=None)
+        state.update(_coordinator_device=None, _assemble=None, _split=None, _lock=None, _holders={})
         return (_restore_tree, (self._token,), state)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -328,10 +330,21 @@ class VariableTree:
             groups.setdefault(var._store, []).append(var._id)
         return groups
 
+    def _holder(self, flat: Sequence[Variable]) -> run_capture.ParameterServerHolder:
+        """The holder `run` threads for these variables (one per list of variables)."""
+        key = tuple(v._id for v in flat)
+        holder = self._holders.get(key)
+        if holder is None:
+            holder = self._holders.setdefault(key, run_capture.ParameterServerHolder(self, flat))
+        return holder
+
     def _read_flat(self, flat: Sequence[Variable], device: jax.Device) -> list[jax.Array]:
-        recorder = run_capture.current_recorder()
-        if recorder is not None:
-            return recorder.read(flat)
+        frame = run_capture.capturing()
+        if frame is not None:
+            return self._holder(flat).read(frame)
+        return self._pull_flat(flat, device)
+
+    def _pull_flat(self, flat: Sequence[Variable], device: jax.Device) -> list[jax.Array]:
         run_capture.refuse_inside_trace("Reading parameter-server variables")
         groups = self._groups(flat)
         client_type = type(next(iter(groups)))
@@ -340,15 +353,15 @@ class VariableTree:
         return [next(cursors[var._store]) for var in flat]
 
     def _apply_flat(self, flat: Sequence[Variable], args: Sequence[Any], kind: str) -> None:
-        recorder = run_capture.current_recorder()
-        if recorder is None:
+        frame = run_capture.capturing()
+        if frame is None:
             run_capture.refuse_inside_trace(_UPDATING)
         # Every value is checked before any is pushed: an update either reaches every
         # variable or none, and never leaves a store holding a wrong value.
-        traced_ok = recorder is not None
+        traced_ok = frame is not None
         args = [_checked_update(v, a, traced_ok) for v, a in zip(flat, args, strict=True)]
-        if recorder is not None:
-            recorder.push(flat, args, kind)
+        if frame is not None:
+            self._holder(flat).push(frame, args, kind)
             return
         worker = backend_lib.current_worker()
         if worker is not None:

@@ -407,9 +407,8 @@ class ParameterServerStrategy(Strategy):
         """
         worker = backend_lib.current_worker()
         if worker is None:
-            return self._capture.run(super().run, self.devices[0], fn, args, kwargs)
-        strategy = self.worker_strategy(worker.device)
-        return self._capture.run(strategy.run, worker.device, fn, args, kwargs)
+            return self._capture.run(super().run, fn, args, kwargs)
+        return self._capture.run(self.worker_strategy(worker.device).run, fn, args, kwargs)
 
     # Input: inside a per-worker dataset function, as in TF's tutorial ----------------------
     def distribute_datasets_from_function(
