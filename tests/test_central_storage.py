@@ -123,6 +123,7 @@ def test_invalid_devices_are_explained():
 
 
 # Memory, measured ------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_memory_benchmark_figures():
     bench = _memory_benchmark()
     figures = {
@@ -198,6 +199,7 @@ def _model(strategy, spe=1):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spe", [1, 3])
 def test_model_fit_evaluate_predict_match_mirrored(spe):
     x, y = _data(80)  # 5 batches of 16: with spe=3 one execution of 3 steps, one of 2

@@ -426,6 +426,7 @@ def _global_step(line: str) -> int | None:
     return None if match is None else int(match[1]) * STEPS_PER_EPOCH + int(match[2])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_killed_then_preempted_run_resumes_to_the_uninterrupted_parameters(tmp_path):
     expected = ft_train.train(_two()).get_weights()
@@ -485,6 +486,7 @@ def test_killed_then_preempted_run_resumes_to_the_uninterrupted_parameters(tmp_p
     _assert_same_weights([final[f"w{i}"] for i in range(len(expected))], expected)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_two_workers_preempted_by_sigterm_to_one_save_the_same_step_and_resume(tmp_path):
     command = [sys.executable, "-m", "jstrategy.launch", "--num_workers", "2",

@@ -193,6 +193,7 @@ def test_fit_follows_one_device(strategy, kind):
     _assert_follows(_fit(strategy, kind), _one_device(_fit, kind))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", sorted(MESHES))
 @pytest.mark.parametrize("kind", ["linen", "nnx"])
 def test_every_mesh_follows_one_device(mesh, kind):
@@ -208,6 +209,7 @@ ACCUMULATING = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(ACCUMULATING))
 @pytest.mark.parametrize("kind", ["linen", "nnx"])
 def test_gradient_accumulation_follows_one_device(name, kind):

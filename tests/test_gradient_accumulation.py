@@ -172,6 +172,7 @@ class _Stop(Exception):
     """Raised by a callback to interrupt `fit` at a chosen step."""
 
 
+@pytest.mark.slow
 def test_backup_and_restore_resumes_in_the_middle_of_a_cycle_exactly(tmp_path):
     x, y = _data(96, seed=3)  # 6 batches of 16 an epoch, cycles of 4 cross the epochs
     strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])

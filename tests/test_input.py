@@ -677,6 +677,7 @@ jax.distributed.shutdown()
 """
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo CPU collectives are Linux-only")
 @pytest.mark.parametrize("layout", ["blocks", "interleaved"])
 def test_two_processes_each_feed_their_own_rows(layout):

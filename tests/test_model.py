@@ -377,6 +377,7 @@ def test_keras_style_example_learns(capsys):
     assert "Total params: 193" in out and "final loss" in out
 
 
+@pytest.mark.slow
 def test_digits_example_reaches_95_percent(capsys):
     accuracy = _run_example("digits").main(verbose=2)
     assert accuracy >= 0.95

@@ -115,6 +115,7 @@ def _one_device():
     return model.get_weights(), history["loss"], evaluation, predictions
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MESHES))
 def test_fit_evaluate_predict_follow_one_device_with_kernels_split_8_ways(name):
     strategy, layouts = _layout_strategy(name)
@@ -384,6 +385,7 @@ LINEN_GUIDE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(LINEN_GUIDE))
 def test_the_linen_guides_models_train_as_annotated_matching_the_guides_loop(name):
     make, logical = LINEN_GUIDE[name]

@@ -852,6 +852,7 @@ def _wait_for_file(path, timeout=WAIT):
         time.sleep(0.01)
 
 
+@pytest.mark.multiprocess
 def test_ray_workers_train_and_survive_a_killed_worker(ray_instance, tmp_path, monkeypatch):
     import json
     import os
@@ -911,6 +912,7 @@ def test_ray_workers_train_and_survive_a_killed_worker(ray_instance, tmp_path, m
         strategy._backend.shutdown()
 
 
+@pytest.mark.multiprocess
 def test_ray_parameter_server_death_is_fatal(ray_instance):
     strategy = jstrategy.ParameterServerStrategy(
         local_cluster_resolver(num_workers=1, num_ps=2), backend="ray"
@@ -931,6 +933,7 @@ def test_ray_parameter_server_death_is_fatal(ray_instance):
         strategy._backend.shutdown()
 
 
+@pytest.mark.multiprocess
 def test_ray_calls_that_hang_end_within_timeout_seconds(ray_instance):
     strategy = jstrategy.ParameterServerStrategy(
         local_cluster_resolver(num_workers=1, num_ps=1), backend="ray", timeout_seconds=1.0
@@ -945,6 +948,7 @@ def test_ray_calls_that_hang_end_within_timeout_seconds(ray_instance):
         strategy._backend.shutdown()
 
 
+@pytest.mark.multiprocess
 def test_ray_tf_step_fn_updates_inside_run_and_bad_updates_are_refused(ray_instance):
     strategy = jstrategy.ParameterServerStrategy(
         local_cluster_resolver(num_workers=2, num_ps=1), backend="ray"

@@ -65,6 +65,7 @@ def test_logits_under_a_probability_loss_warn_once_per_model(strategy, spe):
     assert caught[0].filename == __file__  # points at the user's fit
 
 
+@pytest.mark.slow
 def test_probabilities_and_from_logits_do_not_warn():
     assert _fit(Softmax(), "sparse_categorical_crossentropy") == []
     assert _fit(nn.Dense(3), losses.SparseCategoricalCrossentropy(from_logits=True)) == []

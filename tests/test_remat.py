@@ -78,6 +78,7 @@ def _temporaries(strategy, remat):
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy",
     [lambda: jstrategy.OneDeviceStrategy("cpu:0"), jstrategy.experimental.FSDPStrategy],
@@ -92,6 +93,7 @@ def test_remat_cuts_the_scanned_steps_temporaries(strategy):
     assert dots < without, (dots, without)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy",
     [
@@ -174,6 +176,7 @@ def test_remat_takes_a_module_class():
         training.remat(_Block())
 
 
+@pytest.mark.multiprocess
 def test_largest_model_benchmark_runs():
     """A tiny configuration of benchmarks/largest_model.py, end to end."""
     out = subprocess.run(

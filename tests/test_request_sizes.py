@@ -75,6 +75,7 @@ def test_predict_with_batch_size_len_x_compiles_a_bounded_number_of_programs(nam
     assert len(SIZES) > 4 * _bound(strategy.num_replicas_in_sync)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["one_device", "mirrored_4"])
 def test_evaluate_with_many_batch_sizes_compiles_a_bounded_number_of_programs(name):
     strategy = STRATEGIES[name]()

@@ -49,6 +49,7 @@ def test_seed_program_runs_and_follows_one_device(name, seed_reference, capsys):
     np.testing.assert_allclose(losses, seed_reference.history["loss"], rtol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mirrored", "fsdp"])
 def test_keras_distribute_tutorial_follows_one_device(name):
     tutorial = _example("keras_distribute_tutorial")
@@ -84,6 +85,7 @@ GUIDE_STRATEGIES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(GUIDE_STRATEGIES))
 def test_keras_distribution_guide_follows_one_device(name):
     """Keras 3's distribution guide, data and model parallel, against OneDevice. Without

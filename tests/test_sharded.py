@@ -438,6 +438,7 @@ def _compiled_collectives(strategy, steps_per_execution=0):
     return collective_counts(lowered.compile().as_text(), strategy.mesh), _specs(state.params)
 
 
+@pytest.mark.slow
 def test_fsdp_step_gathers_parameters_and_reduce_scatters_gradients():
     # The three kernels are split over the replicas (the biases are below min_shard_size):
     # each is all-gathered once per step where it is read (three gathers, not one of the
@@ -494,6 +495,7 @@ def test_collective_counts_reads_every_replica_group_form():
     }
 
 
+@pytest.mark.slow
 def test_sharded_step_benchmark_smoke(capsys):
     """`make bench`'s benchmarks/sharded_step.py runs end to end on a tiny transformer."""
     import importlib.util

@@ -188,6 +188,7 @@ def _train_state_values(model):
     return [np.asarray(v) for v in jax.tree.leaves(state)]
 
 
+@pytest.mark.slow
 def test_a_train_state_hands_over_between_every_kind_of_strategy(tmp_path):
     # One epoch under each strategy in turn, each restoring the previous one's checkpoint
     # (parameters, Adam's moments and step count): the same run as one OneDevice fit.

@@ -75,6 +75,7 @@ def _fit_gradient(model, *fit_args, **fit_kwargs):
     return _delta(before, _params(model.variables["params"]))
 
 
+@pytest.mark.slow
 def test_one_batch_gives_one_gradient_through_every_path(shut_down_coordinators):
     x, y = _batch()
     # The oracle: the gradient of the mean loss, by hand.

@@ -382,6 +382,7 @@ def _custom_loop(strategy, *, all_reduce_first=False, steps=3):
     return np.array(losses), model.get_weights(), optimizer
 
 
+@pytest.mark.slow
 def test_apply_gradients_in_run_follows_one_device_and_counts_each_gradient_once():
     one_losses, one_weights, _ = _custom_loop(jstrategy.OneDeviceStrategy("cpu:0"))
     for strategy in (
@@ -438,6 +439,7 @@ def _ps_model(stop, num_workers=1):
     return model
 
 
+@pytest.mark.slow
 def test_backup_and_restore_under_parameter_servers_resumes_the_epoch_exactly(
     tmp_path, shut_down_coordinators
 ):
@@ -499,6 +501,7 @@ class _Classifier(nn.Module):
         return nn.Dense(10)(nn.relu(x))
 
 
+@pytest.mark.slow
 def test_save_and_load_model_keep_weights_optimizer_state_and_compile_config(tmp_path):
     x, y = _classification(64, seed=5)
     mirrored = jstrategy.MirroredStrategy(devices=[f"cpu:{i}" for i in range(4)])
