@@ -5,12 +5,14 @@ The parameterized suite (`strategy` fixture, tests/conftest.py) already runs `ru
 compute devices; this file checks what is particular to it.
 """
 
+import functools
 import gc
 import importlib.util
 import sys
 from pathlib import Path
 
 import flax.linen as nn
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,9 +56,7 @@ def _loss(y, logits):
 
 
 def _data(rows=64, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(rows, FEATURES)).astype(np.float32)
-    return x, np.argmax(x[:, :3], axis=-1).astype(np.int32)
+    return helpers.classification_data(rows, FEATURES, seed)
 
 
 def _memory_kinds(tree):
@@ -240,13 +240,7 @@ def test_fit_on_a_list_of_batches_and_weights_stay_central():
     assert "Total params" in table[0]
 
 
-class NnxNet(nnx.Module):
-    def __init__(self, rngs):
-        self.dense1 = nnx.Linear(FEATURES, HIDDEN, rngs=rngs)
-        self.dense2 = nnx.Linear(HIDDEN, 3, rngs=rngs)
-
-    def __call__(self, x):
-        return self.dense2(nnx.relu(self.dense1(x)))
+NnxNet = functools.partial(helpers.NnxNet, features=FEATURES, hidden=HIDDEN)
 
 
 def test_nnx_model_fits_with_central_storage():

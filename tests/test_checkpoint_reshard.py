@@ -14,6 +14,7 @@ tests/test_multi_worker.py; here the one process checks where each restored leaf
 import functools
 
 import flax.linen as nn
+import helpers
 import jax
 import numpy as np
 import optax
@@ -69,9 +70,7 @@ class MLP(nn.Module):
 
 
 def _data(rows=48):
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(rows, FEATURES)).astype(np.float32)
-    return x, np.argmax(x[:, :3], axis=-1).astype(np.int32)
+    return helpers.classification_data(rows, FEATURES)
 
 
 def _model(strategy, seed=0):

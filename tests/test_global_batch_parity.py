@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 import flax.linen as nn
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,15 +53,9 @@ class Net(nn.Module):
         return nn.Dense(3)(x)
 
 
-class NnxNet(nnx.Module):
-    def __init__(self, rngs):
-        self.dense1 = nnx.Linear(FEATURES, HIDDEN, use_bias=False, rngs=rngs)
-        self.norm = nnx.BatchNorm(HIDDEN, rngs=rngs)
-        self.drop = nnx.Dropout(0.3, rngs=rngs)
-        self.dense2 = nnx.Linear(HIDDEN, 3, rngs=rngs)
-
-    def __call__(self, x):
-        return self.dense2(self.drop(nnx.relu(self.norm(self.dense1(x)))))
+NnxNet = functools.partial(
+    helpers.NnxNet, features=FEATURES, hidden=HIDDEN, use_bias=False, batch_norm={}, dropout=0.3
+)
 
 
 def _model_parallel(batch, model):

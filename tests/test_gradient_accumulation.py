@@ -4,6 +4,7 @@ import functools
 import itertools
 
 import flax.linen as nn
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,9 +36,7 @@ class Mlp(nn.Module):
 
 
 def _data(rows, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(rows, FEATURES)).astype(np.float32)
-    return x, np.argmax(x[:, :3], axis=-1).astype(np.int32)
+    return helpers.classification_data(rows, FEATURES, seed)
 
 
 def _loss(y, logits):
@@ -287,14 +286,7 @@ def test_bad_accumulation_arguments_and_a_state_from_another_step():
     assert int(model.state.grad_accumulator.micro_steps) == 0
 
 
-class NnxNet(nnx.Module):
-    def __init__(self, rngs, dropout=0.0):
-        self.dense1 = nnx.Linear(FEATURES, 8, rngs=rngs)
-        self.dropout = nnx.Dropout(dropout, rngs=rngs)
-        self.dense2 = nnx.Linear(8, 3, rngs=rngs)
-
-    def __call__(self, x):
-        return self.dense2(self.dropout(jnp.tanh(self.dense1(x))))
+NnxNet = functools.partial(helpers.NnxNet, features=FEATURES, dropout=0.0, activation="tanh")
 
 
 def test_nnx_accumulation_parity_and_a_float16_skip_with_random_streams():

@@ -1,11 +1,13 @@
 """`jstrategy.Model`: compile, fit, evaluate, predict, callbacks and progress."""
 
+import functools
 import importlib.util
 import io
 import logging
 import pathlib
 
 import flax.linen as nn
+import helpers
 import jax
 import numpy as np
 import optax
@@ -21,10 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _data(rows=50, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(rows, FEATURES)).astype(np.float32)
-    y = np.argmax(x[:, :3], axis=-1).astype(np.int32)
-    return x, y
+    return helpers.classification_data(rows, FEATURES, seed)
 
 
 class Net(nn.Module):
@@ -294,15 +293,9 @@ def test_weights_round_trip_and_variables_are_placed():
         model.set_weights([np.ones(1)] * 8)
 
 
-class NnxNet(nnx.Module):
-    def __init__(self, rngs):
-        self.dense1 = nnx.Linear(FEATURES, 8, rngs=rngs)
-        self.norm = nnx.BatchNorm(8, axis_name=jstrategy.REPLICA_AXIS, rngs=rngs)
-        self.dropout = nnx.Dropout(0.1, rngs=rngs)
-        self.dense2 = nnx.Linear(8, 3, rngs=rngs)
-
-    def __call__(self, x):
-        return self.dense2(self.dropout(nnx.relu(self.norm(self.dense1(x)))))
+NnxNet = functools.partial(
+    helpers.NnxNet, features=FEATURES, batch_norm={"axis_name": jstrategy.REPLICA_AXIS}, dropout=0.1
+)
 
 
 def test_nnx_module_trains_evaluates_and_predicts():

@@ -9,6 +9,7 @@ are not probabilities inside the step, reads the first step's count when it is r
 import warnings
 
 import flax.linen as nn
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,9 +22,7 @@ from jstrategy.losses import NotProbabilitiesWarning
 
 
 def _data(rows=64, classes=3, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(rows, 5)).astype(np.float32)
-    return x, np.argmax(x[:, :classes], axis=-1).astype(np.int32)
+    return helpers.classification_data(rows, 5, seed, classes)
 
 
 class Softmax(nn.Module):

@@ -10,6 +10,7 @@ tests/test_sharded.py.
 import functools
 
 import flax.linen as nn
+import helpers
 import jax
 import numpy as np
 import optax
@@ -26,10 +27,7 @@ SHARDED = ["fsdp_8", "model_parallel_2x4"]
 
 
 def _data(rows=50, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(rows, FEATURES)).astype(np.float32)
-    y = np.argmax(x[:, :3], axis=-1).astype(np.int32)
-    return x, y
+    return helpers.classification_data(rows, FEATURES, seed)
 
 
 class MLP(nn.Module):

@@ -3,6 +3,7 @@
 import functools
 
 import flax.linen as nn
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,16 +47,9 @@ class LinenNet(nn.Module):
         return nn.Dense(3)(nn.relu(x))
 
 
-class NnxNet(nnx.Module):
+def NnxNet(rngs, axis_name=jstrategy.REPLICA_AXIS):
     """The same network in NNX."""
-
-    def __init__(self, rngs, axis_name=jstrategy.REPLICA_AXIS):
-        self.dense1 = nnx.Linear(FEATURES, 8, rngs=rngs)
-        self.norm = nnx.BatchNorm(8, axis_name=axis_name, rngs=rngs)
-        self.dense2 = nnx.Linear(8, 3, rngs=rngs)
-
-    def __call__(self, x):
-        return self.dense2(nnx.relu(self.norm(self.dense1(x))))
+    return helpers.NnxNet(rngs, features=FEATURES, batch_norm={"axis_name": axis_name})
 
 
 def _tx():
