@@ -60,9 +60,9 @@ test-fast: $(VENV)/.dev
 LANE_B ?= tests/test_multi_worker.py tests/test_multi_worker_checkpoints.py \
 	tests/test_fault_tolerance.py tests/test_custom_training_tutorial.py \
 	tests/test_parameter_server.py tests/test_parameter_server_tutorial.py \
-	tests/test_ray_loopback.py tests/test_launch.py tests/test_cluster_startup.py \
-	tests/test_keras_loss_weights.py \
-	tests/test_global_batch_parity.py tests/test_remat.py
+	tests/test_ray_backend.py tests/test_launch.py tests/test_rendezvous.py \
+	tests/test_losses_metrics_keras.py \
+	tests/test_global_batch.py tests/test_remat.py
 
 test-lane-a: $(VENV)/.dev
 	$(BIN)/python -m pytest -n $(WORKERS) -q $(PYTEST_ARGS) $(addprefix --ignore=,$(LANE_B))

@@ -93,6 +93,7 @@ def test_one_compute_device_keeps_variables_in_its_device_memory():
     assert [s.device for s in placed["w"].addressable_shards] == [jax.devices()[3]]
 
 
+@pytest.mark.slow
 def test_parameter_device_chooses_whose_host_memory():
     strategy = jstrategy.CentralStorageStrategy(
         compute_devices=["cpu:2", "cpu:3"], parameter_device="cpu:3"
@@ -147,6 +148,7 @@ def test_memory_benchmark_figures():
     assert figures["FSDP (8)"].per_device < 0.5 and figures["ModelParallel (2x4)"].per_device < 0.5
 
 
+@pytest.mark.slow
 def test_no_copy_of_the_parameters_stays_on_the_devices_between_steps():
     strategy = jstrategy.CentralStorageStrategy()
     x, y = _data()
@@ -225,6 +227,7 @@ def test_model_fit_evaluate_predict_match_mirrored(spe):
     )
 
 
+@pytest.mark.slow
 def test_fit_on_a_list_of_batches_and_weights_stay_central():
     x, y = _data(48)
     strategy = jstrategy.CentralStorageStrategy(compute_devices=["cpu:0", "cpu:1"])
@@ -243,6 +246,7 @@ def test_fit_on_a_list_of_batches_and_weights_stay_central():
 NnxNet = functools.partial(helpers.NnxNet, features=FEATURES, hidden=HIDDEN)
 
 
+@pytest.mark.slow
 def test_nnx_model_fits_with_central_storage():
     x, y = _data(32)
     models = []

@@ -63,6 +63,7 @@ def _assert_layout(tree, sharding):
 
 
 # Save and restore across strategies -----------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("saved_under", "restored_under"),
     [
@@ -536,6 +537,7 @@ def _delete_tree_metadata(step_dir):
     os.remove(os.path.join(step_dir, "state", "_METADATA"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("damage", "with_target", "match"),
     [
@@ -612,6 +614,7 @@ def _custom_loop_state(kind, strategy):
     return jax.device_put(keys, strategy.replicated_sharding())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["linen", "nnx", "model", "keys"])
 def test_train_states_with_typed_keys_round_trip(tmp_path, kind):
     strategy = _STRATEGIES["mirrored_2"]()

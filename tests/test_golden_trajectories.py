@@ -384,6 +384,7 @@ def golden():
         return str(data["platform"]), _unpack(data)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("strategy_name", "program_name"), _cases())
 def test_trajectory_is_unchanged(golden, strategy_name, program_name):
     platform_key, cases = golden

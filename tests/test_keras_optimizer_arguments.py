@@ -79,6 +79,7 @@ def _grads(model):
     return [jnp.ones_like(v) for v in model.trainable_variables]
 
 
+@pytest.mark.slow
 def test_apply_gradients_outside_run_under_mirrored_is_tfs_error():
     strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     model, optimizer = _model(strategy)
@@ -99,6 +100,7 @@ def test_apply_gradients_outside_run_under_mirrored_is_tfs_error():
     assert not np.array_equal(model.get_weights()[1], before[1])
 
 
+@pytest.mark.slow
 def test_apply_gradients_on_one_device_outside_any_scope_still_works():
     # TF: outside every scope the default replica context applies them.
     model, optimizer = _model(jstrategy.OneDeviceStrategy("cpu:0"))
@@ -107,6 +109,7 @@ def test_apply_gradients_on_one_device_outside_any_scope_still_works():
     assert jax.tree.leaves(model.get_weights())[0].shape == (1,)
 
 
+@pytest.mark.slow
 def test_ema_in_a_custom_loop_finalizes_to_the_average():
     strategy = jstrategy.OneDeviceStrategy("cpu:0")
     with strategy.scope():

@@ -59,6 +59,7 @@ def _with_rate(opt_state, rate: float):
     return injected._replace(hyperparams=hyper)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(REFERENCE["direct"]))
 def test_each_step_follows_keras(name):
     case = REFERENCE["direct"][name]
@@ -116,6 +117,7 @@ def _fit_close(model: jstrategy.Model, case: dict, what: str) -> None:
     _close({"kernel": kernel, "bias": bias}, case["weights"], what)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(REFERENCE["fit"]))
 def test_fit_follows_keras(name):
     case = REFERENCE["fit"][name]

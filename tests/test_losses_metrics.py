@@ -55,6 +55,7 @@ def _close(actual, expected, rtol=1e-5, atol=1e-6):
 # --------------------------------------------------------------------------- losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("label_shape", [(B,), (B, 1)])
 @pytest.mark.parametrize("smoothing", [0.0, 0.2])
 def test_binary_crossentropy_matches_keras_for_probabilities_and_logits(label_shape, smoothing):
@@ -120,6 +121,7 @@ def test_categorical_crossentropy_renormalizes_and_keeps_zero_rows_finite():
     assert np.isfinite(out[1])
 
 
+@pytest.mark.slow
 def test_sparse_categorical_crossentropy_labels_with_or_without_trailing_axis():
     rng = _rng(3)
     logits = rng.normal(size=(B, 4)).astype(np.float32)
@@ -132,6 +134,7 @@ def test_sparse_categorical_crossentropy_labels_with_or_without_trailing_axis():
         _close(loss(labels.astype(np.float32), pred), expected, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_sparse_categorical_crossentropy_keeps_sequence_axes():
     # Keras reduces only the class axis: one loss per time step, (b, t).
     rng = _rng(4)
@@ -173,6 +176,7 @@ def test_bfloat16_predictions_are_computed_in_float32():
     _close(out, np.full(B, 9.0))
 
 
+@pytest.mark.slow
 def test_losses_are_jittable_and_differentiable():
     loss = losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
     labels = jnp.array([0, 2])

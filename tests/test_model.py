@@ -56,6 +56,7 @@ def _close(a, b, atol=1e-5):
         np.testing.assert_allclose(u, v, atol=atol, rtol=0)
 
 
+@pytest.mark.slow
 def test_steps_per_execution_follows_the_same_trajectory():
     # 50 rows in batches of 7: 7 full steps and a partial one. With 3 steps per execution
     # that is two fused executions, one remainder step and the padded partial step.
@@ -87,6 +88,7 @@ def test_fit_on_eight_replicas_matches_one_device():
     np.testing.assert_allclose(h1["loss"], h8["loss"], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_history_validation_and_evaluate_agree():
     strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     x, y = _data(60)
@@ -104,6 +106,7 @@ def test_history_validation_and_evaluate_agree():
     assert (loss, accuracy) == pytest.approx((result["loss"], result["accuracy"]), abs=1e-6)
 
 
+@pytest.mark.slow
 def test_evaluate_and_predict_count_every_row_once():
     strategy = jstrategy.MirroredStrategy()
     x, y = _data(37)
@@ -118,6 +121,7 @@ def test_evaluate_and_predict_count_every_row_once():
     assert loss == pytest.approx(float(np.mean(per_row)), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_shuffling_and_dropout_are_seeded():
     strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     x, y = _data()
@@ -132,6 +136,7 @@ def test_shuffling_and_dropout_are_seeded():
     assert not all(np.array_equal(a, b) for a, b in zip(first, trained(2), strict=True))
 
 
+@pytest.mark.slow
 def test_unshuffled_fit_matches_fit_on_datasets():
     strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     x, y = _data(40)
@@ -147,6 +152,7 @@ def test_unshuffled_fit_matches_fit_on_datasets():
     assert on_list.predict(batches, verbose=0).shape == (40, 3)
 
 
+@pytest.mark.slow
 def test_a_one_shot_dataset_that_runs_out_stops_training_with_a_warning():
     x, y = _data(20)
     model = _model(jstrategy.OneDeviceStrategy("cpu:0"))
@@ -186,6 +192,7 @@ for _hook in (
     setattr(Recorder, _hook, _recording(_hook))
 
 
+@pytest.mark.slow
 def test_callback_hooks_are_called_in_keras_order():
     strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     x, y = _data(20)
@@ -228,6 +235,7 @@ def test_early_stopping_stops_and_restores_the_best_weights():
     assert not all(np.array_equal(a, b) for a, b in zip(seen[0], seen[1], strict=True))
 
 
+@pytest.mark.slow
 def test_learning_rate_scheduler_changes_the_rate_without_recompiling(caplog):
     strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     x, y = _data(20)
@@ -250,6 +258,7 @@ def test_learning_rate_scheduler_changes_the_rate_without_recompiling(caplog):
     assert not all(np.array_equal(a, b) for a, b in zip(before, model.get_weights(), strict=True))
 
 
+@pytest.mark.slow
 def test_progress_output(capsys):
     strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     x, y = _data(20)
@@ -298,6 +307,7 @@ NnxNet = functools.partial(
 )
 
 
+@pytest.mark.slow
 def test_nnx_module_trains_evaluates_and_predicts():
     strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     x, y = _data(40)
@@ -316,6 +326,7 @@ def test_nnx_module_trains_evaluates_and_predicts():
     np.testing.assert_allclose(model.predict(x, verbose=0), pred, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_builds_from_the_first_data_without_input_shape():
     strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     x, y = _data(20)
@@ -363,6 +374,7 @@ def _run_example(name):
     return module
 
 
+@pytest.mark.slow
 def test_keras_style_example_learns(capsys):
     final = _run_example("keras_style").main(epochs=3, verbose=0)
     assert final["accuracy"] >= 0.9

@@ -301,6 +301,7 @@ def test_updates_are_applied_without_a_barrier_between_workers(cluster):
 # ---------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_one_worker_follows_the_one_device_trajectory(cluster, one_device):
     (x, y), _ = _digits()
     batches = [(x[i : i + 32], y[i : i + 32]) for i in range(0, 32 * 15, 32)]
@@ -347,6 +348,7 @@ def test_one_worker_follows_the_one_device_trajectory(cluster, one_device):
     assert len(kernel_state) == 2 and int(kernel_state[0][0].count) == len(batches)
 
 
+@pytest.mark.slow
 def test_several_workers_learn_digits(cluster):
     (x, y), (x_test, y_test) = _digits()
     strategy, coordinator = cluster(
@@ -395,6 +397,7 @@ class _Repeatable:
         return self._make()
 
 
+@pytest.mark.slow
 def test_model_fit_trains_on_the_workers(cluster):
     (x, y), (x_test, y_test) = _digits()
     strategy, coordinator = cluster(num_workers=2, num_ps=2)
@@ -423,6 +426,7 @@ def test_model_fit_trains_on_the_workers(cluster):
     assert accuracy >= 0.9, accuracy
 
 
+@pytest.mark.slow
 def test_model_checkpoints_and_weights_restore_onto_the_same_parameter_server_variables(
     cluster, tmp_path
 ):
@@ -465,6 +469,7 @@ def test_model_checkpoints_and_weights_restore_onto_the_same_parameter_server_va
         np.testing.assert_array_equal(a, b)  # Adam's state on the servers came back too
 
 
+@pytest.mark.slow
 def test_model_fit_waits_on_the_workers_at_most_timeout_seconds(cluster):
     # A worker that stops answering ends fit with a clear error, not a wait without end:
     # here the loss sleeps while the workers trace it, longer than the bound.
@@ -666,6 +671,7 @@ def _tf_step_fn(strategy, variables):
     return step_fn
 
 
+@pytest.mark.slow
 def test_updates_inside_run_apply_each_call_and_reduce_works(cluster):
     strategy, coordinator = cluster(num_workers=1, num_ps=2)
     init = {"w": jnp.zeros(3), "b": jnp.zeros(())}
@@ -742,6 +748,7 @@ def _assert_unchanged(variables, before):
     jax.tree.map(np.testing.assert_array_equal, variables.numpy(), before)
 
 
+@pytest.mark.slow
 def test_user_errors_never_corrupt_the_stores(cluster):
     strategy, coordinator = cluster(
         num_workers=1, num_ps=2, variable_partitioner=FixedShardsPartitioner(2)

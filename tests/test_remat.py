@@ -123,6 +123,7 @@ def test_rematerialized_loss_and_gradients_are_the_same(strategy, module):
     assert max(float(np.abs(g).max()) for g in jax.tree.leaves(grads)) > 1e-4
 
 
+@pytest.mark.slow
 def test_model_compile_takes_remat_and_fits_the_same():
     x, y = _batch()
     histories = []

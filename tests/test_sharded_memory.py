@@ -150,6 +150,7 @@ def _layout(shape, layouts):
     return jstrategy.experimental.ModelParallelStrategy(layout_map)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "shape, layouts",
     [

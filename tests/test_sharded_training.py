@@ -90,6 +90,7 @@ def _one_device_run():
     return model.get_weights(), history, evaluation, model.predict(x, batch_size=16, verbose=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SHARDED)
 def test_model_fit_evaluate_predict_follow_one_device(name):
     # 50 rows in batches of 7: 7 full steps (padded to 8 rows for 8 replicas) and a
@@ -112,6 +113,7 @@ def test_model_fit_evaluate_predict_follow_one_device(name):
     _assert_kept(model.state, strategy)  # evaluation and prediction only read the state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SHARDED)
 def test_fit_on_a_distributed_dataset_with_a_padded_partial_batch(name):
     strategy = STRATEGIES[name]()
@@ -124,6 +126,7 @@ def test_fit_on_a_distributed_dataset_with_a_padded_partial_batch(name):
     _close(model.get_weights(), one.get_weights())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SHARDED)
 def test_batch_norm_and_dropout_train_as_mirrored_with_as_many_replicas(name):
     # BatchNorm + Adam is compared like with like: against OneDevice, Adam turns the float

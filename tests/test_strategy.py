@@ -68,6 +68,7 @@ def test_static_python_arguments_are_part_of_the_key(strategy):
         strategy.run(fn, (x, {"unhashable", "set"}))
 
 
+@pytest.mark.slow
 def test_reduce_sum_and_mean(strategy):
     n = strategy.num_replicas_in_sync
     v = _per_replica(
@@ -93,6 +94,7 @@ def test_reduce_pytree_and_mirrored_values(strategy):
     assert float(strategy.reduce("MEAN", tree, axis=None)["b"]) == 2.0
 
 
+@pytest.mark.slow
 def test_gather(strategy):
     n = strategy.num_replicas_in_sync
     v = _per_replica(strategy, lambda ctx: np.full((2, 3), ctx.replica_id_in_sync_group, np.int32))

@@ -247,6 +247,7 @@ def test_names_are_keras_optimizers_with_keras_defaults():
         _dense_model(jstrategy.OneDeviceStrategy("cpu:0"), "adamm")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "keras, reference",
     [
@@ -474,6 +475,7 @@ def test_backup_and_restore_under_parameter_servers_resumes_the_epoch_exactly(
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_a_learning_rate_schedule_reaches_the_parameter_servers(shut_down_coordinators):
     # Before, the rate was set in the coordinator's copy of the optimizer state only.
     x, y = _xy(32)
@@ -602,6 +604,7 @@ def test_tensorboard_logs_the_rate_applied_and_none_it_cannot_know(tmp_path):
     assert "epoch_loss" in logged["plain"].Tags()["scalars"]
 
 
+@pytest.mark.slow
 def test_save_and_load_model_keep_the_dtype_policy_and_a_cycle_in_progress(tmp_path):
     # The compile options of issue 13 travel with the model: the dtype policy, and
     # gradient accumulation, whose pending sums are part of the saved state.
@@ -626,6 +629,7 @@ def test_save_and_load_model_keep_the_dtype_policy_and_a_cycle_in_progress(tmp_p
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_restore_checkpoint_reads_the_whole_state_of_a_saved_model(tmp_path):
     # A `save` directory is also a checkpoint: a model built and compiled by hand takes its
     # variables, optimizer state and step, and trains on exactly as the saved one.
@@ -648,6 +652,7 @@ def test_restore_checkpoint_reads_the_whole_state_of_a_saved_model(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_run_of_a_step_that_returns_nothing_is_bounded_in_flight():
     # TF's custom-loop step often returns nothing: it only applies gradients and updates
     # metrics. Those calls must count against the in-flight bound too; unbounded, a few

@@ -105,6 +105,7 @@ def _oracle(kind):
     return _arrays(state), history
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["linen", "nnx"])
 def test_every_strategy_matches_one_device_after_20_steps(strategy, kind):
     make_state = _linen_state if kind == "linen" else _nnx_state
@@ -193,6 +194,7 @@ class UnsyncedNorm(nn.Module):
         return nn.BatchNorm(use_running_average=not train, momentum=0.5)(x)
 
 
+@pytest.mark.slow
 def test_per_replica_batch_stats_are_averaged_across_replicas():
     rng = np.random.default_rng(2)
     x = rng.normal(size=(8, FEATURES)).astype(np.float32) * np.arange(1, 9)[:, None]
@@ -274,6 +276,7 @@ def _dropout_update(kind, seed, steps=2):
     return np.stack(kernels)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["linen", "nnx"])
 def test_dropout_differs_per_replica_and_is_reproducible(kind):
     kernels = _dropout_update(kind, seed=3)

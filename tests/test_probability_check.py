@@ -52,6 +52,7 @@ def _fit(module, loss, *, y=None, strategy=None, epochs=3, spe=1):
     return [w for w in caught if issubclass(w.category, NotProbabilitiesWarning)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", [None, jstrategy.MirroredStrategy()], ids=["one", "mirrored"])
 @pytest.mark.parametrize("spe", [1, 2])
 def test_logits_under_a_probability_loss_warn_once_per_model(strategy, spe):
@@ -75,6 +76,7 @@ def test_probabilities_and_from_logits_do_not_warn():
     assert _fit(Sigmoid(), "binary_crossentropy", y=binary) == []
 
 
+@pytest.mark.slow
 def test_each_cross_entropy_names_its_own_fix():
     onehot = np.eye(3, dtype=np.float32)[_data()[1]]
     (cce,) = _fit(nn.Dense(3), "categorical_crossentropy", y=onehot)
@@ -85,6 +87,7 @@ def test_each_cross_entropy_names_its_own_fix():
     assert "values in [0, 1])" in str(bce.message)
 
 
+@pytest.mark.slow
 def test_rows_that_do_not_sum_to_one_warn_for_categorical_losses():
     class Halves(nn.Module):  # in [0, 1], but each row sums to 1.5
         @nn.compact
@@ -95,6 +98,7 @@ def test_rows_that_do_not_sum_to_one_warn_for_categorical_losses():
     assert "summing to 1" in str(caught.message)
 
 
+@pytest.mark.slow
 def test_a_new_compile_checks_again_and_warnings_as_errors_stop_fit():
     x, y = _data()
     model = jstrategy.Model(nn.Dense(3), input_shape=(5,), seed=0)

@@ -148,6 +148,7 @@ def _steps(strategy):
     return state, train, evaluate, predict
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MESHES))
 def test_make_train_eval_predict_steps_follow_one_device(name):
     strategy, layouts = _layout_strategy(name)
@@ -522,6 +523,7 @@ def _assert_nnx_layouts(params, strategy):
 
 
 # The guide's own code uses Flax names this Flax release deprecates.
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:'sharding' is deprecated:DeprecationWarning")
 @pytest.mark.filterwarnings("ignore:The 'split' argument of 'fork' is deprecated")
 @pytest.mark.parametrize("path", ["fit", "make_train_step"])
@@ -561,6 +563,7 @@ class _Constrained(nn.Module):
         return jnp.sum(y, axis=-1, keepdims=True)
 
 
+@pytest.mark.slow
 def test_the_steps_map_keeps_a_constraints_data_axis_on_the_replicas_not_on_parameters():
     strategy = _guide_strategy()
     with strategy.scope():

@@ -204,6 +204,7 @@ def test_check_numerics_names_the_step_of_labels_out_of_range_in_a_dataset(name)
         model.fit(batches, verbose=0)
 
 
+@pytest.mark.slow
 def test_check_numerics_names_non_finite_losses_and_gradients():
     x, y = _data(16)
     x[9, 0] = np.nan
@@ -242,6 +243,7 @@ def test_check_numerics_names_non_finite_losses_and_gradients():
             jax.block_until_ready(metrics)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["fsdp", "model_parallel"])
 def test_check_numerics_names_non_finite_gradients_of_the_global_view_step(kind):
     # FSDP and ModelParallel take their gradients outside the replicas' map (the global
@@ -295,6 +297,7 @@ def _count_compiles():
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["one_device", "mirrored_4"])
 def test_any_number_of_rows_compiles_a_bounded_number_of_programs(name):
     # predict on 400 row counts compiled 400 programs (91 MB); fewer rows than a batch

@@ -204,6 +204,7 @@ def _nnx_fit(strategy, x, y, **fit_kwargs):
     return model, module, history.history["loss"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_nnx_model_trains_under_parameter_server_fit(shut_down_coordinators):
     x, y = _batch(seed=1, rows=4 * ROWS)

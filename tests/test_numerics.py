@@ -57,6 +57,7 @@ def _bound(replicas: int) -> int:
 SIZES = sorted({*range(1, MAX_ROWS + 1, 7), 2, 3, 4, 5, 383, 384, 385, 511, 512, 513, MAX_ROWS})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["one_device", "mirrored_4"])
 def test_predict_with_batch_size_len_x_compiles_a_bounded_number_of_programs(name):
     strategy = STRATEGIES[name]()

@@ -35,6 +35,7 @@ def seed_reference():
     return _example("seed_program").main(SEED_STRATEGIES["one_device"](), epochs=3, verbose=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SEED_STRATEGIES))
 def test_seed_program_runs_and_follows_one_device(name, seed_reference, capsys):
     history = _example("seed_program").main(SEED_STRATEGIES[name](), epochs=3, verbose=0)
@@ -61,6 +62,7 @@ def test_keras_distribute_tutorial_follows_one_device(name):
     assert history.history["loss"][-1] < history.history["loss"][0]
 
 
+@pytest.mark.slow
 def test_keras_distribute_tutorial_model_is_keras_shaped():
     model = _example("keras_distribute_tutorial").build_and_compile(
         jstrategy.OneDeviceStrategy("cpu:0")

@@ -96,6 +96,7 @@ def _oracle():
     return _host(_run(jstrategy.OneDeviceStrategy("cpu:0"), batches, 1).params)
 
 
+@pytest.mark.slow
 def test_k_micro_batches_give_the_update_of_one_larger_batch_under_every_strategy(strategy):
     x, y = _data(K * MICRO * UPDATES)
     micro = [(x[i * MICRO : (i + 1) * MICRO], y[i * MICRO : (i + 1) * MICRO]) for i in range(8)]
@@ -118,6 +119,7 @@ def test_k_micro_batches_give_the_update_of_one_larger_batch_under_every_strateg
     assert float(state.grad_accumulator.count) == 0.0
 
 
+@pytest.mark.slow
 def test_padded_micro_batches_weigh_by_their_real_rows():
     strategy = jstrategy.MirroredStrategy()
     rows = [16, 16, 16, 5]  # the last micro-batch is padded to 16 rows
@@ -143,6 +145,7 @@ def test_padded_micro_batches_weigh_by_their_real_rows():
     assert gap > 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("steps_per_execution", [1, 2, 4])
 def test_fit_with_accumulation_matches_fit_on_larger_batches(steps_per_execution):
     # 88 rows: batches of 16 are 5 full and one of 8; cycles of 3 hold 48 and 40 rows, as
@@ -207,6 +210,7 @@ def test_backup_and_restore_resumes_in_the_middle_of_a_cycle_exactly(tmp_path):
         assert values == expected_history[key][-len(values) :]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
 def test_checkpoint_manager_restores_a_cycle_in_progress(tmp_path, policy):
     """The factory: accumulators (and the loss scale) are in the state a checkpoint saves."""
@@ -237,6 +241,7 @@ def test_checkpoint_manager_restores_a_cycle_in_progress(tmp_path, policy):
     _assert_trees(resumed.opt_state, expected.opt_state)
 
 
+@pytest.mark.slow
 def test_loss_scaling_and_accumulation_compose():
     """An overflowing micro-batch is dropped whole: the cycle waits for one more."""
     strategy = jstrategy.MirroredStrategy()
@@ -289,6 +294,7 @@ def test_bad_accumulation_arguments_and_a_state_from_another_step():
 NnxNet = functools.partial(helpers.NnxNet, features=FEATURES, dropout=0.0, activation="tanh")
 
 
+@pytest.mark.slow
 def test_nnx_accumulation_parity_and_a_float16_skip_with_random_streams():
     strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     x, y = _data(4 * MICRO, seed=6)

@@ -98,8 +98,8 @@ def test_save_refuses_a_lambda_loss_and_a_lambda_metric_under_one_name(tmp_path)
     with pytest.raises(
         ValueError,
         match=r"cannot keep the loss \(compile\.loss\) and the metric compile\.metrics\[0\] "
-        r"apart: .*<lambda> \(test_saved_models\.py:\d+\) and .*<lambda> "
-        r"\(test_saved_models\.py:\d+\), saved by one name, 'lambda'.*define them with "
+        r"apart: .*<lambda> \(test_saving\.py:\d+\) and .*<lambda> "
+        r"\(test_saving\.py:\d+\), saved by one name, 'lambda'.*define them with "
         r"`def` under different names.*MeanMetricWrapper\(fn, name='\.\.\.'\)",
     ):
         model.save(path)
@@ -281,6 +281,7 @@ DAMAGED = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("change", "field", "expected"), DAMAGED, ids=[field for _, field, _ in DAMAGED]
 )
