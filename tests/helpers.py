@@ -3,13 +3,19 @@
 pytest puts tests/ on sys.path (it has no __init__.py), so every test file imports this
 module by name. Each builder takes the few arguments the files differ in; called with a
 file's arguments it builds exactly the model and data that file built itself, parameters,
-random streams and rows alike, so trajectories and golden files do not move.
+random streams and rows alike, so trajectories and golden files do not move. The
+regression data, Dense model and fit of the TF-habits tests (issue 14), now in the module
+files they test, are here too.
 """
 
 from __future__ import annotations
 
+import flax.linen as nn
 import numpy as np
+import optax
 from flax import nnx
+
+import jstrategy
 
 
 def classification_data(rows, features, seed=0, classes=3):
@@ -54,3 +60,52 @@ class NnxNet(nnx.Module):
         if hasattr(self, "drop"):
             x = self.drop(x)
         return self.dense2(x)
+
+
+def regression_data(rows=24, features=3, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, features)).astype(np.float32)
+    y = (x @ np.array([1.0, -2.0, 0.5], np.float32))[:, None]
+    return x, y
+
+
+def dense_regression_model(strategy, optimizer=None, loss="mse", **compile_kwargs):
+    with strategy.scope():
+        model = jstrategy.Model(nn.Dense(1), input_shape=(3,))
+        optimizer = optimizer if optimizer is not None else optax.sgd(0.1)
+        model.compile(optimizer, loss=loss, **compile_kwargs)
+    return model
+
+
+def logits_and_labels(rows, seed=0):
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(rows, 10)).astype(np.float32)
+    labels = rng.integers(0, 10, size=rows).astype(np.int32)
+    return logits, labels
+
+
+def fit_regression(model, epochs=2, callbacks=()):
+    x, y = regression_data(24)
+    return model.fit(
+        x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0, callbacks=list(callbacks)
+    )
+
+
+def sgd_epochs(strategy, rates):
+    """The weights after one epoch of optax's SGD at each rate in turn."""
+    weights = None
+    for rate in rates:
+        reference = dense_regression_model(strategy, optax.sgd(rate))
+        if weights is not None:
+            reference.set_weights(weights)
+        fit_regression(reference, epochs=1)
+        weights = reference.get_weights()
+    return weights
+
+
+class Classifier(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.Dense(8)(x)
+        x = nn.BatchNorm(use_running_average=not train, axis_name=jstrategy.REPLICA_AXIS)(x)
+        return nn.Dense(10)(nn.relu(x))

@@ -3,6 +3,8 @@
 The local backend runs on the 8 fake CPU devices (parameter servers and workers on their own
 devices, workers as threads); the Ray backend tests start a real local Ray instance and are
 skipped when Ray is not installed. Every wait has a timeout.
+
+
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import time
 import warnings
 
 import flax.linen as nn
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -988,3 +991,74 @@ def test_ray_tf_step_fn_updates_inside_run_and_bad_updates_are_refused(ray_insta
     finally:
         coordinator.shutdown()
         strategy._backend.shutdown()
+
+
+# TF habits (issue 14), finding 7: BackupAndRestore under ParameterServerStrategy
+class _Crash(Exception):
+    pass
+
+
+def _ps_model(stop, num_workers=1):
+    strategy = jstrategy.ParameterServerStrategy(
+        local_cluster_resolver(num_workers=num_workers, num_ps=2),
+        variable_partitioner=jstrategy.experimental.partitioners.FixedShardsPartitioner(2),
+    )
+    stop(strategy)
+    with strategy.scope():
+        model = jstrategy.Model(nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(1)]), (3,))
+        model.compile(jstrategy.optimizers.Adam(0.05), loss="mse")
+    return model
+
+
+@pytest.mark.slow
+def test_backup_and_restore_under_parameter_servers_resumes_the_epoch_exactly(
+    tmp_path, shut_down_coordinators
+):
+    x, y = helpers.regression_data(32)
+    fit = dict(batch_size=8, epochs=4, steps_per_epoch=4, verbose=0)
+    uninterrupted = _ps_model(shut_down_coordinators)
+    uninterrupted.fit(x, y, **fit)
+
+    backup_dir = str(tmp_path / "backup")
+
+    def crash(epoch, logs):
+        if epoch == 1:
+            raise _Crash()
+
+    interrupted = _ps_model(shut_down_coordinators)
+    with pytest.raises(_Crash):
+        interrupted.fit(
+            x,
+            y,
+            callbacks=[
+                jstrategy.callbacks.BackupAndRestore(backup_dir),
+                jstrategy.callbacks.LambdaCallback(on_epoch_end=crash),
+            ],
+            **fit,
+        )
+    resumed = _ps_model(shut_down_coordinators)  # a new process would build the same model
+    history = resumed.fit(x, y, callbacks=[jstrategy.callbacks.BackupAndRestore(backup_dir)], **fit)
+    assert history.epoch == [2, 3]  # epochs 0 and 1 were backed up
+    # One worker applies its updates in order: the optimizer state (Adam's moments on the
+    # parameter servers) came back too, so the run ends where the uninterrupted one did.
+    for a, b in zip(resumed.get_weights(), uninterrupted.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_a_learning_rate_schedule_reaches_the_parameter_servers(shut_down_coordinators):
+    # Before, the rate was set in the coordinator's copy of the optimizer state only.
+    x, y = helpers.regression_data(32)
+    fit = dict(batch_size=8, steps_per_epoch=4, verbose=0)
+    scheduled, untrained = _ps_model(shut_down_coordinators), _ps_model(shut_down_coordinators)
+    scheduled.fit(
+        x,
+        y,
+        epochs=2,
+        callbacks=[jstrategy.callbacks.LearningRateScheduler(lambda epoch: 0.0)],
+        **fit,
+    )
+    before = untrained.get_weights()
+    assert all(
+        np.array_equal(a, b) for a, b in zip(scheduled.get_weights(), before, strict=True)
+    )  # a zero rate applied: nothing moved
