@@ -10,7 +10,10 @@ files they test, are here too.
 
 from __future__ import annotations
 
+import contextlib
+
 import flax.linen as nn
+import jax
 import numpy as np
 import optax
 from flax import nnx
@@ -109,3 +112,19 @@ class Classifier(nn.Module):
         x = nn.Dense(8)(x)
         x = nn.BatchNorm(use_running_average=not train, axis_name=jstrategy.REPLICA_AXIS)(x)
         return nn.Dense(10)(nn.relu(x))
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """The XLA compilations while the block runs (JAX's compile events)."""
+    events = []
+
+    def listener(event: str, duration_secs: float, **kwargs: str | int) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
