@@ -20,7 +20,7 @@ OLDEST_LANE ?= tests/test_jax_compat.py tests/test_strategy.py tests/test_train_
 	tests/test_launch.py tests/test_multi_worker.py tests/test_central_storage.py \
 	tests/test_sharded.py tests/test_parameter_server.py tests/test_notebooks.py
 
-.PHONY: demo test test-lane-a test-lane-b test-oldest lint bench format clean docs
+.PHONY: demo test test-fast test-lane-a test-lane-b test-oldest lint bench format clean docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,14 +49,20 @@ demo: $(VENV)/.demo
 test: $(VENV)/.dev
 	$(BIN)/python -m pytest -n $(WORKERS) -q $(PYTEST_ARGS)
 
+# The quick lane while working: everything but the tests marked `multiprocess` (real worker
+# processes, Ray, a notebook kernel, a child Python) and `slow` (single-process tests over
+# about 3 s: benchmark smokes, long trajectories, the README, the examples).
+test-fast: $(VENV)/.dev
+	$(BIN)/python -m pytest -n $(WORKERS) -q -m "not multiprocess and not slow" $(PYTEST_ARGS)
+
 # CI splits `make test` in two lanes of about equal time on its two cores (each under 15
 # minutes): the multi-process and the heaviest numerical files, then everything else.
 LANE_B ?= tests/test_multi_worker.py tests/test_multi_worker_checkpoints.py \
 	tests/test_fault_tolerance.py tests/test_custom_training_tutorial.py \
 	tests/test_parameter_server.py tests/test_parameter_server_tutorial.py \
-	tests/test_ray_loopback.py tests/test_launch.py tests/test_cluster_startup.py \
-	tests/test_keras_loss_weights.py \
-	tests/test_global_batch_parity.py tests/test_remat.py
+	tests/test_ray_backend.py tests/test_launch.py tests/test_rendezvous.py \
+	tests/test_losses_metrics_keras.py \
+	tests/test_global_batch.py tests/test_remat.py
 
 test-lane-a: $(VENV)/.dev
 	$(BIN)/python -m pytest -n $(WORKERS) -q $(PYTEST_ARGS) $(addprefix --ignore=,$(LANE_B))

@@ -1,4 +1,4 @@
-"""Helper for tests/test_cluster_startup.py: one process of a multi-worker job.
+"""Helper for tests/test_rendezvous.py: one process of a multi-worker job.
 
 It prints ``STARTING`` just before it creates its `MultiWorkerMirroredStrategy`, runs one
 all-reduce, prints ``READY <pid>`` and waits ``--hold`` seconds, so that its listeners can

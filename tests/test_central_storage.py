@@ -5,12 +5,14 @@ The parameterized suite (`strategy` fixture, tests/conftest.py) already runs `ru
 compute devices; this file checks what is particular to it.
 """
 
+import functools
 import gc
 import importlib.util
 import sys
 from pathlib import Path
 
 import flax.linen as nn
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,9 +56,7 @@ def _loss(y, logits):
 
 
 def _data(rows=64, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(rows, FEATURES)).astype(np.float32)
-    return x, np.argmax(x[:, :3], axis=-1).astype(np.int32)
+    return helpers.classification_data(rows, FEATURES, seed)
 
 
 def _memory_kinds(tree):
@@ -93,6 +93,7 @@ def test_one_compute_device_keeps_variables_in_its_device_memory():
     assert [s.device for s in placed["w"].addressable_shards] == [jax.devices()[3]]
 
 
+@pytest.mark.slow
 def test_parameter_device_chooses_whose_host_memory():
     strategy = jstrategy.CentralStorageStrategy(
         compute_devices=["cpu:2", "cpu:3"], parameter_device="cpu:3"
@@ -123,6 +124,7 @@ def test_invalid_devices_are_explained():
 
 
 # Memory, measured ------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_memory_benchmark_figures():
     bench = _memory_benchmark()
     figures = {
@@ -146,6 +148,7 @@ def test_memory_benchmark_figures():
     assert figures["FSDP (8)"].per_device < 0.5 and figures["ModelParallel (2x4)"].per_device < 0.5
 
 
+@pytest.mark.slow
 def test_no_copy_of_the_parameters_stays_on_the_devices_between_steps():
     strategy = jstrategy.CentralStorageStrategy()
     x, y = _data()
@@ -198,6 +201,7 @@ def _model(strategy, spe=1):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spe", [1, 3])
 def test_model_fit_evaluate_predict_match_mirrored(spe):
     x, y = _data(80)  # 5 batches of 16: with spe=3 one execution of 3 steps, one of 2
@@ -223,6 +227,7 @@ def test_model_fit_evaluate_predict_match_mirrored(spe):
     )
 
 
+@pytest.mark.slow
 def test_fit_on_a_list_of_batches_and_weights_stay_central():
     x, y = _data(48)
     strategy = jstrategy.CentralStorageStrategy(compute_devices=["cpu:0", "cpu:1"])
@@ -238,15 +243,10 @@ def test_fit_on_a_list_of_batches_and_weights_stay_central():
     assert "Total params" in table[0]
 
 
-class NnxNet(nnx.Module):
-    def __init__(self, rngs):
-        self.dense1 = nnx.Linear(FEATURES, HIDDEN, rngs=rngs)
-        self.dense2 = nnx.Linear(HIDDEN, 3, rngs=rngs)
-
-    def __call__(self, x):
-        return self.dense2(nnx.relu(self.dense1(x)))
+NnxNet = functools.partial(helpers.NnxNet, features=FEATURES, hidden=HIDDEN)
 
 
+@pytest.mark.slow
 def test_nnx_model_fits_with_central_storage():
     x, y = _data(32)
     models = []

@@ -63,6 +63,7 @@ def _assert_layout(tree, sharding):
 
 
 # Save and restore across strategies -----------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("saved_under", "restored_under"),
     [
@@ -356,6 +357,7 @@ def _writer_module():
     return module
 
 
+@pytest.mark.multiprocess
 def test_process_killed_mid_write_leaves_the_previous_step_latest(tmp_path):
     directory = tmp_path / "ckpt"
     result = _run_writer(directory, "kill")
@@ -377,6 +379,7 @@ def test_process_killed_mid_write_leaves_the_previous_step_latest(tmp_path):
     assert not glob.glob(str(directory / "*.orbax-checkpoint-tmp*"))  # leftover cleaned
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("mode", ["wait", "exit", "weights"])
 def test_save_into_a_read_only_directory_reports_the_error_and_exits(tmp_path, mode):
@@ -413,6 +416,7 @@ def test_destination_below_a_file_is_a_clear_error(tmp_path):
         jstrategy.save_weights(tmp_path / "file" / "w", {"w": jnp.ones(2)})
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(280)
 def test_killed_async_saves_never_leave_a_damaged_step_listed(tmp_path):
     # kill -9 at random moments (and at the worst one seen) while asynchronous saves with
@@ -460,6 +464,7 @@ def test_a_half_deleted_step_is_repaired_when_the_directory_is_opened(tmp_path, 
     assert sorted(os.listdir(tmp_path)) == ["2", "3"]
 
 
+@pytest.mark.multiprocess
 def test_program_exiting_mid_write_finishes_the_write(tmp_path):
     directory = tmp_path / "ckpt"
     result = _run_writer(directory, "exit")
@@ -532,6 +537,7 @@ def _delete_tree_metadata(step_dir):
     os.remove(os.path.join(step_dir, "state", "_METADATA"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("damage", "with_target", "match"),
     [
@@ -608,6 +614,7 @@ def _custom_loop_state(kind, strategy):
     return jax.device_put(keys, strategy.replicated_sharding())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["linen", "nnx", "model", "keys"])
 def test_train_states_with_typed_keys_round_trip(tmp_path, kind):
     strategy = _STRATEGIES["mirrored_2"]()
@@ -691,6 +698,7 @@ def test_per_replica_values_that_differ_are_refused_with_the_fix(tmp_path):
         jstrategy.save_weights(tmp_path / "w", batch)
 
 
+@pytest.mark.multiprocess
 def test_a_program_that_opens_a_manager_and_ends_exits_quietly(tmp_path):
     # Orbax cleaned up in a background thread that failed noisily when the program ended.
     program = (

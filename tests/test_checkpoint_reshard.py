@@ -14,6 +14,7 @@ tests/test_multi_worker.py; here the one process checks where each restored leaf
 import functools
 
 import flax.linen as nn
+import helpers
 import jax
 import numpy as np
 import optax
@@ -69,9 +70,7 @@ class MLP(nn.Module):
 
 
 def _data(rows=48):
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(rows, FEATURES)).astype(np.float32)
-    return x, np.argmax(x[:, :3], axis=-1).astype(np.int32)
+    return helpers.classification_data(rows, FEATURES)
 
 
 def _model(strategy, seed=0):
@@ -145,6 +144,7 @@ def _continue(model):
     return model.get_weights()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("saved_under", "restored_under"), PAIRS)
 def test_train_state_reshards_through_checkpoint_manager(saved, saved_under, restored_under):
     source = saved(saved_under)
@@ -159,6 +159,7 @@ def test_train_state_reshards_through_checkpoint_manager(saved, saved_under, res
             _assert_restored(restored, source.values, target_strategy)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("saved_under", "restored_under"), PAIRS)
 def test_saved_model_loads_under_another_mesh_and_trains_on(saved, saved_under, restored_under):
     source = saved(saved_under)
@@ -174,6 +175,7 @@ def test_saved_model_loads_under_another_mesh_and_trains_on(saved, saved_under, 
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("saved_under", "restored_under"), PAIRS[1:3])
 def test_weights_load_under_another_mesh(saved, saved_under, restored_under):
     source = saved(saved_under)

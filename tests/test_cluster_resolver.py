@@ -339,6 +339,7 @@ def test_num_accelerators_counts_local_jax_devices():
     assert SimpleClusterResolver(ClusterSpec()).num_accelerators() == {}
 
 
+@pytest.mark.multiprocess
 def test_constructors_do_not_start_jax(tmp_path):
     # In a fresh interpreter: building resolvers must leave JAX's backends uninitialized, so
     # jax.distributed.initialize can still run afterwards.

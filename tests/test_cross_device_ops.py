@@ -35,6 +35,7 @@ def _tree(strategy):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("op_name", sorted(OPS))
 def test_all_ops_agree(op_name, n):
@@ -46,6 +47,7 @@ def test_all_ops_agree(op_name, n):
     _check_ops_agree(strategy)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("op_name", sorted(OPS))
 def test_all_ops_agree_over_the_data_axis_of_a_2d_mesh(op_name):
     """On a (4, 2) mesh the replicas are the 4 entries of the data axis, not the 8 devices."""
@@ -160,6 +162,7 @@ def test_invalid_settings():
         jstrategy.NcclAllReduce().reduce("SUM", {"a": jnp.ones(2)})
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_stress_5000_run_steps_on_8_devices_do_not_hang():
     strategy = jstrategy.MirroredStrategy()
@@ -184,6 +187,7 @@ def test_limiter_validates():
         dispatch.InFlightLimiter(max_in_flight=0)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "call, times",

@@ -29,6 +29,7 @@ def _load_example():
 tutorial = _load_example()
 
 
+@pytest.mark.slow
 def test_mirrored_follows_one_device_epoch_by_epoch(tmp_path, capsys):
     # 200 training rows in global batches of 64: the last batch has 8 real rows of 64, and
     # the test set's 100 rows end in a padded batch too.
@@ -53,6 +54,7 @@ def test_mirrored_follows_one_device_epoch_by_epoch(tmp_path, capsys):
     assert mirrored["restored_accuracy"] == pytest.approx(mirrored["test_accuracy"][-1])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(320)
 def test_two_workers_match_one_process_over_four_devices(tmp_path):
     """Metrics and updates are global: 2 workers x 2 devices log what 4 devices do."""

@@ -43,11 +43,13 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.multiprocess
 def test_reference_builds_without_warnings(built: Path) -> None:
     assert (built / "index.html").is_file()
     assert (built / "reference" / "jstrategy.html").is_file()
 
 
+@pytest.mark.multiprocess
 def test_every_public_name_is_in_the_reference(built: Path) -> None:
     conf = _conf()
     modules = conf.public_modules()
@@ -89,6 +91,7 @@ def test_every_public_name_is_in_the_reference(built: Path) -> None:
     assert count >= 140  # the issue counted 140 public names
 
 
+@pytest.mark.multiprocess
 def test_a_docstring_is_rendered(built: Path) -> None:
     """The entries hold the docstrings (napoleon's sections), not just the names."""
     page = (built / "reference" / "jstrategy.html").read_text(encoding="utf-8")

@@ -39,6 +39,7 @@ def test_variable_created_in_scope():
         mirrored.extended.variable_created_in_scope("kernel")
 
 
+@pytest.mark.multiprocess
 def test_training_and_coordinator_reachable_after_bare_import():
     code = (
         "import jstrategy; "

@@ -71,6 +71,7 @@ def _stop_at(model_ref, epoch, step):
 
 
 # Model weights -------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_weights_saved_under_one_strategy_load_under_another(tmp_path):
     x, y = ft_train.data()
     trained = ft_train.make_model(_two())
@@ -114,6 +115,7 @@ def test_load_weights_errors(tmp_path):
 
 
 # ModelCheckpoint -----------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["min", "max"])
 def test_model_checkpoint_keeps_the_best_epoch(tmp_path, mode):
     x, y = ft_train.data()
@@ -136,6 +138,7 @@ def test_model_checkpoint_keeps_the_best_epoch(tmp_path, mode):
     _assert_same_weights(fresh.get_weights(), per_epoch[best])
 
 
+@pytest.mark.slow
 def test_model_checkpoint_every_n_steps_saves_the_training_state(tmp_path):
     x, y = ft_train.data()
     model = ft_train.make_model(_two())
@@ -190,6 +193,7 @@ _RESUME_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(_RESUME_CASES))
 def test_backup_resumes_exactly_after_an_interruption(tmp_path, case):
     kwargs, spe, (stop_epoch, stop_step) = _RESUME_CASES[case]
@@ -232,6 +236,7 @@ def test_backup_resumes_exactly_after_an_interruption(tmp_path, case):
     assert not backup_dir.exists(), "a completed fit deletes its backup"
 
 
+@pytest.mark.slow
 def test_sigterm_backs_up_at_the_next_step_and_exits(tmp_path):
     strategy = _two()
     expected = ft_train.train(strategy)
@@ -294,6 +299,7 @@ def _noisy_step(state):
     return {"w": w, "key": state["key"], "step": state["step"] + 1}, jnp.sum(w)
 
 
+@pytest.mark.slow
 def test_handler_saves_on_sigterm_and_the_next_run_resumes(tmp_path):
     strategy = _two()
     init = jax.device_put(
@@ -426,6 +432,7 @@ def _global_step(line: str) -> int | None:
     return None if match is None else int(match[1]) * STEPS_PER_EPOCH + int(match[2])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_killed_then_preempted_run_resumes_to_the_uninterrupted_parameters(tmp_path):
     expected = ft_train.train(_two()).get_weights()
@@ -485,6 +492,7 @@ def test_killed_then_preempted_run_resumes_to_the_uninterrupted_parameters(tmp_p
     _assert_same_weights([final[f"w{i}"] for i in range(len(expected))], expected)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_two_workers_preempted_by_sigterm_to_one_save_the_same_step_and_resume(tmp_path):
     command = [sys.executable, "-m", "jstrategy.launch", "--num_workers", "2",

@@ -35,6 +35,7 @@ def _specs(tree):
     return jax.tree.map(lambda x: x.sharding.spec, tree)
 
 
+@pytest.mark.slow
 def test_linen_annotations_place_variables_under_model_parallel():
     strategy = _strategy(logical_axis_rules=[("hidden", "model")])
     with strategy.scope():
@@ -50,6 +51,7 @@ def test_linen_annotations_place_variables_under_model_parallel():
     assert mu["W2"].sharding.spec == P("model", None)  # moments follow their parameter
 
 
+@pytest.mark.slow
 def test_logical_rules_from_flax_context_and_layout_map_overrides():
     layout_map = LayoutMap(DeviceMesh((2, 4), ("data", "model")))
     layout_map["^Dense_0/kernel$"] = ("model", None)  # anchored keys match user paths
@@ -142,6 +144,7 @@ def _constraint_count(strategy):
     return text.count("model")
 
 
+@pytest.mark.slow
 def test_logical_constraints_in_the_step_use_the_strategys_rules():
     with_rules = _constraint_count(_strategy(logical_axis_rules=[("hidden", "model")]))
     without = _constraint_count(_strategy())

@@ -34,12 +34,14 @@ keeps the others; it must run where the file was recorded. Run it from the check
 from __future__ import annotations
 
 import argparse
+import functools
 import pathlib
 import platform
 import warnings
 
 import flax
 import flax.linen as nn
+import helpers
 import jax
 import jax.numpy as jnp
 import jaxlib
@@ -96,24 +98,18 @@ class BnDropout(nn.Module):
         return nn.Dense(3)(x)
 
 
-class NnxNet(nnx.Module):
-    def __init__(self, rngs):
-        self.dense1 = nnx.Linear(FEATURES, 8, use_bias=False, rngs=rngs)  # see BnDropout
-        self.norm = nnx.BatchNorm(
-            8, axis_name=jstrategy.REPLICA_AXIS, use_fast_variance=False, rngs=rngs
-        )
-        self.drop = nnx.Dropout(0.25, rngs=rngs)
-        self.dense2 = nnx.Linear(8, 3, rngs=rngs)
-
-    def __call__(self, x):
-        return self.dense2(self.drop(nnx.relu(self.norm(self.dense1(x)))))
+# Dense without a bias before BatchNorm: see BnDropout.
+NnxNet = functools.partial(
+    helpers.NnxNet,
+    features=FEATURES,
+    use_bias=False,
+    batch_norm={"axis_name": jstrategy.REPLICA_AXIS, "use_fast_variance": False},
+    dropout=0.25,
+)
 
 
 def _data(rows, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(rows, FEATURES)).astype(np.float32)
-    y = np.argmax(x[:, :3], axis=-1).astype(np.int32)
-    return x, y
+    return helpers.classification_data(rows, FEATURES, seed)
 
 
 def _loss(y, logits):
@@ -388,6 +384,7 @@ def golden():
         return str(data["platform"]), _unpack(data)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("strategy_name", "program_name"), _cases())
 def test_trajectory_is_unchanged(golden, strategy_name, program_name):
     platform_key, cases = golden

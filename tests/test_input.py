@@ -314,6 +314,7 @@ def _reference(batches, epochs):
     return jax.tree.map(np.asarray, params), losses
 
 
+@pytest.mark.slow
 def test_ctl_correctness_mirrored_8_matches_one_device_with_a_partial_last_batch(one_device):
     batches = _ctl_data()
     assert [len(b["x"]) for b in batches] == [32, 32, 2]
@@ -501,6 +502,7 @@ def test_source_errors_surface_after_the_batches_before_them():
         next(iterator)
 
 
+@pytest.mark.slow
 def test_host_elements_stay_numpy_and_still_run(strategy):
     n = strategy.num_replicas_in_sync
     options = jstrategy.InputOptions(experimental_fetch_to_device=False)
@@ -677,6 +679,7 @@ jax.distributed.shutdown()
 """
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo CPU collectives are Linux-only")
 @pytest.mark.parametrize("layout", ["blocks", "interleaved"])
 def test_two_processes_each_feed_their_own_rows(layout):

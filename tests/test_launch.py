@@ -60,6 +60,7 @@ def read_pids(out, names):
     return {name: int((out / f"{name}.pid").read_text()) for name in names}
 
 
+@pytest.mark.multiprocess
 def test_each_worker_gets_its_tf_config_and_prefixed_output(tmp_path, capsys):
     script, out = write_script(
         tmp_path,
@@ -114,6 +115,7 @@ def test_each_worker_gets_its_tf_config_and_prefixed_output(tmp_path, capsys):
     assert "warning" not in captured.out
 
 
+@pytest.mark.multiprocess
 def test_a_failing_worker_stops_the_others(tmp_path, capsys):
     script, out = write_script(
         tmp_path,
@@ -138,6 +140,7 @@ def test_a_failing_worker_stops_the_others(tmp_path, capsys):
         assert_gone(pid)
 
 
+@pytest.mark.multiprocess
 def test_a_worker_ignoring_sigterm_is_killed(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(launch_lib, "_GRACE_PERIOD_S", 0.5)
     script, out = write_script(
@@ -159,6 +162,7 @@ def test_a_worker_ignoring_sigterm_is_killed(tmp_path, capsys, monkeypatch):
     assert_gone(read_pids(out, ["worker-0"])["worker-0"])
 
 
+@pytest.mark.multiprocess
 def test_a_worker_killed_by_a_signal_fails_the_job(tmp_path, capsys):
     script, out = write_script(
         tmp_path,
@@ -174,6 +178,7 @@ def test_a_worker_killed_by_a_signal_fails_the_job(tmp_path, capsys):
     assert "worker-0 was killed by signal SIGKILL; stopping worker-1." in captured.err
 
 
+@pytest.mark.multiprocess
 def test_timeout_stops_everything(tmp_path, capsys):
     script, out = write_script(
         tmp_path,
@@ -192,6 +197,7 @@ def test_timeout_stops_everything(tmp_path, capsys):
         assert_gone(pid)
 
 
+@pytest.mark.multiprocess
 def test_devices_per_worker_sets_xla_flags(tmp_path, capsys):
     script, out = write_script(
         tmp_path,
@@ -263,6 +269,7 @@ def run_cli(args, **kwargs):
     )
 
 
+@pytest.mark.multiprocess
 def test_cli(tmp_path):
     script, out = write_script(
         tmp_path,
@@ -279,6 +286,7 @@ def test_cli(tmp_path):
     assert "job failed: chief-0 exited with code 5." in stderr
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_interrupting_the_launcher_stops_all_workers(tmp_path, signum):
     script, out = write_script(

@@ -1,5 +1,6 @@
 """Losses and metrics: Keras's formulas, per-example shapes, resolution by name."""
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,6 +56,7 @@ def _close(actual, expected, rtol=1e-5, atol=1e-6):
 # --------------------------------------------------------------------------- losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("label_shape", [(B,), (B, 1)])
 @pytest.mark.parametrize("smoothing", [0.0, 0.2])
 def test_binary_crossentropy_matches_keras_for_probabilities_and_logits(label_shape, smoothing):
@@ -120,6 +122,7 @@ def test_categorical_crossentropy_renormalizes_and_keeps_zero_rows_finite():
     assert np.isfinite(out[1])
 
 
+@pytest.mark.slow
 def test_sparse_categorical_crossentropy_labels_with_or_without_trailing_axis():
     rng = _rng(3)
     logits = rng.normal(size=(B, 4)).astype(np.float32)
@@ -132,6 +135,7 @@ def test_sparse_categorical_crossentropy_labels_with_or_without_trailing_axis():
         _close(loss(labels.astype(np.float32), pred), expected, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_sparse_categorical_crossentropy_keeps_sequence_axes():
     # Keras reduces only the class axis: one loss per time step, (b, t).
     rng = _rng(4)
@@ -173,6 +177,7 @@ def test_bfloat16_predictions_are_computed_in_float32():
     _close(out, np.full(B, 9.0))
 
 
+@pytest.mark.slow
 def test_losses_are_jittable_and_differentiable():
     loss = losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
     labels = jnp.array([0, 2])
@@ -500,3 +505,122 @@ def test_masked_replica_aggregation_equals_the_mean_over_real_rows():
     ref_loss = -np.log(_softmax(logits[:real].astype(np.float64))[np.arange(real), labels[:real]])
     ref_acc = (logits[:real].argmax(-1) == labels[:real]).mean()
     _close(got, [ref_loss.mean(), ref_acc], rtol=1e-5)
+
+
+# TF habits (issue 14), finding 7: reduction= on losses
+def test_a_loss_called_directly_reduces_as_keras_says():
+    y, logits = np.array([0, 1]), np.array([[2.0, 0.0], [0.0, 1.0]], np.float32)
+    per_example = jstrategy.losses.SparseCategoricalCrossentropy(from_logits=True).per_example(
+        y, logits
+    )
+    for reduction, expected in (
+        ("none", per_example),
+        (jstrategy.losses.Reduction.NONE, per_example),
+        ("sum", per_example.sum()),
+        ("sum_over_batch_size", per_example.mean()),
+        ("auto", per_example.mean()),
+    ):
+        loss = jstrategy.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
+        np.testing.assert_allclose(loss(y, logits), expected, rtol=1e-6)
+    default = jstrategy.losses.SparseCategoricalCrossentropy(from_logits=True)
+    assert np.ndim(default(y, logits)) == 0  # Keras's default: the mean over the batch
+    weighted = jstrategy.losses.MeanSquaredError(reduction="sum")
+    assert float(weighted(np.zeros(2), np.ones(2), sample_weight=np.array([1.0, 3.0]))) == 4.0
+    with pytest.raises(ValueError, match="`reduction` must be one of"):
+        jstrategy.losses.MeanSquaredError(reduction="average")
+
+
+def test_inside_run_the_tutorials_reduction_none_pattern_counts_real_rows_only():
+    strategy = jstrategy.MirroredStrategy(devices=[f"cpu:{i}" for i in range(4)])
+    x, y = helpers.regression_data(10)  # padded to 12 rows: 3 per replica, 2 of them padding
+    loss_object = jstrategy.losses.MeanSquaredError(reduction="none")
+
+    def step(x, y):
+        per_example_loss = loss_object(y, x[:, :1])
+        return jstrategy.compute_average_loss(per_example_loss), per_example_loss
+
+    (batch,) = strategy.experimental_distribute_dataset([(x, y)])
+    loss, per_example = strategy.run(step, args=batch)
+    expected = np.mean((x[:, 0] - y[:, 0]) ** 2)
+    np.testing.assert_allclose(strategy.reduce("SUM", loss, axis=None), expected, rtol=1e-5)
+    padded = np.concatenate(strategy.experimental_local_results(per_example))
+    assert padded.shape == (12,) and not padded[10:].any()  # padding rows' losses are 0
+
+    def keras_default(x, y):
+        return jstrategy.losses.MeanSquaredError()(y, x[:, :1])
+
+    with pytest.raises(ValueError, match=r"reduction='none'.*compute_average_loss"):
+        strategy.run(keras_default, args=batch)
+
+
+def test_compile_refuses_a_sum_reduction_it_would_not_honour():
+    with pytest.raises(ValueError, match="reduction='sum'"):
+        helpers.dense_regression_model(
+            jstrategy.OneDeviceStrategy("cpu:0"),
+            loss=jstrategy.losses.MeanSquaredError(reduction="sum"),
+        )
+
+
+# TF habits (issue 14), finding 2 (a): stateful metrics that count real rows of every replica
+def test_stateful_metrics_inside_run_count_the_real_rows_of_every_replica():
+    strategy = jstrategy.MirroredStrategy()
+    logits, labels = helpers.logits_and_labels(100)  # batches of 32: the last has 4 real rows of 32
+    batches = [(logits[i : i + 32], labels[i : i + 32]) for i in range(0, 100, 32)]
+    with strategy.scope():
+        accuracy = jstrategy.metrics.SparseCategoricalAccuracy(name="train_accuracy")
+        test_loss = jstrategy.metrics.Mean(name="test_loss")
+    loss_object = jstrategy.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+    def test_step(inputs):
+        predictions, labels = inputs
+        accuracy.update_state(labels, predictions)
+        test_loss.update_state(loss_object(labels, predictions))
+
+    for _epoch in range(2):
+        for inputs in strategy.experimental_distribute_dataset(batches):
+            strategy.run(test_step, args=(inputs,))
+        _, count = accuracy.variables
+        assert float(count) == 100.0  # not 128: padding rows do not count
+        expected = np.mean(np.argmax(logits, -1) == labels)
+        np.testing.assert_allclose(accuracy.result(), expected, rtol=1e-6)
+        per_example = loss_object.per_example(labels, logits)
+        np.testing.assert_allclose(test_loss.result(), np.mean(per_example), rtol=1e-5)
+        accuracy.reset_state()
+        test_loss.reset_state()
+    assert float(accuracy.result()) == 0.0
+
+
+def test_stateful_metrics_outside_run_and_keras_call():
+    logits, labels = helpers.logits_and_labels(20, seed=1)
+    accuracy = jstrategy.metrics.SparseCategoricalAccuracy()
+    running = accuracy(labels[:10], logits[:10])  # Keras: update_state, then result
+    accuracy.update_state(labels[10:], logits[10:], sample_weight=np.full(10, 3.0))
+    hits = (np.argmax(logits, -1) == labels).astype(np.float64)
+    np.testing.assert_allclose(running, hits[:10].mean(), rtol=1e-6)
+    weights = np.r_[np.ones(10), np.full(10, 3.0)]
+    np.testing.assert_allclose(accuracy.result(), (hits * weights).sum() / 40, rtol=1e-6)
+    mean = jstrategy.metrics.Mean()
+    mean(np.float32(2.0))
+    assert float(mean(np.array([4.0, 6.0]))) == 4.0
+
+
+def test_metrics_made_in_a_scope_update_outside_run_with_the_strategys_arrays():
+    # Keras's custom-loop habit: update a metric with a step's outputs after every step,
+    # outside `run` and outside the scope. The metric's parts live on the replicas of the
+    # strategy it was created under (they were created lazily on the default device, and
+    # outputs laid over the strategy's devices raised "incompatible devices").
+    strategy = jstrategy.MirroredStrategy()
+    with strategy.scope():
+        mean = jstrategy.metrics.Mean()
+        accuracy = jstrategy.metrics.SparseCategoricalAccuracy()
+    values = jax.device_put(jnp.arange(8.0), strategy.replicated_sharding())
+    labels = jax.device_put(jnp.array([0, 1, 1, 0]), strategy.replicated_sharding())
+    logits = jnp.array([[2.0, 0.0], [0.0, 2.0], [2.0, 0.0], [2.0, 0.0]])
+    for _ in range(100):
+        mean.update_state(values)
+        accuracy.update_state(labels, logits)
+    assert float(mean.result()) == pytest.approx(3.5)
+    assert float(accuracy.result()) == pytest.approx(0.75)
+    mean.reset_state()
+    mean.update_state(np.array([1.0, 3.0]))
+    assert float(mean.result()) == pytest.approx(2.0)

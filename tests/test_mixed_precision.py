@@ -128,6 +128,7 @@ def test_casts_touch_only_floating_leaves():
     assert abstract == jax.ShapeDtypeStruct((2,), jnp.float16)
 
 
+@pytest.mark.slow
 def test_module_computes_in_compute_dtype_and_gradients_stay_float32():
     """The policy's recipe on an unmodified Flax module: bf16 compute, f32 gradients."""
     model = nn.Sequential([nn.Dense(8), nn.LayerNorm(), nn.relu, nn.Dense(3)])

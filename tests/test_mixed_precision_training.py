@@ -113,6 +113,7 @@ def _assert_close(got, expected, atol):
 # ---------------------------------------------------------------------------------------
 # Policies
 # ---------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_mixed_bfloat16_under_every_strategy(strategy):
     state, losses, hlo = _train(strategy, "mixed_bfloat16")
     # Variables and optimizer state stay float32; the matrix multiplications run in bfloat16.
@@ -144,6 +145,7 @@ def test_global_policy_is_the_default_and_a_step_argument_overrides_it():
         training.make_train_step(_loss, dtype_policy="mixed_bf16", strategy=strategy)
 
 
+@pytest.mark.slow
 def test_nnx_state_under_mixed_bfloat16():
     strategy = jstrategy.MirroredStrategy()
     state, losses, hlo = _train(strategy, "mixed_bfloat16", make_state=_nnx_state)
@@ -154,6 +156,7 @@ def test_nnx_state_under_mixed_bfloat16():
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make_state", [_linen_state, _nnx_state], ids=["linen", "nnx"])
 def test_bfloat16_policy_keeps_variables_and_optimizer_state_in_bfloat16(make_state):
     strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
@@ -173,6 +176,7 @@ def test_bfloat16_policy_keeps_variables_and_optimizer_state_in_bfloat16(make_st
     assert _dot_dtypes(hlo) == {"bf16"} and np.isfinite(losses).all()
 
 
+@pytest.mark.slow
 def test_eval_and_predict_run_in_the_compute_dtype_and_return_float32():
     strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     x, y = _data(1)
@@ -240,6 +244,7 @@ def _overflow_trace(strategy, x, y):
     return state, step, trace
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mirrored_8", "central_storage_8", "fsdp_8"])
 def test_float16_overflow_skips_the_step_on_every_replica_and_halves_the_scale(name):
     from conftest import STRATEGIES
@@ -330,6 +335,7 @@ def test_model_dtype_policy_and_loss_scale():
         assert jstrategy.Model(Mlp(), input_shape=(FEATURES,)).dtype_policy.name == "mixed_bfloat16"
 
 
+@pytest.mark.slow
 def test_parameter_server_fit_under_mixed_bfloat16_and_what_it_refuses(shut_down_coordinators):
     ps = jstrategy.ParameterServerStrategy(local_cluster_resolver(num_workers=1, num_ps=2))
     shut_down_coordinators(ps)

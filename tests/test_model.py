@@ -1,11 +1,20 @@
-"""`jstrategy.Model`: compile, fit, evaluate, predict, callbacks and progress."""
+"""`jstrategy.Model`: compile, fit, evaluate, predict, callbacks and progress.
 
+Keras 3's `compile` and `fit` arguments: what they mean here, or an error with the fix.
+
+`compile`'s `loss_weights`, `run_eagerly`, `jit_compile` and `auto_scale_loss` exist here
+only as what jstrategy always does; `fit`'s `validation_freq` and `validation_batch_size`
+mean what they mean in Keras 3 (issue 21, "Differences from Keras 3").
+"""
+
+import functools
 import importlib.util
 import io
 import logging
 import pathlib
 
 import flax.linen as nn
+import helpers
 import jax
 import numpy as np
 import optax
@@ -15,16 +24,14 @@ from flax import nnx
 import jstrategy
 from jstrategy import callbacks as callbacks_lib
 from jstrategy import losses
+from jstrategy.callbacks import Callback
 
 FEATURES = 6
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _data(rows=50, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(rows, FEATURES)).astype(np.float32)
-    y = np.argmax(x[:, :3], axis=-1).astype(np.int32)
-    return x, y
+    return helpers.classification_data(rows, FEATURES, seed)
 
 
 class Net(nn.Module):
@@ -57,6 +64,7 @@ def _close(a, b, atol=1e-5):
         np.testing.assert_allclose(u, v, atol=atol, rtol=0)
 
 
+@pytest.mark.slow
 def test_steps_per_execution_follows_the_same_trajectory():
     # 50 rows in batches of 7: 7 full steps and a partial one. With 3 steps per execution
     # that is two fused executions, one remainder step and the padded partial step.
@@ -88,6 +96,7 @@ def test_fit_on_eight_replicas_matches_one_device():
     np.testing.assert_allclose(h1["loss"], h8["loss"], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_history_validation_and_evaluate_agree():
     strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     x, y = _data(60)
@@ -105,6 +114,7 @@ def test_history_validation_and_evaluate_agree():
     assert (loss, accuracy) == pytest.approx((result["loss"], result["accuracy"]), abs=1e-6)
 
 
+@pytest.mark.slow
 def test_evaluate_and_predict_count_every_row_once():
     strategy = jstrategy.MirroredStrategy()
     x, y = _data(37)
@@ -119,6 +129,7 @@ def test_evaluate_and_predict_count_every_row_once():
     assert loss == pytest.approx(float(np.mean(per_row)), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_shuffling_and_dropout_are_seeded():
     strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     x, y = _data()
@@ -133,6 +144,7 @@ def test_shuffling_and_dropout_are_seeded():
     assert not all(np.array_equal(a, b) for a, b in zip(first, trained(2), strict=True))
 
 
+@pytest.mark.slow
 def test_unshuffled_fit_matches_fit_on_datasets():
     strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     x, y = _data(40)
@@ -148,6 +160,7 @@ def test_unshuffled_fit_matches_fit_on_datasets():
     assert on_list.predict(batches, verbose=0).shape == (40, 3)
 
 
+@pytest.mark.slow
 def test_a_one_shot_dataset_that_runs_out_stops_training_with_a_warning():
     x, y = _data(20)
     model = _model(jstrategy.OneDeviceStrategy("cpu:0"))
@@ -187,6 +200,7 @@ for _hook in (
     setattr(Recorder, _hook, _recording(_hook))
 
 
+@pytest.mark.slow
 def test_callback_hooks_are_called_in_keras_order():
     strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     x, y = _data(20)
@@ -229,6 +243,7 @@ def test_early_stopping_stops_and_restores_the_best_weights():
     assert not all(np.array_equal(a, b) for a, b in zip(seen[0], seen[1], strict=True))
 
 
+@pytest.mark.slow
 def test_learning_rate_scheduler_changes_the_rate_without_recompiling(caplog):
     strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     x, y = _data(20)
@@ -251,6 +266,7 @@ def test_learning_rate_scheduler_changes_the_rate_without_recompiling(caplog):
     assert not all(np.array_equal(a, b) for a, b in zip(before, model.get_weights(), strict=True))
 
 
+@pytest.mark.slow
 def test_progress_output(capsys):
     strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     x, y = _data(20)
@@ -294,17 +310,12 @@ def test_weights_round_trip_and_variables_are_placed():
         model.set_weights([np.ones(1)] * 8)
 
 
-class NnxNet(nnx.Module):
-    def __init__(self, rngs):
-        self.dense1 = nnx.Linear(FEATURES, 8, rngs=rngs)
-        self.norm = nnx.BatchNorm(8, axis_name=jstrategy.REPLICA_AXIS, rngs=rngs)
-        self.dropout = nnx.Dropout(0.1, rngs=rngs)
-        self.dense2 = nnx.Linear(8, 3, rngs=rngs)
-
-    def __call__(self, x):
-        return self.dense2(self.dropout(nnx.relu(self.norm(self.dense1(x)))))
+NnxNet = functools.partial(
+    helpers.NnxNet, features=FEATURES, batch_norm={"axis_name": jstrategy.REPLICA_AXIS}, dropout=0.1
+)
 
 
+@pytest.mark.slow
 def test_nnx_module_trains_evaluates_and_predicts():
     strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     x, y = _data(40)
@@ -323,6 +334,7 @@ def test_nnx_module_trains_evaluates_and_predicts():
     np.testing.assert_allclose(model.predict(x, verbose=0), pred, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_builds_from_the_first_data_without_input_shape():
     strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     x, y = _data(20)
@@ -370,6 +382,7 @@ def _run_example(name):
     return module
 
 
+@pytest.mark.slow
 def test_keras_style_example_learns(capsys):
     final = _run_example("keras_style").main(epochs=3, verbose=0)
     assert final["accuracy"] >= 0.9
@@ -377,8 +390,136 @@ def test_keras_style_example_learns(capsys):
     assert "Total params: 193" in out and "final loss" in out
 
 
+@pytest.mark.slow
 def test_digits_example_reaches_95_percent(capsys):
     accuracy = _run_example("digits").main(verbose=2)
     assert accuracy >= 0.95
     out = capsys.readouterr().out
     assert 'Model: "digits_mlp"' in out and "val_accuracy" in out
+
+
+# TF habits (issue 14), finding 6: one rule for what fit and experimental_distribute_dataset take
+def test_fit_takes_a_generator_function_as_experimental_distribute_dataset_does():
+    strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    x, y = helpers.regression_data()
+
+    def batches():
+        for i in range(0, 24, 8):
+            yield x[i : i + 8], y[i : i + 8]
+
+    from_function = helpers.dense_regression_model(strategy)
+    history = from_function.fit(batches, epochs=2, verbose=0)
+    from_list = helpers.dense_regression_model(strategy)
+    from_list.fit(list(batches()), epochs=2, verbose=0)
+    assert len(history.history["loss"]) == 2  # a generator function is iterated each epoch
+    for a, b in zip(from_function.get_weights(), from_list.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["compile", "fit", "evaluate", "predict"])
+def test_a_model_used_inside_another_strategys_scope_is_an_error(method):
+    # Keras raises when a model made outside a strategy's scope is compiled inside it; here
+    # it would train silently under the strategy it was created in.
+    x, y = helpers.logits_and_labels(16)
+    model = jstrategy.Model(helpers.Classifier(), input_shape=(10,))
+    if method != "compile":
+        model.compile("sgd", loss=jstrategy.losses.SparseCategoricalCrossentropy(from_logits=True))
+    calls = {
+        "compile": lambda: model.compile("sgd", loss="mse"),
+        "fit": lambda: model.fit(x, y, verbose=0),
+        "evaluate": lambda: model.evaluate(x, y, verbose=0),
+        "predict": lambda: model.predict(x, verbose=0),
+    }
+    with (
+        jstrategy.MirroredStrategy().scope(),
+        pytest.raises(ValueError, match=rf"created under .*but `{method}` is called inside"),
+    ):
+        calls[method]()
+    calls[method]()  # outside any scope it runs, under its own strategy
+
+
+# Keras 3's compile and fit arguments: what they mean here, or an error with the fix.
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"loss_weights": [1.0]},
+            r"`loss_weights` weighs the losses of a multi-output.*got \[1.0\]",
+        ),
+        ({"run_eagerly": True}, r"`run_eagerly` must be False.*jax.debug.print"),
+        ({"jit_compile": False}, r"`jit_compile` must be 'auto' or True.*got False"),
+        ({"auto_scale_loss": "yes"}, r"`auto_scale_loss` must be True or False; got 'yes'"),
+    ],
+)
+def test_keras_compile_options_that_would_mean_something_else_are_errors(kwargs, match):
+    model = jstrategy.Model(nn.Dense(3), input_shape=(5,))
+    with pytest.raises(ValueError, match=match):
+        model.compile("adam", loss="mse", **kwargs)
+
+
+def test_keras_compile_options_that_mean_what_jstrategy_does_are_accepted():
+    model = jstrategy.Model(nn.Dense(3), input_shape=(5,))
+    model.compile("adam", loss="mse", run_eagerly=False, jit_compile=True, auto_scale_loss=False)
+    assert model.compiled
+    half = jstrategy.Model(nn.Dense(3), input_shape=(5,), dtype_policy="mixed_float16")
+    half.compile("adam", loss="mse", auto_scale_loss=True)
+    with pytest.raises(ValueError, match=r"auto_scale_loss=False` under the 'mixed_float16'"):
+        half.compile("adam", loss="mse", auto_scale_loss=False)
+
+
+class _Validations(Callback):
+    def __init__(self):
+        super().__init__()
+        self.epochs = []
+        self.test_batches = 0
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.test_batches += 1
+
+    def on_epoch_end(self, epoch, logs=None):
+        if "val_loss" in (logs or {}):
+            self.epochs.append(epoch)
+
+
+def _fit(**kwargs):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 5)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+    model = jstrategy.Model(nn.Dense(2), input_shape=(5,), seed=0)
+    model.compile("sgd", loss=losses.SparseCategoricalCrossentropy(from_logits=True))
+    seen = _Validations()
+    history = model.fit(x, y, batch_size=8, epochs=6, verbose=0, callbacks=[seen], **kwargs)
+    return seen, history.history
+
+
+@pytest.mark.parametrize(
+    ("freq", "epochs"), [(1, [0, 1, 2, 3, 4, 5]), (2, [1, 3, 5]), ([1, 4, 6], [0, 3, 5])]
+)
+def test_validation_freq_validates_after_the_epochs_keras_does(freq, epochs):
+    rng = np.random.default_rng(1)
+    vx = rng.normal(size=(12, 5)).astype(np.float32)
+    vy = (vx[:, 0] > 0).astype(np.int32)
+    seen, history = _fit(validation_data=(vx, vy), validation_freq=freq)
+    assert seen.epochs == epochs
+    assert len(history["val_loss"]) == len(epochs)
+
+
+def test_validation_batch_size_batches_array_validation_data_only():
+    rng = np.random.default_rng(1)
+    vx = rng.normal(size=(12, 5)).astype(np.float32)
+    vy = (vx[:, 0] > 0).astype(np.int32)
+    batches, small = _fit(validation_data=(vx, vy), validation_batch_size=3)
+    default, large = _fit(validation_data=(vx, vy))
+    assert (batches.test_batches, default.test_batches) == (6 * 4, 6 * 2)  # 12 rows: 3, 8
+    np.testing.assert_allclose(small["val_loss"], large["val_loss"], rtol=1e-6)
+    dataset = [(vx[:6], vy[:6]), (vx[6:], vy[6:])]
+    with pytest.raises(ValueError, match=r"`validation_batch_size` \(3\) is for array"):
+        _fit(validation_data=dataset, validation_batch_size=3)
+
+
+@pytest.mark.parametrize("freq", [0, -1, 1.5, [0, 2], "2"])
+def test_a_bad_validation_freq_is_an_error_before_any_work(freq):
+    with pytest.raises(ValueError, match=r"`validation_freq` must be a positive int"):
+        _fit(validation_freq=freq)

@@ -54,6 +54,7 @@ def _launch(tmp_path: Path, implementation: str) -> list[dict]:
     return [dict(np.load(tmp_path / f"worker-{i}.npz")) for i in range(2)]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(320)
 @pytest.mark.parametrize("implementation", ["AUTO", "RING", "NCCL"])
 def test_two_workers_match_one_process_over_four_devices(tmp_path, reference, implementation):
@@ -70,6 +71,7 @@ def test_two_workers_match_one_process_over_four_devices(tmp_path, reference, im
     np.testing.assert_allclose(workers[0]["losses"], ref_losses, rtol=1e-5)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(320)
 # RING is the README's example (CommunicationOptions(implementation="RING")), which failed
 # in fit on jax 0.12 while the invariant all-gather was read from a private name.
@@ -106,6 +108,7 @@ def test_model_fit_on_two_workers_matches_one_process(tmp_path, implementation):
         np.testing.assert_allclose(workers[0][f"w{i}"], w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(320)
 @pytest.mark.parametrize("fsdp", [False, True], ids=["mirrored", "fsdp"])
 def test_checkpoint_saved_under_mirrored_8_restores_on_two_workers(tmp_path, fsdp):
@@ -147,6 +150,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])  # a dead peer, and a stuck one
 def test_failed_peer_is_a_clear_error_within_60_seconds(tmp_path, how):
@@ -293,6 +297,7 @@ def test_communication_options_validate():
         CollectiveAllReduce("RING", -5)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(320)
 def test_fsdp_on_two_workers_matches_one_process_over_four_devices(tmp_path):
     # FSDPStrategy joins the TF_CONFIG job the launcher describes; each worker holds half of
@@ -321,6 +326,7 @@ def test_fsdp_on_two_workers_matches_one_process_over_four_devices(tmp_path):
         np.testing.assert_allclose(workers[0][f"w{i}"], w, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(320)
 @pytest.mark.parametrize(
     ("mesh", "replicas", "pieces"),
@@ -361,6 +367,7 @@ def test_model_parallel_on_two_workers_matches_one_process_over_eight_devices(
         np.testing.assert_allclose(workers[0][f"w{i}"], w, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(320)
 def test_checkpoint_saved_under_model_parallel_8_restores_on_two_workers(tmp_path):
     # Written by one process over 8 devices; restored by 2 workers x 4 devices, the "model"

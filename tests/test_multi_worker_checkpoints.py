@@ -21,6 +21,9 @@ from worker_processes import worker_env
 
 SCRIPT = ROOT / "tests" / "mw_checkpoint.py"
 
+# Every test here runs two worker processes.
+pytestmark = pytest.mark.multiprocess
+
 
 def _launch(out: Path, mode: str, timeout: float) -> subprocess.CompletedProcess:
     cmd = [

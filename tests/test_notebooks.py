@@ -74,6 +74,7 @@ def test_notebook_says_how_to_open_it_installs_by_name_and_checks_hardware(path)
     assert check < first_jax  # the fallback is chosen before JAX starts
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_install_cell_keeps_the_runtimes_jax_and_explains_a_failure(path, tmp_path):
     """The install cell, run as Colab would, where the package cannot be found.
@@ -108,6 +109,7 @@ def test_install_cell_keeps_the_runtimes_jax_and_explains_a_failure(path, tmp_pa
     assert "python -m build" in result.stdout
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs_top_to_bottom(path, kernel_name, tmp_path):

@@ -46,6 +46,7 @@ def dist(tmp_path_factory):
     return sdist, wheel
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_twine_check_passes(dist):
     result = subprocess.run(
@@ -58,6 +59,7 @@ def test_twine_check_passes(dist):
     assert result.stdout.count("PASSED") == 2
 
 
+@pytest.mark.multiprocess
 def test_sdist_carries_what_its_tests_import(dist):
     sdist, _ = dist
     with tarfile.open(sdist) as tar:
@@ -79,6 +81,7 @@ def test_sdist_carries_what_its_tests_import(dist):
     assert not [n for n in names if n.startswith(("docs/_build/", "docs/api/reference/"))]
 
 
+@pytest.mark.multiprocess
 def test_wheel_holds_the_library_its_license_and_the_tested_ranges(dist):
     _, wheel = dist
     with zipfile.ZipFile(wheel) as whl:

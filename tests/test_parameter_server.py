@@ -3,6 +3,8 @@
 The local backend runs on the 8 fake CPU devices (parameter servers and workers on their own
 devices, workers as threads); the Ray backend tests start a real local Ray instance and are
 skipped when Ray is not installed. Every wait has a timeout.
+
+
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import time
 import warnings
 
 import flax.linen as nn
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -300,6 +303,7 @@ def test_updates_are_applied_without_a_barrier_between_workers(cluster):
 # ---------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_one_worker_follows_the_one_device_trajectory(cluster, one_device):
     (x, y), _ = _digits()
     batches = [(x[i : i + 32], y[i : i + 32]) for i in range(0, 32 * 15, 32)]
@@ -346,6 +350,7 @@ def test_one_worker_follows_the_one_device_trajectory(cluster, one_device):
     assert len(kernel_state) == 2 and int(kernel_state[0][0].count) == len(batches)
 
 
+@pytest.mark.slow
 def test_several_workers_learn_digits(cluster):
     (x, y), (x_test, y_test) = _digits()
     strategy, coordinator = cluster(
@@ -394,6 +399,7 @@ class _Repeatable:
         return self._make()
 
 
+@pytest.mark.slow
 def test_model_fit_trains_on_the_workers(cluster):
     (x, y), (x_test, y_test) = _digits()
     strategy, coordinator = cluster(num_workers=2, num_ps=2)
@@ -422,6 +428,7 @@ def test_model_fit_trains_on_the_workers(cluster):
     assert accuracy >= 0.9, accuracy
 
 
+@pytest.mark.slow
 def test_model_checkpoints_and_weights_restore_onto_the_same_parameter_server_variables(
     cluster, tmp_path
 ):
@@ -464,6 +471,7 @@ def test_model_checkpoints_and_weights_restore_onto_the_same_parameter_server_va
         np.testing.assert_array_equal(a, b)  # Adam's state on the servers came back too
 
 
+@pytest.mark.slow
 def test_model_fit_waits_on_the_workers_at_most_timeout_seconds(cluster):
     # A worker that stops answering ends fit with a clear error, not a wait without end:
     # here the loss sleeps while the workers trace it, longer than the bound.
@@ -665,6 +673,7 @@ def _tf_step_fn(strategy, variables):
     return step_fn
 
 
+@pytest.mark.slow
 def test_updates_inside_run_apply_each_call_and_reduce_works(cluster):
     strategy, coordinator = cluster(num_workers=1, num_ps=2)
     init = {"w": jnp.zeros(3), "b": jnp.zeros(())}
@@ -741,6 +750,7 @@ def _assert_unchanged(variables, before):
     jax.tree.map(np.testing.assert_array_equal, variables.numpy(), before)
 
 
+@pytest.mark.slow
 def test_user_errors_never_corrupt_the_stores(cluster):
     strategy, coordinator = cluster(
         num_workers=1, num_ps=2, variable_partitioner=FixedShardsPartitioner(2)
@@ -851,6 +861,7 @@ def _wait_for_file(path, timeout=WAIT):
         time.sleep(0.01)
 
 
+@pytest.mark.multiprocess
 def test_ray_workers_train_and_survive_a_killed_worker(ray_instance, tmp_path, monkeypatch):
     import json
     import os
@@ -910,6 +921,7 @@ def test_ray_workers_train_and_survive_a_killed_worker(ray_instance, tmp_path, m
         strategy._backend.shutdown()
 
 
+@pytest.mark.multiprocess
 def test_ray_parameter_server_death_is_fatal(ray_instance):
     strategy = jstrategy.ParameterServerStrategy(
         local_cluster_resolver(num_workers=1, num_ps=2), backend="ray"
@@ -930,6 +942,7 @@ def test_ray_parameter_server_death_is_fatal(ray_instance):
         strategy._backend.shutdown()
 
 
+@pytest.mark.multiprocess
 def test_ray_calls_that_hang_end_within_timeout_seconds(ray_instance):
     strategy = jstrategy.ParameterServerStrategy(
         local_cluster_resolver(num_workers=1, num_ps=1), backend="ray", timeout_seconds=1.0
@@ -944,6 +957,7 @@ def test_ray_calls_that_hang_end_within_timeout_seconds(ray_instance):
         strategy._backend.shutdown()
 
 
+@pytest.mark.multiprocess
 def test_ray_tf_step_fn_updates_inside_run_and_bad_updates_are_refused(ray_instance):
     strategy = jstrategy.ParameterServerStrategy(
         local_cluster_resolver(num_workers=2, num_ps=1), backend="ray"
@@ -976,3 +990,74 @@ def test_ray_tf_step_fn_updates_inside_run_and_bad_updates_are_refused(ray_insta
     finally:
         coordinator.shutdown()
         strategy._backend.shutdown()
+
+
+# TF habits (issue 14), finding 7: BackupAndRestore under ParameterServerStrategy
+class _Crash(Exception):
+    pass
+
+
+def _ps_model(stop, num_workers=1):
+    strategy = jstrategy.ParameterServerStrategy(
+        local_cluster_resolver(num_workers=num_workers, num_ps=2),
+        variable_partitioner=jstrategy.experimental.partitioners.FixedShardsPartitioner(2),
+    )
+    stop(strategy)
+    with strategy.scope():
+        model = jstrategy.Model(nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(1)]), (3,))
+        model.compile(jstrategy.optimizers.Adam(0.05), loss="mse")
+    return model
+
+
+@pytest.mark.slow
+def test_backup_and_restore_under_parameter_servers_resumes_the_epoch_exactly(
+    tmp_path, shut_down_coordinators
+):
+    x, y = helpers.regression_data(32)
+    fit = dict(batch_size=8, epochs=4, steps_per_epoch=4, verbose=0)
+    uninterrupted = _ps_model(shut_down_coordinators)
+    uninterrupted.fit(x, y, **fit)
+
+    backup_dir = str(tmp_path / "backup")
+
+    def crash(epoch, logs):
+        if epoch == 1:
+            raise _Crash()
+
+    interrupted = _ps_model(shut_down_coordinators)
+    with pytest.raises(_Crash):
+        interrupted.fit(
+            x,
+            y,
+            callbacks=[
+                jstrategy.callbacks.BackupAndRestore(backup_dir),
+                jstrategy.callbacks.LambdaCallback(on_epoch_end=crash),
+            ],
+            **fit,
+        )
+    resumed = _ps_model(shut_down_coordinators)  # a new process would build the same model
+    history = resumed.fit(x, y, callbacks=[jstrategy.callbacks.BackupAndRestore(backup_dir)], **fit)
+    assert history.epoch == [2, 3]  # epochs 0 and 1 were backed up
+    # One worker applies its updates in order: the optimizer state (Adam's moments on the
+    # parameter servers) came back too, so the run ends where the uninterrupted one did.
+    for a, b in zip(resumed.get_weights(), uninterrupted.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_a_learning_rate_schedule_reaches_the_parameter_servers(shut_down_coordinators):
+    # Before, the rate was set in the coordinator's copy of the optimizer state only.
+    x, y = helpers.regression_data(32)
+    fit = dict(batch_size=8, steps_per_epoch=4, verbose=0)
+    scheduled, untrained = _ps_model(shut_down_coordinators), _ps_model(shut_down_coordinators)
+    scheduled.fit(
+        x,
+        y,
+        epochs=2,
+        callbacks=[jstrategy.callbacks.LearningRateScheduler(lambda epoch: 0.0)],
+        **fit,
+    )
+    before = untrained.get_weights()
+    assert all(
+        np.array_equal(a, b) for a, b in zip(scheduled.get_weights(), before, strict=True)
+    )  # a zero rate applied: nothing moved

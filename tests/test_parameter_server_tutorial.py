@@ -36,6 +36,7 @@ FEATURES, LABELS = tutorial.FEATURES, tutorial.LABELS
 model, model_loss = tutorial.model, tutorial.model_loss
 
 
+@pytest.mark.slow
 def test_tutorial_custom_loop_trains_with_updates_inside_run(capsys):
     result = tutorial.main(num_epochs=4, steps_per_epoch=5)
     accuracies, variables = result["accuracies"], result["variables"]
@@ -52,6 +53,7 @@ def test_tutorial_custom_loop_trains_with_updates_inside_run(capsys):
     assert np.mean((np.asarray(logits) > 0).astype(np.int32) == LABELS) > 0.9
 
 
+@pytest.mark.slow
 def test_one_worker_step_fn_follows_the_hand_written_loop():
     """Losses, variables and metric counts of the tutorial's step_fn, on one worker, equal a
     loop that applies the same optimizer by hand to the same batches (the partial one too)."""

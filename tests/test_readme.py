@@ -66,6 +66,7 @@ def test_every_link_within_the_readme_names_a_heading():
     assert not [link for link in links if link not in anchors]
 
 
+@pytest.mark.slow
 def test_readme_python_blocks_run_in_order(monkeypatch, capsys):
     import jstrategy
     from jstrategy import mixed_precision

@@ -78,6 +78,7 @@ def _temporaries(strategy, remat):
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy",
     [lambda: jstrategy.OneDeviceStrategy("cpu:0"), jstrategy.experimental.FSDPStrategy],
@@ -92,6 +93,7 @@ def test_remat_cuts_the_scanned_steps_temporaries(strategy):
     assert dots < without, (dots, without)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy",
     [
@@ -121,6 +123,7 @@ def test_rematerialized_loss_and_gradients_are_the_same(strategy, module):
     assert max(float(np.abs(g).max()) for g in jax.tree.leaves(grads)) > 1e-4
 
 
+@pytest.mark.slow
 def test_model_compile_takes_remat_and_fits_the_same():
     x, y = _batch()
     histories = []
@@ -174,6 +177,7 @@ def test_remat_takes_a_module_class():
         training.remat(_Block())
 
 
+@pytest.mark.multiprocess
 def test_largest_model_benchmark_runs():
     """A tiny configuration of benchmarks/largest_model.py, end to end."""
     out = subprocess.run(

@@ -274,6 +274,7 @@ def test_model_parallel_errors_before_any_work():
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "tx",
     [
@@ -358,6 +359,7 @@ def _train(strategy, steps=20):
     return jax.tree.map(np.asarray, first), float(strategy.reduce("SUM", loss))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fsdp_8", "model_parallel_2x4"])
 def test_custom_loop_follows_one_device(name, one_device):
     from conftest import STRATEGIES
@@ -372,6 +374,7 @@ def test_custom_loop_follows_one_device(name, one_device):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_layouts_over_the_data_axis_too_follow_one_device(one_device):
     # 2-D sharding: a kernel split over "batch" (reduce-scattered like FSDP's) and over
     # "model"; another split over both axes on one dimension (all-reduced, then sliced).
@@ -438,6 +441,7 @@ def _compiled_collectives(strategy, steps_per_execution=0):
     return collective_counts(lowered.compile().as_text(), strategy.mesh), _specs(state.params)
 
 
+@pytest.mark.slow
 def test_fsdp_step_gathers_parameters_and_reduce_scatters_gradients():
     # The three kernels are split over the replicas (the biases are below min_shard_size):
     # each is all-gathered once per step where it is read (three gathers, not one of the
@@ -460,6 +464,7 @@ def test_fsdp_step_gathers_parameters_and_reduce_scatters_gradients():
     assert _compiled_collectives(jstrategy.MirroredStrategy())[0] == {"all-reduce[replica]": 1}
 
 
+@pytest.mark.slow
 def test_megatron_step_communicates_over_model_inside_and_batch_between_replicas():
     counts, specs = _compiled_collectives(_megatron())
     assert specs["Dense_0"]["kernel"] == P(None, "model")
@@ -494,6 +499,7 @@ def test_collective_counts_reads_every_replica_group_form():
     }
 
 
+@pytest.mark.slow
 def test_sharded_step_benchmark_smoke(capsys):
     """`make bench`'s benchmarks/sharded_step.py runs end to end on a tiny transformer."""
     import importlib.util

@@ -128,6 +128,7 @@ def _assert_kernels_split(state, strategy):
         }
 
 
+@pytest.mark.slow
 def test_linen_state_is_created_sharded_with_the_eager_values(sharded):
     x = jnp.ones((1, FEATURES))
     state = training.create_train_state(_Net(), optax.adamw(1e-3), x, rng=7, strategy=sharded)
@@ -142,6 +143,7 @@ def test_linen_state_is_created_sharded_with_the_eager_values(sharded):
     _assert_same_values(state, eager)
 
 
+@pytest.mark.slow
 def test_nnx_state_is_created_sharded_from_a_factory_with_the_eager_values(sharded):
     state = training.create_nnx_train_state(
         lambda: _NNXNet(nnx.Rngs(3)), optax.adamw(1e-3), strategy=sharded
@@ -177,6 +179,7 @@ def test_nnx_factory_errors_name_the_fix():
         training.create_nnx_train_state(nn.Dense(3), optax.sgd(0.1))
 
 
+@pytest.mark.slow
 def test_model_is_built_and_compiled_sharded(sharded):
     with sharded.scope():
         model = jstrategy.Model(_Net(), input_shape=(FEATURES,), seed=1)
@@ -191,6 +194,7 @@ def test_model_is_built_and_compiled_sharded(sharded):
     assert np.isfinite(history.history["loss"][0])
 
 
+@pytest.mark.slow
 def test_nnx_model_gets_its_optimizer_state_sharded_at_compile(sharded):
     with sharded.scope():
         model = jstrategy.Model(_NNXNet(nnx.Rngs(0)))
@@ -199,6 +203,7 @@ def test_nnx_model_gets_its_optimizer_state_sharded_at_compile(sharded):
     _assert_kernels_split((model.state.params, model.state.opt_state), sharded)
 
 
+@pytest.mark.slow
 def test_load_model_under_fsdp_restores_into_a_state_created_sharded(tmp_path):
     x = np.random.default_rng(0).normal(size=(16, FEATURES)).astype(np.float32)
     y = np.zeros((16, OUT), np.float32)
@@ -250,6 +255,7 @@ def _peak(compiled) -> int:
     )
 
 
+@pytest.mark.slow
 def test_creation_peak_per_device_is_below_one_whole_copy():
     width = 128
     module, tx, x = _Residual(), optax.adamw(1e-3), jnp.ones((1, width))

@@ -107,6 +107,7 @@ def _peaks(module):
     return _peak(compiled), _peak(reference), one_copy, compiled.as_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", [_Unrolled(), _Scanned()], ids=["unrolled", "scanned"])
 def test_fsdp_step_peak_is_the_hand_written_global_view_steps(module):
     peak, reference, one_copy, hlo = _peaks(module)
@@ -149,6 +150,7 @@ def _layout(shape, layouts):
     return jstrategy.experimental.ModelParallelStrategy(layout_map)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "shape, layouts",
     [

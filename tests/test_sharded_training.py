@@ -10,6 +10,7 @@ tests/test_sharded.py.
 import functools
 
 import flax.linen as nn
+import helpers
 import jax
 import numpy as np
 import optax
@@ -26,10 +27,7 @@ SHARDED = ["fsdp_8", "model_parallel_2x4"]
 
 
 def _data(rows=50, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(rows, FEATURES)).astype(np.float32)
-    y = np.argmax(x[:, :3], axis=-1).astype(np.int32)
-    return x, y
+    return helpers.classification_data(rows, FEATURES, seed)
 
 
 class MLP(nn.Module):
@@ -92,6 +90,7 @@ def _one_device_run():
     return model.get_weights(), history, evaluation, model.predict(x, batch_size=16, verbose=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SHARDED)
 def test_model_fit_evaluate_predict_follow_one_device(name):
     # 50 rows in batches of 7: 7 full steps (padded to 8 rows for 8 replicas) and a
@@ -114,6 +113,7 @@ def test_model_fit_evaluate_predict_follow_one_device(name):
     _assert_kept(model.state, strategy)  # evaluation and prediction only read the state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SHARDED)
 def test_fit_on_a_distributed_dataset_with_a_padded_partial_batch(name):
     strategy = STRATEGIES[name]()
@@ -126,6 +126,7 @@ def test_fit_on_a_distributed_dataset_with_a_padded_partial_batch(name):
     _close(model.get_weights(), one.get_weights())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SHARDED)
 def test_batch_norm_and_dropout_train_as_mirrored_with_as_many_replicas(name):
     # BatchNorm + Adam is compared like with like: against OneDevice, Adam turns the float
@@ -188,6 +189,7 @@ def _train_state_values(model):
     return [np.asarray(v) for v in jax.tree.leaves(state)]
 
 
+@pytest.mark.slow
 def test_a_train_state_hands_over_between_every_kind_of_strategy(tmp_path):
     # One epoch under each strategy in turn, each restoring the previous one's checkpoint
     # (parameters, Adam's moments and step count): the same run as one OneDevice fit.

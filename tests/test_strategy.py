@@ -1,11 +1,13 @@
 """The Strategy API, run over every strategy with OneDeviceStrategy's numbers as the oracle."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jstrategy
+from jstrategy._src import dispatch
 
 
 def _per_replica(strategy, fn):
@@ -68,6 +70,7 @@ def test_static_python_arguments_are_part_of_the_key(strategy):
         strategy.run(fn, (x, {"unhashable", "set"}))
 
 
+@pytest.mark.slow
 def test_reduce_sum_and_mean(strategy):
     n = strategy.num_replicas_in_sync
     v = _per_replica(
@@ -93,6 +96,7 @@ def test_reduce_pytree_and_mirrored_values(strategy):
     assert float(strategy.reduce("MEAN", tree, axis=None)["b"]) == 2.0
 
 
+@pytest.mark.slow
 def test_gather(strategy):
     n = strategy.num_replicas_in_sync
     v = _per_replica(strategy, lambda ctx: np.full((2, 3), ctx.replica_id_in_sync_group, np.int32))
@@ -205,3 +209,35 @@ def test_replicated_arguments_are_per_replica_copies_as_in_tf(strategy):
     # Not combined by a collective: one copy per replica, all equal.
     assert isinstance(same, jstrategy.PerReplica)
     assert [float(v) for v in strategy.experimental_local_results(same)] == [2.0] * n
+
+
+@pytest.mark.slow
+def test_run_of_a_step_that_returns_nothing_is_bounded_in_flight():
+    # TF's custom-loop step often returns nothing: it only applies gradients and updates
+    # metrics. Those calls must count against the in-flight bound too; unbounded, a few
+    # thousand of them abort in XLA's CPU collective rendezvous.
+    strategy = jstrategy.MirroredStrategy()
+    with strategy.scope():
+        model = jstrategy.Model(nn.Dense(1), input_shape=(4,))
+        optimizer = jstrategy.optimizers.SGD(0.01)
+        accuracy = jstrategy.metrics.Mean()
+    x = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.full((2, 4), ctx.replica_id_in_sync_group, np.float32)
+    )
+
+    def step(x):
+        variables = model.trainable_variables
+        grads = jax.grad(lambda v: jnp.mean(model(x, trainable_variables=v) ** 2))(variables)
+        optimizer.apply_gradients(zip(grads, variables, strict=True))
+        accuracy.update_state(jnp.sum(x, axis=1))
+
+    limiter = dispatch.get_limiter()
+    strategy.run(step, args=(x,))
+    limiter.wait_all()
+    for calls in range(1, 4):
+        strategy.run(step, args=(x,))
+        assert limiter.in_flight == calls
+    for _ in range(2000):
+        strategy.run(step, args=(x,))
+        assert limiter.in_flight <= limiter.max_in_flight
+    assert int(model.state.step) == 2004

@@ -1,8 +1,10 @@
 """Keras-like summaries of linen and NNX modules."""
 
+import functools
 import re
 
 import flax.linen as nn
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -167,15 +169,9 @@ def test_rejects_non_modules_and_bad_variables():
         summarize(nn.Dense(2), [1, 2], jnp.ones((1, 2)))
 
 
-class NnxNet(nnx.Module):
-    def __init__(self, rngs):
-        self.dense1 = nnx.Linear(5, 8, rngs=rngs)
-        self.norm = nnx.BatchNorm(8, axis_name=jstrategy.REPLICA_AXIS, rngs=rngs)
-        self.drop = nnx.Dropout(0.5, rngs=rngs)
-        self.dense2 = nnx.Linear(8, 3, rngs=rngs)
-
-    def __call__(self, x):
-        return self.dense2(self.drop(nnx.relu(self.norm(self.dense1(x)))))
+NnxNet = functools.partial(
+    helpers.NnxNet, features=5, batch_norm={"axis_name": jstrategy.REPLICA_AXIS}, dropout=0.5
+)
 
 
 def test_nnx_module_in_training_mode_leaves_the_module_untouched():

@@ -1,5 +1,8 @@
 """`jstrategy.callbacks.TensorBoard`: Keras's layout and tags, read back with TensorBoard's
-own event reader, and `jax.profiler` traces for `profile_batch`."""
+own event reader, and `jax.profiler` traces for `profile_batch`.
+
+
+"""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import glob
 import os
 
 import flax.linen as nn
+import helpers
 import jax
 import numpy as np
 import optax
@@ -221,3 +225,31 @@ def test_bad_arguments_are_explained(kwargs, match):
 def test_profile_batch_forms():
     assert TensorBoard(profile_batch="2,4")._stop_batch == 4
     assert (TensorBoard(profile_batch=3)._start_batch, TensorBoard()._should_trace) == (3, False)
+
+
+def test_tensorboard_logs_the_rate_applied_and_none_it_cannot_know(tmp_path):
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    rates = [0.1, 0.02]
+    strategy = jstrategy.OneDeviceStrategy("cpu:0")
+    keras = helpers.dense_regression_model(strategy, jstrategy.optimizers.SGD(0.3))
+    helpers.fit_regression(
+        keras,
+        callbacks=[
+            jstrategy.callbacks.LearningRateScheduler(lambda epoch: rates[epoch]),
+            jstrategy.callbacks.TensorBoard(tmp_path / "keras"),
+        ],
+    )
+    plain = helpers.dense_regression_model(strategy, optax.sgd(0.1))
+    helpers.fit_regression(plain, callbacks=[jstrategy.callbacks.TensorBoard(tmp_path / "plain")])
+    logged = {}
+    for name in ("keras", "plain"):
+        reader = accumulator.EventAccumulator(str(tmp_path / name / "train"))
+        reader.Reload()
+        logged[name] = reader
+    keras_rates = [e.value for e in logged["keras"].Scalars("epoch_learning_rate")]
+    np.testing.assert_allclose(keras_rates, rates, rtol=1e-6)
+    for a, b in zip(keras.get_weights(), helpers.sgd_epochs(strategy, rates), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    # optax.sgd(0.1) keeps its rate inside its code: nothing is logged rather than a guess.
+    assert "epoch_learning_rate" not in logged["plain"].Tags()["scalars"]
+    assert "epoch_loss" in logged["plain"].Tags()["scalars"]

@@ -3,6 +3,7 @@
 import functools
 
 import flax.linen as nn
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,16 +47,9 @@ class LinenNet(nn.Module):
         return nn.Dense(3)(nn.relu(x))
 
 
-class NnxNet(nnx.Module):
+def NnxNet(rngs, axis_name=jstrategy.REPLICA_AXIS):
     """The same network in NNX."""
-
-    def __init__(self, rngs, axis_name=jstrategy.REPLICA_AXIS):
-        self.dense1 = nnx.Linear(FEATURES, 8, rngs=rngs)
-        self.norm = nnx.BatchNorm(8, axis_name=axis_name, rngs=rngs)
-        self.dense2 = nnx.Linear(8, 3, rngs=rngs)
-
-    def __call__(self, x):
-        return self.dense2(nnx.relu(self.norm(self.dense1(x))))
+    return helpers.NnxNet(rngs, features=FEATURES, batch_norm={"axis_name": axis_name})
 
 
 def _tx():
@@ -111,6 +105,7 @@ def _oracle(kind):
     return _arrays(state), history
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["linen", "nnx"])
 def test_every_strategy_matches_one_device_after_20_steps(strategy, kind):
     make_state = _linen_state if kind == "linen" else _nnx_state
@@ -199,6 +194,7 @@ class UnsyncedNorm(nn.Module):
         return nn.BatchNorm(use_running_average=not train, momentum=0.5)(x)
 
 
+@pytest.mark.slow
 def test_per_replica_batch_stats_are_averaged_across_replicas():
     rng = np.random.default_rng(2)
     x = rng.normal(size=(8, FEATURES)).astype(np.float32) * np.arange(1, 9)[:, None]
@@ -280,6 +276,7 @@ def _dropout_update(kind, seed, steps=2):
     return np.stack(kernels)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["linen", "nnx"])
 def test_dropout_differs_per_replica_and_is_reproducible(kind):
     kernels = _dropout_update(kind, seed=3)

@@ -38,6 +38,7 @@ def _one_device_losses(steps=20):
     return lm.train(jstrategy.OneDeviceStrategy("cpu:0"), model, steps=steps, batch_size=16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["mirrored", "fsdp", "megatron"])
 def test_loss_falls_and_strategies_agree(strategy):
     model = lm.TransformerLM(**SMALL)
@@ -88,6 +89,7 @@ def test_parameter_names_are_regular():
     assert paths == expected
 
 
+@pytest.mark.slow
 def test_scanned_layers_megatron_and_remat_give_the_same_steps(capsys):
     """--scan-layers: one nn.scan over the blocks, stacked kernels split Megatron-style on
     their (head, MLP) dimension; --remat recomputes each block without changing a step."""
@@ -118,6 +120,7 @@ def test_scanned_layers_megatron_and_remat_give_the_same_steps(capsys):
     assert "unrolled blocks, remat none" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_compute_dtype_and_float32_loss():
     model = lm.TransformerLM(**SMALL, dtype=jnp.bfloat16)
     tokens = jnp.asarray(lm.make_data(2, 8, SMALL["vocab_size"]))
@@ -175,6 +178,7 @@ def test_peak_table():
         assert bench.matmul_input_type("float32", "gpu") == "fp32"
 
 
+@pytest.mark.slow
 def test_tiny_benchmark_smoke(capsys):
     """The CPU preset runs end to end; its table reports MFU from the FLOPs formula."""
     peak = 2.0  # --peak-tflops: CPUs have no datasheet peak, so MFU is n/a without it

@@ -1,4 +1,4 @@
-"""Records Keras 3's loss and metric values, the reference of tests/test_keras_loss_weights.py.
+"""Records Keras 3's loss and metric values, the reference of tests/test_losses_metrics_keras.py.
 
 Run with a Keras 3 environment on the JAX backend (Keras is not a test dependency: the JSON
 it writes is committed)::

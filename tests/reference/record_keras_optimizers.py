@@ -1,4 +1,4 @@
-"""Records Keras 3's optimizer trajectories for `tests/test_keras_optimizer_parity.py`.
+"""Records Keras 3's optimizer trajectories for `tests/test_keras_optimizers.py`.
 
 Run with Keras 3 on the JAX backend (Keras is not a test dependency; its numbers are kept
 in `tests/data/keras_optimizers_reference.json`, committed)::

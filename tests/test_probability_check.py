@@ -9,6 +9,7 @@ are not probabilities inside the step, reads the first step's count when it is r
 import warnings
 
 import flax.linen as nn
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,9 +22,7 @@ from jstrategy.losses import NotProbabilitiesWarning
 
 
 def _data(rows=64, classes=3, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(rows, 5)).astype(np.float32)
-    return x, np.argmax(x[:, :classes], axis=-1).astype(np.int32)
+    return helpers.classification_data(rows, 5, seed, classes)
 
 
 class Softmax(nn.Module):
@@ -53,6 +52,7 @@ def _fit(module, loss, *, y=None, strategy=None, epochs=3, spe=1):
     return [w for w in caught if issubclass(w.category, NotProbabilitiesWarning)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", [None, jstrategy.MirroredStrategy()], ids=["one", "mirrored"])
 @pytest.mark.parametrize("spe", [1, 2])
 def test_logits_under_a_probability_loss_warn_once_per_model(strategy, spe):
@@ -65,6 +65,7 @@ def test_logits_under_a_probability_loss_warn_once_per_model(strategy, spe):
     assert caught[0].filename == __file__  # points at the user's fit
 
 
+@pytest.mark.slow
 def test_probabilities_and_from_logits_do_not_warn():
     assert _fit(Softmax(), "sparse_categorical_crossentropy") == []
     assert _fit(nn.Dense(3), losses.SparseCategoricalCrossentropy(from_logits=True)) == []
@@ -75,6 +76,7 @@ def test_probabilities_and_from_logits_do_not_warn():
     assert _fit(Sigmoid(), "binary_crossentropy", y=binary) == []
 
 
+@pytest.mark.slow
 def test_each_cross_entropy_names_its_own_fix():
     onehot = np.eye(3, dtype=np.float32)[_data()[1]]
     (cce,) = _fit(nn.Dense(3), "categorical_crossentropy", y=onehot)
@@ -85,6 +87,7 @@ def test_each_cross_entropy_names_its_own_fix():
     assert "values in [0, 1])" in str(bce.message)
 
 
+@pytest.mark.slow
 def test_rows_that_do_not_sum_to_one_warn_for_categorical_losses():
     class Halves(nn.Module):  # in [0, 1], but each row sums to 1.5
         @nn.compact
@@ -95,6 +98,7 @@ def test_rows_that_do_not_sum_to_one_warn_for_categorical_losses():
     assert "summing to 1" in str(caught.message)
 
 
+@pytest.mark.slow
 def test_a_new_compile_checks_again_and_warnings_as_errors_stop_fit():
     x, y = _data()
     model = jstrategy.Model(nn.Dense(3), input_shape=(5,), seed=0)

@@ -184,6 +184,7 @@ def test_coordinator_errors_before_listening():
 
 
 # Real processes ------------------------------------------------------------------------------
+@pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 def test_port_in_use_and_missing_peers_are_clear_errors_within_seconds():
     timeout = 5
@@ -242,6 +243,7 @@ def _is_loopback(ip: str) -> bool:
     return (mapped or address).is_loopback
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 def test_a_local_job_listens_on_loopback_only():
     cmd = [
@@ -270,6 +272,7 @@ def test_a_local_job_listens_on_loopback_only():
     assert all(_is_loopback(ip) for _, ip, _ in listeners), listeners
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 def test_a_cluster_listens_on_the_addresses_tf_config_names():
     # 127.0.0.2 is a loopback address that this machine's hostname does not resolve to.

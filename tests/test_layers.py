@@ -38,6 +38,7 @@ def test_dense_defaults_are_keras_glorot_uniform_and_zeros():
     assert not np.asarray(model.variables["params"]["dense"]["bias"]).any()
 
 
+@pytest.mark.slow
 def test_conv_and_embedding_defaults():
     conv = jstrategy.Sequential([L.Conv2D(64, 3, input_shape=(8, 8, 32))])
     kernel = np.asarray(conv.variables["params"]["conv2d"]["kernel"])
@@ -81,6 +82,7 @@ def test_batchnorm_sees_the_train_flag():
     assert not np.allclose(model.predict(x, verbose=0), before)
 
 
+@pytest.mark.slow
 def test_dropout_sees_the_train_flag():
     x, y = _data()
     with_dropout = jstrategy.Sequential(
@@ -264,6 +266,7 @@ def test_bad_layer_arguments_name_the_argument():
 
 
 # Saving ------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_sequential_save_and_load_model_without_code(tmp_path):
     x, y = _data()
     model = jstrategy.Sequential(
@@ -305,6 +308,7 @@ def test_two_models_of_the_same_layers_share_weights_by_path(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_sequential_under_a_precision_policy():
     x, y = _data()
     model = jstrategy.Sequential(
@@ -319,6 +323,7 @@ def test_sequential_under_a_precision_policy():
 
 
 # First use inside strategy.run ------------------------------------------------------------
+@pytest.mark.slow
 def test_sequential_first_used_inside_run_is_built_from_concrete_values():
     """TF's custom loop reads `model.trainable_variables` first inside `strategy.run`; the
     Sequential is built there, with concrete variables the optimizer can build slots for,

@@ -6,9 +6,8 @@ sizes were not. `evaluate` and `predict` now pad each batch to a bucket of sizes
 (`numerics.bucket`: powers of two and three times them, per replica) and mask the padding.
 """
 
-import contextlib
-
 import flax.linen as nn
+import helpers
 import jax
 import numpy as np
 import optax
@@ -19,22 +18,6 @@ from conftest import STRATEGIES
 from jstrategy import losses
 
 FEATURES, CLASSES, MAX_ROWS = 6, 3, 600
-
-
-@contextlib.contextmanager
-def _count_compiles():
-    """The XLA compilations while the block runs (JAX's compile events)."""
-    events = []
-
-    def listener(event: str, duration_secs: float, **kwargs: str | int) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            events.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield events
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def _model(strategy):
@@ -57,6 +40,7 @@ def _bound(replicas: int) -> int:
 SIZES = sorted({*range(1, MAX_ROWS + 1, 7), 2, 3, 4, 5, 383, 384, 385, 511, 512, 513, MAX_ROWS})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["one_device", "mirrored_4"])
 def test_predict_with_batch_size_len_x_compiles_a_bounded_number_of_programs(name):
     strategy = STRATEGIES[name]()
@@ -65,7 +49,7 @@ def test_predict_with_batch_size_len_x_compiles_a_bounded_number_of_programs(nam
     # Unbucketed: the module applied to all the rows at once, by hand.
     expected = np.asarray(jax.jit(model.module.apply)(jax.device_get(model.variables), x))
     model.predict(x[:1], batch_size=1, verbose=0)  # the first program is no one's extra
-    with _count_compiles() as compiles:
+    with helpers.count_compiles() as compiles:
         for rows in SIZES:
             out = model.predict(x[:rows], batch_size=rows, verbose=0)
             assert out.shape == (rows, CLASSES)
@@ -75,6 +59,7 @@ def test_predict_with_batch_size_len_x_compiles_a_bounded_number_of_programs(nam
     assert len(SIZES) > 4 * _bound(strategy.num_replicas_in_sync)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["one_device", "mirrored_4"])
 def test_evaluate_with_many_batch_sizes_compiles_a_bounded_number_of_programs(name):
     strategy = STRATEGIES[name]()
@@ -87,7 +72,7 @@ def test_evaluate_with_many_batch_sizes_compiles_a_bounded_number_of_programs(na
     log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
     model.evaluate(x[:1], y[:1], batch_size=1, verbose=0)
     sizes = SIZES[::2]
-    with _count_compiles() as compiles:
+    with helpers.count_compiles() as compiles:
         for rows in sizes:
             # Requests of `rows` rows in batches of `rows`, and all the rows in batches of
             # `rows` (full batches, then a partial last one): every row counts once.

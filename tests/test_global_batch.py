@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 import flax.linen as nn
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,15 +53,9 @@ class Net(nn.Module):
         return nn.Dense(3)(x)
 
 
-class NnxNet(nnx.Module):
-    def __init__(self, rngs):
-        self.dense1 = nnx.Linear(FEATURES, HIDDEN, use_bias=False, rngs=rngs)
-        self.norm = nnx.BatchNorm(HIDDEN, rngs=rngs)
-        self.drop = nnx.Dropout(0.3, rngs=rngs)
-        self.dense2 = nnx.Linear(HIDDEN, 3, rngs=rngs)
-
-    def __call__(self, x):
-        return self.dense2(self.drop(nnx.relu(self.norm(self.dense1(x)))))
+NnxNet = functools.partial(
+    helpers.NnxNet, features=FEATURES, hidden=HIDDEN, use_bias=False, batch_norm={}, dropout=0.3
+)
 
 
 def _model_parallel(batch, model):
@@ -154,6 +149,7 @@ def _assert_follows(got, expected):
 
 
 # The mask --------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("replicas", [2, 4, 8])
 @pytest.mark.parametrize("shape", [(3, 7), (2, 4, 5), (1, 3)])
 @pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
@@ -169,6 +165,7 @@ def test_replica_rows_are_the_global_draw(replicas, shape, impl):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
 
 
+@pytest.mark.slow
 def test_a_mask_not_split_by_rows_is_the_one_device_draw():
     mesh = jax.make_mesh((4,), ("r",), devices=jax.devices()[:4])
     key = jax.random.key(5)
@@ -183,16 +180,19 @@ def test_a_mask_not_split_by_rows_is_the_one_device_draw():
 
 
 # The parity suite -------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["linen", "nnx"])
 def test_train_step_follows_one_device(strategy, kind):
     _assert_follows(_steps(strategy, kind), _one_device(_steps, kind))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["linen", "nnx"])
 def test_fit_follows_one_device(strategy, kind):
     _assert_follows(_fit(strategy, kind), _one_device(_fit, kind))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", sorted(MESHES))
 @pytest.mark.parametrize("kind", ["linen", "nnx"])
 def test_every_mesh_follows_one_device(mesh, kind):
@@ -208,6 +208,7 @@ ACCUMULATING = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(ACCUMULATING))
 @pytest.mark.parametrize("kind", ["linen", "nnx"])
 def test_gradient_accumulation_follows_one_device(name, kind):
@@ -217,6 +218,7 @@ def test_gradient_accumulation_follows_one_device(name, kind):
     _assert_follows(fit(ACCUMULATING[name](), kind), _one_device(fit, kind))
 
 
+@pytest.mark.slow
 def test_batch_norm_that_names_the_axis_is_unchanged():
     strategy = jstrategy.MirroredStrategy()
     named = _steps(strategy, "linen", (("bn_axis", jstrategy.REPLICA_AXIS),))
@@ -234,6 +236,7 @@ def test_batch_norm_that_names_the_axis_is_unchanged():
 
 
 # The opt-out: TF's per-replica statistics -------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["linen", "nnx"])
 def test_per_replica_batch_norm_normalizes_each_replicas_rows(kind):
     # The first step's loss with each replica's own statistics is the mean of one
@@ -268,6 +271,7 @@ def test_per_replica_batch_norm_normalizes_each_replicas_rows(kind):
     assert abs(per_replica - global_stats) > 1e-3
 
 
+@pytest.mark.slow
 def test_one_replica_does_not_care():
     one_device = jstrategy.OneDeviceStrategy("cpu:0")
     _assert_follows(

@@ -1,6 +1,9 @@
 """One step body behind every path, the strategy hooks it plugs into, and bounded dispatch."""
 
+import functools
+
 import flax.linen as nn
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,6 +79,7 @@ def _fit_gradient(model, *fit_args, **fit_kwargs):
     return _delta(before, _params(model.variables["params"]))
 
 
+@pytest.mark.slow
 def test_one_batch_gives_one_gradient_through_every_path(shut_down_coordinators):
     x, y = _batch()
     # The oracle: the gradient of the mean loss, by hand.
@@ -192,17 +196,8 @@ def test_steps_bound_their_own_dispatches():
     assert limiter.in_flight <= dispatch.DEFAULT_MAX_IN_FLIGHT
 
 
-class NnxNet(nnx.Module):
-    """Dense, BatchNorm, dropout, Dense: statistics and random streams in the model state."""
-
-    def __init__(self, rngs):
-        self.dense1 = nnx.Linear(FEATURES, 8, rngs=rngs)
-        self.norm = nnx.BatchNorm(8, rngs=rngs)
-        self.drop = nnx.Dropout(0.2, rngs=rngs)
-        self.dense2 = nnx.Linear(8, 3, rngs=rngs)
-
-    def __call__(self, x):
-        return self.dense2(self.drop(nnx.relu(self.norm(self.dense1(x)))))
+# Dense, BatchNorm, dropout, Dense: statistics and random streams in the model state.
+NnxNet = functools.partial(helpers.NnxNet, features=FEATURES, batch_norm={}, dropout=0.2)
 
 
 def _nnx_fit(strategy, x, y, **fit_kwargs):
@@ -216,6 +211,7 @@ def _nnx_fit(strategy, x, y, **fit_kwargs):
     return model, module, history.history["loss"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_nnx_model_trains_under_parameter_server_fit(shut_down_coordinators):
     x, y = _batch(seed=1, rows=4 * ROWS)

@@ -37,6 +37,7 @@ def _model(strategy):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["one_device", "mirrored_4", "central_storage_8", "fsdp_8"])
 def test_every_step_skipped_at_the_floor_warns_once(name):
     from conftest import STRATEGIES
@@ -73,6 +74,7 @@ def test_check_numerics_raises_at_the_first_step_skipped_at_the_floor():
         model.fit(x, y, batch_size=BATCH, epochs=3, verbose=0, shuffle=False)
 
 
+@pytest.mark.slow
 def test_check_numerics_raises_in_a_custom_loop_too():
     jstrategy.config.enable_check_numerics()
     strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
@@ -93,6 +95,7 @@ def test_check_numerics_raises_in_a_custom_loop_too():
             jax.block_until_ready(logs)
 
 
+@pytest.mark.slow
 def test_a_scale_that_recovers_does_not_warn():
     # Overflows at 2**15 and 2**14, not below: the scale never reaches its floor.
     rng = np.random.default_rng(0)

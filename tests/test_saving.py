@@ -5,14 +5,19 @@ and a lambda metric were saved under one name, so the loaded metric computed the
 config's ``class_name`` reached any attribute of the losses and metrics modules; a
 damaged ``jstrategy_model.json`` failed with errors that named neither the file nor the
 field.
+
+
 """
 
 import json
 import re
 
 import flax.linen as nn
+import helpers
+import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jstrategy
@@ -98,8 +103,8 @@ def test_save_refuses_a_lambda_loss_and_a_lambda_metric_under_one_name(tmp_path)
     with pytest.raises(
         ValueError,
         match=r"cannot keep the loss \(compile\.loss\) and the metric compile\.metrics\[0\] "
-        r"apart: .*<lambda> \(test_saved_models\.py:\d+\) and .*<lambda> "
-        r"\(test_saved_models\.py:\d+\), saved by one name, 'lambda'.*define them with "
+        r"apart: .*<lambda> \(test_saving\.py:\d+\) and .*<lambda> "
+        r"\(test_saving\.py:\d+\), saved by one name, 'lambda'.*define them with "
         r"`def` under different names.*MeanMetricWrapper\(fn, name='\.\.\.'\)",
     ):
         model.save(path)
@@ -281,6 +286,7 @@ DAMAGED = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("change", "field", "expected"), DAMAGED, ids=[field for _, field, _ in DAMAGED]
 )
@@ -294,7 +300,6 @@ def test_every_damaged_field_is_named_with_the_file(tmp_path, change, field, exp
 
 
 def test_weighted_metrics_and_remat_are_saved_with_the_compile_config(tmp_path):
-    import jax
 
     policies = {
         "none": None,
@@ -322,3 +327,129 @@ def test_weighted_metrics_and_remat_are_saved_with_the_compile_config(tmp_path):
         assert [type(m) for m in loaded.weighted_metrics] == [
             type(m) for m in model.weighted_metrics
         ]
+
+
+# TF habits (issue 14), finding 7: model.save / jstrategy.models.load_model
+@pytest.mark.slow
+def test_save_and_load_model_keep_weights_optimizer_state_and_compile_config(tmp_path):
+    x, y = helpers.logits_and_labels(64, seed=5)
+    mirrored = jstrategy.MirroredStrategy(devices=[f"cpu:{i}" for i in range(4)])
+    with mirrored.scope():
+        model = jstrategy.Model(helpers.Classifier(), input_shape=(10,), seed=3)
+        model.compile(
+            jstrategy.optimizers.Adam(
+                jstrategy.optimizers.schedules.ExponentialDecay(0.01, 10, 0.5)
+            ),
+            loss=jstrategy.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=[
+                "accuracy",
+                "sparse_categorical_accuracy",
+                jstrategy.metrics.MeanMetricWrapper(
+                    jstrategy.losses.SparseCategoricalCrossentropy(from_logits=True), name="xent"
+                ),
+            ],
+            steps_per_execution=2,
+        )
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    saved = model.get_weights()
+    path = str(tmp_path / "model")
+    model.save(path)
+    with jstrategy.OneDeviceStrategy("cpu:0").scope():  # any strategy loads it
+        elsewhere = jstrategy.models.load_model(path, helpers.Classifier())
+    for a, b in zip(elsewhere.get_weights(), saved, strict=True):
+        np.testing.assert_array_equal(a, b)
+    with mirrored.scope():
+        loaded = jstrategy.models.load_model(path, helpers.Classifier())
+    assert loaded.metrics_names == model.metrics_names
+    assert loaded.steps_per_execution == 2 and int(loaded.state.step) == 4
+    assert isinstance(loaded.optimizer.schedule, jstrategy.optimizers.schedules.ExponentialDecay)
+    assert loaded.learning_rate == pytest.approx(model.learning_rate)
+    for a, b in zip(loaded.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)  # parameters and BatchNorm statistics
+    # The optimizer state came back: one more epoch from both lands on the same weights.
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    loaded.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    for a, b in zip(loaded.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    weights_only = jstrategy.models.load_model(path, helpers.Classifier(), compile=False)
+    assert not weights_only.compiled
+    for a, b in zip(weights_only.get_weights(), saved, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_load_model_errors_name_the_path_and_the_fix(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"No saved model at .*missing.*model\.save"):
+        jstrategy.models.load_model(tmp_path / "missing", nn.Dense(1))
+    model = helpers.dense_regression_model(
+        jstrategy.OneDeviceStrategy("cpu:0"), loss=lambda y, p: (y - p) ** 2
+    )
+    model.save_weights(tmp_path / "weights")
+    with pytest.raises(ValueError, match=r"weights.*not a directory written by model\.save"):
+        jstrategy.models.load_model(tmp_path / "weights", nn.Dense(1))
+    model.save(tmp_path / "custom")
+    with pytest.raises(ValueError, match=r"loss 'lambda'.*custom_objects=\{'lambda': \.\.\.\}"):
+        jstrategy.models.load_model(tmp_path / "custom", nn.Dense(1))
+    with pytest.raises(ValueError, match=r"custom_objects=\{'optimizer': \.\.\.\}"):
+        jstrategy.models.load_model(
+            tmp_path / "custom", nn.Dense(1), custom_objects={"lambda": lambda y, p: y - p}
+        )
+    loaded = jstrategy.models.load_model(
+        tmp_path / "custom",
+        nn.Dense(1),
+        custom_objects={"optimizer": optax.sgd(0.1), "lambda": lambda y, p: (y - p) ** 2},
+    )
+    assert loaded.compiled
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not a directory written by model.save"):
+        model.save(tmp_path / "other")
+
+
+@pytest.mark.slow
+def test_save_and_load_model_keep_the_dtype_policy_and_a_cycle_in_progress(tmp_path):
+    # The compile options of issue 13 travel with the model: the dtype policy, and
+    # gradient accumulation, whose pending sums are part of the saved state.
+    x, y = helpers.logits_and_labels(48, seed=7)
+    with jstrategy.OneDeviceStrategy("cpu:0").scope():
+        model = jstrategy.Model(
+            helpers.Classifier(), input_shape=(10,), dtype_policy="mixed_bfloat16"
+        )
+        model.compile(
+            "sgd",
+            loss=jstrategy.losses.SparseCategoricalCrossentropy(from_logits=True),
+            gradient_accumulation_steps=2,
+        )
+        model.fit(x[:24], y[:24], batch_size=8, epochs=1, verbose=0, shuffle=False)  # 3 batches
+        path = str(tmp_path / "model")
+        model.save(path)
+        loaded = jstrategy.models.load_model(path, helpers.Classifier())
+    assert loaded.dtype_policy.name == "mixed_bfloat16"
+    assert loaded.gradient_accumulation_steps == 2
+    # One micro-batch of the second cycle is pending in both; the next finishes it alike.
+    model.fit(x[24:32], y[24:32], batch_size=8, epochs=1, verbose=0, shuffle=False)
+    loaded.fit(x[24:32], y[24:32], batch_size=8, epochs=1, verbose=0, shuffle=False)
+    for a, b in zip(loaded.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_restore_checkpoint_reads_the_whole_state_of_a_saved_model(tmp_path):
+    # A `save` directory is also a checkpoint: a model built and compiled by hand takes its
+    # variables, optimizer state and step, and trains on exactly as the saved one.
+    x, y = helpers.logits_and_labels(48, seed=9)
+    loss = jstrategy.losses.SparseCategoricalCrossentropy(from_logits=True)
+    with jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"]).scope():
+        model = jstrategy.Model(helpers.Classifier(), input_shape=(10,), seed=4)
+        model.compile(jstrategy.optimizers.Adam(0.01), loss=loss)
+        other = jstrategy.Model(helpers.Classifier(), input_shape=(10,), seed=5)
+        other.compile(jstrategy.optimizers.Adam(0.01), loss=loss)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    path = str(tmp_path / "model")
+    model.save(path)
+    assert other.get_config() == {**model.get_config(), "seed": 5}
+    other.restore_checkpoint(path)
+    assert int(other.state.step) == 3
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    other.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    for a, b in zip(other.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -115,6 +115,7 @@ def _one_device():
     return model.get_weights(), history["loss"], evaluation, predictions
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MESHES))
 def test_fit_evaluate_predict_follow_one_device_with_kernels_split_8_ways(name):
     strategy, layouts = _layout_strategy(name)
@@ -147,6 +148,7 @@ def _steps(strategy):
     return state, train, evaluate, predict
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MESHES))
 def test_make_train_eval_predict_steps_follow_one_device(name):
     strategy, layouts = _layout_strategy(name)
@@ -384,6 +386,7 @@ LINEN_GUIDE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(LINEN_GUIDE))
 def test_the_linen_guides_models_train_as_annotated_matching_the_guides_loop(name):
     make, logical = LINEN_GUIDE[name]
@@ -520,6 +523,7 @@ def _assert_nnx_layouts(params, strategy):
 
 
 # The guide's own code uses Flax names this Flax release deprecates.
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:'sharding' is deprecated:DeprecationWarning")
 @pytest.mark.filterwarnings("ignore:The 'split' argument of 'fork' is deprecated")
 @pytest.mark.parametrize("path", ["fit", "make_train_step"])
@@ -559,6 +563,7 @@ class _Constrained(nn.Module):
         return jnp.sum(y, axis=-1, keepdims=True)
 
 
+@pytest.mark.slow
 def test_the_steps_map_keeps_a_constraints_data_axis_on_the_replicas_not_on_parameters():
     strategy = _guide_strategy()
     with strategy.scope():

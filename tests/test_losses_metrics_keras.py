@@ -34,6 +34,7 @@ def _id(case):
     return f"{case['name']}-{case.get('y_pred', '')}-{case['sample_weight']}-{case.get('reduction', '')}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", REF["losses"], ids=_id)
 def test_loss_matches_keras(case):
     loss = getattr(losses, case["class"])(reduction=case["reduction"], **case["kwargs"])
@@ -56,6 +57,7 @@ def test_loss_matches_keras(case):
     _close(loss(y, p, sample_weight=w), case["value"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [c for c in REF["metrics"] if c["class"] != "Mean"], ids=_id)
 def test_metric_matches_keras(case):
     m = getattr(metrics, case["class"])(**case["kwargs"])
@@ -112,6 +114,7 @@ def _sequence_model(strategy):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy_name", ["one_device", "mirrored"])
 def test_sequence_model_with_padding_mask_matches_keras(strategy_name):
     seq = REF["sequence_model"]

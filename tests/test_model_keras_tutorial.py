@@ -35,6 +35,7 @@ def seed_reference():
     return _example("seed_program").main(SEED_STRATEGIES["one_device"](), epochs=3, verbose=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SEED_STRATEGIES))
 def test_seed_program_runs_and_follows_one_device(name, seed_reference, capsys):
     history = _example("seed_program").main(SEED_STRATEGIES[name](), epochs=3, verbose=0)
@@ -49,6 +50,7 @@ def test_seed_program_runs_and_follows_one_device(name, seed_reference, capsys):
     np.testing.assert_allclose(losses, seed_reference.history["loss"], rtol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mirrored", "fsdp"])
 def test_keras_distribute_tutorial_follows_one_device(name):
     tutorial = _example("keras_distribute_tutorial")
@@ -60,6 +62,7 @@ def test_keras_distribute_tutorial_follows_one_device(name):
     assert history.history["loss"][-1] < history.history["loss"][0]
 
 
+@pytest.mark.slow
 def test_keras_distribute_tutorial_model_is_keras_shaped():
     model = _example("keras_distribute_tutorial").build_and_compile(
         jstrategy.OneDeviceStrategy("cpu:0")
@@ -84,6 +87,7 @@ GUIDE_STRATEGIES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(GUIDE_STRATEGIES))
 def test_keras_distribution_guide_follows_one_device(name):
     """Keras 3's distribution guide, data and model parallel, against OneDevice. Without

@@ -4,6 +4,7 @@ import functools
 import itertools
 
 import flax.linen as nn
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,9 +36,7 @@ class Mlp(nn.Module):
 
 
 def _data(rows, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(rows, FEATURES)).astype(np.float32)
-    return x, np.argmax(x[:, :3], axis=-1).astype(np.int32)
+    return helpers.classification_data(rows, FEATURES, seed)
 
 
 def _loss(y, logits):
@@ -97,6 +96,7 @@ def _oracle():
     return _host(_run(jstrategy.OneDeviceStrategy("cpu:0"), batches, 1).params)
 
 
+@pytest.mark.slow
 def test_k_micro_batches_give_the_update_of_one_larger_batch_under_every_strategy(strategy):
     x, y = _data(K * MICRO * UPDATES)
     micro = [(x[i * MICRO : (i + 1) * MICRO], y[i * MICRO : (i + 1) * MICRO]) for i in range(8)]
@@ -119,6 +119,7 @@ def test_k_micro_batches_give_the_update_of_one_larger_batch_under_every_strateg
     assert float(state.grad_accumulator.count) == 0.0
 
 
+@pytest.mark.slow
 def test_padded_micro_batches_weigh_by_their_real_rows():
     strategy = jstrategy.MirroredStrategy()
     rows = [16, 16, 16, 5]  # the last micro-batch is padded to 16 rows
@@ -144,6 +145,7 @@ def test_padded_micro_batches_weigh_by_their_real_rows():
     assert gap > 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("steps_per_execution", [1, 2, 4])
 def test_fit_with_accumulation_matches_fit_on_larger_batches(steps_per_execution):
     # 88 rows: batches of 16 are 5 full and one of 8; cycles of 3 hold 48 and 40 rows, as
@@ -172,6 +174,7 @@ class _Stop(Exception):
     """Raised by a callback to interrupt `fit` at a chosen step."""
 
 
+@pytest.mark.slow
 def test_backup_and_restore_resumes_in_the_middle_of_a_cycle_exactly(tmp_path):
     x, y = _data(96, seed=3)  # 6 batches of 16 an epoch, cycles of 4 cross the epochs
     strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
@@ -207,6 +210,7 @@ def test_backup_and_restore_resumes_in_the_middle_of_a_cycle_exactly(tmp_path):
         assert values == expected_history[key][-len(values) :]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
 def test_checkpoint_manager_restores_a_cycle_in_progress(tmp_path, policy):
     """The factory: accumulators (and the loss scale) are in the state a checkpoint saves."""
@@ -237,6 +241,7 @@ def test_checkpoint_manager_restores_a_cycle_in_progress(tmp_path, policy):
     _assert_trees(resumed.opt_state, expected.opt_state)
 
 
+@pytest.mark.slow
 def test_loss_scaling_and_accumulation_compose():
     """An overflowing micro-batch is dropped whole: the cycle waits for one more."""
     strategy = jstrategy.MirroredStrategy()
@@ -286,16 +291,10 @@ def test_bad_accumulation_arguments_and_a_state_from_another_step():
     assert int(model.state.grad_accumulator.micro_steps) == 0
 
 
-class NnxNet(nnx.Module):
-    def __init__(self, rngs, dropout=0.0):
-        self.dense1 = nnx.Linear(FEATURES, 8, rngs=rngs)
-        self.dropout = nnx.Dropout(dropout, rngs=rngs)
-        self.dense2 = nnx.Linear(8, 3, rngs=rngs)
-
-    def __call__(self, x):
-        return self.dense2(self.dropout(jnp.tanh(self.dense1(x))))
+NnxNet = functools.partial(helpers.NnxNet, features=FEATURES, dropout=0.0, activation="tanh")
 
 
+@pytest.mark.slow
 def test_nnx_accumulation_parity_and_a_float16_skip_with_random_streams():
     strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
     x, y = _data(4 * MICRO, seed=6)

@@ -9,6 +9,7 @@ number of programs.
 import contextlib
 
 import flax.linen as nn
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -204,6 +205,7 @@ def test_check_numerics_names_the_step_of_labels_out_of_range_in_a_dataset(name)
         model.fit(batches, verbose=0)
 
 
+@pytest.mark.slow
 def test_check_numerics_names_non_finite_losses_and_gradients():
     x, y = _data(16)
     x[9, 0] = np.nan
@@ -242,6 +244,7 @@ def test_check_numerics_names_non_finite_losses_and_gradients():
             jax.block_until_ready(metrics)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["fsdp", "model_parallel"])
 def test_check_numerics_names_non_finite_gradients_of_the_global_view_step(kind):
     # FSDP and ModelParallel take their gradients outside the replicas' map (the global
@@ -280,21 +283,7 @@ def test_check_numerics_is_off_by_default_and_per_compile():
 
 
 # Finding 8: a bounded number of compiled programs ---------------------------------------------
-@contextlib.contextmanager
-def _count_compiles():
-    events = []
-
-    def listener(event: str, duration_secs: float, **kwargs: str | int) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            events.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield events
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["one_device", "mirrored_4"])
 def test_any_number_of_rows_compiles_a_bounded_number_of_programs(name):
     # predict on 400 row counts compiled 400 programs (91 MB); fewer rows than a batch
@@ -304,14 +293,14 @@ def test_any_number_of_rows_compiles_a_bounded_number_of_programs(name):
     x, y = _data(200)
     reference = model.predict(x, batch_size=64, verbose=0)
     row_counts = [*range(1, 65, 3), 64, 100, 131, 200]
-    with _count_compiles() as compiles:
+    with helpers.count_compiles() as compiles:
         for rows in row_counts:
             out = model.predict(x[:rows], batch_size=64, verbose=0)
             assert out.shape == (rows, CLASSES)  # one row out per row in
             np.testing.assert_allclose(out, reference[:rows], rtol=1e-6, atol=1e-6)
     bound = int(np.log2(64 / strategy.num_replicas_in_sync)) + 1
     assert len(compiles) <= bound, len(compiles)
-    with _count_compiles() as compiles:
+    with helpers.count_compiles() as compiles:
         for rows in row_counts:
             logs = model.evaluate(x[:rows], y[:rows], batch_size=64, verbose=0, return_dict=True)
             logits = reference[:rows].astype(np.float64)
@@ -319,7 +308,7 @@ def test_any_number_of_rows_compiles_a_bounded_number_of_programs(name):
             expected = -log_probs[np.arange(rows), y[:rows]].mean()
             np.testing.assert_allclose(logs["loss"], expected, rtol=1e-5)  # masks: exact
     assert len(compiles) <= bound, len(compiles)
-    with _count_compiles() as compiles:
+    with helpers.count_compiles() as compiles:
         for rows in row_counts[::2]:
             model.fit(x[:rows], y[:rows], batch_size=64, verbose=0)
     assert len(compiles) <= bound + 1, len(compiles)  # + the first fit's zero sums

@@ -12,6 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+pytestmark = pytest.mark.multiprocess
+
 # Started in a fresh process: the Ray instance must be the one the backend starts.
 _PROGRAM = """
 import warnings
