@@ -120,6 +120,7 @@ def test_only_the_cluster_module_starts_the_runtime():
     assert callers == ["_src/cluster.py"]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_model_parallel_on_two_processes_joins_once_and_sigterm_stops_it():
     # JAX's preemption service takes SIGTERM at its start; join gives it back, so a
