@@ -22,7 +22,6 @@ from jstrategy._src.checkpoint import save_weights
 from jstrategy._src.context import ReplicaContext
 from jstrategy._src.context import experimental_set_strategy
 from jstrategy._src.context import get_replica_context
-from jstrategy._src.context import get_strategy
 from jstrategy._src.context import has_strategy
 from jstrategy._src.context import in_cross_replica_context
 from jstrategy._src.cross_device_ops import CrossDeviceOps
@@ -42,6 +41,7 @@ from jstrategy._src.reduce_util import ReduceOp
 from jstrategy._src.strategy import REPLICA_AXIS
 from jstrategy._src.strategy import Strategy
 from jstrategy._src.strategy import ValueContext
+from jstrategy._src.strategy import get_strategy
 from jstrategy._src.tpu import TPUStrategy
 from jstrategy._src.training.model import Model
 from jstrategy._src.training.sequential import Sequential

@@ -11,10 +11,6 @@ import jstrategy
 
 PACKAGE = pathlib.Path(jstrategy.__file__).parent
 SRC = "jstrategy._src"
-# The one cycle left: these core modules name `Strategy` in annotations only
-# (`if TYPE_CHECKING`), while strategy.py imports them. Nothing may join it.
-_CORE_CYCLE_NAMES = "context cross_device_ops extended input placement staging strategy tracked"
-TYPE_ONLY_CORE_CYCLE = {f"{SRC}.{name}" for name in _CORE_CYCLE_NAMES.split()}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -113,6 +109,6 @@ def test_the_core_imports_nothing_of_the_training_layer_not_even_for_types():
     assert {m: d for m, d in offenders.items() if d} == {}
 
 
-def test_no_import_cycle_and_type_only_imports_add_only_the_documented_one():
+def test_no_import_cycle_not_even_through_type_only_imports():
     assert _cycles(_graph(type_only=False)) == []
-    assert _cycles(_graph(type_only=True)) == [TYPE_ONLY_CORE_CYCLE]
+    assert _cycles(_graph(type_only=True)) == []

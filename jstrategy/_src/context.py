@@ -27,7 +27,7 @@ from jstrategy._src.values import varying_axes
 _all_gather_invariant = jax_compat.all_gather_invariant
 
 if TYPE_CHECKING:
-    from jstrategy._src.strategy import Strategy
+    from jstrategy._src.strategy_like import StrategyLike
 
 __all__ = [
     "ReplicaContext",
@@ -62,7 +62,7 @@ class ReplicaContext:
     3.0
     """
 
-    def __init__(self, strategy: Strategy, *, in_run: bool = True, row_mask: Any = None):
+    def __init__(self, strategy: StrategyLike, *, in_run: bool = True, row_mask: Any = None):
         self._strategy = strategy
         self._in_run = in_run
         self._row_mask = row_mask
@@ -78,7 +78,7 @@ class ReplicaContext:
         return self._row_mask
 
     @property
-    def strategy(self) -> Strategy:
+    def strategy(self) -> StrategyLike:
         """The strategy running this replica."""
         return self._strategy
 
@@ -143,7 +143,7 @@ class ReplicaContext:
 
 @dataclasses.dataclass(frozen=True)
 class _Entry:
-    strategy: Strategy
+    strategy: StrategyLike
     replica_context: ReplicaContext | None  # None means cross-replica context.
     scope_owner: bool = False
 
@@ -151,22 +151,22 @@ class _Entry:
 class _Stack(threading.local):
     def __init__(self) -> None:
         self.entries: list[_Entry] = []
-        self.set_strategy: Strategy | None = None
+        self.set_strategy: StrategyLike | None = None
 
 
 _STACK = _Stack()
-_DEFAULT: list[Strategy] = []
-_DEFAULT_FACTORY: list[Callable[[], Strategy]] = []
+_DEFAULT: list[StrategyLike] = []
+_DEFAULT_FACTORY: list[Callable[[], StrategyLike]] = []
 _DEFAULT_LOCK = threading.Lock()
 
 
-def set_default_strategy_factory(factory: Callable[[], Strategy]) -> None:
+def set_default_strategy_factory(factory: Callable[[], StrategyLike]) -> None:
     """Says how to make the strategy in force outside any scope (`one_device.py` does, as
     it is imported: the strategies import this module, so it cannot import them)."""
     _DEFAULT_FACTORY[:] = [factory]
 
 
-def _default_strategy() -> Strategy:
+def _default_strategy() -> StrategyLike:
     # Created on first use, not at import: building it starts JAX's backends.
     with _DEFAULT_LOCK:
         if not _DEFAULT:
@@ -181,19 +181,9 @@ def _top() -> _Entry:
     return _Entry(default, ReplicaContext(default, in_run=False))
 
 
-def get_strategy() -> Strategy:
-    """The current strategy: the innermost `scope()`, or the default strategy outside any.
-
-    Example:
-
-    >>> import jstrategy
-    >>> strategy = jstrategy.OneDeviceStrategy("cpu:0")
-    >>> with strategy.scope():
-    ...     jstrategy.get_strategy() is strategy
-    True
-    >>> jstrategy.has_strategy()
-    False
-    """
+def get_strategy() -> StrategyLike:
+    """The current strategy: the innermost `scope()`, or the default strategy outside any
+    (typed for the core; `jstrategy.get_strategy` gives it as a `Strategy`)."""
     return _top().strategy
 
 
@@ -222,7 +212,7 @@ def get_replica_context() -> ReplicaContext | None:
 
 
 @contextlib.contextmanager
-def strategy_scope(strategy: Strategy) -> Iterator[Strategy]:
+def strategy_scope(strategy: StrategyLike) -> Iterator[StrategyLike]:
     """Pushes `strategy` as the current, cross-replica strategy."""
     for entry in _STACK.entries:
         if entry.strategy is not strategy:
@@ -239,7 +229,7 @@ def strategy_scope(strategy: Strategy) -> Iterator[Strategy]:
 
 
 @contextlib.contextmanager
-def replica_scope(strategy: Strategy, replica_context: ReplicaContext) -> Iterator[None]:
+def replica_scope(strategy: StrategyLike, replica_context: ReplicaContext) -> Iterator[None]:
     """Pushes a replica context while `run` traces a per-replica function."""
     _STACK.entries.append(_Entry(strategy, replica_context))
     try:
@@ -248,7 +238,7 @@ def replica_scope(strategy: Strategy, replica_context: ReplicaContext) -> Iterat
         _STACK.entries.pop()
 
 
-def experimental_set_strategy(strategy: Strategy | None) -> None:
+def experimental_set_strategy(strategy: StrategyLike | None) -> None:
     """Makes `strategy` current without a `with` block; `None` clears it.
 
     Equivalent to entering `strategy.scope()` and never leaving, as

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 
 if TYPE_CHECKING:
-    from jstrategy._src.strategy import Strategy
+    from jstrategy._src.strategy_like import StrategyLike
 
 __all__ = ["StrategyExtended"]
 
@@ -36,7 +36,7 @@ class StrategyExtended:
     True
     """
 
-    def __init__(self, strategy: Strategy):
+    def __init__(self, strategy: StrategyLike):
         self._strategy = strategy
 
     @property

@@ -42,7 +42,7 @@ from jstrategy._src.values import local_replica_devices
 from jstrategy._src.values import replica_devices
 
 if TYPE_CHECKING:
-    from jstrategy._src.strategy import Strategy
+    from jstrategy._src.strategy_like import StrategyLike
 
 __all__ = [
     "DistributedDataset",
@@ -500,7 +500,9 @@ def _check_matches(spec: _Spec, leaves: Sequence[Any], treedef: Any, where: str,
 _FULL_MASKS: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
 
 
-def _full_mask(strategy: Strategy, size: int, local_size: int, global_shape: tuple) -> jax.Array:
+def _full_mask(
+    strategy: StrategyLike, size: int, local_size: int, global_shape: tuple
+) -> jax.Array:
     """An all-true device mask, reused across steps: full batches then put no mask at all."""
     cache = _FULL_MASKS.setdefault(strategy, {})
     mask = cache.get((size, local_size))
@@ -511,7 +513,7 @@ def _full_mask(strategy: Strategy, size: int, local_size: int, global_shape: tup
     return mask
 
 
-def _put(strategy: Strategy, local: list[Any], global_shapes: list[tuple]) -> list[jax.Array]:
+def _put(strategy: StrategyLike, local: list[Any], global_shapes: list[tuple]) -> list[jax.Array]:
     """Lays process-local rows over the mesh: one batched transfer, no per-device Python copies."""
     sharding = strategy.batch_sharding()
     if jax.process_count() == 1:
@@ -519,7 +521,7 @@ def _put(strategy: Strategy, local: list[Any], global_shapes: list[tuple]) -> li
     return jax.make_array_from_process_local_data(sharding, local, global_shapes)
 
 
-def _process_layout(strategy: Strategy) -> tuple[list[Any], int, int, int]:
+def _process_layout(strategy: StrategyLike) -> tuple[list[Any], int, int, int]:
     """(replicas' process indices, this process's pipeline id, pipelines, local replicas).
 
     A replica's process index is a set when its devices span several processes (a replica
@@ -552,7 +554,7 @@ class _Placer:
 
     def __init__(
         self,
-        strategy: Strategy,
+        strategy: StrategyLike,
         *,
         rows_are_global: bool,
         global_batch_size: int | None,
@@ -693,7 +695,7 @@ class _Placer:
         )
 
 
-def distribute_batch(strategy: Strategy, batch: Any, *, global_batch_size: int | None = None):
+def distribute_batch(strategy: StrategyLike, batch: Any, *, global_batch_size: int | None = None):
     """Pads one global batch to a static size and lays it over the strategy's replicas.
 
     The low-level step of every distributed dataset, for code that holds its batches in
@@ -844,7 +846,7 @@ class DistributedDataset:
 
     def __init__(
         self,
-        strategy: Strategy,
+        strategy: StrategyLike,
         sources: list[_Source],
         placer: _Placer,
         options: InputOptions,
@@ -1109,7 +1111,7 @@ def _options(options: InputOptions | None) -> InputOptions:
 
 
 def distribute_dataset(
-    strategy: Strategy,
+    strategy: StrategyLike,
     dataset: Any,
     options: InputOptions | None = None,
     *,
@@ -1172,7 +1174,7 @@ def distribute_dataset(
 
 
 def distribute_datasets_from_function(
-    strategy: Strategy,
+    strategy: StrategyLike,
     dataset_fn: Callable[[InputContext], Any],
     options: InputOptions | None = None,
     *,

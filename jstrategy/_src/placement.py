@@ -19,7 +19,7 @@ from jstrategy._src.names import path_str
 from jstrategy._src.values import device_put_global
 
 if TYPE_CHECKING:
-    from jstrategy._src.strategy import Strategy
+    from jstrategy._src.strategy_like import StrategyLike
 
 __all__ = [
     "HOST_MEMORY_KINDS",
@@ -46,14 +46,14 @@ def abstract(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(a.shape, jax.dtypes.canonicalize_dtype(a.dtype))
 
 
-def variable_shardings(tree: Any, strategy: Strategy) -> Any:
+def variable_shardings(tree: Any, strategy: StrategyLike) -> Any:
     """``strategy.variable_sharding`` of every leaf of `tree`, as a pytree of shardings."""
     return jax.tree_util.tree_map_with_path(
         lambda keypath, x: strategy.variable_sharding(abstract(x), path_names(keypath)), tree
     )
 
 
-def place_state(tree: Any, strategy: Strategy | None = None) -> Any:
+def place_state(tree: Any, strategy: StrategyLike | None = None) -> Any:
     """Places a train state (or any pytree of variables) where `strategy` keeps variables.
 
     Each leaf goes to ``strategy.variable_sharding(leaf, path)``: one full copy per replica
@@ -91,7 +91,7 @@ def splits(shardings: Any) -> bool:
     return any(not s.is_fully_replicated for s in jax.tree.leaves(shardings))
 
 
-def creation_shardings(fn: Callable[..., Any], *args: Any, strategy: Strategy) -> Any:
+def creation_shardings(fn: Callable[..., Any], *args: Any, strategy: StrategyLike) -> Any:
     """Where `strategy` keeps each output of ``fn(*args)``, from its shapes alone.
 
     ``fn`` is traced by `jax.eval_shape` (nothing is computed) and every leaf of its
@@ -104,7 +104,7 @@ def creation_shardings(fn: Callable[..., Any], *args: Any, strategy: Strategy) -
     return variable_shardings(jax.eval_shape(fn, *args), strategy)
 
 
-def _creation_inputs(args: Any, strategy: Strategy) -> Any:
+def _creation_inputs(args: Any, strategy: StrategyLike) -> Any:
     # Arrays already placed (committed) stay where they are; anything else (NumPy sample
     # inputs, a fresh key) reaches every device whole, also across processes.
     replicated = strategy.replicated_sharding()
@@ -118,7 +118,7 @@ def _creation_inputs(args: Any, strategy: Strategy) -> Any:
 
 
 def lower_creation(
-    fn: Callable[..., Any], *args: Any, strategy: Strategy, shardings: Any = None
+    fn: Callable[..., Any], *args: Any, strategy: StrategyLike, shardings: Any = None
 ) -> jax.stages.Lowered:
     """The program that creates ``fn(*args)`` where `strategy` keeps it, lowered.
 
@@ -135,7 +135,7 @@ def lower_creation(
 def create_placed(
     fn: Callable[..., Any],
     *args: Any,
-    strategy: Strategy,
+    strategy: StrategyLike,
     eager: Callable[[], Any] | None = None,
     place_args: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None = None,
 ) -> Any:
@@ -209,7 +209,7 @@ def _placement(sharding: jax.sharding.Sharding) -> tuple[tuple[jax.Device, ...],
     return devices, sharding.memory_kind or "device"
 
 
-def check_placed(state: Any, strategy: Strategy) -> None:
+def check_placed(state: Any, strategy: StrategyLike) -> None:
     """Raises a clear error if `state`'s first array is not where `strategy` keeps it.
 
     Raises:

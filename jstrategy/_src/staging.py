@@ -43,7 +43,7 @@ from jstrategy._src.numerics import means
 from jstrategy._src.placement import variable_shardings
 
 if TYPE_CHECKING:
-    from jstrategy._src.strategy import Strategy
+    from jstrategy._src.strategy_like import StrategyLike
 
 __all__ = [
     "StepFunctions",
@@ -97,12 +97,14 @@ class StepFunctions:
     global_gradients: Callable[..., tuple[Any, Any, Any]] | None = None
 
 
-def row_spec(strategy: Strategy, lead: int = 0) -> P:
+def row_spec(strategy: StrategyLike, lead: int = 0) -> P:
     """The spec of a batch split by rows over the data axis, after `lead` stacked axes."""
     return P(*([None] * lead), strategy.axis_name)
 
 
-def replica_map(strategy: Strategy, fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Any:
+def replica_map(
+    strategy: StrategyLike, fn: Callable[..., Any], in_specs: Any, out_specs: Any
+) -> Any:
     """`jax.shard_map` of a per-replica `fn` over the strategy's mesh.
 
     Manual over the data axis (`strategy.axis_name`): inside, `fn` sees one replica's rows
@@ -157,7 +159,7 @@ def _step_loop(
 
 
 def replicated_train_program(
-    strategy: Strategy, fns: StepFunctions, *, steps: int, stacked: bool
+    strategy: StrategyLike, fns: StepFunctions, *, steps: int, stacked: bool
 ) -> TrainProgram:
     """The default staging: ONE compiled program running `steps` steps on every replica.
 
@@ -195,7 +197,7 @@ class _ShardedTrainProgram:
     so the jitted function is made for the first state of each structure.
     """
 
-    def __init__(self, strategy: Strategy, fns: StepFunctions, *, steps: int, stacked: bool):
+    def __init__(self, strategy: StrategyLike, fns: StepFunctions, *, steps: int, stacked: bool):
         if fns.global_gradients is None:
             raise ValueError(
                 "The sharded strategies stage the step in the global view: "
@@ -249,7 +251,7 @@ class _ShardedTrainProgram:
 
 
 def sharded_train_program(
-    strategy: Strategy, fns: StepFunctions, *, steps: int, stacked: bool
+    strategy: StrategyLike, fns: StepFunctions, *, steps: int, stacked: bool
 ) -> TrainProgram:
     """The staging of strategies whose variables are split across devices.
 
@@ -308,7 +310,7 @@ class _HostUpdateStep:
     and one central copy lives on one device while the batch is split over all of them.
     """
 
-    def __init__(self, strategy: Strategy, fns: StepFunctions, *, lead: int):
+    def __init__(self, strategy: StrategyLike, fns: StepFunctions, *, lead: int):
         self._strategy = strategy
         self._fns = fns
         self._home = strategy.variable_sharding(_PROBE).with_memory_kind("device")
@@ -362,7 +364,7 @@ class _HostUpdateStep:
 
 
 def host_update_train_program(
-    strategy: Strategy, fns: StepFunctions, *, steps: int, stacked: bool
+    strategy: StrategyLike, fns: StepFunctions, *, steps: int, stacked: bool
 ) -> TrainProgram:
     """`CentralStorageStrategy`'s staging: each step as two programs (`_HostUpdateStep`).
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import Any
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +42,7 @@ from jstrategy._src.values import local_results
 from jstrategy._src.values import on_a_mesh
 from jstrategy._src.values import varying_axes
 
-__all__ = ["REPLICA_AXIS", "Strategy", "ValueContext"]
+__all__ = ["REPLICA_AXIS", "Strategy", "ValueContext", "get_strategy"]
 
 #: The name of the mesh axis along which the replicas of the 1-D strategies (OneDevice,
 #: Mirrored, TPU, ..., and FSDP) are laid. Use it for collectives in your own code, e.g.
@@ -912,3 +913,21 @@ def _gather_fn(n: int, stacked: bool, axis: int) -> Callable[[jax.Array], jax.Ar
         return x.reshape(*x.shape[:a], x.shape[a] * x.shape[a + 1], *x.shape[a + 2 :])
 
     return gather
+
+
+def get_strategy() -> Strategy:
+    """The current strategy: the innermost `scope()`, or the default strategy outside any.
+
+    Example:
+
+    >>> import jstrategy
+    >>> strategy = jstrategy.OneDeviceStrategy("cpu:0")
+    >>> with strategy.scope():
+    ...     jstrategy.get_strategy() is strategy
+    True
+    >>> jstrategy.has_strategy()
+    False
+    """
+    # The context's stack holds only `Strategy` objects (`scope` and `run` push them); it
+    # types them by the protocol because it sits below this module.
+    return cast(Strategy, context.get_strategy())

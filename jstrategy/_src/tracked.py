@@ -51,7 +51,7 @@ from jstrategy._src.values import device_put_global
 from jstrategy._src.values import varying_axes
 
 if TYPE_CHECKING:
-    from jstrategy._src.strategy import Strategy
+    from jstrategy._src.strategy_like import StrategyLike
 
 __all__ = [
     "Holder",
@@ -86,7 +86,7 @@ class Holder:
         """The value's structure, shapes and dtypes (`jax.ShapeDtypeStruct` leaves)."""
         raise NotImplementedError
 
-    def value_on(self, strategy: Strategy) -> Any:
+    def value_on(self, strategy: StrategyLike) -> Any:
         """The current value, as `strategy`'s `run` program takes it (pulled at each call)."""
         raise NotImplementedError
 
@@ -116,9 +116,9 @@ class TrackedState(Holder):
     def __init__(self, value: Any, *, name: str):
         self.name = name
         self._value = jax.tree.map(np.asarray, value) if _all_host(value) else value
-        self._strategy: Strategy | None = None
+        self._strategy: StrategyLike | None = None
         self._spec = jax.tree.map(_spec_of, value)
-        self._outputs_placed: tuple[Strategy, bool] | None = None
+        self._outputs_placed: tuple[StrategyLike, bool] | None = None
 
     # What subclasses (a model's variables) may keep elsewhere -------------------------------
     def _get(self) -> Any:
@@ -127,10 +127,10 @@ class TrackedState(Holder):
     def _set(self, value: Any) -> None:
         self._value = value
 
-    def _placed_for(self) -> Strategy | None:
+    def _placed_for(self) -> StrategyLike | None:
         return self._strategy
 
-    def _place(self, strategy: Strategy) -> None:
+    def _place(self, strategy: StrategyLike) -> None:
         self._set(place_state(self._get(), strategy))
         self._strategy = strategy
 
@@ -140,7 +140,7 @@ class TrackedState(Holder):
         """The value's structure, shapes and dtypes (`jax.ShapeDtypeStruct` leaves)."""
         return self._spec
 
-    def value_on(self, strategy: Strategy) -> Any:
+    def value_on(self, strategy: StrategyLike) -> Any:
         """The value placed for `strategy` (moved there on first use under it)."""
         if self._placed_for() is not strategy:
             self._place(strategy)
@@ -184,11 +184,11 @@ class TrackedState(Holder):
         """The value read outside `run`, from the placed arrays."""
         return placed
 
-    def _placed_value(self, value: Any, strategy: Strategy) -> Any:
+    def _placed_value(self, value: Any, strategy: StrategyLike) -> Any:
         """The arrays kept for `value` written outside `run`."""
         return place_state(value, strategy)
 
-    def store(self, value: Any, strategy: Strategy) -> None:
+    def store(self, value: Any, strategy: StrategyLike) -> None:
         """Keeps `value`, a `run` program's output for this holder, where `strategy` keeps
         variables (copied there when the program's outputs live elsewhere, e.g. from the
         replicas to `CentralStorageStrategy`'s host memory)."""
@@ -249,7 +249,7 @@ class SummedOnRead(TrackedState):
 
     per_replica = True
 
-    def _place(self, strategy: Strategy) -> None:
+    def _place(self, strategy: StrategyLike) -> None:
         current = self._get()
         if self._strategy is not None:  # parts for another strategy's replicas: their sum
             current = jax.tree.map(lambda x: np.asarray(x).sum(axis=0), jax.device_get(current))
@@ -260,17 +260,17 @@ class SummedOnRead(TrackedState):
         # Outside run, the value is the sum of the parts (inside, a replica reads its own).
         return jax.tree.map(lambda x: jnp.sum(x, axis=0), placed)
 
-    def _placed_value(self, value: Any, strategy: Strategy) -> Any:
+    def _placed_value(self, value: Any, strategy: StrategyLike) -> Any:
         # Written outside run, `value` is the sum (inside, a replica writes its own part).
         return _stacked(value, strategy)
 
-    def store(self, value: Any, strategy: Strategy) -> None:
+    def store(self, value: Any, strategy: StrategyLike) -> None:
         """Keeps the parts a `run` program returned (already split over the replicas)."""
         self._set(value)
         self._strategy = strategy
 
 
-def _stacked(total: Any, strategy: Strategy) -> Any:
+def _stacked(total: Any, strategy: StrategyLike) -> Any:
     """Parts over `strategy`'s replicas whose sum is `total`: it, then zeros."""
     n = strategy.num_replicas_in_sync
     sharding = strategy.batch_sharding()
@@ -417,7 +417,9 @@ class RunFrame:
       values: their values inside the program (None while discovering: zeros stand in).
     """
 
-    def __init__(self, strategy: Strategy, planned: Sequence[Holder], values: Sequence[Any] | None):
+    def __init__(
+        self, strategy: StrategyLike, planned: Sequence[Holder], values: Sequence[Any] | None
+    ):
         self.strategy = strategy
         self._planned = {id(s): i for i, s in enumerate(planned)}
         self._values = values

@@ -25,6 +25,7 @@ from jstrategy._src.checkpoint.errors import _show
 from jstrategy._src.checkpoint.errors import _wrap_read_error
 from jstrategy._src.checkpoint.fingerprint import _fingerprints
 from jstrategy._src.names import path_names
+from jstrategy._src.strategy import get_strategy
 
 if TYPE_CHECKING:
     from jstrategy._src.strategy import Strategy
@@ -189,7 +190,7 @@ def _current_strategy(location: str) -> Strategy:
             "strategy=<your MultiWorkerMirroredStrategy>, or restore inside its scope(), on "
             "every worker."
         )
-    return context.get_strategy()
+    return get_strategy()
 
 
 def _key_impl(leaf: Any, record: dict, path: tuple[str, ...]) -> str:

@@ -42,7 +42,7 @@ from jstrategy._src.jax_compat import inside_staging_trace
 from jstrategy._src.values import varying_axes
 
 if TYPE_CHECKING:
-    from jstrategy._src.strategy import Strategy
+    from jstrategy._src.strategy_like import StrategyLike
 
 __all__ = ["ParameterServerHolder", "RunCapture", "capturing", "refuse_inside_trace"]
 
@@ -116,7 +116,7 @@ class ParameterServerHolder(tracked.Holder):
     def spec(self) -> Any:
         return self._spec
 
-    def value_on(self, strategy: Strategy) -> Any:
+    def value_on(self, strategy: StrategyLike) -> Any:
         return self._tree._pull_flat(self._flat, strategy.devices[0])
 
     def traced(self, value: Any, axis: str) -> Any:

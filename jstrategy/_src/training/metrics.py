@@ -29,6 +29,7 @@ import numpy as np
 
 from jstrategy._src import context
 from jstrategy._src.reduce_util import ReduceOp
+from jstrategy._src.strategy import get_strategy
 from jstrategy._src.tracked import SummedOnRead
 from jstrategy._src.training import losses as losses_lib
 from jstrategy._src.training.per_example import PerExampleFunction
@@ -100,7 +101,7 @@ class Metric(PerExampleFunction):
             # Created in a scope: its variables live where that strategy keeps metrics'
             # (TF: SUM-synchronized parts on the replicas, or variables on the ps), also
             # when it is updated outside the scope.
-            self._totals = _Totals.create(self.name, context.get_strategy())
+            self._totals = _Totals.create(self.name, get_strategy())
 
     def _as_values(self, values: Any) -> Any:
         values = jnp.asarray(values)
@@ -203,7 +204,7 @@ class _Totals:
         """Totals for `strategy`'s replicas; None: placed where first used."""
         totals = cls(name)
         zeros = {"total": np.float32(0), "count": np.float32(0)}
-        ps = _ps_strategy(strategy or context.get_strategy())
+        ps = _ps_strategy(strategy or get_strategy())
         if ps is not None:
             totals._ps_variables = ps.create_variables(zeros)
         else:

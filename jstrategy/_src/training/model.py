@@ -20,9 +20,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jstrategy._src import context
 from jstrategy._src import mixed_precision as mp
 from jstrategy._src.strategy import Strategy
+from jstrategy._src.strategy import get_strategy
 from jstrategy._src.training import callbacks as callbacks_lib
 from jstrategy._src.training import data_adapters
 from jstrategy._src.training import fit_loop
@@ -112,7 +112,7 @@ class Model(SavingMixin, CustomLoopMixin):
         self._input_dtype = input_dtype
         self._train_arg = train_arg
         policy = mp.as_policy(dtype_policy, argument="dtype_policy")
-        self._trainer = Trainer(context.get_strategy(), int(seed), policy)
+        self._trainer = Trainer(get_strategy(), int(seed), policy)
         self.history: callbacks_lib.History | None = None
         if is_nnx:
             state = create_nnx_train_state(

@@ -26,6 +26,7 @@ from jstrategy._src.training.train_state import TrainState
 
 if TYPE_CHECKING:
     from jstrategy._src.strategy import Strategy
+    from jstrategy._src.strategy_like import StrategyLike
     from jstrategy._src.training.trainer import Trainer
 
 __all__ = ["CustomLoopMixin", "ModelVariables", "call_model"]
@@ -58,7 +59,7 @@ class ModelVariables(TrainableHolder):
     def _placed_for(self) -> Strategy | None:
         return self._trainer.strategy
 
-    def _place(self, strategy: Strategy) -> None:
+    def _place(self, strategy: StrategyLike) -> None:
         raise ValueError(
             f"The model was created under {self._trainer.strategy!r} but is used in "
             f"{strategy!r}'s run. Create the model inside the scope of the strategy whose "

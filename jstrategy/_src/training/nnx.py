@@ -26,12 +26,12 @@ from flax import linen
 from flax import nnx
 from flax import struct
 
-from jstrategy._src import context
 from jstrategy._src import flax_annotations
 from jstrategy._src import mixed_precision as mp
 from jstrategy._src.placement import create_placed
 from jstrategy._src.placement import in_device_memory
 from jstrategy._src.placement import place_state
+from jstrategy._src.strategy import get_strategy
 from jstrategy._src.training import global_batch
 from jstrategy._src.training import keras_optimizers
 from jstrategy._src.training import summary as summary_lib
@@ -305,7 +305,7 @@ def create_nnx_train_state(
     >>> state.params["kernel"].shape, int(state.step)
     ((3, 2), 0)
     """
-    strategy = strategy if strategy is not None else context.get_strategy()
+    strategy = strategy if strategy is not None else get_strategy()
     policy = mp.as_policy(dtype_policy, argument="dtype_policy")
     factory = None
     if not isinstance(model, nnx.Module):

@@ -23,7 +23,6 @@ import optax
 from flax import struct
 from flax.training import train_state as flax_train_state
 
-from jstrategy._src import context
 from jstrategy._src import flax_annotations
 from jstrategy._src import mixed_precision as mp
 from jstrategy._src.layers.regularizers import LOSSES
@@ -31,6 +30,7 @@ from jstrategy._src.loss_scale import DynamicLossScale
 from jstrategy._src.placement import create_placed
 from jstrategy._src.placement import in_device_memory
 from jstrategy._src.placement import lower_creation
+from jstrategy._src.strategy import get_strategy
 from jstrategy._src.training import global_batch
 from jstrategy._src.training import keras_optimizers
 from jstrategy._src.training import summary as summary_lib
@@ -453,7 +453,7 @@ def create_train_state(
     >>> state.params["kernel"].shape, int(state.step)
     ((4, 3), 0)
     """
-    strategy = strategy if strategy is not None else context.get_strategy()
+    strategy = strategy if strategy is not None else get_strategy()
     init, args = _creation(
         module, tx, sample_args, rng, train_arg, dtype_policy, init_kwargs, strategy
     )
@@ -506,7 +506,7 @@ def compile_train_state_creation(
     >>> stats.output_size_in_bytes < whole / 4
     True
     """
-    strategy = strategy if strategy is not None else context.get_strategy()
+    strategy = strategy if strategy is not None else get_strategy()
     init, args = _creation(
         module, tx, sample_args, rng, train_arg, dtype_policy, init_kwargs, strategy
     )

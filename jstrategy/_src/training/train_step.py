@@ -17,10 +17,10 @@ from typing import Any
 
 import jax
 
-from jstrategy._src import context
 from jstrategy._src import dispatch
 from jstrategy._src import mixed_precision as mp
 from jstrategy._src.placement import check_placed
+from jstrategy._src.strategy import get_strategy
 from jstrategy._src.training import check_numerics
 from jstrategy._src.training import data_adapters
 from jstrategy._src.training import step as step_lib
@@ -158,7 +158,7 @@ class PredictStep(_Step):
 
 
 def _spec(loss: Any, metrics: Any, strategy: Strategy | None, **options: Any) -> step_lib.StepSpec:
-    strategy = strategy if strategy is not None else context.get_strategy()
+    strategy = strategy if strategy is not None else get_strategy()
     return step_lib.make_spec(loss, metrics, strategy, **options)
 
 

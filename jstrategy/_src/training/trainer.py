@@ -25,6 +25,7 @@ from jstrategy._src import fault_tolerance
 from jstrategy._src import mixed_precision as mp
 from jstrategy._src.placement import create_placed
 from jstrategy._src.placement import place_state
+from jstrategy._src.strategy import get_strategy
 from jstrategy._src.training import keras_optimizers
 from jstrategy._src.training import learning_rate as learning_rate_lib
 from jstrategy._src.training import optimizers
@@ -109,7 +110,7 @@ class Trainer:
 
     def check_scope(self, what: str) -> None:
         """Refuses `what` (a `Model` method) inside another strategy's scope."""
-        current = context.get_strategy() if context.has_strategy() else None
+        current = get_strategy() if context.has_strategy() else None
         if current is not None and current is not self.strategy:
             raise ValueError(
                 f"The model was created under {self.strategy!r}, but `{what}` is called "
