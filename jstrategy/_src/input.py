@@ -12,8 +12,9 @@ batches) so full and partial batches run the same compiled program. `Strategy.ru
 the mask to the replica context and `jstrategy.compute_average_loss` uses it, so losses
 count only real rows.
 
-Placement is one `jax.make_array_from_process_local_data` (a single `jax.device_put` in one
-process) per batch; a full batch is never copied on the host. When a strategy spans several
+Placement is one `put_rows` (`jax.make_array_from_process_local_data`, a single
+`jax.device_put` in one process) per batch, the one route from host rows to the mesh; a full
+batch is never copied on the host. When a strategy spans several
 processes each process feeds only the rows its devices own; `process_row_slices` is the
 pure function that says which.
 """
@@ -24,7 +25,6 @@ import collections
 import dataclasses
 import enum
 import itertools
-import weakref
 from collections.abc import Callable
 from collections.abc import Collection
 from collections.abc import Iterable
@@ -53,9 +53,11 @@ __all__ = [
     "distribute_batch",
     "distribute_dataset",
     "distribute_datasets_from_function",
+    "full_mask",
     "pad_rows",
     "process_local_batch",
     "process_row_slices",
+    "put_rows",
     "replica_row_slices",
 ]
 
@@ -497,28 +499,57 @@ def _check_matches(spec: _Spec, leaves: Sequence[Any], treedef: Any, where: str,
 
 
 # Placement ----------------------------------------------------------------------------
-_FULL_MASKS: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
+# The one route from host rows to the mesh: distributed datasets, `distribute_batch`,
+# `experimental_distribute_values_from_function`, and `Model`'s array batches and masks
+# all go through `put_rows`, and every all-true row mask comes from `full_mask`.
+_FULL_MASKS: dict[Any, jax.Array] = {}
 
 
-def _full_mask(
-    strategy: StrategyLike, size: int, local_size: int, global_shape: tuple
-) -> jax.Array:
-    """An all-true device mask, reused across steps: full batches then put no mask at all."""
-    cache = _FULL_MASKS.setdefault(strategy, {})
-    mask = cache.get((size, local_size))
-    # A step that donates its inputs deletes the cached mask; make a new one then.
-    if mask is None or mask.is_deleted():
-        mask = _put(strategy, [np.ones(local_size, bool)], [global_shape])[0]
-        cache[(size, local_size)] = mask
-    return mask
+def put_rows(
+    sharding: jax.sharding.Sharding, local: list[Any], global_shapes: list[tuple]
+) -> list[jax.Array]:
+    """Lays host rows over the mesh: one batched transfer, no per-device Python copies.
 
+    Args:
+      sharding: where the rows go (e.g. `Strategy.batch_sharding()`).
+      local: host arrays: this process's rows (the rows its devices own, in mesh order),
+        or the whole arrays when an array's shape is its global shape (every process
+        holds the same data, as `Model.fit` with arrays).
+      global_shapes: each array's global shape.
 
-def _put(strategy: StrategyLike, local: list[Any], global_shapes: list[tuple]) -> list[jax.Array]:
-    """Lays process-local rows over the mesh: one batched transfer, no per-device Python copies."""
-    sharding = strategy.batch_sharding()
+    Returns:
+      The global `jax.Array` of each.
+
+    Example:
+
+    >>> import numpy as np, jstrategy
+    >>> strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    >>> [x] = put_rows(strategy.batch_sharding(), [np.arange(4.0)], [(4,)])
+    >>> [s.data.tolist() for s in x.addressable_shards]
+    [[0.0, 1.0], [2.0, 3.0]]
+    """
     if jax.process_count() == 1:
         return jax.device_put(local, sharding)
     return jax.make_array_from_process_local_data(sharding, local, global_shapes)
+
+
+def full_mask(
+    sharding: jax.sharding.Sharding, global_shape: tuple, local_shape: tuple | None = None
+) -> jax.Array:
+    """An all-true row mask of `global_shape`, placed once and reused across steps: full
+    batches then put no mask at all.
+
+    `local_shape` is this process's part (`put_rows`' process-local rows); None: the
+    process holds the whole mask.
+    """
+    local_shape = global_shape if local_shape is None else local_shape
+    key = (sharding, tuple(global_shape), tuple(local_shape))
+    mask = _FULL_MASKS.get(key)
+    # A step that donates its inputs deletes the cached mask; make a new one then.
+    if mask is None or mask.is_deleted():
+        [mask] = put_rows(sharding, [np.ones(local_shape, bool)], [tuple(global_shape)])
+        _FULL_MASKS[key] = mask
+    return mask
 
 
 def _process_layout(strategy: StrategyLike) -> tuple[list[Any], int, int, int]:
@@ -670,11 +701,12 @@ class _Placer:
         else:
             shapes = self.static_shapes()
             g = self.static_global
+            sharding = self.strategy.batch_sharding()
             if full:
-                values = _put(self.strategy, local, shapes)
-                mask = _full_mask(self.strategy, g, len(host_mask), (g,))
+                values = put_rows(sharding, local, shapes)
+                mask = full_mask(sharding, (g,), (len(host_mask),))
             else:
-                *values, mask = _put(self.strategy, [*local, host_mask], [*shapes, (g,)])
+                *values, mask = put_rows(sharding, [*local, host_mask], [*shapes, (g,)])
         return jax.tree.unflatten(
             treedef, [PerReplica(v, stacked=False, mask=mask) for v in values]
         )
@@ -1080,19 +1112,11 @@ def _place_per_replica(iterator: DistributedIterator, placer: _Placer, where: st
         mask.flags.writeable = False
         values = [np.concatenate(per_leaf) for per_leaf in zip(*pieces, strict=True)]
     else:
-        strategy = placer.strategy
-        sharding = strategy.batch_sharding()
-        groups = [g for _, g in local_replica_devices(sharding, strategy.num_replicas_in_sync)]
-        devices = [d for group in groups for d in group]
-        # One replica's batch per device is the layout here; a batched put moves them all.
+        # This process's rows are its replicas' batches, in replica order.
         columns = [*zip(*pieces, strict=True), masks]
-        all_shapes = [*shapes, (placer.static_global,)]
-        out = []
-        for column, shape in zip(columns, all_shapes, strict=True):
-            per_device = [x for x, group in zip(column, groups, strict=True) for _ in group]
-            arrays = jax.device_put(per_device, devices)
-            out.append(jax.make_array_from_single_device_arrays(shape, sharding, arrays))
-        *values, mask = out
+        local = [np.concatenate(column) for column in columns]
+        sharding = placer.strategy.batch_sharding()
+        *values, mask = put_rows(sharding, local, [*shapes, (placer.static_global,)])
     return jax.tree.unflatten(
         spec.treedef, [PerReplica(v, stacked=False, mask=mask) for v in values]
     )

@@ -663,18 +663,9 @@ class Strategy:
                     "`value_fn` must return the same shape and dtype for every replica; got "
                     f"{[(a.shape, str(a.dtype)) for a in arrays]}."
                 )
-            pieces = [
-                jax.device_put(a[None], d)
-                for a, (_, group) in zip(arrays, local, strict=True)
-                for d in group
-            ]
-            global_shape = (n, *arrays[0].shape)
-            out.append(
-                PerReplica(
-                    jax.make_array_from_single_device_arrays(global_shape, sharding, pieces),
-                    stacked=True,
-                )
-            )
+            # This process's rows: its replicas' values, stacked in replica order.
+            [stacked] = input_lib.put_rows(sharding, [np.stack(arrays)], [(n, *arrays[0].shape)])
+            out.append(PerReplica(stacked, stacked=True))
         return jax.tree.unflatten(structures[0], out)
 
     # Input ------------------------------------------------------------------------------

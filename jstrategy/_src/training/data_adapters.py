@@ -28,7 +28,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jstrategy._src.input import DistributedDataset
+from jstrategy._src.input import full_mask
 from jstrategy._src.input import pad_rows
+from jstrategy._src.input import put_rows
 from jstrategy._src.numerics import static_rows
 from jstrategy._src.training import input_checks
 from jstrategy._src.training.step import batch_rows
@@ -73,17 +75,9 @@ class Execution:
     mask: Any
 
 
-_ONES_MASKS: dict[Any, jax.Array] = {}
-
-
 def ones_mask(rows: int, sharding: NamedSharding, lead: tuple[int, ...] = ()) -> jax.Array:
-    """A cached all-true row mask (a full batch has no padding)."""
-    key = (rows, lead, sharding)
-    mask = _ONES_MASKS.get(key)
-    if mask is None:
-        mask = jax.device_put(np.ones((*lead, rows), bool), sharding)
-        _ONES_MASKS[key] = mask
-    return mask
+    """A cached all-true row mask (a full batch has no padding): `input.full_mask`."""
+    return full_mask(sharding, (*lead, rows))
 
 
 def prefetch(iterator: Iterator[Any], depth: int = PREFETCH) -> Iterator[Any]:
@@ -178,11 +172,14 @@ class ArrayAdapter:
         flat = index.reshape(-1)
         gathered = [a[flat].reshape(*lead, k, *a.shape[1:]) for a in leaves]
         sharding = self._stacked if lead else self._single
+        # Every process holds the whole arrays, so each leaf's shape is its global shape.
         if k == self.static_rows:
-            host = jax.tree.unflatten(treedef, gathered)
-            return jax.device_put(host, sharding), ones_mask(self.static_rows, sharding, lead)
-        padded, mask = pad_rows(gathered, k, self.static_rows, lead)
-        return jax.device_put((jax.tree.unflatten(treedef, padded), mask), sharding)
+            placed = put_rows(sharding, gathered, [a.shape for a in gathered])
+            return jax.tree.unflatten(treedef, placed), ones_mask(k, sharding, lead)
+        padded, host_mask = pad_rows(gathered, k, self.static_rows, lead)
+        host = [*padded, host_mask]
+        *placed, mask = put_rows(sharding, host, [a.shape for a in host])
+        return jax.tree.unflatten(treedef, placed), mask
 
     def seek(self, position: int) -> None:
         """Nothing to do: an epoch's batches are cut anew from its seed (`order`)."""
