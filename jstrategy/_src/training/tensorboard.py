@@ -177,7 +177,7 @@ class TensorBoard(Callback):
             )
         if update_freq == "batch":
             update_freq = 1
-        if update_freq != "epoch" and (not is_int(update_freq) or update_freq < 1):
+        if update_freq != "epoch" and (not is_int(update_freq) or int(update_freq) < 1):
             raise ValueError(
                 f"`update_freq` must be 'epoch', 'batch' or a positive int (training steps); "
                 f"got {update_freq!r}."
