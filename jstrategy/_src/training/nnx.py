@@ -134,12 +134,10 @@ class NNXTrainState(struct.PyTreeNode):
         sync_batch_norm: BatchNormSync = BatchNormSync.GLOBAL,
     ) -> tuple[Any, Any, Any]:
         # NNX modules add no losses the step collects (jstrategy.layers are linen).
-        options: dict[str, Any] = {
-            "train": train,
-            "axis_name": axis_name,
-            "sync_batch_norm": sync_batch_norm,
-        }
-        return (*self.forward(params, x, **options), None)
+        y_pred, model_state = self.forward(
+            params, x, train=train, axis_name=axis_name, sync_batch_norm=sync_batch_norm
+        )
+        return y_pred, model_state, None
 
     def apply_update(self, grads: Any, model_state: Any) -> NNXTrainState:
         model = nnx.merge(self.graphdef, _fresh(self.params), _fresh(model_state))

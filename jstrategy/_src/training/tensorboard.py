@@ -23,6 +23,7 @@ import numpy as np
 from jstrategy._src.training.callbacks import Callback
 from jstrategy._src.training.callbacks import host_float
 from jstrategy._src.training.callbacks import log_numbers
+from jstrategy._src.validation import is_int
 from jstrategy._src.values import to_host
 
 __all__ = ["TensorBoard"]
@@ -75,13 +76,9 @@ def _profile_range(profile_batch: Any) -> tuple[int, int]:
             raise ValueError(message) from None
         if len(value) == 1:
             value = value[0]
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+    if is_int(value):
         start = stop = int(value)
-    elif (
-        isinstance(value, (tuple, list))
-        and len(value) == 2
-        and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value)
-    ):
+    elif isinstance(value, (tuple, list)) and len(value) == 2 and all(is_int(v) for v in value):
         start, stop = (int(v) for v in value)
         if start < 1:
             raise ValueError(message)
@@ -173,22 +170,14 @@ class TensorBoard(Callback):
         super().__init__()
         if not isinstance(log_dir, (str, os.PathLike)) or not os.fspath(log_dir):
             raise ValueError(f"`log_dir` must be a directory path; got {log_dir!r}.")
-        if (
-            isinstance(histogram_freq, bool)
-            or not isinstance(histogram_freq, (int, np.integer))
-            or histogram_freq < 0
-        ):
+        if not is_int(histogram_freq) or histogram_freq < 0:
             raise ValueError(
                 f"`histogram_freq` must be a non-negative int (epochs; 0 disables); got "
                 f"{histogram_freq!r}."
             )
         if update_freq == "batch":
             update_freq = 1
-        if update_freq != "epoch" and (
-            isinstance(update_freq, bool)
-            or not isinstance(update_freq, (int, np.integer))
-            or update_freq < 1
-        ):
+        if update_freq != "epoch" and (not is_int(update_freq) or int(update_freq) < 1):
             raise ValueError(
                 f"`update_freq` must be 'epoch', 'batch' or a positive int (training steps); "
                 f"got {update_freq!r}."

@@ -242,12 +242,7 @@ class TrainState(flax_train_state.TrainState):
         axis_name: str | None,
         sync_batch_norm: BatchNormSync = BatchNormSync.GLOBAL,
     ) -> tuple[Any, Any]:
-        options: dict[str, Any] = {
-            "train": train,
-            "axis_name": axis_name,
-            "sync_batch_norm": sync_batch_norm,
-        }
-        return self._apply(params, x, losses=False, **options)[:2]
+        return self._apply(params, x, train, axis_name, sync_batch_norm, losses=False)[:2]
 
     def forward_with_losses(
         self,
@@ -260,21 +255,16 @@ class TrainState(flax_train_state.TrainState):
     ) -> tuple[Any, Any, Any]:
         # Layers sow their penalties into the "losses" collection when it is mutable
         # (`jstrategy.layers`' regularizers); nothing is added when none does.
-        options: dict[str, Any] = {
-            "train": train,
-            "axis_name": axis_name,
-            "sync_batch_norm": sync_batch_norm,
-        }
-        return self._apply(params, x, losses=True, **options)
+        return self._apply(params, x, train, axis_name, sync_batch_norm, losses=True)
 
     def _apply(
         self,
         params: Any,
         x: Any,
-        *,
         train: bool,
         axis_name: str | None,
         sync_batch_norm: BatchNormSync,
+        *,
         losses: bool,
     ) -> tuple[Any, Any, Any]:
         variables = {"params": params}
