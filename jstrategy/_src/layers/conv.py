@@ -9,8 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jstrategy._src.layers import activations
-from jstrategy._src.layers import initializers
-from jstrategy._src.layers import regularizers
+from jstrategy._src.layers import weights
 from jstrategy._src.layers.base import Layer
 from jstrategy._src.validation import check_positive_int
 
@@ -101,13 +100,7 @@ class Conv2D(Layer):
             raise ValueError(
                 f"`filters` ({self.filters}) must be a multiple of `groups` ({self.groups})."
             )
-        activations.get(self.activation)
-        initializers.get(self.kernel_initializer, "kernel_initializer")
-        initializers.get(self.bias_initializer, "bias_initializer")
-        object.__setattr__(self, "kernel_regularizer", regularizers.get(self.kernel_regularizer))
-        object.__setattr__(
-            self, "bias_regularizer", regularizers.get(self.bias_regularizer, "bias_regularizer")
-        )
+        weights.check_kernel_and_bias(self)
 
     @nn.compact
     def __call__(self, inputs: Any, training: bool | None = None) -> Any:
@@ -118,13 +111,9 @@ class Conv2D(Layer):
                 f"The inputs' {in_channels} channels must be a multiple of `groups` "
                 f"({self.groups})."
             )
-        kernel = self.param(
-            "kernel",
-            initializers.get(self.kernel_initializer, "kernel_initializer"),
-            (*self.kernel_size, in_channels // self.groups, self.filters),
-            jnp.float32,
+        kernel = weights.weight(
+            self, "kernel", (*self.kernel_size, in_channels // self.groups, self.filters)
         )
-        regularizers.add_weight_loss(self, "kernel", kernel, self.kernel_regularizer)
         layout = "NCHW" if channels_first else "NHWC"
         y = jax.lax.conv_general_dilated(
             inputs,
@@ -136,13 +125,7 @@ class Conv2D(Layer):
             feature_group_count=self.groups,
         )
         if self.use_bias:
-            bias = self.param(
-                "bias",
-                initializers.get(self.bias_initializer, "bias_initializer"),
-                (self.filters,),
-                jnp.float32,
-            )
-            regularizers.add_weight_loss(self, "bias", bias, self.bias_regularizer)
+            bias = weights.weight(self, "bias", (self.filters,))
             shape = (1, self.filters, 1, 1) if channels_first else (self.filters,)
             y = y + bias.astype(y.dtype).reshape(shape)
         return activations.get(self.activation)(y)

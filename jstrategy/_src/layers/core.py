@@ -19,6 +19,7 @@ import numpy as np
 from jstrategy._src.layers import activations
 from jstrategy._src.layers import initializers
 from jstrategy._src.layers import regularizers
+from jstrategy._src.layers import weights
 from jstrategy._src.layers.base import Layer
 from jstrategy._src.validation import check_positive_int
 from jstrategy._src.validation import check_row_shape
@@ -131,32 +132,14 @@ class Dense(Layer):
     @staticmethod
     def validate(self: Any) -> None:  # static: Flax does not wrap it (no bound scope yet)
         check_positive_int(self.units, "units", "E.g. Dense(16).")
-        activations.get(self.activation)
-        initializers.get(self.kernel_initializer, "kernel_initializer")
-        initializers.get(self.bias_initializer, "bias_initializer")
-        object.__setattr__(self, "kernel_regularizer", regularizers.get(self.kernel_regularizer))
-        object.__setattr__(
-            self, "bias_regularizer", regularizers.get(self.bias_regularizer, "bias_regularizer")
-        )
+        weights.check_kernel_and_bias(self)
 
     @nn.compact
     def __call__(self, inputs: Any, training: bool | None = None) -> Any:
-        kernel = self.param(
-            "kernel",
-            initializers.get(self.kernel_initializer, "kernel_initializer"),
-            (jnp.shape(inputs)[-1], self.units),
-            jnp.float32,
-        )
-        regularizers.add_weight_loss(self, "kernel", kernel, self.kernel_regularizer)
+        kernel = weights.weight(self, "kernel", (jnp.shape(inputs)[-1], self.units))
         y = jnp.matmul(inputs, kernel.astype(jnp.result_type(inputs, kernel)))
         if self.use_bias:
-            bias = self.param(
-                "bias",
-                initializers.get(self.bias_initializer, "bias_initializer"),
-                (self.units,),
-                jnp.float32,
-            )
-            regularizers.add_weight_loss(self, "bias", bias, self.bias_regularizer)
+            bias = weights.weight(self, "bias", (self.units,))
             y = y + bias.astype(y.dtype)
         return activations.get(self.activation)(y)
 
@@ -209,13 +192,7 @@ class Embedding(Layer):
 
     @nn.compact
     def __call__(self, inputs: Any, training: bool | None = None) -> Any:
-        table = self.param(
-            "embeddings",
-            initializers.get(self.embeddings_initializer, "embeddings_initializer"),
-            (self.input_dim, self.output_dim),
-            jnp.float32,
-        )
-        regularizers.add_weight_loss(self, "embeddings", table, self.embeddings_regularizer)
+        table = weights.weight(self, "embeddings", (self.input_dim, self.output_dim))
         return jnp.take(table, jnp.asarray(inputs).astype(jnp.int32), axis=0)
 
 
