@@ -1,6 +1,7 @@
 """Distributed input: layout, padding and masks, prefetch, errors, and a CTL correctness check."""
 
 import os
+import pathlib
 import socket
 import subprocess
 import sys
@@ -712,3 +713,17 @@ def test_two_processes_each_feed_their_own_rows(layout):
                 proc.communicate()
     for i, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
         assert proc.returncode == 0 and f"OK {i}" in out, out[-3000:]
+
+
+def test_rows_reach_the_mesh_by_one_route():
+    # Datasets, per-replica pipelines, distribute_batch, per-replica values and fit's
+    # arrays all place host rows with `input.put_rows`: no other module builds a global
+    # array from per-process or per-device pieces.
+    package = pathlib.Path(jstrategy.__file__).parent
+    builders = ("make_array_from_process_local_data(", "make_array_from_single_device_arrays(")
+    callers = sorted(
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if any(b in path.read_text(encoding="utf-8") for b in builders)
+    )
+    assert callers == ["_src/input.py"]
