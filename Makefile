@@ -18,7 +18,8 @@ PYTEST_ARGS ?=
 OLDEST_LANE ?= tests/test_jax_compat.py tests/test_strategy.py tests/test_train_step.py \
 	tests/test_golden_trajectories.py tests/test_model.py tests/test_checkpoint.py \
 	tests/test_launch.py tests/test_multi_worker.py tests/test_central_storage.py \
-	tests/test_sharded.py tests/test_parameter_server.py tests/test_notebooks.py
+	tests/test_sharded.py tests/test_parameter_server.py tests/test_notebooks.py \
+	tests/test_pipeline.py
 
 .PHONY: demo test test-fast test-lane-a test-lane-b test-oldest lint bench format clean docs
 

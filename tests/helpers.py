@@ -128,3 +128,21 @@ def count_compiles():
         yield events
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def train_steps(strategy, make_state, loss, x, y, metrics=("accuracy",)):
+    """`make_train_step` over the batches ``(x[i], y[i])`` from `make_state()` in the
+    strategy's scope: the final state and each step's metrics, on the host."""
+    from jstrategy import training
+    from jstrategy._src import dispatch
+    from jstrategy._src.input import distribute_batch
+
+    with strategy.scope():
+        state = make_state()
+        step = training.make_train_step(loss, metrics=list(metrics))
+    history = []
+    for i in range(len(x)):
+        state, logs = step(state, distribute_batch(strategy, (x[i], y[i])))
+        dispatch.track(logs)
+        history.append(logs)
+    return state, [jax.device_get(m) for m in history]

@@ -31,6 +31,11 @@ def main() -> int:
         "--fsdp", action="store_true", help="FSDPStrategy over every worker's devices instead"
     )
     parser.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="with --fit: PipelineStrategy, 2 stages (one per worker) x 4 replicas, instead",
+    )
+    parser.add_argument(
         "--model-parallel",
         choices=sorted(MESHES),
         help="ModelParallelStrategy (a Megatron MLP's layout map) over this mesh instead",
@@ -43,7 +48,11 @@ def main() -> int:
         implementation=args.implementation, timeout_seconds=args.timeout
     )
     start = time.perf_counter()
-    if args.fsdp:
+    if args.pipeline:
+        strategy = pipeline_strategy(communication_options=options)
+        processes = [[d.process_index for d in row] for row in strategy.mesh.devices]
+        print(f"mesh {dict(strategy.mesh.shape)} processes {processes}", flush=True)
+    elif args.fsdp:
         strategy = jstrategy.experimental.FSDPStrategy(
             min_shard_size=0, communication_options=options
         )
@@ -101,7 +110,12 @@ def main() -> int:
     if args.fit:
         import numpy as np
 
-        weights = fit_model(strategy, tensorboard=args.tensorboard, save=Path(args.out) / "model")
+        if args.pipeline:
+            weights = fit_pipelined(strategy, save=Path(args.out) / "model")
+        else:
+            weights = fit_model(
+                strategy, tensorboard=args.tensorboard, save=Path(args.out) / "model"
+            )
         np.savez(
             Path(args.out) / f"worker-{task['index']}.npz",
             **{f"w{i}": w for i, w in enumerate(weights)},
@@ -174,6 +188,61 @@ def fit_model(strategy, tensorboard=None, save=None):
         with strategy.scope():
             loaded = jstrategy.models.load_model(
                 save, module(), custom_objects={"optimizer": optax.sgd(0.2)}
+            )
+        for a, b in zip(loaded.get_weights(), weights, strict=True):
+            np.testing.assert_array_equal(a, b)
+        print("saved and loaded", flush=True)
+    return weights
+
+
+def pipeline_strategy(communication_options=None):
+    """``--pipeline``'s strategy: 2 stages x 4 replicas, 2 microbatches per replica. Over
+    2 processes x 4 devices each process is one stage (the stage axis crosses them)."""
+    import jstrategy
+
+    return jstrategy.experimental.PipelineStrategy(
+        num_stages=2, num_microbatches=2, communication_options=communication_options
+    )
+
+
+def fit_pipelined(strategy, save=None):
+    """`Model.fit` of a model whose 4 residual layers are a `Repeated` block; returns the
+    final weights. Prints which layers this process holds, and with `save` saves the model
+    there and loads it back (each process writing and reading its stage's layers)."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import jstrategy
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return x + jnp.tanh(nn.Dense(x.shape[-1])(x))
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool = False):
+            h = jstrategy.experimental.Repeated(Block(), num_layers=4)(nn.Dense(8)(x))
+            return nn.Dense(1)(h)
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(192, 10)).astype(np.float32)
+    y = (x[:, :1] + 0.5 * x[:, 1:2] > 0).astype(np.float32)
+    with strategy.scope():
+        model = jstrategy.Model(Net(), input_shape=(10,), seed=0)
+        model.compile(optax.adam(0.01), jstrategy.losses.BinaryCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=32, epochs=2, shuffle=True, verbose=0)
+    kernel = model.state.params["Repeated_0"]["stacked_layers"]["Dense_0"]["kernel"]
+    layers = sorted({i for s in kernel.addressable_shards for i in range(4)[s.index[0]]})
+    print(f"stacked kernel {kernel.sharding.spec}: layers {layers} here", flush=True)
+    weights = model.get_weights()
+    if save is not None:
+        model.save(save)
+        with strategy.scope():
+            loaded = jstrategy.models.load_model(
+                save, Net(), custom_objects={"optimizer": optax.adam(0.01)}
             )
         for a, b in zip(loaded.get_weights(), weights, strict=True):
             np.testing.assert_array_equal(a, b)

@@ -401,3 +401,31 @@ def test_checkpoint_saved_under_model_parallel_8_restores_on_two_workers(tmp_pat
         restored = np.load(tmp_path / f"worker-{i}.npz")
         for j, leaf in enumerate(expected):
             np.testing.assert_array_equal(restored[f"w{j}"], leaf)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(320)
+def test_pipeline_on_two_workers_one_stage_each_matches_one_process(tmp_path):
+    # PipelineStrategy joins the TF_CONFIG job; its (2, 4) mesh puts one stage on each
+    # process, so the microbatches cross between the processes by ppermute. Each process
+    # holds (and saves, and loads back) its stage's layers; the weights are one process's
+    # over 8 devices.
+    cmd = [
+        sys.executable, "-m", "jstrategy.launch", "--num_workers", "2",
+        "--devices_per_worker", "4", "--timeout", "240", str(WORKER),
+        "--out", str(tmp_path), "--fit", "--pipeline",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("processes [[0, 0, 0, 0], [1, 1, 1, 1]]") == 2
+    assert "stacked kernel P('stage', None, None): layers [0, 1] here" in done.stdout
+    assert "stacked kernel P('stage', None, None): layers [2, 3] here" in done.stdout
+    assert done.stdout.count("saved and loaded") == 2
+    workers = [np.load(tmp_path / f"worker-{i}.npz") for i in range(2)]
+    import multi_worker_train
+
+    expected = multi_worker_train.fit_pipelined(multi_worker_train.pipeline_strategy())
+    assert len(workers[0].files) == len(expected) > 0
+    for i, w in enumerate(expected):
+        np.testing.assert_array_equal(workers[0][f"w{i}"], workers[1][f"w{i}"])
+        np.testing.assert_allclose(workers[0][f"w{i}"], w, rtol=1e-5, atol=1e-5)

@@ -13,7 +13,6 @@ from flax import nnx
 
 import jstrategy
 from jstrategy import training
-from jstrategy._src import dispatch
 from jstrategy._src.input import distribute_batch
 from jstrategy._src.names import path_names
 from jstrategy.experimental import FSDPStrategy
@@ -78,16 +77,7 @@ def _arrays(state):
 
 
 def _train(strategy, make_state, steps=STEPS):
-    x, y = _data(steps)
-    with strategy.scope():
-        state = make_state()
-        step = training.make_train_step(_loss, metrics=["accuracy"])
-    history = []
-    for i in range(steps):
-        state, metrics = step(state, distribute_batch(strategy, (x[i], y[i])))
-        dispatch.track(metrics)
-        history.append(metrics)
-    return state, [jax.device_get(m) for m in history]
+    return helpers.train_steps(strategy, make_state, _loss, *_data(steps))
 
 
 def _assert_where_the_strategy_keeps_it(state, strategy):

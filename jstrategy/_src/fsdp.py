@@ -30,7 +30,7 @@ from jstrategy._src.sharded import ShardedStrategy
 if TYPE_CHECKING:
     from jstrategy._src.cluster_resolver import ClusterResolver
 
-__all__ = ["DEFAULT_MIN_SHARD_SIZE", "FSDPStrategy"]
+__all__ = ["DEFAULT_MIN_SHARD_SIZE", "FSDPStrategy", "shard_dim"]
 
 #: Variables with fewer elements stay replicated: gathering a bias or a norm's scale costs
 #: a collective per use and saves next to nothing.
@@ -142,15 +142,33 @@ class FSDPStrategy(ShardedStrategy):
         annotated = flax_annotations.data_dim(self, path, shape, (*_DATA_AXES, self.axis_name))
         if annotated is not None and n > 1:
             return NamedSharding(self.mesh, P(*([None] * annotated), self.axis_name))
-        if n == 1 or math.prod(shape) < max(self._min_shard_size, 1):
+        best = shard_dim(shape, n, self._min_shard_size)
+        if best is None:
             return self.replicated_sharding()
-        dims = [i for i, d in enumerate(shape) if d >= n and d % n == 0]
-        if not dims:
-            return self.replicated_sharding()
-        best = max(dims, key=lambda i: (shape[i], -i))
         spec: list[str | None] = [None] * len(shape)
         spec[best] = self.axis_name
         return NamedSharding(self.mesh, P(*spec))
 
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, min_shard_size={self._min_shard_size})"
+
+
+def shard_dim(
+    shape: tuple[int, ...], n: int, min_shard_size: int, *, exclude: tuple[int, ...] = ()
+) -> int | None:
+    """The dimension FSDP splits a variable of `shape` along over `n` replicas, or None.
+
+    The largest dimension (the first of equally large ones) that divides by `n`, not in
+    `exclude`, when the variable has at least `min_shard_size` elements.
+
+    Example:
+
+    >>> shard_dim((12, 16), 8, 64), shard_dim((16,), 8, 64), shard_dim((4, 8, 8), 8, 0, exclude=(1,))
+    (1, None, 2)
+    """
+    if n == 1 or math.prod(shape) < max(min_shard_size, 1):
+        return None
+    dims = [i for i, d in enumerate(shape) if d >= n and d % n == 0 and i not in exclude]
+    if not dims:
+        return None
+    return max(dims, key=lambda i: (shape[i], -i))

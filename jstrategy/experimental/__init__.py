@@ -1,7 +1,8 @@
 """`jstrategy.experimental`: mirrors `tf.distribute.experimental`, plus sharded variables.
 
 `DeviceMesh`, `LayoutMap`, `ModelParallelStrategy` (Keras 3's `keras.distribution` names)
-and `FSDPStrategy` go beyond tf.distribute: variables split over the devices.
+and `FSDPStrategy` go beyond tf.distribute: variables split over the devices;
+`PipelineStrategy` splits a `Repeated` block's layers over pipeline stages.
 """
 
 from jstrategy._src.central_storage import CentralStorageStrategy
@@ -18,6 +19,9 @@ from jstrategy._src.multi_worker import (
     _DeprecatedMultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
 )
 from jstrategy._src.parameter_server.strategy import ParameterServerStrategy
+from jstrategy._src.pipeline import PipelineStrategy
+from jstrategy._src.pipelining import PipelineSchedule
+from jstrategy._src.repeated import Repeated
 from jstrategy._src.strategy import ValueContext
 from jstrategy._src.tpu import TPUStrategy
 from jstrategy.experimental import partitioners
@@ -34,7 +38,10 @@ __all__ = [
     "ModelParallelStrategy",
     "MultiWorkerMirroredStrategy",
     "ParameterServerStrategy",
+    "PipelineSchedule",
+    "PipelineStrategy",
     "PreemptionCheckpointHandler",
+    "Repeated",
     "TPUStrategy",
     "ValueContext",
     "partitioners",

@@ -1,0 +1,244 @@
+"""`PipelineStrategy`: a model's repeated layers split over stages, the batch over replicas.
+
+A 2-D mesh ``("stage", "replica")``. What differs from `FSDPStrategy` is where a repeated
+block's stacked variables live (split over ``"stage"`` along their layers dimension, so
+each stage holds ``1 / num_stages`` of the layers) and how the train step runs the block:
+as a pipeline (`pipelining`), microbatches handed from stage to stage with
+``jax.lax.ppermute`` inside the one compiled step. Replicas, `run`, the data axis and the
+rest of the staging are the sharded strategies' (`ShardedStrategy`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jstrategy._src import devices as devices_lib
+from jstrategy._src import flax_annotations
+from jstrategy._src import pipelining
+from jstrategy._src import staging
+from jstrategy._src.fsdp import DEFAULT_MIN_SHARD_SIZE
+from jstrategy._src.fsdp import shard_dim
+from jstrategy._src.mesh import DeviceMesh
+from jstrategy._src.pipelining import STAGE_AXIS
+from jstrategy._src.pipelining import PipelineSchedule
+from jstrategy._src.sharded import ShardedStrategy
+from jstrategy._src.strategy import REPLICA_AXIS
+from jstrategy._src.validation import check_positive_int
+
+if TYPE_CHECKING:
+    from jstrategy._src.cluster_resolver import ClusterResolver
+    from jstrategy._src.collective_util import CommunicationOptions
+
+__all__ = ["PipelineStrategy"]
+
+
+class PipelineStrategy(ShardedStrategy):
+    """Pipeline parallelism over a ``"stage"`` axis, data parallelism over ``"replica"``.
+
+    The model marks its repeated block with `jstrategy.experimental.Repeated`, whose
+    layers' variables are stacked: those variables (and their optimizer moments) are split
+    over the `num_stages` stages along the layers dimension; every other variable is
+    replicated, or with ``shard_over_replicas=True`` split over the replicas as by
+    `FSDPStrategy` (a stacked variable then along another dimension too). In the train step
+    each replica's rows are cut into `num_microbatches` microbatches, which go through the
+    stages as `schedule` orders them, each stage handing its output to the next with one
+    ``jax.lax.ppermute``; the layers before and after the block run on every stage.
+    Evaluation and prediction apply the layers in order.
+
+    Args:
+      devices: the devices (TF-style strings or `jax.Device` objects); None means every
+        device of JAX's default backend, of every process of the job. Their number must
+        divide by `num_stages`; ``len(devices) / num_stages`` replicas.
+      num_stages: the pipeline stages (the size of the ``"stage"`` axis).
+      num_microbatches: how many microbatches each replica's rows are cut into; it must
+        divide the per-replica batch. ``2 * num_stages`` or more keeps the bubble
+        (``(S - 1) / (M + S - 1)`` of the time) under a third.
+      schedule: a `PipelineSchedule` or its name (``"gpipe"``).
+      shard_over_replicas: also split variables over the replicas (ZeRO-3, as FSDP).
+      min_shard_size: with `shard_over_replicas`, the fewest elements a variable needs to
+        be split over the replicas.
+      cluster_resolver: the multi-process job to join, as for `FSDPStrategy`.
+      communication_options: `jstrategy.experimental.CommunicationOptions` for the job.
+
+    Raises:
+      ValueError: if `num_stages` or `num_microbatches` is not a positive int, the devices
+        do not divide by `num_stages`, or `schedule` names no schedule.
+
+    Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> import jstrategy
+    >>> strategy = jstrategy.experimental.PipelineStrategy(num_stages=4, num_microbatches=8)
+    >>> strategy.num_replicas_in_sync, dict(strategy.mesh.shape)
+    (2, {'stage': 4, 'replica': 2})
+    >>> stacked = jax.ShapeDtypeStruct((8, 16, 16), jnp.float32)
+    >>> path = ("params", "Repeated_0", "stacked_layers", "Dense_0", "kernel")
+    >>> strategy.variable_sharding(stacked, path).spec
+    P('stage', None, None)
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[devices_lib.DeviceSpec] | None = None,
+        *,
+        num_stages: int,
+        num_microbatches: int,
+        schedule: PipelineSchedule | str = PipelineSchedule.GPIPE,
+        shard_over_replicas: bool = False,
+        min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
+        cluster_resolver: ClusterResolver | None = None,
+        communication_options: CommunicationOptions | None = None,
+    ):
+        stages = check_positive_int(num_stages, "num_stages", "E.g. num_stages=2.")
+        micro = check_positive_int(
+            num_microbatches, "num_microbatches", f"E.g. num_microbatches={2 * stages}."
+        )
+        schedule = PipelineSchedule.of(schedule)
+        if not isinstance(shard_over_replicas, bool):
+            raise TypeError(f"`shard_over_replicas` must be a bool; got {shard_over_replicas!r}.")
+        min_shard_size = (
+            check_positive_int(min_shard_size, "min_shard_size") if min_shard_size else 0
+        )
+        cross_device_ops = None
+        if devices is None or cluster_resolver is not None or communication_options is not None:
+            cross_device_ops = self._join_job(cluster_resolver, communication_options)
+        resolved = jax.devices() if devices is None else devices_lib.resolve_devices(devices)
+        if len(resolved) % stages:
+            raise ValueError(
+                f"`num_stages`={stages} must divide the number of devices, {len(resolved)}: "
+                "each stage is a group of replicas. Pick num_stages among its divisors, or "
+                "pass devices= with a multiple of num_stages devices."
+            )
+        grid = np.asarray(resolved, dtype=object).reshape(stages, len(resolved) // stages)
+        mesh = DeviceMesh(grid.shape, (STAGE_AXIS, REPLICA_AXIS), devices=grid)
+        super().__init__(mesh, cross_device_ops=cross_device_ops, data_axis=REPLICA_AXIS)
+        self._config = pipelining.PipelineConfig(stages, micro, schedule, self.mesh)
+        self._shard_over_replicas = shard_over_replicas
+        self._min_shard_size = min_shard_size
+
+    @property
+    def num_stages(self) -> int:
+        """The pipeline stages."""
+        return self._config.num_stages
+
+    @property
+    def num_microbatches(self) -> int:
+        """The microbatches each replica's rows are cut into."""
+        return self._config.num_microbatches
+
+    @property
+    def schedule(self) -> PipelineSchedule:
+        """The pipeline schedule."""
+        return self._config.schedule
+
+    def variable_sharding(
+        self, leaf: jax.ShapeDtypeStruct | jax.Array, path: tuple[str, ...] = ()
+    ) -> jax.sharding.Sharding:
+        """A repeated block's stacked variable split over the stages; others replicated
+        (or, with ``shard_over_replicas``, split over the replicas as by FSDP).
+
+        Raises:
+          ValueError: if a stacked parameter's layers do not divide by `num_stages`.
+        """
+        names = tuple(str(k) for k in path)
+        shape = tuple(leaf.shape)
+        spec: list[str | None] = [None] * len(shape)
+        stacked = pipelining.is_stacked(names) and len(shape) >= 1
+        if stacked and shape[0] % self.num_stages:
+            is_parameter, candidates = flax_annotations.candidate_paths(names)
+            if is_parameter:
+                raise ValueError(
+                    f"The repeated block's variable {candidates[0]!r} stacks {shape[0]} "
+                    f"layers, which cannot be split over num_stages={self.num_stages} "
+                    "pipeline stages. Make Repeated's num_layers a multiple of num_stages, "
+                    "or pick num_stages among its divisors."
+                )
+            stacked = False  # an optimizer leaf shaped otherwise: replicated
+        if stacked:
+            spec[0] = STAGE_AXIS
+        if self._shard_over_replicas:
+            dim = shard_dim(
+                shape,
+                self.num_replicas_in_sync,
+                self._min_shard_size,
+                exclude=(0,) if stacked else (),
+            )
+            if dim is not None:
+                spec[dim] = self.axis_name
+        if not any(spec):
+            return self.replicated_sharding()
+        return NamedSharding(self.mesh, P(*spec))
+
+    @contextlib.contextmanager
+    def _pipelining(self) -> Iterator[None]:
+        with pipelining.activate(self._config):
+            yield
+
+    def stage_train_step(
+        self, fns: staging.StepFunctions, *, steps: int = 0, stacked: bool = True
+    ) -> staging.TrainProgram:
+        """The sharded strategies' program, traced with the repeated blocks pipelined."""
+        return _PipelinedProgram(self, super().stage_train_step(fns, steps=steps, stacked=stacked))
+
+    def __repr__(self) -> str:
+        return (
+            f"PipelineStrategy(num_stages={self.num_stages}, num_replicas_in_sync="
+            f"{self.num_replicas_in_sync}, num_microbatches={self.num_microbatches}, "
+            f"schedule={self.schedule.value!r})"
+        )
+
+
+class _PipelinedProgram:
+    """A train program whose repeated blocks run as the strategy's pipeline; before its
+    first trace it checks the state has a repeated block and the batch splits."""
+
+    def __init__(self, strategy: PipelineStrategy, program: staging.TrainProgram):
+        self._strategy = strategy
+        self._program = program
+        self._checked: set[Any] = set()
+
+    def _check(self, state: Any, mask: Any) -> None:
+        key = jax.tree.structure(state)
+        if key not in self._checked:
+            paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+            names = [tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in p) for p in paths]
+            if not any(pipelining.is_stacked(n) for n in names):
+                raise ValueError(
+                    "PipelineStrategy splits a model's repeated block over its stages, but "
+                    "this model has none: no variable is stacked by "
+                    "jstrategy.experimental.Repeated. Write the repeated layers as "
+                    "Repeated(block, num_layers=...), or train this model with FSDPStrategy "
+                    "or MirroredStrategy."
+                )
+            self._checked.add(key)
+        strategy = self._strategy
+        for m in jax.tree.leaves(mask):
+            rows = m.shape[-1] // strategy.num_replicas_in_sync
+            if rows % strategy.num_microbatches:
+                raise ValueError(
+                    f"num_microbatches={strategy.num_microbatches} must divide the rows of "
+                    f"each replica, {rows} (a global batch of {m.shape[-1]} over "
+                    f"{strategy.num_replicas_in_sync} replicas). Pick a batch size that is "
+                    f"a multiple of {strategy.num_microbatches * strategy.num_replicas_in_sync}"
+                    ", or another num_microbatches."
+                )
+
+    def __call__(self, state: Any, acc: Any, batch: Any, mask: Any) -> tuple[Any, Any, Any]:
+        self._check(state, mask)
+        with self._strategy._pipelining():
+            return self._program(state, acc, batch, mask)
+
+    def lower(self, state: Any, acc: Any, batch: Any, mask: Any) -> Any:
+        """The lowered program, its repeated blocks pipelined."""
+        self._check(state, mask)
+        with self._strategy._pipelining():
+            return self._program.lower(state, acc, batch, mask)

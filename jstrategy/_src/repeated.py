@@ -1,0 +1,161 @@
+"""`Repeated`: a Flax block applied several times, its layers' variables stacked.
+
+The one marker a pipelined model needs: `PipelineStrategy` splits the stacked layers over
+its stages and runs the block as a pipeline (`pipelining`); every other strategy, and
+evaluation and prediction, apply the layers one after the other in a ``lax.scan``, as
+``nn.scan`` would (one compiled layer, whatever their number).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.errors
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jstrategy._src import pipelining
+from jstrategy._src.validation import check_positive_int
+
+__all__ = ["Repeated"]
+
+
+class Repeated(nn.Module):
+    """`block` applied `num_layers` times, each time with its own variables.
+
+    The layers' parameters are stacked under the key ``"stacked_layers"`` (each leaf with
+    a leading dimension of `num_layers`), as ``nn.scan`` stacks them: a checkpoint of a
+    model holding a `Repeated` restores under any strategy. `block` maps its input to an
+    output of the same shape and dtype; the call's other arguments (e.g.
+    ``deterministic=``) are passed to every layer.
+
+    Under `jstrategy.experimental.PipelineStrategy` the train step runs the layers as a
+    pipeline: stage ``s`` of ``S`` holds layers ``s * L / S`` to ``(s + 1) * L / S - 1``,
+    and each replica's rows go through the stages in microbatches. A block with dropout or
+    with state (BatchNorm's statistics) is refused there: its microbatches would see other
+    dropout masks and batch statistics than the whole batch sees, so the trajectory would
+    not be `OneDeviceStrategy`'s. Without a pipeline, dropout keys are drawn per layer.
+
+    Attributes:
+      block: the repeated Flax module (an unbound instance: its fields configure every
+        layer).
+      num_layers: how many times it is applied.
+
+    Example:
+
+    >>> import flax.linen as nn, jax, jax.numpy as jnp
+    >>> import jstrategy
+    >>> class Block(nn.Module):
+    ...     @nn.compact
+    ...     def __call__(self, x):
+    ...         return x + jnp.tanh(nn.Dense(x.shape[-1])(x))
+    >>> model = jstrategy.experimental.Repeated(Block(), num_layers=4)
+    >>> variables = model.init(jax.random.key(0), jnp.ones((2, 8)))
+    >>> variables["params"]["stacked_layers"]["Dense_0"]["kernel"].shape
+    (4, 8, 8)
+    >>> model.apply(variables, jnp.ones((2, 8))).shape
+    (2, 8)
+    """
+
+    block: nn.Module
+    num_layers: int
+
+    def _template(self) -> nn.Module:
+        # An unbound copy: applied functionally, once per layer's variables.
+        return self.block.clone(parent=None)
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
+        layers = check_positive_int(self.num_layers, "num_layers")
+        template = self._template()
+
+        def init(rng: jax.Array) -> Any:
+            def one(key: jax.Array) -> Any:
+                return template.init({"params": key, "dropout": key}, x, *args, **kwargs)
+
+            variables = jax.vmap(one)(jax.random.split(rng, layers))
+            others = sorted(set(variables) - {"params"})
+            if others:
+                raise ValueError(
+                    f"The block repeated by Repeated ({type(self.block).__name__}) holds "
+                    f"variables other than parameters, in the collections {others} (e.g. "
+                    "BatchNorm's statistics); Repeated stacks parameters only. Use a "
+                    "normalization without state (nn.LayerNorm, nn.RMSNorm) in the block, "
+                    "or keep the stateful layer outside it."
+                )
+            return nn.meta.unbox(variables["params"])
+
+        stacked = self.param(pipelining.STACKED_KEY, init)
+        config = pipelining.active()
+        if config is None or self.is_initializing():
+            return self._in_order(template, stacked, x, args, kwargs, layers)
+        return self._pipelined(template, stacked, x, args, kwargs, layers, config)
+
+    def _apply(self, template: nn.Module, params: Any, h: jax.Array, args, kwargs, rngs=None):
+        out = template.apply({"params": params}, h, *args, rngs=rngs, **kwargs)
+        if not isinstance(out, jax.Array) or out.shape != h.shape or out.dtype != h.dtype:
+            got = f"{out.shape} {out.dtype}" if isinstance(out, jax.Array) else type(out).__name__
+            raise ValueError(
+                f"The block repeated by Repeated ({type(self.block).__name__}) must return "
+                f"an array of its input's shape and dtype, {h.shape} {h.dtype}; it returned "
+                f"{got}. Repeat only the part of the model whose output feeds the next layer."
+            )
+        return out
+
+    def _in_order(self, template, stacked, x, args, kwargs, layers):
+        """The layers one after the other (``lax.scan``), each with its own dropout key."""
+        key = self.make_rng("dropout") if self.has_rng("dropout") else None
+
+        def layer(h: jax.Array, inputs: Any) -> tuple[jax.Array, None]:
+            params, i = inputs
+            rngs = None if key is None else {"dropout": jax.random.fold_in(key, i)}
+            return self._apply(template, params, h, args, kwargs, rngs), None
+
+        out, _ = jax.lax.scan(layer, x, (stacked, jnp.arange(layers)))
+        return out
+
+    def _pipelined(self, template, stacked, x, args, kwargs, layers, config):
+        """The layers split over the stages, the rows in microbatches (`pipelining`)."""
+        stages, micro = config.num_stages, config.num_microbatches
+        if layers % stages:
+            raise ValueError(
+                f"Repeated(num_layers={layers}) cannot be split over num_stages={stages} "
+                f"pipeline stages: {layers} does not divide by {stages}. Make num_layers a "
+                "multiple of num_stages, or pick num_stages among its divisors."
+            )
+        if x.shape[0] % micro:
+            raise ValueError(
+                f"num_microbatches={micro} must divide the rows each replica's pipeline "
+                f"receives, but it receives {x.shape[0]} (the global batch divided by the "
+                "replicas). Pick a batch size that is a multiple of num_microbatches x "
+                "num_replicas_in_sync, or another num_microbatches."
+            )
+        arrays = [a for a in jax.tree.leaves((args, kwargs)) if isinstance(a, jax.Array)]
+        if arrays:
+            raise ValueError(
+                "Under PipelineStrategy, Repeated passes its block only its input "
+                "microbatch: the other arguments must not be arrays (got arrays of shapes "
+                f"{[a.shape for a in arrays]}). Fold them into the input, or pass static "
+                "values (flags such as deterministic=)."
+            )
+        per_stage = layers // stages
+        stage_params = jax.tree.map(lambda v: v.reshape(stages, per_stage, *v.shape[1:]), stacked)
+
+        def stage(params: Any, h: jax.Array) -> jax.Array:
+            def layer(h: jax.Array, p: Any) -> tuple[jax.Array, None]:
+                return self._apply(template, p, h, args, kwargs), None
+
+            return jax.lax.scan(layer, h, params)[0]
+
+        config.uses[0] += 1
+        try:
+            return pipelining.gpipe(stage, stage_params, x, config)
+        except flax.errors.InvalidRngError as e:
+            raise ValueError(
+                f"The block repeated by Repeated ({type(self.block).__name__}) draws random "
+                "numbers (dropout) in training, which PipelineStrategy refuses: each "
+                "microbatch would get other masks than the whole batch gets, so the "
+                "trajectory would not be OneDeviceStrategy's. Keep dropout outside the "
+                "repeated block, or make it deterministic there."
+            ) from e
