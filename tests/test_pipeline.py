@@ -416,8 +416,11 @@ def test_benchmark_per_stage_peak_falls_with_the_stages():
     spec = importlib.util.spec_from_file_location("pipeline_bench", path)
     bench = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = bench  # its Flax modules are dataclasses of this module
-    spec.loader.exec_module(bench)
-    peaks = bench.stage_peaks(width=64, rows=64)
+    try:
+        spec.loader.exec_module(bench)
+        peaks = bench.stage_peaks(width=64, rows=64)
+    finally:
+        del sys.modules[spec.name]
     assert [stages for stages, _, _ in peaks] == [1, 2, 4, 8]
     for (_, peak, stacked), (_, next_peak, next_stacked) in itertools.pairwise(peaks):
         assert next_peak < peak and next_stacked < stacked, peaks

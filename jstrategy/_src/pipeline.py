@@ -28,6 +28,7 @@ from jstrategy._src import staging
 from jstrategy._src.fsdp import DEFAULT_MIN_SHARD_SIZE
 from jstrategy._src.fsdp import shard_dim
 from jstrategy._src.mesh import DeviceMesh
+from jstrategy._src.names import path_names
 from jstrategy._src.pipelining import STAGE_AXIS
 from jstrategy._src.pipelining import PipelineSchedule
 from jstrategy._src.sharded import ShardedStrategy
@@ -209,9 +210,8 @@ class _PipelinedProgram:
     def _check(self, state: Any, mask: Any) -> None:
         key = jax.tree.structure(state)
         if key not in self._checked:
-            paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-            names = [tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in p) for p in paths]
-            if not any(pipelining.is_stacked(n) for n in names):
+            paths = [path_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+            if not any(pipelining.is_stacked(p) for p in paths):
                 raise ValueError(
                     "PipelineStrategy splits a model's repeated block over its stages, but "
                     "this model has none: no variable is stacked by "

@@ -86,8 +86,6 @@ class PipelineConfig:
     num_microbatches: int
     schedule: PipelineSchedule
     mesh: Mesh
-    #: Incremented by every repeated block traced under this config.
-    uses: list[int] = dataclasses.field(default_factory=lambda: [0], compare=False)
 
 
 _ACTIVE: contextvars.ContextVar[PipelineConfig | None] = contextvars.ContextVar(

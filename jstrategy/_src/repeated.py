@@ -148,7 +148,6 @@ class Repeated(nn.Module):
 
             return jax.lax.scan(layer, h, params)[0]
 
-        config.uses[0] += 1
         try:
             return pipelining.gpipe(stage, stage_params, x, config)
         except flax.errors.InvalidRngError as e:
