@@ -5,11 +5,15 @@ Three measurements on 8 fake CPU devices, side by side in one process:
 1. **Bubble.** For S stages and M microbatches, GPipe runs ``M + S - 1`` ticks, each stage
    computing one microbatch per tick; in the lockstep SPMD program the stages that have
    nothing to do during the fill and drain compute on placeholders, which takes the time
-   they would idle. The measured bubble is ``1 - T(M ticks) / T(M + S - 1 ticks)``: the
-   pipelined forward and backward of the repeated block (`pipelining.gpipe`, traced in the
-   train step's view: replicas vmapped over the data axis), against the same program
-   stopped after ``M`` ticks, the same work per tick without fill and drain (the
-   no-bubble limit). Printed beside the formula ``(S - 1) / (M + S - 1)``.
+   they would idle. The measured bubble is ``1 - T(M ticks) / T(all ticks)``: the
+   pipelined forward and backward of the repeated block (`pipelining.gpipe`, or
+   `pipelining.one_f_one_b` for 1F1B, whose ``S - 1`` fill ticks run forward slots only
+   and whose ``S - 1`` drain ticks backward slots only), traced in the train step's view
+   (replicas vmapped over the data axis), against the same program without fill and
+   drain, the same work per tick (the no-bubble limit). Printed beside the formula
+   ``(S - 1) / (M + S - 1)``, both schedules'. The two programs differ by ``S - 1`` ticks
+   only, and 8 fake devices share the host's cores: one run's figure moves by about 0.04
+   from run to run, so compare the formula with the median of a few runs.
 2. **Step time.** The whole train step (`make_train_step`, Adam) of one model, a residual
    MLP block repeated 8 times between a Dense embedding and head, under PipelineStrategy
    (stages x replicas), FSDPStrategy (8) and MirroredStrategy (8), same global batch,
@@ -18,9 +22,15 @@ Three measurements on 8 fake CPU devices, side by side in one process:
    pipeline's overhead, not the speed-up of a real multi-chip pipeline.
 3. **Per-stage peak memory.** The compiled train step's ``memory_analysis()`` (arguments +
    temporaries + outputs - aliased, per device) for 1, 2, 4 and 8 stages, the global batch
-   fixed, M = 2S: each stage holds ``1 / S`` of the repeated layers and their Adam moments,
-   while the activations it keeps, ``(M + S - 1) / M`` of a replica's rows through its
-   ``L / S`` layers, stay about the same.
+   fixed, M = 2S and 4S, both schedules: each stage holds ``1 / S`` of the repeated layers
+   and their Adam moments, while the activations it keeps (GPipe: ``(M + S - 1) / M`` of a
+   replica's rows through its ``L / S`` layers; 1F1B: ``2S - 1`` microbatch inputs and one
+   microbatch's layers) stay about the same.
+4. **Against a hand-written step.** The same model's train step written by hand (one
+   ``jax.jit``, optax's Adam, a GPipe tick loop with ``jax.shard_map`` + ``ppermute``,
+   ``NamedSharding`` on the stacked layers, no jstrategy), timed interleaved with
+   jstrategy's GPipe and 1F1B steps, and each compiled step's peak, at a batch whose
+   activations outweigh the state (2 stages x 4 replicas, M = 8, ``--peer-rows``).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/pipeline.py
 """
@@ -28,6 +38,7 @@ Three measurements on 8 fake CPU devices, side by side in one process:
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -72,13 +83,17 @@ class Net(nn.Module):
         return nn.Dense(10)(Repeated(Block(), num_layers=self.layers)(h))
 
 
+SCHEDULES = [s.value for s in pipelining.PipelineSchedule]
+
+
 def _loss(y: Any, logits: Any) -> Any:
     return optax.softmax_cross_entropy_with_integer_labels(logits, y)
 
 
 # 1. The bubble ----------------------------------------------------------------------------
-def _block_program(strategy: PipelineStrategy, width: int, rows: int, ticks: int | None):
-    """The jitted forward and backward of 8 pipelined layers, each replica's rows vmapped."""
+def _block_program(strategy: PipelineStrategy, width: int, rows: int, bubble: bool):
+    """The jitted forward and backward of 8 pipelined layers, each replica's rows vmapped
+    (`bubble` False: without the fill and drain)."""
     stages = strategy.num_stages
     config = pipelining.PipelineConfig(
         stages, strategy.num_microbatches, strategy.schedule, strategy.mesh
@@ -97,40 +112,59 @@ def _block_program(strategy: PipelineStrategy, width: int, rows: int, ticks: int
     def stage(w: Any, h: Any) -> Any:
         return jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), h, w)[0]
 
-    def loss(w: Any, x: Any) -> Any:
-        one = lambda xr: pipelining.gpipe(stage, w, xr, config, ticks=ticks)  # noqa: E731
-        return jnp.sum(jax.vmap(one, spmd_axis_name="replica")(x) ** 2)
+    if strategy.schedule is pipelining.PipelineSchedule.GPIPE:
+        ticks = None if bubble else strategy.num_microbatches
 
-    program = jax.jit(jax.grad(loss))
+        def loss(w: Any, x: Any) -> Any:
+            one = lambda xr: pipelining.gpipe(stage, w, xr, config, ticks=ticks)  # noqa: E731
+            return jnp.sum(jax.vmap(one, spmd_axis_name="replica")(x) ** 2)
+
+        program = jax.jit(jax.grad(loss))
+    else:
+
+        def head(_: Any, h: Any, m: Any) -> Any:
+            return jnp.sum(h**2), None
+
+        def grads(w: Any, x: Any) -> Any:
+            def one(xr: Any) -> Any:
+                out = pipelining.one_f_one_b(stage, w, xr, head, [], config, fill_and_drain=bubble)
+                return out[3]
+
+            return jnp.sum(jax.vmap(one, spmd_axis_name="replica")(x), axis=0)
+
+        program = jax.jit(grads)
     return lambda i: program(w, x)
 
 
 def bubble(width: int, rows: int, repeats: int, steps: int) -> list[tuple[Any, ...]]:
     results = []
-    for stages in (2, 4):
-        for factor in (2, 4):
-            micro = factor * stages
-            strategy = PipelineStrategy(num_stages=stages, num_microbatches=micro)
-            samples = interleaved_samples(
-                {
-                    "pipeline": _block_program(strategy, width, rows, None),
-                    "no bubble": _block_program(strategy, width, rows, micro),
-                },
-                steps=steps,
-                repeats=repeats,
-            )
-            ratios = [a / b for a, b in zip(samples["no bubble"], samples["pipeline"], strict=True)]
-            measured = 1 - statistics.median(ratios)
-            formula = (stages - 1) / (micro + stages - 1)
-            results.append((stages, micro, measured, formula))
+    for schedule, stages, factor in itertools.product(SCHEDULES, (2, 4), (2, 4)):
+        micro = factor * stages
+        strategy = PipelineStrategy(num_stages=stages, num_microbatches=micro, schedule=schedule)
+        samples = interleaved_samples(
+            {
+                "pipeline": _block_program(strategy, width, rows, True),
+                "no bubble": _block_program(strategy, width, rows, False),
+            },
+            steps=steps,
+            repeats=repeats,
+        )
+        ratios = [a / b for a, b in zip(samples["no bubble"], samples["pipeline"], strict=True)]
+        measured = 1 - statistics.median(ratios)
+        formula = (stages - 1) / (micro + stages - 1)
+        results.append((schedule, stages, micro, measured, formula))
     return results
 
 
 # 2. Step time ------------------------------------------------------------------------------
-def _train_step(strategy: jstrategy.Strategy, width: int, rows: int):
+def _data(rows: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(rows, 32)).astype(np.float32)
-    y = rng.integers(0, 10, size=rows).astype(np.int32)
+    return x, rng.integers(0, 10, size=rows).astype(np.int32)
+
+
+def _train_step(strategy: jstrategy.Strategy, width: int, rows: int):
+    x, y = _data(rows)
     with strategy.scope():
         state = training.create_train_state(Net(width), optax.adam(1e-3), jnp.ones((1, 32)), rng=0)
         step = training.make_train_step(_loss)
@@ -149,13 +183,15 @@ def step_times(width: int, rows: int, repeats: int, steps: int) -> dict[str, tup
     candidates = {
         "Pipeline 2x4 (M=4)": PipelineStrategy(num_stages=2, num_microbatches=4),
         "Pipeline 4x2 (M=8)": PipelineStrategy(num_stages=4, num_microbatches=8),
+        "1F1B 2x4 (M=4)": PipelineStrategy(num_stages=2, num_microbatches=4, schedule="1f1b"),
+        "1F1B 4x2 (M=8)": PipelineStrategy(num_stages=4, num_microbatches=8, schedule="1f1b"),
         "FSDP 8": jstrategy.experimental.FSDPStrategy(),
         "Mirrored 8": jstrategy.MirroredStrategy(),
     }
     steps_by_name = {name: _train_step(s, width, rows)[0] for name, s in candidates.items()}
     samples = interleaved_samples(steps_by_name, steps=steps, repeats=repeats)
     out = {}
-    for name in list(candidates)[:2]:
+    for name in list(candidates)[:4]:
         out[name] = (
             statistics.median(samples[name]),
             paired_ratio(samples[name], samples["FSDP 8"]),
@@ -167,10 +203,14 @@ def step_times(width: int, rows: int, repeats: int, steps: int) -> dict[str, tup
 
 
 # 3. Per-stage memory --------------------------------------------------------------------
-def stage_peaks(width: int, rows: int) -> list[tuple[int, float, float]]:
+def stage_peaks(
+    width: int, rows: int, *, factor: int = 2, schedule: str = "gpipe"
+) -> list[tuple[int, float, float]]:
     results = []
     for stages in (1, 2, 4, 8):
-        strategy = PipelineStrategy(num_stages=stages, num_microbatches=2 * stages)
+        strategy = PipelineStrategy(
+            num_stages=stages, num_microbatches=factor * stages, schedule=schedule
+        )
         _, step, state, batch = _train_step(strategy, width, rows)
         compiled = step.lower(state, batch).compile()
         stacked = sum(
@@ -182,6 +222,109 @@ def stage_peaks(width: int, rows: int) -> list[tuple[int, float, float]]:
     return results
 
 
+# 4. Against a hand-written step ------------------------------------------------------------
+def _handwritten_gpipe_step(strategy: PipelineStrategy, state: Any):
+    """The same train step written by hand, without jstrategy: one ``jax.jit`` of optax's
+    Adam on the gradient of the mean loss, the replicas a ``vmap`` over the data axis, the
+    block's layers a GPipe tick loop (``lax.scan``, ``jax.shard_map`` + ``ppermute``
+    between ticks), the stacked layers split over ``"stage"`` with ``NamedSharding``."""
+    mesh, stages, micro = strategy.mesh, strategy.num_stages, strategy.num_microbatches
+    replicas = strategy.num_replicas_in_sync
+    P = jax.sharding.PartitionSpec
+    on_stages = jax.sharding.NamedSharding(mesh, P("stage"))
+
+    def sharding(path: Any, leaf: Any) -> Any:
+        spec = P("stage") if pipelining.STACKED_KEY in str(path) else P()
+        return jax.sharding.NamedSharding(mesh, spec)
+
+    params = jax.device_get(state.params)
+    shardings = jax.tree_util.tree_map_with_path(sharding, params)
+    params = jax.device_put(params, shardings)
+    tx = optax.adam(1e-3)
+    opt_state = jax.jit(tx.init)(params)
+    perm = [(i, (i + 1) % stages) for i in range(stages)]
+    shift = jax.shard_map(
+        lambda v: jax.lax.ppermute(v, "stage", perm), mesh=mesh, in_specs=P("stage"),
+        out_specs=P("stage"),
+    )  # fmt: skip
+
+    def dense(p: Any, h: Any) -> Any:
+        return h @ p["kernel"] + p["bias"]
+
+    def layer(h: Any, p: Any) -> Any:
+        wide, narrow = sorted(("Dense_0", "Dense_1"), key=lambda k: -p[k]["kernel"].shape[1])
+        return h + dense(p[narrow], jnp.tanh(dense(p[wide], h))), None
+
+    def pipeline(stacked: Any, h: Any) -> Any:
+        per_stage = jax.tree.map(lambda v: v.reshape(stages, -1, *v.shape[1:]), stacked)
+        xs = h.reshape(micro, -1, *h.shape[1:])
+        run = jax.vmap(lambda p, h: jax.lax.scan(layer, h, p)[0])
+
+        def tick(carry: Any, t: Any) -> Any:
+            buffer, outputs = carry
+            feed = jax.lax.dynamic_index_in_dim(xs, jnp.minimum(t, micro - 1), keepdims=False)
+            buffer = jax.lax.with_sharding_constraint(buffer.at[0].set(feed), on_stages)
+            out = jax.lax.with_sharding_constraint(run(per_stage, buffer), on_stages)
+            done = jnp.maximum(t - (stages - 1), 0)
+            outputs = jax.lax.dynamic_update_index_in_dim(outputs, out[stages - 1], done, 0)
+            return (shift(out), outputs), None
+
+        init = (jnp.zeros((stages, *xs.shape[1:]), h.dtype), jnp.zeros_like(xs))
+        (_, outputs), _ = jax.lax.scan(tick, init, jnp.arange(micro + stages - 1))
+        return outputs.reshape(h.shape)
+
+    def loss(params: Any, x: Any, y: Any) -> Any:
+        def one(xr: Any, yr: Any) -> Any:
+            h = dense(params["Dense_0"], xr)
+            h = pipeline(params["Repeated_0"][pipelining.STACKED_KEY], h)
+            logits = dense(params["Dense_1"], h)
+            return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, yr))
+
+        xr = x.reshape(replicas, -1, *x.shape[1:])
+        yr = y.reshape(replicas, -1)
+        return jnp.sum(jax.vmap(one, spmd_axis_name="replica")(xr, yr)) / x.shape[0]
+
+    def step(params: Any, opt_state: Any, x: Any, y: Any) -> Any:
+        value, grads = jax.value_and_grad(loss)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return jax.jit(step, donate_argnums=(0, 1)), params, opt_state
+
+
+def against_handwritten(width: int, rows: int, repeats: int, steps: int) -> dict[str, Any]:
+    """jstrategy's pipelined step against the hand-written GPipe step: time and peak."""
+    results: dict[str, Any] = {}
+    runs: dict[str, Any] = {}
+    for schedule in SCHEDULES:
+        strategy = PipelineStrategy(num_stages=2, num_microbatches=8, schedule=schedule)
+        run, step, state, batch = _train_step(strategy, width, rows)
+        results[f"jstrategy {schedule}"] = _peak(step.lower(state, batch).compile())
+        runs[f"jstrategy {schedule}"] = run
+    strategy = PipelineStrategy(num_stages=2, num_microbatches=8)
+    _, _, state, batch = _train_step(strategy, width, rows)
+    program, params, opt_state = _handwritten_gpipe_step(strategy, state)
+    on_rows = jax.sharding.NamedSharding(strategy.mesh, jax.sharding.PartitionSpec("replica"))
+    x, y = (jax.device_put(v, on_rows) for v in _data(rows))
+    results["hand-written gpipe"] = _peak(program.lower(params, opt_state, x, y).compile())
+    holder = {"params": params, "opt_state": opt_state}
+
+    def handwritten(i: int) -> Any:
+        holder["params"], holder["opt_state"], value = program(
+            holder["params"], holder["opt_state"], x, y
+        )
+        dispatch.track(value)
+        return value
+
+    runs["hand-written gpipe"] = handwritten
+    samples = interleaved_samples(runs, steps=steps, repeats=repeats)
+    times = {
+        name: (statistics.median(s), paired_ratio(s, samples["hand-written gpipe"]))
+        for name, s in samples.items()
+    }
+    return {"peaks": results, "times": times}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=256)
@@ -189,9 +332,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--bubble-rows", type=int, default=2048, help="global batch of the bubble's programs"
     )
-    parser.add_argument("--parts", default="123", help="which measurements, e.g. 13")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--peer-rows", type=int, default=4096, help="global batch against the hand-written step"
+    )
+    parser.add_argument("--parts", default="1234", help="which measurements, e.g. 13")
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument(
+        "--bubble-steps",
+        type=int,
+        default=20,
+        help="steps per round of the bubble's programs (their difference is S - 1 ticks)",
+    )
     args = parser.parse_args(argv)
     print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices")
 
@@ -201,16 +353,25 @@ def main(argv: list[str] | None = None) -> None:
         _print_step_times(args)
     if "3" in args.parts:
         _print_peaks(args)
+    if "4" in args.parts:
+        _print_handwritten(args)
 
 
 def _print_bubble(args: argparse.Namespace) -> None:
-    print("\n1. GPipe's bubble: measured 1 - T(M ticks) / T(M + S - 1 ticks), and the formula")
-    print(f"{'stages':>6} {'M':>4} {'measured':>9} {'(S-1)/(M+S-1)':>14} {'measured/formula':>17}")
-    for stages, micro, measured, formula in bubble(
-        args.width, args.bubble_rows, args.repeats, args.steps
+    print(
+        "\n1. The bubble: measured 1 - T(M ticks) / T(all ticks) (median of paired rounds), "
+        "and (S-1)/(M+S-1)"
+    )
+    print(
+        f"{'schedule':>8} {'stages':>6} {'M':>4} {'measured':>9} {'(S-1)/(M+S-1)':>14} "
+        f"{'measured/formula':>17}"
+    )
+    for schedule, stages, micro, measured, formula in bubble(
+        args.width, args.bubble_rows, args.repeats, args.bubble_steps
     ):
         print(
-            f"{stages:>6} {micro:>4} {measured:>9.3f} {formula:>14.3f} {measured / formula:>17.2f}"
+            f"{schedule:>8} {stages:>6} {micro:>4} {measured:>9.3f} {formula:>14.3f} "
+            f"{measured / formula:>17.2f}"
         )
 
 
@@ -229,11 +390,32 @@ def _print_step_times(args: argparse.Namespace) -> None:
 
 
 def _print_peaks(args: argparse.Namespace) -> None:
-    print("\n3. Per-stage peak of the compiled train step (memory_analysis, per device)")
-    print(f"{'stages':>6} {'peak MiB':>9} {'stacked layers MiB':>19} {'peak / 1 stage':>15}")
-    peaks = stage_peaks(args.width, args.rows)
-    for stages, peak, stacked in peaks:
-        print(f"{stages:>6} {peak:>9.2f} {stacked:>19.2f} {peak / peaks[0][1]:>15.2f}")
+    print("\n3. Per-stage peak of the compiled train step (memory_analysis, per device, MiB)")
+    print(
+        f"{'schedule':>8} {'M':>5} {'stages':>6} {'peak':>8} {'stacked layers':>15} {'/ 1 stage':>10}"
+    )
+    for schedule, factor in itertools.product(SCHEDULES, (2, 4)):
+        peaks = stage_peaks(args.width, args.rows, factor=factor, schedule=schedule)
+        for stages, peak, stacked in peaks:
+            print(
+                f"{schedule:>8} {f'{factor}S':>5} {stages:>6} {peak:>8.2f} {stacked:>15.2f} "
+                f"{peak / peaks[0][1]:>10.2f}"
+            )
+
+
+def _print_handwritten(args: argparse.Namespace) -> None:
+    print(
+        f"\n4. Against the hand-written GPipe step (2 stages x 4 replicas, M = 8, global "
+        f"batch {args.peer_rows}): median step, paired ratio [min, max], compiled peak"
+    )
+    out = against_handwritten(args.width, args.peer_rows, args.repeats, args.steps)
+    base = out["peaks"]["hand-written gpipe"]
+    for name, (seconds, ratio) in out["times"].items():
+        peak = out["peaks"][name]
+        print(
+            f"{name:<20} {seconds * 1e3:8.2f} ms  x{ratio[0]:.3f} [{ratio[1]:.3f}, "
+            f"{ratio[2]:.3f}]   peak {peak / 2**20:7.2f} MiB  x{peak / base:.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -32,8 +32,11 @@ def main() -> int:
     )
     parser.add_argument(
         "--pipeline",
-        action="store_true",
-        help="with --fit: PipelineStrategy, 2 stages (one per worker) x 4 replicas, instead",
+        nargs="?",
+        const="gpipe",
+        choices=["gpipe", "1f1b"],
+        help="with --fit: PipelineStrategy, 2 stages (one per worker) x 4 replicas, on this "
+        "schedule (default gpipe), instead",
     )
     parser.add_argument(
         "--model-parallel",
@@ -49,7 +52,7 @@ def main() -> int:
     )
     start = time.perf_counter()
     if args.pipeline:
-        strategy = pipeline_strategy(communication_options=options)
+        strategy = pipeline_strategy(args.pipeline, communication_options=options)
         processes = [[d.process_index for d in row] for row in strategy.mesh.devices]
         print(f"mesh {dict(strategy.mesh.shape)} processes {processes}", flush=True)
     elif args.fsdp:
@@ -195,13 +198,16 @@ def fit_model(strategy, tensorboard=None, save=None):
     return weights
 
 
-def pipeline_strategy(communication_options=None):
+def pipeline_strategy(schedule="gpipe", communication_options=None):
     """``--pipeline``'s strategy: 2 stages x 4 replicas, 2 microbatches per replica. Over
     2 processes x 4 devices each process is one stage (the stage axis crosses them)."""
     import jstrategy
 
     return jstrategy.experimental.PipelineStrategy(
-        num_stages=2, num_microbatches=2, communication_options=communication_options
+        num_stages=2,
+        num_microbatches=2,
+        schedule=schedule,
+        communication_options=communication_options,
     )
 
 

@@ -405,7 +405,8 @@ def test_checkpoint_saved_under_model_parallel_8_restores_on_two_workers(tmp_pat
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(320)
-def test_pipeline_on_two_workers_one_stage_each_matches_one_process(tmp_path):
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_on_two_workers_one_stage_each_matches_one_process(tmp_path, schedule):
     # PipelineStrategy joins the TF_CONFIG job; its (2, 4) mesh puts one stage on each
     # process, so the microbatches cross between the processes by ppermute. Each process
     # holds (and saves, and loads back) its stage's layers; the weights are one process's
@@ -413,7 +414,7 @@ def test_pipeline_on_two_workers_one_stage_each_matches_one_process(tmp_path):
     cmd = [
         sys.executable, "-m", "jstrategy.launch", "--num_workers", "2",
         "--devices_per_worker", "4", "--timeout", "240", str(WORKER),
-        "--out", str(tmp_path), "--fit", "--pipeline",
+        "--out", str(tmp_path), "--fit", "--pipeline", schedule,
     ]  # fmt: skip
     done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -424,7 +425,7 @@ def test_pipeline_on_two_workers_one_stage_each_matches_one_process(tmp_path):
     workers = [np.load(tmp_path / f"worker-{i}.npz") for i in range(2)]
     import multi_worker_train
 
-    expected = multi_worker_train.fit_pipelined(multi_worker_train.pipeline_strategy())
+    expected = multi_worker_train.fit_pipelined(multi_worker_train.pipeline_strategy(schedule))
     assert len(workers[0].files) == len(expected) > 0
     for i, w in enumerate(expected):
         np.testing.assert_array_equal(workers[0][f"w{i}"], workers[1][f"w{i}"])

@@ -146,8 +146,9 @@ def test_pipelined_trajectory_matches_one_device_after_20_steps(config, schedule
         np.testing.assert_allclose(m["accuracy"], e["accuracy"], atol=1e-6)
 
 
-def test_the_compiled_step_hands_microbatches_between_stages():
-    strategy = PipelineStrategy(num_stages=4, num_microbatches=8)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_the_compiled_step_hands_microbatches_between_stages(schedule):
+    strategy = PipelineStrategy(num_stages=4, num_microbatches=8, schedule=schedule)
     x, y = _data(1)
     with strategy.scope():
         state = _state()
@@ -196,9 +197,11 @@ def _fit(strategy, steps_per_execution=1, epochs=2, dtype_policy=None, **compile
     ],
     ids=["spe1", "spe2", "accumulation2", "mixed_bfloat16"],
 )
-def test_model_fit_matches_one_device(options):
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_model_fit_matches_one_device(options, schedule):
     expected, expected_history = _fit(jstrategy.OneDeviceStrategy("cpu:0"), **options)
-    model, history = _fit(PipelineStrategy(num_stages=2, num_microbatches=4), **options)
+    pipelined = PipelineStrategy(num_stages=2, num_microbatches=4, schedule=schedule)
+    model, history = _fit(pipelined, **options)
     x, y = helpers.classification_data(64, FEATURES)
 
     def outcome(model, history):
@@ -210,18 +213,30 @@ def test_model_fit_matches_one_device(options):
         ]
 
     got, want = outcome(model, history), outcome(expected, expected_history)
-    tolerances = [1e-5] * len(got)
+    # 1e-5 of each quantity's scale (the head's weights reach 6 here, where float32's
+    # spacing is 5e-7: 1F1B sums each microbatch's gradient, an order of its own).
+    tolerances = [1e-5 * max(1.0, _scale(w)) for w in want]
     if "dtype_policy" in options:
         # Under bfloat16 each microbatch's partial weight gradients are rounded before
-        # they are summed, as each replica's are: the yardstick is how far FSDP's run
-        # (the same staging without a pipeline) ends from OneDevice's (0.02 measured in
-        # the weights), or test_mixed_precision_training's 2.5e-3 across strategies.
+        # they are summed, as each replica's are, and 1F1B computes the head per
+        # microbatch and recomputes the stages: the runs part by a few bfloat16 steps.
+        # The yardstick is how far FSDP's run (the same staging without a pipeline) ends
+        # from OneDevice's (0.02 measured in the weights), or how far bfloat16 takes
+        # OneDevice from float32, whichever is larger, and at least 1e-2 (four bfloat16
+        # steps at the loss's 0.66).
         fsdp = outcome(*_fit(jstrategy.experimental.FSDPStrategy(min_shard_size=0), **options))
+        plain = {k: v for k, v in options.items() if k != "dtype_policy"}
+        f32 = outcome(*_fit(jstrategy.OneDeviceStrategy("cpu:0"), **plain))
         tolerances = [
-            max(1.5 * _max_difference(f, w), 2.5e-3) for f, w in zip(fsdp, want, strict=True)
+            max(1.5 * _max_difference(f, w), _max_difference(g32, w), 1e-2)
+            for f, g32, w in zip(fsdp, f32, want, strict=True)
         ]
     for g, w, atol in zip(got, want, tolerances, strict=True):
         assert _max_difference(g, w) <= atol
+
+
+def _scale(arrays):
+    return max(float(np.max(np.abs(a))) for a in arrays)
 
 
 def _max_difference(got, expected):
@@ -264,7 +279,7 @@ def test_checkpoints_cross_between_pipelined_and_other_strategies(tmp_path, othe
     # Other -> pipelined: each stage reads its layers back.
     with jstrategy.CheckpointManager(tmp_path / "other", async_save=False) as manager:
         assert manager.save(1, restored)
-    again_strategy = PipelineStrategy(num_stages=2, num_microbatches=2)
+    again_strategy = PipelineStrategy(num_stages=2, num_microbatches=2, schedule="1f1b")
     again, _ = _fit(again_strategy, epochs=0)
     with jstrategy.CheckpointManager(tmp_path / "other") as manager:
         back = manager.restore(target=again.state, strategy=again_strategy)
@@ -360,12 +375,13 @@ class _Wrap(nn.Module):
         return nn.Dense(3)(Repeated(self.block, num_layers=2)(nn.Dense(HIDDEN)(x)))
 
 
-def test_dropout_and_batch_norm_inside_the_repeated_block_are_refused():
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_dropout_and_batch_norm_inside_the_repeated_block_are_refused(schedule):
     with pytest.raises(
         ValueError, match=r"variables other than parameters, in the collections \['batch_stats'\]"
     ):
         _Wrap(_BatchNormBlock()).init(jax.random.key(0), jnp.ones((2, FEATURES)))
-    strategy = PipelineStrategy(num_stages=2, num_microbatches=2)
+    strategy = PipelineStrategy(num_stages=2, num_microbatches=2, schedule=schedule)
     x, y = _data(1)
     with strategy.scope():
         state = training.create_train_state(
@@ -387,6 +403,78 @@ def test_dropout_and_batch_norm_inside_the_repeated_block_are_refused():
     assert np.isfinite(float(metrics["loss"]))
 
 
+class _After(nn.Module):
+    """A Repeated block, then `after` (one of the layers 1F1B cannot run per microbatch)."""
+
+    after: str
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        h = nn.Dense(HIDDEN)(x)
+        out = Repeated(Block(), num_layers=2)(h)
+        if self.after == "skip":
+            out = out + h
+        elif self.after == "batch_norm":
+            out = nn.BatchNorm(use_running_average=not train)(out)
+        elif self.after == "dropout":
+            out = nn.Dropout(0.5, deterministic=not train)(out)
+        elif self.after == "sown":
+            if not self.is_initializing():
+                self.sow("losses", "activity", 1e-3 * jnp.sum(out**2))
+        elif self.after == "two_blocks":
+            out = Repeated(Block(), num_layers=2)(out)
+        return nn.Dense(3)(out)
+
+
+@pytest.mark.parametrize(
+    ("after", "message"),
+    [
+        ("skip", "also reads its inputs by another way \\(e.g. a skip connection"),
+        ("batch_norm", "BatchNorm \\(BatchNorm_0\\) there applies BatchNorm with batch statistics"),
+        ("dropout", "Dropout \\(Dropout_0\\) there applies dropout"),
+        ("sown", "add losses \\(sow\\) from their activations"),
+        (
+            "two_blocks",
+            "pipelines exactly one jstrategy.experimental.Repeated block; this model runs 2",
+        ),
+    ],
+)
+def test_1f1b_refuses_layers_after_the_block_that_would_see_a_microbatch(after, message):
+    x, y = _data(1)
+    for schedule in SCHEDULES:
+        strategy = PipelineStrategy(num_stages=2, num_microbatches=2, schedule=schedule)
+        with strategy.scope():
+            state = training.create_train_state(
+                _After(after), optax.sgd(0.1), jnp.ones((1, FEATURES)), rng=0
+            )
+            step = training.make_train_step(_loss)
+            batch = distribute_batch(strategy, (x[0], y[0]))
+            if schedule == "gpipe":  # the whole batch reaches those layers: it trains
+                state, metrics = step(state, batch)
+                assert np.isfinite(float(metrics["loss"]))
+                continue
+            with pytest.raises(ValueError, match=message):
+                step(state, batch)
+            assert int(state.step) == 0
+
+
+def test_1f1b_keeps_fewer_activations_than_gpipe():
+    # At M = 4S, GPipe keeps every microbatch's activations for its backward pass; 1F1B
+    # keeps at most 2S - 1 microbatch inputs per stage and recomputes the rest.
+    x, y = _data(1, rows=512)
+
+    def temp_bytes(schedule):
+        strategy = PipelineStrategy(num_stages=2, num_microbatches=16, schedule=schedule)
+        with strategy.scope():
+            state = _state()
+            step = training.make_train_step(_loss)
+        batch = distribute_batch(strategy, (x[0], y[0]))
+        return step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
+
+    gpipe, one_f_one_b = temp_bytes("gpipe"), temp_bytes("1f1b")
+    assert one_f_one_b < 0.5 * gpipe, (one_f_one_b, gpipe)  # 0.37x measured (0.41x on 0.10)
+
+
 def test_repeated_checks_its_block_and_layers():
     with pytest.raises(ValueError, match="`num_layers` must be a positive int; got 0"):
         Repeated(Block(), num_layers=0).init(jax.random.key(0), jnp.ones((2, 4)))
@@ -404,7 +492,8 @@ def test_repeated_checks_its_block_and_layers():
 
 
 @pytest.mark.slow
-def test_benchmark_per_stage_peak_falls_with_the_stages():
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_benchmark_per_stage_peak_falls_with_the_stages(schedule):
     # benchmarks/pipeline.py's memory measurement on a tiny model: the compiled step's
     # peak per device (memory_analysis) falls as the stages split the layers.
     import importlib.util
@@ -418,7 +507,7 @@ def test_benchmark_per_stage_peak_falls_with_the_stages():
     sys.modules[spec.name] = bench  # its Flax modules are dataclasses of this module
     try:
         spec.loader.exec_module(bench)
-        peaks = bench.stage_peaks(width=64, rows=64)
+        peaks = bench.stage_peaks(width=64, rows=64, schedule=schedule)
     finally:
         del sys.modules[spec.name]
     assert [stages for stages, _, _ in peaks] == [1, 2, 4, 8]

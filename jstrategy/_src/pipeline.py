@@ -63,7 +63,11 @@ class PipelineStrategy(ShardedStrategy):
       num_microbatches: how many microbatches each replica's rows are cut into; it must
         divide the per-replica batch. ``2 * num_stages`` or more keeps the bubble
         (``(S - 1) / (M + S - 1)`` of the time) under a third.
-      schedule: a `PipelineSchedule` or its name (``"gpipe"``).
+      schedule: a `PipelineSchedule` or its name: ``"gpipe"`` (every microbatch's
+        forward pass, then JAX's backward pass of them all) or ``"1f1b"`` (each
+        microbatch's backward pass as soon as its forward pass ends: activation memory
+        bounded by the stages, not the microbatches; one `Repeated` block per model,
+        whose following layers treat rows independently).
       shard_over_replicas: also split variables over the replicas (ZeRO-3, as FSDP).
       min_shard_size: with `shard_over_replicas`, the fewest elements a variable needs to
         be split over the replicas.

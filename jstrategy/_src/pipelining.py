@@ -12,6 +12,12 @@ inside the one compiled train step, every microbatch through the stages in order
   (the bubble). Backpropagation is JAX's: the transposed loop runs the ticks backwards, the
   transposed ``ppermute`` hands cotangents to the previous stage, and every stage keeps
   the activations of all its microbatches until then (GPipe's memory).
+* `PipelineSchedule.ONE_F_ONE_B` (`one_f_one_b`): each microbatch's backward pass starts
+  as soon as its forward pass leaves the last stage, where the layers after the block and
+  its loss run one microbatch at a time (the train step cuts the model there:
+  `training/pipelined.py`, with the blocks following a `Split`). A tick is a forward and a
+  backward slot; a stage keeps at most ``2S - 1`` microbatch inputs, whatever ``M``, and
+  recomputes its layers in the backward slot. The bubble is GPipe's.
 
 The schedule is chosen by the strategy; the block (`jstrategy.experimental.Repeated`)
 reads it while the train step is traced (`active`), and without one runs its layers one
@@ -38,10 +44,14 @@ __all__ = [
     "STAGE_AXIS",
     "PipelineConfig",
     "PipelineSchedule",
+    "Split",
     "activate",
     "active",
     "gpipe",
     "is_stacked",
+    "one_f_one_b",
+    "split",
+    "splitting",
 ]
 
 #: The mesh axis the stages are laid along.
@@ -56,6 +66,7 @@ class PipelineSchedule(enum.Enum):
     """The order in which the stages run the microbatches (see the module docstring)."""
 
     GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
 
     @classmethod
     def of(cls, value: Any) -> PipelineSchedule:
@@ -114,10 +125,10 @@ def is_stacked(path: tuple[str, ...]) -> bool:
     return STACKED_KEY in path
 
 
-def _shift(mesh: Mesh, stages: int) -> Callable[[Any], Any]:
-    """Every stage's value handed to the next stage (the last one's to the first, which
-    overwrites it): one ``ppermute`` over `STAGE_AXIS` per leaf."""
-    perm = [(i, (i + 1) % stages) for i in range(stages)]
+def _shift(mesh: Mesh, stages: int, *, step: int = 1) -> Callable[[Any], Any]:
+    """Every stage's value handed to stage ``s + step`` (around the ring: the value that
+    wraps is overwritten by its receiver): one ``ppermute`` over `STAGE_AXIS` per leaf."""
+    perm = [(i, (i + step) % stages) for i in range(stages)]
 
     def shift(tree: Any) -> Any:
         return jax.tree.map(lambda v: jax.lax.ppermute(v, STAGE_AXIS, perm), tree)
@@ -177,3 +188,213 @@ def gpipe(
     count = micro + stages - 1 if ticks is None else ticks
     (_, outputs), _ = jax.lax.scan(tick, (buffer, outputs), jnp.arange(count))
     return outputs.reshape(x.shape)
+
+
+# ---------------------------------------------------------------------------------------
+# 1F1B: each microbatch's backward pass starts as soon as its forward pass ends
+# ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Captured:
+    """A repeated block met while a 1F1B step traces the model's layers before it.
+
+    Attributes:
+      path: the block's module path; its stacked variables are the parameters at
+        ``path + (STACKED_KEY,)``.
+      stage: ``(one stage's stacked variables, microbatch) -> microbatch``: the block's
+        layers of one stage, in order.
+      inputs: what the block was given (the first stage's input rows).
+    """
+
+    path: tuple[str, ...]
+    stage: Callable[[Any, jax.Array], jax.Array]
+    inputs: jax.Array
+
+
+@dataclasses.dataclass
+class Split:
+    """How repeated blocks behave while a 1F1B step traces the model in two pieces.
+
+    With `output` None (the layers before the block), a block records itself in
+    `captured` and returns its input as it is: what the layers after it compute then is
+    never read. With `output` (one microbatch's output of the last stage: the layers after
+    the block), a block returns it in place of running, and sets `returned`.
+    """
+
+    output: jax.Array | None = None
+    captured: list[Captured] = dataclasses.field(default_factory=list)
+    returned: bool = False
+
+
+_SPLIT: contextvars.ContextVar[Split | None] = contextvars.ContextVar(
+    "jstrategy_pipeline_split", default=None
+)
+
+
+def split() -> Split | None:
+    """The `Split` a repeated block traced now follows, or None (it runs its layers)."""
+    return _SPLIT.get()
+
+
+@contextlib.contextmanager
+def splitting(record: Split) -> Iterator[Split]:
+    """Repeated blocks traced inside follow `record` (see `Split`)."""
+    token = _SPLIT.set(record)
+    try:
+        yield record
+    finally:
+        _SPLIT.reset(token)
+
+
+def _at(tree: Any, index: Any) -> Any:
+    return jax.tree.map(lambda v: jax.lax.dynamic_index_in_dim(v, index, keepdims=False), tree)
+
+
+def _put(tree: Any, value: Any, index: Any) -> Any:
+    return jax.tree.map(
+        lambda t, v: jax.lax.dynamic_update_index_in_dim(t, v, index, 0), tree, value
+    )
+
+
+def one_f_one_b(
+    stage: Callable[[Any, jax.Array], jax.Array],
+    stage_params: Any,
+    x: jax.Array,
+    head: Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, Any]],
+    head_params: Any,
+    config: PipelineConfig,
+    *,
+    fill_and_drain: bool = True,
+) -> tuple[jax.Array, Any, Any, Any, jax.Array]:
+    """The forward and backward passes of `stage` over the stages and of `head` after them,
+    microbatch by microbatch, in the 1F1B order.
+
+    Tick ``t`` is one forward slot and one backward slot on every stage: stage ``s`` runs
+    the forward pass of microbatch ``t - s`` and the backward pass of microbatch
+    ``t - (2S - 2 - s)``. On the last stage the two are the same microbatch: its forward
+    output goes through `head` (the layers after the block and the loss), whose gradient
+    starts that microbatch's backward pass at once. Between ticks, outputs go one stage
+    on and input gradients one stage back, each by one ``ppermute``. A stage keeps only
+    the inputs of the microbatches in flight (at most ``2S - 1``, whatever ``M``), and
+    recomputes a stage's forward pass in its backward slot (``jax.vjp``), where GPipe
+    keeps every microbatch's activations until the backward pass. The first ``S - 1``
+    ticks run forward slots only and the last ``S - 1`` backward slots only, so the
+    stages do ``M + S - 1`` ticks' work: the bubble is GPipe's, ``(S - 1) / (M + S - 1)``.
+
+    Args:
+      stage: ``(one stage's params, microbatch) -> microbatch`` of the same shape.
+      stage_params: the stages' params, each leaf ``(num_stages, ...)``.
+      x: the first stage's input rows, ``(rows, ...)``.
+      head: ``(head_params, the last stage's output for microbatch m, m) -> (value,
+        aux)``: a scalar to differentiate (microbatch ``m``'s loss) and what else to keep.
+      head_params: what `head` is differentiated with respect to.
+      config: the pipeline.
+      fill_and_drain: False runs the ``M`` ticks that have both slots only: the same work
+        per tick without the pipeline's fill and drain, the no-bubble limit
+        ``benchmarks/pipeline.py`` times the schedule against (its results are not the
+        model's).
+
+    Returns:
+      ``(sum of the values, the auxes stacked (M, ...), d head_params, d stage_params,
+      d x)``: the gradients of the summed values.
+    """
+    stages, micro = config.num_stages, config.num_microbatches
+    rows = x.shape[0]
+    xs = x.reshape(micro, rows // micro, *x.shape[1:])
+    slots = 2 * stages - 1  # the microbatch inputs a stage keeps for its backward slots
+    on_stages = jax.sharding.NamedSharding(config.mesh, P(STAGE_AXIS))
+
+    def on_stage_axis(tree: Any) -> Any:
+        def constrain(v: jax.Array) -> jax.Array:
+            spec = P(STAGE_AXIS, *([P.UNCONSTRAINED] * (v.ndim - 1)))
+            return jax.lax.with_sharding_constraint(
+                v, jax.sharding.NamedSharding(config.mesh, spec)
+            )
+
+        return jax.tree.map(constrain, tree)
+
+    forward_shift = _shift(config.mesh, stages)
+    backward_shift = _shift(config.mesh, stages, step=-1)
+    run_stages = jax.vmap(stage)
+
+    def backward(params: Any, h: jax.Array, grad: jax.Array) -> tuple[Any, jax.Array]:
+        return jax.vjp(stage, params, h)[1](grad)
+
+    backward_stages = jax.vmap(backward)
+    stage_ids = jnp.arange(stages)
+
+    def forward_slot(carry: dict[str, Any], t: jax.Array) -> tuple[dict[str, Any], jax.Array]:
+        feed = jax.lax.dynamic_index_in_dim(xs, jnp.minimum(t, micro - 1), keepdims=False)
+        inputs = jax.lax.with_sharding_constraint(carry["inputs"].at[0].set(feed), on_stages)
+        kept = carry["kept"].at[:, t % slots].set(inputs)
+        out = jax.lax.with_sharding_constraint(run_stages(stage_params, inputs), on_stages)
+        return {**carry, "inputs": forward_shift(out), "kept": kept}, out
+
+    def head_slot(carry: dict[str, Any], t: jax.Array, out: jax.Array) -> dict[str, Any]:
+        m = t - (stages - 1)  # the microbatch the last stage finished this tick
+        value, pullback, aux = jax.vjp(
+            lambda p, h: head(p, h, m), head_params, out[stages - 1], has_aux=True
+        )
+        d_head, d_out = pullback(jnp.ones_like(value))
+        return {
+            **carry,
+            "grads": carry["grads"].at[stages - 1].set(d_out),
+            "value": carry["value"] + value,
+            "aux": _put(carry["aux"], aux, m),
+            "d_head": jax.tree.map(jnp.add, carry["d_head"], d_head),
+        }
+
+    def backward_slot(carry: dict[str, Any], t: jax.Array) -> dict[str, Any]:
+        b = t - (2 * stages - 2 - stage_ids)  # each stage's microbatch
+        valid = (b >= 0) & (b < micro)
+        # Stage s kept microbatch b's input at tick b + s.
+        inputs = jax.vmap(_at)(carry["kept"], (b + stage_ids) % slots)
+        d_params, d_inputs = backward_stages(stage_params, inputs, carry["grads"])
+
+        def masked_add(acc: jax.Array, g: jax.Array) -> jax.Array:
+            keep = valid.reshape(valid.shape + (1,) * (g.ndim - 1))
+            return acc + jnp.where(keep, g, jnp.zeros_like(g))
+
+        d_stages = on_stage_axis(jax.tree.map(masked_add, carry["d_stages"], d_params))
+        first = jnp.clip(b[0], 0, micro - 1)  # written once more, correctly, when valid
+        d_x = jnp.where(
+            valid[0], d_inputs[0], jax.lax.dynamic_index_in_dim(carry["d_x"], first, keepdims=False)
+        )
+        return {
+            **carry,
+            "grads": jax.lax.with_sharding_constraint(backward_shift(d_inputs), on_stages),
+            "d_stages": d_stages,
+            "d_x": jax.lax.dynamic_update_index_in_dim(carry["d_x"], d_x, first, 0),
+        }
+
+    def warmup(carry: dict[str, Any], t: jax.Array) -> tuple[dict[str, Any], None]:
+        return forward_slot(carry, t)[0], None
+
+    def steady(carry: dict[str, Any], t: jax.Array) -> tuple[dict[str, Any], None]:
+        carry, out = forward_slot(carry, t)
+        return backward_slot(head_slot(carry, t, out), t), None
+
+    def cooldown(carry: dict[str, Any], t: jax.Array) -> tuple[dict[str, Any], None]:
+        return backward_slot(carry, t), None
+
+    microbatch = jnp.zeros((stages, *xs.shape[1:]), x.dtype)
+    value_shape, aux_shape = jax.eval_shape(
+        lambda p, h: head(p, h, jnp.zeros((), jnp.int32)), head_params, xs[0]
+    )
+    carry = {
+        "inputs": microbatch,
+        "kept": jnp.zeros((stages, slots, *xs.shape[1:]), x.dtype),
+        "grads": microbatch,
+        "value": jnp.zeros(value_shape.shape, value_shape.dtype),
+        "aux": jax.tree.map(lambda a: jnp.zeros((micro, *a.shape), a.dtype), aux_shape),
+        "d_head": jax.tree.map(jnp.zeros_like, head_params),
+        "d_stages": on_stage_axis(jax.tree.map(jnp.zeros_like, stage_params)),
+        "d_x": jnp.zeros_like(xs),
+    }
+    if fill_and_drain:
+        carry, _ = jax.lax.scan(warmup, carry, jnp.arange(stages - 1))
+    carry, _ = jax.lax.scan(steady, carry, jnp.arange(stages - 1, micro + stages - 1))
+    if fill_and_drain:
+        drain = jnp.arange(micro + stages - 1, micro + 2 * stages - 2)
+        carry, _ = jax.lax.scan(cooldown, carry, drain)
+    d_x = carry["d_x"].reshape(x.shape)
+    return carry["value"], carry["aux"], carry["d_head"], carry["d_stages"], d_x

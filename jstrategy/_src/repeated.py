@@ -87,20 +87,24 @@ class Repeated(nn.Module):
             return nn.meta.unbox(variables["params"])
 
         stacked = self.param(pipelining.STACKED_KEY, init)
-        config = pipelining.active()
-        if config is None or self.is_initializing():
+        if self.is_initializing():
             return self._in_order(template, stacked, x, args, kwargs, layers)
-        return self._pipelined(template, stacked, x, args, kwargs, layers, config)
+        record = pipelining.split()
+        if record is not None:
+            return self._split(record, template, x, args, kwargs, layers)
+        config = pipelining.active()
+        if config is None:
+            return self._in_order(template, stacked, x, args, kwargs, layers)
+        self._check_pipelined(x, args, kwargs, layers, config)
+        stages = config.num_stages
+        stage_params = jax.tree.map(
+            lambda v: v.reshape(stages, layers // stages, *v.shape[1:]), stacked
+        )
+        return pipelining.gpipe(self._stage(template, args, kwargs), stage_params, x, config)
 
     def _apply(self, template: nn.Module, params: Any, h: jax.Array, args, kwargs, rngs=None):
         out = template.apply({"params": params}, h, *args, rngs=rngs, **kwargs)
-        if not isinstance(out, jax.Array) or out.shape != h.shape or out.dtype != h.dtype:
-            got = f"{out.shape} {out.dtype}" if isinstance(out, jax.Array) else type(out).__name__
-            raise ValueError(
-                f"The block repeated by Repeated ({type(self.block).__name__}) must return "
-                f"an array of its input's shape and dtype, {h.shape} {h.dtype}; it returned "
-                f"{got}. Repeat only the part of the model whose output feeds the next layer."
-            )
+        _check_output(type(self.block).__name__, h, out)
         return out
 
     def _in_order(self, template, stacked, x, args, kwargs, layers):
@@ -115,8 +119,8 @@ class Repeated(nn.Module):
         out, _ = jax.lax.scan(layer, x, (stacked, jnp.arange(layers)))
         return out
 
-    def _pipelined(self, template, stacked, x, args, kwargs, layers, config):
-        """The layers split over the stages, the rows in microbatches (`pipelining`)."""
+    def _check_pipelined(self, x, args, kwargs, layers, config) -> None:
+        """The refusals of a pipelined block, before it is traced as stages."""
         stages, micro = config.num_stages, config.num_microbatches
         if layers % stages:
             raise ValueError(
@@ -139,22 +143,54 @@ class Repeated(nn.Module):
                 f"{[a.shape for a in arrays]}). Fold them into the input, or pass static "
                 "values (flags such as deterministic=)."
             )
-        per_stage = layers // stages
-        stage_params = jax.tree.map(lambda v: v.reshape(stages, per_stage, *v.shape[1:]), stacked)
+
+    def _stage(self, template, args, kwargs):
+        """``(one stage's stacked params, microbatch) -> microbatch``: its layers in order.
+
+        A pure function of its arguments (the block's fields and static call arguments
+        only), so a 1F1B step may trace it outside the model's ``apply``."""
+        name = type(self.block).__name__
 
         def stage(params: Any, h: jax.Array) -> jax.Array:
             def layer(h: jax.Array, p: Any) -> tuple[jax.Array, None]:
-                return self._apply(template, p, h, args, kwargs), None
+                try:
+                    out = template.apply({"params": p}, h, *args, **kwargs)
+                except flax.errors.InvalidRngError as e:
+                    raise ValueError(
+                        f"The block repeated by Repeated ({name}) draws random numbers "
+                        "(dropout) in training, which PipelineStrategy refuses: each "
+                        "microbatch would get other masks than the whole batch gets, so the "
+                        "trajectory would not be OneDeviceStrategy's. Keep dropout outside "
+                        "the repeated block, or make it deterministic there."
+                    ) from e
+                _check_output(name, h, out)
+                return out, None
 
             return jax.lax.scan(layer, h, params)[0]
 
-        try:
-            return pipelining.gpipe(stage, stage_params, x, config)
-        except flax.errors.InvalidRngError as e:
-            raise ValueError(
-                f"The block repeated by Repeated ({type(self.block).__name__}) draws random "
-                "numbers (dropout) in training, which PipelineStrategy refuses: each "
-                "microbatch would get other masks than the whole batch gets, so the "
-                "trajectory would not be OneDeviceStrategy's. Keep dropout outside the "
-                "repeated block, or make it deterministic there."
-            ) from e
+        return stage
+
+    def _split(self, record, template, x, args, kwargs, layers):
+        """A 1F1B step's pieces (`pipelining.Split`): record this block and return its
+        input, or return the last stage's output in place of running."""
+        if record.output is not None:
+            _check_output(type(self.block).__name__, x, record.output)
+            record.returned = True
+            return record.output
+        config = pipelining.active()
+        assert config is not None, "a 1F1B split is traced under its pipeline"
+        self._check_pipelined(x, args, kwargs, layers, config)
+        stage = self._stage(template, args, kwargs)
+        assert self.scope is not None  # bound: it is being applied
+        record.captured.append(pipelining.Captured(tuple(self.scope.path), stage, x))
+        return x
+
+
+def _check_output(name: str, h: jax.Array, out: Any) -> None:
+    if not isinstance(out, jax.Array) or out.shape != h.shape or out.dtype != h.dtype:
+        got = f"{out.shape} {out.dtype}" if isinstance(out, jax.Array) else type(out).__name__
+        raise ValueError(
+            f"The block repeated by Repeated ({name}) must return an array of its input's "
+            f"shape and dtype, {h.shape} {h.dtype}; it returned {got}. Repeat only the part "
+            "of the model whose output feeds the next layer."
+        )

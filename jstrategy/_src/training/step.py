@@ -56,6 +56,7 @@ from jstrategy._src.training import accumulation
 from jstrategy._src.training import check_numerics
 from jstrategy._src.training import losses as losses_lib
 from jstrategy._src.training import metrics as metrics_lib
+from jstrategy._src.training import pipelined
 from jstrategy._src.training import probability_check
 from jstrategy._src.training import remat as remat_lib
 from jstrategy._src.training import replica_constraints
@@ -403,6 +404,8 @@ def _replica_loss(
     The function maps the parameters to ``(scaled loss sum, (loss sum, y_pred,
     model_state))``: the forward pass over this replica's rows in training mode, the
     replicas named by ``spec.strategy.axis_name`` (dropout keys, synchronized BatchNorm).
+    Under a 1F1B pipeline the same pieces (forward pass, per-microbatch loss sums,
+    scaling) are run by `pipelined.one_f_one_b_loss`, which computes the gradients itself.
     """
     axis = spec.strategy.axis_name
     x, y, w = unpack_batch(batch)
@@ -410,23 +413,54 @@ def _replica_loss(
         raise ValueError("A training batch must be (x, y) or (x, y, sample_weight); got no y.")
     maskf = mask.astype(jnp.float32)
 
-    def local_loss(params: Any) -> tuple[jax.Array, tuple[Any, Any, Any]]:
-        with remat_lib.applying(spec.remat) as active:
-            y_pred, model_state, model_loss = _forward(
-                spec.policy,
-                rest,
-                params,
-                x,
-                train=True,
-                axis_name=axis,
-                sync_batch_norm=spec.sync_batch_norm,
-            )
-        remat_lib.check_used(active)
-        loss_sum = _loss_sum(spec, y, y_pred, maskf, w, model_loss)
+    def forward(params: Any, x: Any) -> tuple[Any, Any, Any]:
+        return _forward(
+            spec.policy,
+            rest,
+            params,
+            x,
+            train=True,
+            axis_name=axis,
+            sync_batch_norm=spec.sync_batch_norm,
+        )
+
+    def scaled_loss(loss_sum: jax.Array) -> jax.Array:
         scaled = loss_sum if scale is None else loss_sum * scale
         if spec.loss_scale_factor is not None:
             scaled = scaled * spec.loss_scale_factor
-        return scaled, (loss_sum, y_pred, model_state)
+        return scaled
+
+    def microbatch_loss(y_pred: Any, m: Any) -> jax.Array:
+        # Microbatch m's rows of the labels, weights and mask (`pipelined`).
+        rows = maskf.shape[0]
+        size = batch_rows(y_pred)
+        y_m, maskf_m, w_m = pipelined.rows_of((y, maskf, w), rows, m, size)
+        return _loss_sum(spec, y_m, y_pred, maskf_m, w_m)
+
+    def penalty(model_loss: Any) -> jax.Array:
+        return jnp.zeros(()) if model_loss is None else model_loss * jnp.sum(maskf)
+
+    def compute_params(params: Any) -> Any:
+        return params if spec.policy == _FLOAT32 else mp.cast_to_compute(params, spec.policy)
+
+    def local_loss(params: Any) -> tuple[jax.Array, tuple[Any, Any, Any]]:
+        with remat_lib.applying(spec.remat) as active:
+            if pipelined.one_f_one_b_active():
+                out = pipelined.one_f_one_b_loss(
+                    params,
+                    x,
+                    forward=forward,
+                    cast=compute_params,
+                    loss_sum=microbatch_loss,
+                    penalty=penalty,
+                    scaled=scaled_loss,
+                )
+            else:
+                y_pred, model_state, model_loss = forward(params, x)
+                loss_sum = _loss_sum(spec, y, y_pred, maskf, w, model_loss)
+                out = scaled_loss(loss_sum), (loss_sum, y_pred, model_state)
+        remat_lib.check_used(active)
+        return out
 
     return local_loss, y, maskf
 

@@ -1,0 +1,246 @@
+"""The 1F1B train step: the model cut at its repeated block, each microbatch's loss computed
+inside the pipeline.
+
+Under GPipe the repeated block is one differentiable function and JAX's autodiff runs the
+backward pass after every microbatch's forward pass. 1F1B starts a microbatch's backward
+pass as soon as its forward pass leaves the last stage, so the loss of each microbatch
+must be known there: this module cuts one replica's training forward pass in two, with
+the block (`jstrategy.experimental.Repeated`) following a `pipelining.Split`:
+
+1. *Before*: the model traced with the block returning its input; what the block was
+   given is the first stage's input (``h0``), a function of the parameters pulled back
+   with ``jax.vjp`` (BatchNorm and dropout before the block see the replica's whole batch,
+   as in every other step).
+2. *After*, per microbatch ``m``: the model traced on microbatch ``m``'s rows with the
+   block returning the last stage's output for them; then microbatch ``m``'s loss sum.
+   Its inputs reach the loss only through the block (checked), so the layers before the
+   block in this trace are dead code.
+3. `pipelining.one_f_one_b` runs the stages and (2) in the 1F1B order and returns the
+   gradients: of the stages' stacked variables, of (2)'s parameters and of ``h0``, which
+   (1)'s pullback turns into the gradients of the layers before the block.
+
+The loss sum is the sum of the microbatches' (each a sum over its rows), so the
+gradients are the whole batch's. They reach JAX's differentiation of the step as the
+derivative of ``sum(params * stop_gradient(grads))`` (a linear function whose gradient is
+exactly ``grads``): the step's reductions, loss scaling, accumulation and update are
+unchanged. Layers after the block must treat rows independently; those that would not
+(BatchNorm in training mode, dropout, state or sown losses that read the activations,
+inputs that skip the block) are refused with a clear error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Literal
+
+from jstrategy._src import pipelining
+from jstrategy._src.names import path_names
+
+__all__ = ["one_f_one_b_active", "one_f_one_b_loss", "rows_of"]
+
+
+def one_f_one_b_active() -> bool:
+    """Whether the train step traced now runs its repeated block as a 1F1B pipeline."""
+    config = pipelining.active()
+    return config is not None and config.schedule is pipelining.PipelineSchedule.ONE_F_ONE_B
+
+
+def rows_of(tree: Any, rows: int, m: Any, size: int) -> Any:
+    """Microbatch `m` (rows ``m * size ..``) of every leaf with `rows` leading rows."""
+
+    def take(v: Any) -> Any:
+        if v is None or jnp.ndim(v) == 0 or jnp.shape(v)[0] != rows:
+            return v
+        return jax.lax.dynamic_slice_in_dim(v, m * size, size, axis=0)
+
+    return jax.tree.map(take, tree)
+
+
+def _sources(fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[list[frozenset[int]], Any]:
+    """For each output leaf of ``fn(*args)``, which argument leaves its value is computed
+    from (by their flat index), read off the traced program (conservatively: every output
+    of an operation reads all of its inputs); and the outputs' shapes."""
+    closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+    env: dict[Any, frozenset[int]] = {v: frozenset((i,)) for i, v in enumerate(closed.jaxpr.invars)}
+
+    def read(v: Any) -> frozenset[int]:
+        return frozenset() if isinstance(v, Literal) else env.get(v, frozenset())
+
+    for eqn in closed.jaxpr.eqns:
+        reads = frozenset().union(*(read(v) for v in eqn.invars))
+        for out in eqn.outvars:
+            env[out] = reads
+    return [read(v) for v in closed.jaxpr.outvars], shapes
+
+
+def _refusing_after(record: pipelining.Split) -> Any:
+    """A linen interceptor refusing dropout and BatchNorm's batch statistics in the
+    layers called after the block returned (their microbatches would not be the batch's)."""
+
+    def intercept(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
+        module = context.module
+        if record.returned and context.method_name == "__call__":
+            what = None
+            if isinstance(module, nn.Dropout) and module.rate > 0:
+                given = kwargs.get("deterministic", args[1] if len(args) > 1 else None)
+                if not nn.merge_param("deterministic", module.deterministic, given):
+                    what = "dropout"
+            if isinstance(module, nn.BatchNorm):
+                given = kwargs.get("use_running_average", args[1] if len(args) > 1 else None)
+                if not nn.merge_param("use_running_average", module.use_running_average, given):
+                    what = "BatchNorm with batch statistics"
+            if what is not None:
+                raise ValueError(
+                    f"schedule='1f1b' computes the layers after the repeated block one "
+                    f"microbatch at a time, and {type(module).__name__} "
+                    f"({'/'.join(module.scope.path)}) there applies {what}, which would "
+                    "see a microbatch instead of the batch (the trajectory would not be "
+                    "OneDeviceStrategy's). Move it before the repeated block, or use "
+                    "schedule='gpipe'."
+                )
+        return next_fun(*args, **kwargs)
+
+    return intercept
+
+
+def one_f_one_b_loss(
+    params: Any,
+    x: Any,
+    *,
+    forward: Callable[[Any, Any], tuple[Any, Any, Any]],
+    cast: Callable[[Any], Any],
+    loss_sum: Callable[[Any, Any], jax.Array],
+    penalty: Callable[[Any], jax.Array],
+    scaled: Callable[[jax.Array], jax.Array],
+) -> tuple[jax.Array, tuple[jax.Array, Any, Any]]:
+    """One replica's differentiated loss under a 1F1B pipeline (the module docstring).
+
+    Args:
+      params: the parameters (differentiated by the caller).
+      x: the replica's inputs.
+      forward: ``(params, inputs) -> (y_pred, model_state, model_loss)``, the training
+        forward pass (under the step's precision policy).
+      cast: parameters as the forward pass computes with them (the policy's dtype).
+      loss_sum: ``(microbatch m's y_pred, m) -> its loss sum``.
+      penalty: the model's own losses -> what they add to the loss sum.
+      scaled: a loss sum -> what is differentiated (loss scaling).
+
+    Returns:
+      ``(value, (loss sum, y_pred, model_state))`` as the step's ``local_loss`` returns
+      them: `value`'s gradient with respect to `params` is the scaled loss sum's.
+    """
+    config = pipelining.active()
+    assert config is not None
+    stages, micro = config.num_stages, config.num_microbatches
+    frozen = jax.lax.stop_gradient(params)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(frozen)
+    paths = [path_names(p) for p, _ in leaves]
+    values = [v for _, v in leaves]
+    found: list[pipelining.Captured] = []
+
+    def before(p: Any) -> tuple[tuple[jax.Array, jax.Array], tuple[Any, jax.Array]]:
+        with pipelining.splitting(pipelining.Split()) as record:
+            _, model_state, model_loss = forward(p, x)
+        found[:] = record.captured
+        if len(found) != 1:
+            raise ValueError(
+                f"schedule='1f1b' pipelines exactly one jstrategy.experimental.Repeated "
+                f"block; this model runs {len(found)} "
+                f"({[('/'.join(c.path) or 'the model') for c in found]}). Pass "
+                "schedule='gpipe', which pipelines each block, or merge them into one."
+            )
+        pen = penalty(model_loss)
+        return (found[0].inputs, scaled(pen)), (model_state, pen)
+
+    (h0, pen_scaled), pull_before, (model_state, pen) = jax.vjp(before, frozen, has_aux=True)
+    block = found[0]
+    rows, size = h0.shape[0], h0.shape[0] // micro
+    prefix = (*block.path, pipelining.STACKED_KEY)
+    stacked = [i for i, p in enumerate(paths) if p[: len(prefix)] == prefix]
+
+    def after(
+        p: Any, h: jax.Array, m: Any, inputs: Any = None
+    ) -> tuple[jax.Array, tuple[Any, Any, Any, Any]]:
+        inputs = rows_of(x, rows, m, size) if inputs is None else inputs
+        record = pipelining.Split(output=h)
+        with pipelining.splitting(record), nn.intercept_methods(_refusing_after(record)):
+            y_pred, state, model_loss = forward(p, inputs)
+        total = loss_sum(y_pred, m)
+        return scaled(total), (total, y_pred, state, model_loss)
+
+    # What the layers after the block read: their parameters (the rest are dead code
+    # there), and never the inputs or, for state and sown losses, the block's output.
+    h_like = jnp.zeros((size, *h0.shape[1:]), h0.dtype)
+    x_like = rows_of(x, rows, 0, size)
+
+    def probe(vals: list[Any], h: jax.Array, xm: Any) -> Any:
+        out = after(jax.tree.unflatten(treedef, vals), h, 0, xm)
+        return out[0], out[1][1], out[1][2], out[1][3]
+
+    n_params, n_x = len(values), len(jax.tree.leaves(x_like))
+    reads, out_shapes = _sources(probe, (values, h_like, x_like))
+    counts = [len(jax.tree.leaves(o)) for o in out_shapes]
+    value_reads, y_reads = reads[0], frozenset().union(*reads[1 : 1 + counts[1]])
+    state_reads = frozenset().union(*reads[1 + counts[1] :])
+    h_index, x_indices = n_params, set(range(n_params + 1, n_params + 1 + n_x))
+    if (value_reads | y_reads) & x_indices:
+        raise ValueError(
+            "schedule='1f1b' computes the layers after the repeated block from the block's "
+            "output one microbatch at a time, but this model's output also reads its "
+            "inputs by another way (e.g. a skip connection around the block). Put the "
+            "skip connection inside the repeated block, or use schedule='gpipe'."
+        )
+    if h_index in state_reads:
+        raise ValueError(
+            "schedule='1f1b' computes the layers after the repeated block one microbatch "
+            "at a time, but there they update the model's state or add losses (sow) from "
+            "their activations, which would see a microbatch instead of the batch. Keep "
+            "stateful layers before the repeated block, or use schedule='gpipe'."
+        )
+    live = sorted(i for i in value_reads if i < n_params and i not in stacked)
+
+    def head(head_params: list[Any], h: jax.Array, m: Any) -> tuple[jax.Array, Any]:
+        vals = list(values)
+        for i, v in zip(live, head_params, strict=True):
+            vals[i] = v
+        value, (total, y_pred, _, _) = after(jax.tree.unflatten(treedef, vals), h, m)
+        return value, (total, y_pred)
+
+    block_params = jax.tree.map(
+        lambda v: v.reshape(stages, v.shape[0] // stages, *v.shape[1:]),
+        [values[i] for i in stacked],
+    )
+
+    def stage(p: list[Any], h: jax.Array) -> jax.Array:
+        sub = jax.tree.unflatten(jax.tree.structure(_subtree(frozen, prefix)), [cast(v) for v in p])
+        return block.stage(sub, h)
+
+    value, (totals, y_preds), d_head, d_block, d_h0 = pipelining.one_f_one_b(
+        stage, block_params, h0, head, [values[i] for i in live], config
+    )
+    (d_before,) = pull_before((d_h0, jnp.ones_like(pen_scaled)))
+    grads = jax.tree.leaves(d_before)
+    for i, g in zip(live, d_head, strict=True):
+        grads[i] = grads[i] + g
+    for i, g in zip(stacked, d_block, strict=True):
+        grads[i] = grads[i] + g.reshape(values[i].shape).astype(grads[i].dtype)
+    grads = [jax.lax.stop_gradient(g) for g in grads]
+    # The derivative of sum(params * grads) is grads: the caller's autodiff reads them.
+    linear = sum(
+        jnp.sum(p.astype(jnp.float32) * g.astype(jnp.float32))
+        for p, g in zip(jax.tree.leaves(params), grads, strict=True)
+    )
+    value = jax.lax.stop_gradient(value + pen_scaled) + (linear - jax.lax.stop_gradient(linear))
+    y_pred = jax.tree.map(lambda v: v.reshape(rows, *v.shape[2:]), y_preds)
+    return value, (jnp.sum(totals) + pen, y_pred, model_state)
+
+
+def _subtree(tree: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
