@@ -25,7 +25,9 @@ derivative of ``sum(params * stop_gradient(grads))`` (a linear function whose gr
 exactly ``grads``): the step's reductions, loss scaling, accumulation and update are
 unchanged. Layers after the block must treat rows independently; those that would not
 (BatchNorm in training mode, dropout, state or sown losses that read the activations,
-inputs that skip the block) are refused with a clear error.
+inputs that skip the block) are refused with a clear error. A custom layer there that
+mixes rows by its own arithmetic (a mean over the batch, say) cannot be told from one that
+does not, and would see a microbatch: keep such layers before the block, or use GPipe.
 """
 
 from __future__ import annotations
