@@ -218,9 +218,10 @@ def one_f_one_b_loss(
         [values[i] for i in stacked],
     )
 
+    block_tree = jax.tree.structure(_subtree(frozen, prefix))
+
     def stage(p: list[Any], h: jax.Array) -> jax.Array:
-        sub = jax.tree.unflatten(jax.tree.structure(_subtree(frozen, prefix)), [cast(v) for v in p])
-        return block.stage(sub, h)
+        return block.stage(jax.tree.unflatten(block_tree, [cast(v) for v in p]), h)
 
     value, (totals, y_preds), d_head, d_block, d_h0 = pipelining.one_f_one_b(
         stage, block_params, h0, head, [values[i] for i in live], config
