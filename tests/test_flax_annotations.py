@@ -1,8 +1,11 @@
 """Flax's own sharding annotations under the sharded strategies (issue 19, item 3/4)."""
 
+import contextlib
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -111,7 +114,7 @@ def test_fsdp_honours_an_annotations_data_axis():
     assert state.params["Dense_0"]["kernel"].sharding.spec == P("replica")
 
 
-def test_scope_sets_jax_mesh_so_nnx_annotations_shard_eagerly():
+def test_nnx_annotations_made_in_the_scope_place_the_state():
     strategy = _strategy()
     with strategy.scope():
         model = nnx.Linear(
@@ -149,3 +152,104 @@ def test_logical_constraints_in_the_step_use_the_strategys_rules():
     with_rules = _constraint_count(_strategy(logical_axis_rules=[("hidden", "model")]))
     without = _constraint_count(_strategy())
     assert with_rules > without
+
+
+# Annotations for one mesh, under every strategy (issue 34) ---------------------------------
+class _ForAnotherMesh(nn.Module):
+    """Annotated for a ("data", "model") mesh: a kernel split over both, a logical
+    constraint on the activations."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(16, kernel_init=nn.with_partitioning(_INIT, ("data", "model")))(x)
+        return nn.Dense(4)(nn.with_logical_constraint(jnp.tanh(h), ("batch", "mlp")))
+
+
+_RULES = [("batch", "data"), ("mlp", "model")]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jstrategy.OneDeviceStrategy("cpu:0"),
+        lambda: jstrategy.MirroredStrategy(),
+        lambda: jstrategy.CentralStorageStrategy(),
+        lambda: FSDPStrategy(min_shard_size=0),
+    ],
+    ids=["one_device", "mirrored", "central_storage", "fsdp"],
+)
+def test_a_model_annotated_for_another_mesh_is_created_and_trained_in_any_scope(make):
+    """Inside the scope (where it stopped at JAX's "Resource axis: model ... is not found
+    in mesh"), by the user's own init and by create_train_state alike."""
+    strategy = make()
+    x = jnp.ones((8, 8))
+    with nn.logical_axis_rules(_RULES), strategy.scope():
+        variables = _ForAnotherMesh().init(jax.random.key(0), x[:1])
+        assert variables["params"]["Dense_0"]["kernel"].names == ("data", "model")
+        state = jstrategy.training.create_train_state(_ForAnotherMesh(), optax.sgd(0.1), x[:1])
+        step = jstrategy.training.make_train_step("mse")
+        state, logs = step(state, (x, jnp.zeros((8, 4))))
+    assert np.isfinite(float(logs["loss"]))
+    kernel = state.params["Dense_0"]["kernel"]
+    # FSDP splits the annotation's data axis over its replicas; the others keep one copy.
+    if isinstance(strategy, FSDPStrategy):
+        assert kernel.sharding.spec == P("replica")
+    else:
+        assert kernel.sharding.is_fully_replicated
+
+
+@pytest.mark.parametrize("where", ["inside", "outside"])
+def test_an_axis_the_mesh_lacks_is_the_projects_error_inside_the_scope_too(where):
+    """ModelParallel's mesh is the user's own: an annotation it cannot place is refused
+    by name, not by JAX's raw error (which it was inside the scope)."""
+
+    class Wrong(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(8, kernel_init=nn.with_partitioning(_INIT, (None, "tensor")))(x)
+
+    strategy = _strategy()
+    scope = strategy.scope() if where == "inside" else contextlib.nullcontext()
+    match = r"Variable 'Dense_0/kernel' is annotated .* names mesh axes \['tensor'\] that the mesh lacks; its axes are \('data', 'model'\)"
+    with scope, pytest.raises(ValueError, match=match):
+        jstrategy.training.create_train_state(
+            Wrong(), optax.sgd(0.1), jnp.ones((1, 4)), strategy=strategy
+        )
+    with strategy.scope(), pytest.raises(ValueError, match=match):
+        jstrategy.Model(Wrong(), input_shape=(4,))
+
+
+def test_layout_keys_may_spell_an_nnx_variable_with_its_value():
+    """The README's NNX key form, ``dense1/kernel/value``, names ``dense1/kernel``."""
+    layout_map = LayoutMap(DeviceMesh((2, 4), ("data", "model")))
+    layout_map["dense1/kernel/value"] = (None, "model")
+    strategy = _strategy(layout_map=layout_map)
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.dense1 = nnx.Linear(8, 16, rngs=rngs)
+
+        def __call__(self, x):
+            return self.dense1(x)
+
+    with strategy.scope():
+        state = jstrategy.training.create_nnx_train_state(Net(nnx.Rngs(0)), optax.sgd(0.1))
+    assert state.params["dense1"]["kernel"][...].sharding.spec == P(None, "model")
+    assert layout_map["dense1/kernel"] == P(None, "model")
+
+
+def test_each_strategy_reads_an_annotations_axes_on_its_own_mesh():
+    fsdp = FSDPStrategy()
+    assert [fsdp.annotation_axis(a) for a in ("data", "fsdp", "batch", "model", "replica")] == [
+        "replica", "replica", "replica", None, "replica",
+    ]  # fmt: skip
+    mp = _strategy()
+    assert [mp.annotation_axis(a) for a in ("data", "model", "tensor")] == ["data", "model", None]
+    mirrored = jstrategy.MirroredStrategy()
+    assert mirrored.annotation_axis("data") is None
+    from jstrategy._src.flax_annotations import step_rules
+
+    with nn.logical_axis_rules(_RULES):
+        assert step_rules(mirrored) == ()
+        assert step_rules(fsdp) == (("batch", "replica"), ("mlp", None))
+        assert step_rules(mp) == (("batch", "data"), ("mlp", "model"))

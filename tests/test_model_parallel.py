@@ -530,15 +530,16 @@ def _assert_nnx_layouts(params, strategy):
 def test_the_nnx_guides_model_trains_as_annotated_matching_the_guides_loop(path):
     x, y, want_losses, want_final = _nnx_guide_loop()
     strategy = _guide_strategy()
-    with strategy.scope():  # sets the strategy's mesh: the guide's annotations shard at once
+    with strategy.scope():  # the module is created whole; its state placed as annotated
         module = MultiDotReluDot(NNX_DEPTH, 2, rngs=nnx.Rngs(0))
-        _assert_nnx_layouts(nnx.state(module), strategy)
         if path == "fit":
             model = jstrategy.Model(module)
             model.compile(optax.adam(1e-3), loss="mse", steps_per_execution=2)
+            state = model.state
         else:
             state = jstrategy.training.create_nnx_train_state(module, optax.adam(1e-3))
             step = jstrategy.training.make_train_step("mse")
+    _assert_nnx_layouts(state.params, strategy)
     if path == "fit":
         history = model.fit(x, y, batch_size=8, epochs=5, shuffle=False, verbose=0)
         got, state = history.history["loss"], model.state

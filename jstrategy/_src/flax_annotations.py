@@ -23,7 +23,6 @@ strategy decides the annotation of a path.
 from __future__ import annotations
 
 import difflib
-import re
 import threading
 import weakref
 from collections.abc import Iterable
@@ -38,12 +37,15 @@ from flax.core import spmd as flax_spmd
 from flax.linen import spmd as linen_spmd
 from jax.sharding import PartitionSpec as P
 
+from jstrategy._src.layout_map import NNX_VALUE
+from jstrategy._src.layout_map import matches_path
 from jstrategy._src.names import path_names
 
 if TYPE_CHECKING:
-    from jstrategy._src.strategy import Strategy
+    from jstrategy._src.strategy_like import StrategyLike
 
 __all__ = [
+    "DATA_AXES",
     "PARAMS",
     "annotation",
     "candidate_paths",
@@ -54,6 +56,7 @@ __all__ = [
     "prepare",
     "prepare_nnx",
     "record",
+    "step_rules",
     "unbox",
     "user_path",
 ]
@@ -62,19 +65,55 @@ __all__ = [
 #: of the paths that layouts and annotations are looked up by, as in Keras.
 PARAMS = "params"
 
-#: The last key of an NNX variable's path in a pytree (the variable's ``value``): not part
-#: of the path users write either.
-_NNX_VALUE = "value"
 
 _LOCK = threading.Lock()
 _RECORDED: weakref.WeakKeyDictionary[Any, dict[str, P]] = weakref.WeakKeyDictionary()
 
 
-def logical_rules(strategy: Strategy | None) -> tuple[tuple[str, Any], ...]:
+#: The mesh axis names that mean data parallelism in the annotations users write (Flax's
+#: guides' ``"data"``, MaxText's ``"fsdp"``, ``"batch"``): a sharded strategy reads them
+#: as its own data axis.
+DATA_AXES = ("data", "fsdp", "batch")
+
+
+def logical_rules(strategy: StrategyLike | None) -> tuple[tuple[str, Any], ...]:
     """The logical axis rules in force: the strategy's (``logical_axis_rules=``), then
     those of Flax's ``nn.logical_axis_rules`` context."""
     own = tuple(getattr(strategy, "logical_axis_rules", ()) or ())
     return own + tuple(flax_spmd.get_logical_axis_rules())
+
+
+def _mesh_axes_on(strategy: StrategyLike, target: Any) -> Any:
+    """A rule's mesh axes (a name, a tuple of names or None) as `strategy` reads them."""
+    if target is None:
+        return None
+    names = (target,) if isinstance(target, str) else tuple(target)
+    mapped = tuple(dict.fromkeys(a for a in map(strategy.annotation_axis, names) if a))
+    if not mapped:
+        return None
+    return mapped[0] if isinstance(target, str) or len(mapped) == 1 else mapped
+
+
+def step_rules(strategy: StrategyLike) -> tuple[tuple[str, Any], ...]:
+    """The logical axis rules a program of `strategy` is traced under.
+
+    `logical_rules`, each rule's mesh axes read by ``strategy.annotation_axis``: a model
+    whose rules name another mesh's axes (``("mlp", "model")`` under `FSDPStrategy`)
+    constrains its activations on this strategy's axes, or not at all. When no rule
+    names an axis of this strategy, no rule is left, so ``nn.with_logical_constraint``
+    does nothing (as outside any mesh).
+
+    Example:
+
+    >>> import flax.linen as nn, jstrategy
+    >>> with nn.logical_axis_rules([("batch", "data"), ("mlp", "model")]):
+    ...     step_rules(jstrategy.MirroredStrategy(["cpu:0", "cpu:1"]))
+    ()
+    """
+    rules = tuple(
+        (name, _mesh_axes_on(strategy, target)) for name, target in logical_rules(strategy)
+    )
+    return rules if any(target is not None for _, target in rules) else ()
 
 
 def _logical_to_mesh(names: Sequence[Any], rules: Sequence[Any]) -> P:
@@ -85,7 +124,7 @@ def _is_box(x: Any) -> bool:
     return isinstance(x, meta.AxisMetadata)
 
 
-def unbox(variables: Any, strategy: Strategy | None = None) -> tuple[Any, dict[str, P]]:
+def unbox(variables: Any, strategy: StrategyLike | None = None) -> tuple[Any, dict[str, P]]:
     """``(variables without linen's boxes, {path: PartitionSpec} of the annotated ones)``.
 
     Works on concrete and on abstract (``jax.eval_shape``) variables alike. A
@@ -129,7 +168,7 @@ def unbox(variables: Any, strategy: Strategy | None = None) -> tuple[Any, dict[s
     return meta.unbox(variables), specs
 
 
-def nnx_specs(state: Any, strategy: Strategy | None = None) -> dict[str, P]:
+def nnx_specs(state: Any, strategy: StrategyLike | None = None) -> dict[str, P]:
     """``{path: PartitionSpec}`` of an NNX state's variables that carry ``out_sharding``.
 
     Logical names are mapped by the variable's own ``sharding_rules`` together with
@@ -176,7 +215,7 @@ def user_path(names: Sequence[str]) -> str:
     names = list(names)
     if len(names) > 1 and names[0] == PARAMS:
         names = names[1:]
-    if len(names) > 1 and names[-1] == _NNX_VALUE:
+    if len(names) > 1 and names[-1] == NNX_VALUE:
         names = names[:-1]
     return "/".join(names)
 
@@ -194,14 +233,14 @@ def candidate_paths(names: Sequence[str]) -> tuple[bool, list[str]]:
     (False, ['opt_state/0/mu/Dense_0/kernel', '0/mu/Dense_0/kernel', 'mu/Dense_0/kernel', 'Dense_0/kernel', 'kernel'])
     """
     names = tuple(str(k) for k in names)
-    if len(names) > 1 and names[-1] == _NNX_VALUE:
+    if len(names) > 1 and names[-1] == NNX_VALUE:
         names = names[:-1]
     if len(names) > 1 and names[0] == PARAMS:
         return True, ["/".join(names[1:])]
     return False, ["/".join(names[i:]) for i in range(len(names))]
 
 
-def record(strategy: Strategy, specs: Mapping[str, P]) -> None:
+def record(strategy: StrategyLike, specs: Mapping[str, P]) -> None:
     """Makes `specs` (from `unbox` or `nnx_specs`) the annotations `strategy` sees.
 
     They replace those recorded for the same paths by an earlier model.
@@ -212,7 +251,7 @@ def record(strategy: Strategy, specs: Mapping[str, P]) -> None:
         _RECORDED.setdefault(strategy, {}).update(specs)
 
 
-def annotation(strategy: Strategy, names: Sequence[str]) -> tuple[str, P] | None:
+def annotation(strategy: StrategyLike, names: Sequence[str]) -> tuple[str, P] | None:
     """``(path, spec)`` of the annotation recorded for the leaf at `names`, or None.
 
     Looked up as `candidate_paths` says: a parameter by its own path, another leaf by the
@@ -229,7 +268,7 @@ def annotation(strategy: Strategy, names: Sequence[str]) -> tuple[str, P] | None
 
 
 def data_dim(
-    strategy: Strategy, names: Sequence[str], shape: Sequence[int], axes: Sequence[str]
+    strategy: StrategyLike, names: Sequence[str], shape: Sequence[int], axes: Sequence[str]
 ) -> int | None:
     """The dimension of the leaf at `names` that its annotation splits over one of `axes`.
 
@@ -246,7 +285,7 @@ def data_dim(
     return None
 
 
-def prepare(variables: Any, strategy: Strategy) -> Any:
+def prepare(variables: Any, strategy: StrategyLike) -> Any:
     """Linen variables as the train state holds them, their annotations told to `strategy`.
 
     Strips the boxes (`unbox`), `record`s the annotations, and checks a `LayoutMap`'s keys
@@ -269,14 +308,14 @@ def prepare(variables: Any, strategy: Strategy) -> Any:
     return plain
 
 
-def prepare_nnx(state: Any, strategy: Strategy) -> None:
+def prepare_nnx(state: Any, strategy: StrategyLike) -> None:
     """`prepare` for an NNX module's state (``nnx.split(model)[1]``): its variables'
     ``out_sharding`` annotations told to `strategy`, a `LayoutMap`'s keys checked."""
     _check_layouts(strategy, state)
     record(strategy, nnx_specs(state, strategy))
 
 
-def _check_layouts(strategy: Strategy, tree: Any) -> None:
+def _check_layouts(strategy: StrategyLike, tree: Any) -> None:
     layout_map = getattr(strategy, "layout_map", None)
     if layout_map is not None:
         check_layout_keys(layout_map, tree, where="LayoutMap key")
@@ -297,7 +336,7 @@ def check_layout_keys(keys: Iterable[str], tree: Any, *, where: str) -> None:
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_box)
     paths = sorted({user_path(path_names(keypath)) for keypath, _ in flat})
     for key in keys:
-        if any(key == path or re.search(key, path) for path in paths):
+        if any(key == path or matches_path(key, path) for path in paths):
             continue
         nearest = difflib.get_close_matches(key, paths, n=3, cutoff=0.0)
         raise ValueError(

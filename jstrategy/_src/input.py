@@ -593,18 +593,20 @@ class _Placer:
         arg: str,
     ):
         n = strategy.num_replicas_in_sync
+        unit = strategy.batch_multiple  # n, times a pipeline's microbatches
         owners, pipeline_id, pipelines, local_replicas = _process_layout(strategy)
         if global_batch_size is not None and (
             isinstance(global_batch_size, bool)
             or not isinstance(global_batch_size, (int, np.integer))
             or global_batch_size < 1
-            or global_batch_size % n
+            or global_batch_size % unit
         ):
-            hint = round_up(global_batch_size, n) if isinstance(global_batch_size, int) else n
+            hint = round_up(global_batch_size, unit) if isinstance(global_batch_size, int) else unit
+            what = f"num_replicas_in_sync={n}" if unit == n else f"batch_multiple={unit}"
             raise ValueError(
-                f"`global_batch_size` must be a positive multiple of "
-                f"num_replicas_in_sync={n}, so every replica gets the same rows; got "
-                f"{global_batch_size!r}. Pass global_batch_size={max(hint, n)}."
+                f"`global_batch_size` must be a positive multiple of {what}, so every "
+                f"replica gets the same rows; got {global_batch_size!r}. Pass "
+                f"global_batch_size={max(hint, unit)}."
             )
         if not rows_are_global and local_replicas * pipelines != n:
             raise ValueError(
@@ -617,6 +619,7 @@ class _Placer:
         self.fetch_to_device = fetch_to_device
         self.arg = arg
         self.num_replicas = n
+        self.unit = unit
         self.owners = owners
         self.pipeline_id = pipeline_id
         self.pipelines = pipelines
@@ -631,9 +634,9 @@ class _Placer:
     def _set_sizes(self, first_rows: int) -> None:
         if self.global_batch_size is None:
             if self.rows_are_global:
-                self.global_batch_size = round_up(first_rows, self.num_replicas)
+                self.global_batch_size = round_up(first_rows, self.unit)
             else:
-                local = round_up(first_rows, self.local_replicas)
+                local = round_up(first_rows, self.local_replicas * self.unit // self.num_replicas)
                 self.global_batch_size = local * self.pipelines
             self._source_of_size = "the first batch"
         g = self.global_batch_size
@@ -671,7 +674,7 @@ class _Placer:
         leaves, treedef, rows = _flatten_batch(batch, where)
         self.check(leaves, treedef, rows, where)
         if rows > self.static_rows:
-            unit = self.num_replicas if self.rows_are_global else self.local_replicas
+            unit = self.unit if self.rows_are_global else self.local_replicas
             kind = "global" if self.rows_are_global else "per-process"
             suggested = round_up(rows, unit) * (1 if self.rows_are_global else self.pipelines)
             raise ValueError(

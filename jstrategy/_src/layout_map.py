@@ -18,7 +18,10 @@ from jax.sharding import PartitionSpec as P
 
 from jstrategy._src.mesh import DeviceMesh
 
-__all__ = ["LayoutMap"]
+__all__ = ["NNX_VALUE", "LayoutMap", "matches_path"]
+
+#: The last key of an NNX variable's path in its state (the variable's ``value``).
+NNX_VALUE = "value"
 
 
 class LayoutMap(collections.abc.MutableMapping):
@@ -84,9 +87,13 @@ class LayoutMap(collections.abc.MutableMapping):
         Raises:
           ValueError: if several keys' regexes match `path` (the message names them).
         """
-        if path in self._layouts:
-            return path, self._layouts[path]
-        matches = [key for key in self._layouts if re.search(key, path)]
+        # An NNX variable's path is also written with its ``/value`` (as an NNX state's
+        # keys run): ``dense1/kernel/value`` names ``dense1/kernel``.
+        spellings = (path, f"{path}/{NNX_VALUE}")
+        for spelling in spellings:
+            if spelling in self._layouts:
+                return spelling, self._layouts[spelling]
+        matches = [key for key in self._layouts if matches_path(key, path)]
         if len(matches) > 1:
             raise ValueError(
                 f"Path {path!r} matches several LayoutMap keys: {matches}. Each variable "
@@ -128,6 +135,18 @@ class LayoutMap(collections.abc.MutableMapping):
 
     def __repr__(self) -> str:
         return f"LayoutMap({self._device_mesh!r}, {self._layouts!r})"
+
+
+def matches_path(key: str, path: str) -> bool:
+    """Whether LayoutMap key `key` (a regex) matches the variable at `path` (as users write
+    it, ``dense1/kernel``), also when the key spells an NNX variable with its ``/value``.
+
+    Example:
+
+    >>> matches_path("dense1/kernel/value", "dense1/kernel"), matches_path("kernel", "dense1/bias")
+    (True, False)
+    """
+    return any(re.search(key, p) for p in (path, f"{path}/{NNX_VALUE}"))
 
 
 def _to_spec(key: str, layout: Any, mesh: DeviceMesh) -> P:

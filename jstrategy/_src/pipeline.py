@@ -131,6 +131,11 @@ class PipelineStrategy(ShardedStrategy):
         self._min_shard_size = min_shard_size
 
     @property
+    def batch_multiple(self) -> int:
+        """Each replica's rows divide into `num_microbatches`: replicas x microbatches."""
+        return self.num_replicas_in_sync * self.num_microbatches
+
+    @property
     def num_stages(self) -> int:
         """The pipeline stages."""
         return self._config.num_stages
@@ -231,9 +236,10 @@ class _PipelinedProgram:
                 raise ValueError(
                     f"num_microbatches={strategy.num_microbatches} must divide the rows of "
                     f"each replica, {rows} (a global batch of {m.shape[-1]} over "
-                    f"{strategy.num_replicas_in_sync} replicas). Pick a batch size that is "
-                    f"a multiple of {strategy.num_microbatches * strategy.num_replicas_in_sync}"
-                    ", or another num_microbatches."
+                    f"{strategy.num_replicas_in_sync} replicas). Pass batches of a multiple "
+                    f"of {strategy.batch_multiple} rows, or let distribute_batch, a "
+                    "distributed dataset or Model.fit pad them (they pad to that multiple "
+                    "and mask the padding), or pick another num_microbatches."
                 )
 
     def __call__(self, state: Any, acc: Any, batch: Any, mask: Any) -> tuple[Any, Any, Any]:

@@ -78,11 +78,27 @@ def place_state(tree: Any, strategy: StrategyLike | None = None) -> Any:
     """
     strategy = strategy if strategy is not None else context.get_strategy()
     shardings = variable_shardings(tree, strategy)
+    tree = jax.tree.map(_to_device_memory_first, tree, shardings)
     if all(s.is_fully_addressable for s in jax.tree.leaves(shardings)):
         return jax.device_put(tree, shardings)  # one batched transfer
     # Shardings spanning other processes' devices (MultiWorkerMirrored): each process
     # places the pieces its own devices hold.
     return jax.tree.map(device_put_global, tree, shardings)
+
+
+def _to_device_memory_first(x: Any, sharding: jax.sharding.Sharding) -> Any:
+    """`x` on `sharding`'s devices in device memory, when it goes to host memory from
+    device memory elsewhere: JAX refuses a replicated array of several devices straight
+    into one device's host memory ("Memory kind mismatch with xla::PjRtBuffers", as an NNX
+    module created on a mesh of its own meets `CentralStorageStrategy`)."""
+    if (
+        sharding.memory_kind in HOST_MEMORY_KINDS
+        and isinstance(x, jax.Array)
+        and x.sharding.memory_kind not in HOST_MEMORY_KINDS
+        and x.sharding.device_set != sharding.device_set
+    ):
+        return jax.device_put(x, sharding.with_memory_kind("device"))
+    return x
 
 
 def splits(shardings: Any) -> bool:
@@ -160,7 +176,33 @@ def create_placed(
     Returns:
       The outputs, placed by `variable_sharding`.
     """
-    shardings = creation_shardings(fn, *args, strategy=strategy)
+    try:
+        abstract_outputs = jax.eval_shape(fn, *args)
+    except Exception:
+        # Models are created without JAX's mesh, so that Flax's annotations naming another
+        # mesh's axes (which Flax would constrain to on a mesh) do not stop their creation.
+        # A model whose own code constrains with a bare PartitionSpec
+        # (``with_sharding_constraint(x, P("data"))``) needs the mesh while it is traced:
+        # nothing was computed yet (the trace above is abstract), so it is traced again
+        # under the strategy's, if it has one.
+        mesh_context = getattr(strategy, "mesh_context", None)
+        if mesh_context is None:
+            raise
+        with mesh_context():
+            shardings = creation_shardings(fn, *args, strategy=strategy)
+            return _create(fn, args, shardings, strategy, eager, place_args)
+    shardings = variable_shardings(abstract_outputs, strategy)
+    return _create(fn, args, shardings, strategy, eager, place_args)
+
+
+def _create(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    shardings: Any,
+    strategy: StrategyLike,
+    eager: Callable[[], Any] | None,
+    place_args: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None,
+) -> Any:
     if not splits(shardings):
         return place_state(eager() if eager is not None else fn(*args), strategy)
     inputs = place_args(args) if place_args is not None else _creation_inputs(args, strategy)

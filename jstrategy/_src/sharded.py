@@ -2,9 +2,11 @@
 
 `FSDPStrategy` and `ModelParallelStrategy` differ in where each variable lives
 (`Strategy.variable_sharding`); how their train steps are staged is the same
-(`staging.sharded_train_program`), and so is how they join a multi-process job and what
-their scope sets: JAX's mesh (`jax.set_mesh`) and the strategy's logical axis rules, so that
-Flax's sharding annotations and `with_sharding_constraint` inside models name its axes.
+(`staging.sharded_train_program`), and so is how they join a multi-process job, how they
+read a model's sharding annotations (`annotation_axis`) and what their programs are traced
+under: JAX's mesh (`jax.set_mesh`) and the logical axis rules read on their mesh
+(`flax_annotations.step_rules`), so that `with_sharding_constraint` and
+``nn.with_logical_constraint`` inside models name its axes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import jax
 from flax.core import spmd as flax_spmd
 
 from jstrategy._src import cluster as cluster_lib
+from jstrategy._src import flax_annotations
 from jstrategy._src import staging
 from jstrategy._src.cluster_resolver import TFConfigClusterResolver
 from jstrategy._src.collective_util import check_communication_options
@@ -39,10 +42,11 @@ class ShardedStrategy(Strategy):
     parameter's layout, and applies the update to each device's slices, keeping every
     variable where `variable_sharding` says.
 
-    Inside its `scope()` (and while its programs are traced) JAX's mesh is the strategy's
-    (`jax.set_mesh`) and Flax's logical axis rules include `logical_axis_rules`: NNX
-    variables annotated with `nnx.with_partitioning` are created on it, and
-    `jax.lax.with_sharding_constraint` / `nn.with_logical_constraint` name its axes.
+    While its programs are traced JAX's mesh is the strategy's (`jax.set_mesh`) and
+    Flax's logical axis rules are `flax_annotations.step_rules`: `logical_axis_rules` and
+    those of Flax's context, read on this mesh, so `jax.lax.with_sharding_constraint` /
+    `nn.with_logical_constraint` name its axes. Its `scope()` sets neither: a model
+    created there, annotated for any mesh, is placed by `variable_sharding`.
     """
 
     #: The job this strategy joined (`_join_job`), or None for a local one.
@@ -92,22 +96,30 @@ class ShardedStrategy(Strategy):
             return self._cluster.is_chief
         return jax.process_index() == 0
 
-    @contextlib.contextmanager
-    def mesh_context(self) -> Iterator[None]:
-        """JAX's mesh set to the strategy's, its logical axis rules before Flax's own."""
-        rules = self.logical_axis_rules
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(jax.set_mesh(self.mesh))
-            if rules:
-                outer = tuple(flax_spmd.get_logical_axis_rules())
-                stack.enter_context(flax_spmd.logical_axis_rules(rules + outer))
-            yield
+    def annotation_axis(self, name: str) -> str | None:
+        """An axis of the mesh means itself; a data axis of another mesh (``"data"``,
+        ``"fsdp"``, ``"batch"``) means this one's (`axis_name`); any other axis None.
+
+        Example:
+
+        >>> import jstrategy
+        >>> strategy = jstrategy.experimental.FSDPStrategy()
+        >>> strategy.annotation_axis("data"), strategy.annotation_axis("model")
+        ('replica', None)
+        """
+        if name in self.mesh.axis_names:
+            return name
+        return self.axis_name if name in flax_annotations.DATA_AXES else None
 
     @contextlib.contextmanager
-    def scope(self) -> Iterator[Strategy]:
-        """`Strategy.scope`, with JAX's mesh and Flax's rules as `mesh_context` sets them."""
-        with super().scope(), self.mesh_context():
-            yield self
+    def mesh_context(self) -> Iterator[None]:
+        """JAX's mesh set to the strategy's, Flax's logical axis rules to
+        `flax_annotations.step_rules` (while a program is traced)."""
+        with (
+            jax.set_mesh(self.mesh),
+            flax_spmd.logical_axis_rules(flax_annotations.step_rules(self)),
+        ):
+            yield
 
     def stage_train_step(
         self, fns: staging.StepFunctions, *, steps: int = 0, stacked: bool = True

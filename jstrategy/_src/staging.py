@@ -39,6 +39,7 @@ from flax.core import spmd as flax_spmd
 from jax.sharding import PartitionSpec as P
 
 from jstrategy._src import dispatch
+from jstrategy._src import flax_annotations
 from jstrategy._src.numerics import means
 from jstrategy._src.placement import variable_shardings
 
@@ -112,20 +113,24 @@ def replica_map(
     automatic (XLA partitions them from the variables' shardings).
     """
     mesh = strategy.mesh
-    rules = tuple(getattr(strategy, "logical_axis_rules", ()))
-    if rules:
-        fn = _under_rules(fn, rules)
     # An empty set means every axis, as on a 1-D mesh.
     manual = frozenset({strategy.axis_name}) if len(mesh.axis_names) > 1 else frozenset()
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=manual)
+    return jax.shard_map(
+        _under_rules(fn, strategy),
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        axis_names=manual,
+    )
 
 
-def _under_rules(fn: Callable[..., Any], rules: tuple[Any, ...]) -> Callable[..., Any]:
-    """`fn` traced under the strategy's Flax logical axis rules (`nn.with_logical_constraint`
-    in a model names its mesh axes), before those of Flax's context."""
+def _under_rules(fn: Callable[..., Any], strategy: StrategyLike) -> Callable[..., Any]:
+    """`fn` traced under the logical axis rules read on the strategy's mesh
+    (`flax_annotations.step_rules`): `nn.with_logical_constraint` in a model names the
+    strategy's axes, or does nothing where the strategy splits nothing."""
 
     def traced(*args: Any) -> Any:
-        with flax_spmd.logical_axis_rules(rules + tuple(flax_spmd.get_logical_axis_rules())):
+        with flax_spmd.logical_axis_rules(flax_annotations.step_rules(strategy)):
             return fn(*args)
 
     return traced

@@ -17,6 +17,7 @@ from typing import cast
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
@@ -165,6 +166,22 @@ class Strategy:
         return int(self._mesh.shape[self._data_axis])
 
     @property
+    def batch_multiple(self) -> int:
+        """What the rows of a global batch divide by: `num_replicas_in_sync` (each replica
+        gets as many rows), times the microbatches for `PipelineStrategy`.
+
+        `Model.fit`, `evaluate` and `predict`, distributed datasets and `distribute_batch`
+        pad a batch to a multiple of it (the padding rows masked out).
+
+        Example:
+
+        >>> import jstrategy
+        >>> jstrategy.MirroredStrategy(["cpu:0", "cpu:1"]).batch_multiple
+        2
+        """
+        return self.num_replicas_in_sync
+
+    @property
     def devices(self) -> tuple[jax.Device, ...]:
         """The strategy's devices in mesh order: the replicas' devices, in replica order, on
         a 1-D mesh."""
@@ -245,6 +262,25 @@ class Strategy:
         del leaf, path  # every leaf is replicated alike
         return self.replicated_sharding()
 
+    def annotation_axis(self, name: str) -> str | None:
+        """The axis of this strategy's mesh that a model's sharding annotation naming the
+        mesh axis `name` means here, or None: that dimension is not split.
+
+        A model annotated for one mesh (``nn.with_partitioning(init, ("data", "model"))``,
+        ``nnx`` ``sharding=``, logical axis rules such as ``("mlp", "model")``) trains
+        under every strategy: each strategy reads the annotation's axes through this
+        method. The strategies that keep a copy of every variable per replica split
+        nothing, so every name means None; the sharded ones override it.
+
+        Example:
+
+        >>> import jstrategy
+        >>> print(jstrategy.MirroredStrategy(["cpu:0", "cpu:1"]).annotation_axis("model"))
+        None
+        """
+        del name  # nothing is split
+        return None
+
     # Scope ------------------------------------------------------------------------------
     @contextlib.contextmanager
     def scope(self) -> Iterator[Strategy]:
@@ -252,8 +288,13 @@ class Strategy:
 
         Re-entering the same strategy's scope is allowed; entering another strategy's scope
         inside it raises `ValueError`.
+
+        NNX variables created inside carry their sharding annotations as metadata but are
+        not sharded when created (``nnx.use_eager_sharding(False)``): the strategy places
+        them, reading the annotations through `annotation_axis`, when a train state or a
+        `Model` is made of them. So a model annotated for any mesh is created in any scope.
         """
-        with context.strategy_scope(self):
+        with context.strategy_scope(self), nnx.use_eager_sharding(False):
             yield self
 
     # run --------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jstrategy._src import batch_region
 from jstrategy._src.layers import activations
 from jstrategy._src.layers import initializers
 from jstrategy._src.layers import regularizers
@@ -222,8 +223,10 @@ class Dropout(Layer):
     """Keras's ``Dropout``: in training, zeroes a `rate` fraction and scales the rest by
     ``1 / (1 - rate)``; the identity otherwise.
 
-    The mask is drawn from the ``"dropout"`` stream the train step gives each replica (a
-    different key per replica and step, from the model's seed).
+    The mask is drawn from the ``"dropout"`` stream the train step gives (a different key
+    per step, from the model's seed), by global row: in a train step the mask of a row is
+    the one a single device draws for the whole batch, whatever the strategy's mesh
+    (`batch_region.global_rows_bernoulli`).
 
     Args:
       rate: the fraction to drop, in ``[0, 1)``.
@@ -270,7 +273,4 @@ class Dropout(Layer):
             shape = tuple(
                 s if n is None else n for n, s in zip(self.noise_shape, shape, strict=True)
             )
-        keep_prob = 1.0 - self.rate
-        keep = jax.random.bernoulli(key, keep_prob, shape)
-        keep = jnp.broadcast_to(keep, jnp.shape(inputs))
-        return jax.lax.select(keep, inputs / keep_prob, jnp.zeros_like(inputs))
+        return batch_region.dropout(inputs, key, self.rate, shape)

@@ -2,9 +2,9 @@
 
 Keras's names and defaults: ``gamma``/``beta`` are trained (``params``),
 ``moving_mean``/``moving_variance`` are BatchNorm's statistics (``batch_stats``, updated
-by the train step and averaged over the replicas, as tf.distribute aggregates them with
-MEAN); momentum 0.99, epsilon 1e-3. Statistics are computed in float32 for float16 and
-bfloat16 inputs, as Keras does.
+by the train step); momentum 0.99, epsilon 1e-3. Statistics are computed in float32 for
+float16 and bfloat16 inputs, as Keras does. In a train step, the statistics are the global
+batch's under every strategy (`batch_region`), as on one device.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jstrategy._src import batch_region
+from jstrategy._src import context
 from jstrategy._src.layers import initializers
 from jstrategy._src.layers import regularizers
 from jstrategy._src.layers.base import Layer
@@ -95,10 +97,16 @@ def _normalize(x: Any, mean: Any, var: Any, gamma: Any, beta: Any, epsilon: floa
 class BatchNormalization(_Normalization):
     """Keras's ``BatchNormalization``: batch statistics in training, moving ones otherwise.
 
-    In training each replica normalizes by its own rows' statistics (Keras's default
-    ``synchronized=False``); ``synchronized=True`` uses the global batch's, over
-    jstrategy's replica axis (`jstrategy.REPLICA_AXIS`). Either way the moving
-    statistics the step keeps are the replicas' mean.
+    In a train step (`Model.fit`, `jstrategy.training.make_train_step`) the statistics are
+    the global batch's under every strategy, as on one device and as Keras 3's
+    ``DataParallel`` computes them; ``compile(sync_batch_norm="per_replica")`` (or the
+    train step's ``sync_batch_norm=``) takes each replica's rows instead, as TF's
+    ``BatchNormalization`` does under a ``tf.distribute`` strategy, and the moving
+    statistics are then the replicas' mean. ``synchronized=True`` asks for the global
+    batch's statistics even then, and inside `Strategy.run` (over the strategy's data
+    axis, or `jstrategy.REPLICA_AXIS` in a ``shard_map`` of your own), where the default
+    normalizes each replica's rows as TF does. Outside any of these the rows given are
+    the batch.
 
     Example:
 
@@ -156,13 +164,9 @@ class BatchNormalization(_Normalization):
         )
         gamma, beta = self._affine(feature_shape)
         if training:
-            mean = jnp.mean(x, axis=reduce)
-            if self.synchronized:
-                mean_sq = jnp.mean(jnp.square(x), axis=reduce)
-                mean, mean_sq = jax.lax.pmean((mean, mean_sq), REPLICA_AXIS)
-                var = jnp.maximum(mean_sq - jnp.square(mean), 0.0)
-            else:
-                var = jnp.var(x, axis=reduce)
+            region = batch_region.current()
+            mask = None if region is None else region.row_mask
+            mean, var = batch_region.moments(x, reduce, self._statistics_axis(), mask)
             if not self.is_initializing():
                 m = self.momentum
                 moving_mean.value = moving_mean.value * m + mean * (1 - m)
@@ -178,6 +182,19 @@ class BatchNormalization(_Normalization):
             self.epsilon,
         )
         return out.astype(inputs.dtype)
+
+    def _statistics_axis(self) -> str | None:
+        """The data axis the training statistics are averaged over, or None (these rows)."""
+        region = batch_region.current()
+        if region is not None:
+            return region.axis_name if region.sync_batch_norm or self.synchronized else None
+        if not self.synchronized or self.is_initializing():
+            return None
+        replica_context = context.inside_run()
+        if replica_context is not None:
+            return replica_context.strategy.axis_name
+        # A shard_map of one's own over jstrategy's replica axis, or no replicas at all.
+        return REPLICA_AXIS if batch_region.axis_bound(REPLICA_AXIS) else None
 
 
 class LayerNormalization(_Normalization):

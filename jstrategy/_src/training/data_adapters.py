@@ -142,11 +142,12 @@ class ArrayAdapter:
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed
-        # The static global batch: batch_size rows rounded up to divide among replicas, or
+        # The static global batch: batch_size rows rounded up to divide among replicas (and
+        # a pipeline's microbatches: `Strategy.batch_multiple`), or
         # for data smaller than a batch a power of two, so row counts share programs; with
         # `bucket_batch` (evaluate, predict) batch sizes share them too (`numerics.bucket`).
         self.static_rows = static_rows(
-            rows, batch_size, strategy.num_replicas_in_sync, bucket_batch=bucket_batch
+            rows, batch_size, strategy.batch_multiple, bucket_batch=bucket_batch
         )
         # `steps` (evaluate/predict's, fit's steps_per_epoch) takes the first batches, as Keras.
         self.steps: int | None = min(math.ceil(rows / batch_size), steps or rows)

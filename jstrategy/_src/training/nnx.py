@@ -110,6 +110,7 @@ class NNXTrainState(struct.PyTreeNode):
         train: bool,
         axis_name: str | None,
         sync_batch_norm: BatchNormSync = BatchNormSync.GLOBAL,
+        row_mask: Any = None,
     ) -> tuple[Any, Any]:
         if not train:
             model = nnx.merge(self.eval_graphdef, _fresh(params), _fresh(self.model_state))
@@ -117,7 +118,7 @@ class NNXTrainState(struct.PyTreeNode):
         model_state = _fresh(_fold_keys(self.model_state))
         model = nnx.merge(self.graphdef, _fresh(params), model_state)
         with global_batch.nnx_global_batch(
-            model, x, axis_name=axis_name, sync_batch_norm=sync_batch_norm
+            model, x, axis_name=axis_name, sync_batch_norm=sync_batch_norm, row_mask=row_mask
         ):
             y_pred = model(x)
         _, _, model_state = split_model(model, self.wrt)
@@ -132,10 +133,16 @@ class NNXTrainState(struct.PyTreeNode):
         train: bool,
         axis_name: str | None,
         sync_batch_norm: BatchNormSync = BatchNormSync.GLOBAL,
+        row_mask: Any = None,
     ) -> tuple[Any, Any, Any]:
         # NNX modules add no losses the step collects (jstrategy.layers are linen).
         y_pred, model_state = self.forward(
-            params, x, train=train, axis_name=axis_name, sync_batch_norm=sync_batch_norm
+            params,
+            x,
+            train=train,
+            axis_name=axis_name,
+            sync_batch_norm=sync_batch_norm,
+            row_mask=row_mask,
         )
         return y_pred, model_state, None
 

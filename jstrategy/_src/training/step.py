@@ -308,6 +308,7 @@ def _forward(
     train: bool,
     axis_name: str | None,
     sync_batch_norm: BatchNormSync = BatchNormSync.GLOBAL,
+    row_mask: Any = None,
 ) -> tuple[Any, Any, Any]:
     """The model under `policy`: ``(y_pred in float32, model_state in the variable dtype,
     the model's own losses in float32 or None)``.
@@ -319,6 +320,7 @@ def _forward(
         "train": train,
         "axis_name": axis_name,
         "sync_batch_norm": sync_batch_norm,
+        "row_mask": row_mask,
     }
     if policy == _FLOAT32:
         return state.forward_with_losses(params, x, **options)
@@ -422,6 +424,7 @@ def _replica_loss(
             train=True,
             axis_name=axis,
             sync_batch_norm=spec.sync_batch_norm,
+            row_mask=mask,
         )
 
     def scaled_loss(loss_sum: jax.Array) -> jax.Array:
@@ -547,6 +550,9 @@ def _replica_mean(x: Any, axis: str, n: int) -> Any:
     from synchronized statistics, or untouched) is kept exactly, and PRNG keys as they are."""
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         return x
+    # Mutable state is not differentiated, but this runs inside the function that is:
+    # without the stop, JAX would need pmax's derivative, which it does not define.
+    x = jax.lax.stop_gradient(x)
     mean = (jax.lax.psum(x, axis) / n).astype(x.dtype)
     # pmax and pmin leave a value that does not vary over the replicas as it is, where
     # psum would multiply it by n (and the division might not give it back exactly).

@@ -116,15 +116,17 @@ class TrainStateProtocol(Protocol):
         train: bool,
         axis_name: str | None,
         sync_batch_norm: BatchNormSync = BatchNormSync.GLOBAL,
+        row_mask: Any = None,
     ) -> tuple[Any, Any]:
         """Runs the model on `x` with `params`: ``(y_pred, new model_state or None)``.
 
         In training mode the new `model_state` is returned. Inside a per-replica step over
-        the data axis `axis_name` (`x` this replica's rows), Flax's Dropout layers draw
-        the mask of their global rows and BatchNorm layers without ``axis_name`` take
-        statistics over the global batch (per replica with `sync_batch_norm`
-        ``PER_REPLICA``), so the step follows one device's (`global_batch`); with
-        `axis_name` None (a global view) the model already sees the global batch.
+        the data axis `axis_name` (`x` this replica's rows, `row_mask` which of them are
+        real), Dropout layers draw the mask of their global rows and BatchNorm layers
+        without ``axis_name`` take statistics over the global batch (per replica with
+        `sync_batch_norm` ``PER_REPLICA``), so the step follows one device's
+        (`global_batch`); `jstrategy.layers.BatchNormalization` leaves padding rows out of
+        them. With `axis_name` None the rows given are the batch.
         """
         ...
 
@@ -136,6 +138,7 @@ class TrainStateProtocol(Protocol):
         train: bool,
         axis_name: str | None,
         sync_batch_norm: BatchNormSync = BatchNormSync.GLOBAL,
+        row_mask: Any = None,
     ) -> tuple[Any, Any, Any]:
         """`forward`, plus the sum of the losses the model adds (regularization penalties,
         Keras's ``model.losses``) or None when it adds none; the train and evaluation
@@ -241,8 +244,9 @@ class TrainState(flax_train_state.TrainState):
         train: bool,
         axis_name: str | None,
         sync_batch_norm: BatchNormSync = BatchNormSync.GLOBAL,
+        row_mask: Any = None,
     ) -> tuple[Any, Any]:
-        return self._apply(params, x, train, axis_name, sync_batch_norm, losses=False)[:2]
+        return self._apply(params, x, train, axis_name, sync_batch_norm, row_mask, losses=False)[:2]
 
     def forward_with_losses(
         self,
@@ -252,10 +256,11 @@ class TrainState(flax_train_state.TrainState):
         train: bool,
         axis_name: str | None,
         sync_batch_norm: BatchNormSync = BatchNormSync.GLOBAL,
+        row_mask: Any = None,
     ) -> tuple[Any, Any, Any]:
         # Layers sow their penalties into the "losses" collection when it is mutable
         # (`jstrategy.layers`' regularizers); nothing is added when none does.
-        return self._apply(params, x, train, axis_name, sync_batch_norm, losses=True)
+        return self._apply(params, x, train, axis_name, sync_batch_norm, row_mask, losses=True)
 
     def _apply(
         self,
@@ -264,6 +269,7 @@ class TrainState(flax_train_state.TrainState):
         train: bool,
         axis_name: str | None,
         sync_batch_norm: BatchNormSync,
+        row_mask: Any,
         *,
         losses: bool,
     ) -> tuple[Any, Any, Any]:
@@ -281,7 +287,10 @@ class TrainState(flax_train_state.TrainState):
         if losses:
             mutable.append(LOSSES)
         with global_batch.linen_global_batch(
-            x, axis_name=axis_name if train else None, sync_batch_norm=sync_batch_norm
+            x,
+            axis_name=axis_name if train else None,
+            sync_batch_norm=sync_batch_norm,
+            row_mask=row_mask,
         ):
             if not mutable:
                 return self.apply_fn(variables, x, **kwargs), None, None
