@@ -75,9 +75,10 @@ def test_sdist_carries_what_its_tests_import(dist):
     assert {"benchmarks/memory.py", "benchmarks/sharded_step.py"} <= names
     assert {"colab/tpu_quickstart.ipynb", ".ci/oldest-constraints.txt"} <= names
     assert not [n for n in names if n.startswith("wip/") or n.endswith(".pyc")]
-    # The API reference's sources (tests/test_docs_build.py builds them), not what a build
-    # generated in the checkout.
-    assert {"docs/api/conf.py", "docs/api/index.rst"} <= names
+    # The documentation's sources (tests/test_docs_build.py builds them, test_docs_pages.py
+    # runs them), not what a build generated in the checkout.
+    assert {"docs/conf.py", "docs/index.md", "docs/api/index.rst"} <= names
+    assert {"docs/guides/getting-started.md", "docs/benchmarks.md"} <= names
     assert not [n for n in names if n.startswith(("docs/_build/", "docs/api/reference/"))]
 
 
@@ -122,3 +123,4 @@ def test_no_placeholder_urls_in_docs_notebooks_or_tests():
     placeholders = ("your-org", "your_org", "<owner>", "example.com/jstrategy")
     found = [(p.name, s) for p in files for s in placeholders if s in p.read_text()]
     assert not found
+
