@@ -127,7 +127,7 @@ def test_the_site_has_the_readme_the_guides_and_the_changelog(built: Path) -> No
         assert f'href="guides/{guide}.html' in index, guide
     assert 'href="api/index.html"' in index
     changelog = (built / "changelog.html").read_text(encoding="utf-8")
-    assert "Keep a Changelog" in changelog
+    assert "0.1.0" in changelog
     assert "Total params: 193" in (built / "index.html").read_text(encoding="utf-8")
 
 

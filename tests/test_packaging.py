@@ -7,6 +7,8 @@ root conftest.py), the wheel only the library, and the declared ranges must be t
 two CI lanes test.
 """
 
+import datetime
+import re
 import shutil
 import subprocess
 import sys
@@ -17,6 +19,7 @@ from email.parser import Parser
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -124,3 +127,30 @@ def test_no_placeholder_urls_in_docs_notebooks_or_tests():
     found = [(p.name, s) for p in files for s in placeholders if s in p.read_text()]
     assert not found
 
+
+RELEASE = re.compile(r"^## \[(\d+\.\d+\.\d+)\] - (\d{4}-\d{2}-\d{2})$", re.M)
+
+
+def test_the_version_follows_the_changelog():
+    """pyproject's version (and `jstrategy.__version__`) is the newest dated release in
+    CHANGELOG.md, or a development release of a later version while work lands after it;
+    the changelog keeps an `Unreleased` section on top and stays short."""
+    import jstrategy
+
+    text = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    assert len(text.encode()) < 25_000, "CHANGELOG.md: keep entries to one to three lines"
+    assert text.index("## [Unreleased]") == text.index("## [")  # the first section
+    releases = RELEASE.findall(text)
+    assert releases, "CHANGELOG.md has no dated release (## [X.Y.Z] - YYYY-MM-DD)"
+    versions = [Version(v) for v, _ in releases]
+    dates = [datetime.date.fromisoformat(d) for _, d in releases]
+    assert versions == sorted(versions, reverse=True) and dates == sorted(dates, reverse=True)
+    newest = versions[0]
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    version = Version(declared)
+    assert version == newest or (version.is_devrelease and version > newest), (
+        f"pyproject.toml's version {declared} is neither the newest release in CHANGELOG.md "
+        f"({newest}) nor a development release after it (e.g. {newest.major}."
+        f"{newest.minor}.{newest.micro + 1}.dev0)"
+    )
+    assert jstrategy.__version__ == declared
