@@ -121,7 +121,7 @@ def test_the_oldest_lane_pins_every_declared_floor():
 
 
 def test_no_placeholder_urls_in_docs_notebooks_or_tests():
-    files = [ROOT / "README.md", *ROOT.glob("colab/*.ipynb"), *ROOT.glob("docs/*.md")]
+    files = [ROOT / "README.md", *ROOT.glob("colab/*.ipynb"), *ROOT.glob("docs/**/*.md")]
     files += [p for p in ROOT.glob("tests/*.py") if p.name != "test_packaging.py"]
     placeholders = ("your-org", "your_org", "<owner>", "example.com/jstrategy")
     found = [(p.name, s) for p in files for s in placeholders if s in p.read_text()]
