@@ -98,10 +98,11 @@ $(VENV)/.docs: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[docs]'
 	touch $@
 
-# The API reference from the docstrings; any Sphinx warning fails it.
+# The site: the README, the guides, the benchmarks, the changelog and the API reference
+# (from the docstrings); any Sphinx warning fails it.
 docs: $(VENV)/.docs
-	$(BIN)/python -m sphinx -W --keep-going -q -b html docs/api docs/_build/html
-	@echo "API reference: docs/_build/html/index.html"
+	$(BIN)/python -m sphinx -W --keep-going -q -b html docs docs/_build/html
+	@echo "Documentation: docs/_build/html/index.html"
 
 clean:
 	rm -rf $(VENV) $(OLDEST) build dist *.egg-info

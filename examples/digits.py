@@ -10,8 +10,11 @@ accuracy (about 0.97).
 from __future__ import annotations
 
 import argparse
+import os
+import re
 
 import flax.linen as nn
+import jax
 import numpy as np
 import optax
 from sklearn.datasets import load_digits
@@ -39,11 +42,36 @@ def load(seed: int = 0) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray
     return (x[train], y[train]), (x[test], y[test])
 
 
+def devices_line(strategy: jstrategy.Strategy) -> str:
+    """Which devices the replicas run on, and why there are that many.
+
+    A newcomer without an accelerator sees 8 replicas and may wonder where they come from:
+    `make demo` sets XLA_FLAGS=--xla_force_host_platform_device_count=8, which makes XLA
+    split the CPU into 8 devices (they share its cores, so they show parallelism, not
+    speed).
+    """
+    devices = jax.devices()
+    line = (
+        f"{strategy.num_replicas_in_sync} replicas on {len(devices)} {devices[0].platform} devices"
+    )
+    forced = re.search(
+        r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", "")
+    )
+    if devices[0].platform == "cpu" and forced and len(devices) > 1:
+        line += (
+            f": no accelerator here, so these are {forced.group(1)} fake CPU devices that"
+            f" XLA_FLAGS={forced.group(0)} asks XLA for (the Makefile sets it; they share the"
+            " CPU's cores, so they show the distribution, not a speed-up)"
+        )
+    return line
+
+
 def main(epochs: int = 20, verbose: int | str = 1) -> float:
     """Trains the MLP and returns the held-out accuracy."""
     (x_train, y_train), (x_test, y_test) = load()
     strategy = jstrategy.MirroredStrategy()
-    print(f"{strategy.num_replicas_in_sync} replicas; {len(x_train)} train, {len(x_test)} test")
+    print(devices_line(strategy))
+    print(f"{len(x_train)} train and {len(x_test)} test images")
     with strategy.scope():
         model = jstrategy.Model(MLP(), input_shape=(64,), name="digits_mlp")
         model.compile(

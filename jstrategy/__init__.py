@@ -47,7 +47,7 @@ from jstrategy._src.training.model import Model
 from jstrategy._src.training.sequential import Sequential
 from jstrategy._src.values import PerReplica
 
-__version__ = "0.1.0.dev0"
+__version__ = "0.1.0"
 
 __all__ = [
     "REPLICA_AXIS",

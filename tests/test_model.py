@@ -396,6 +396,9 @@ def test_digits_example_reaches_95_percent(capsys):
     assert accuracy >= 0.95
     out = capsys.readouterr().out
     assert 'Model: "digits_mlp"' in out and "val_accuracy" in out
+    # Says why a machine without accelerators shows 8 replicas (issue 36, item 6).
+    assert "8 replicas on 8 cpu devices: no accelerator here, so these are 8 fake CPU" in out
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=8" in out
 
 
 # TF habits (issue 14), finding 6: one rule for what fit and experimental_distribute_dataset take

@@ -7,6 +7,8 @@ root conftest.py), the wheel only the library, and the declared ranges must be t
 two CI lanes test.
 """
 
+import datetime
+import re
 import shutil
 import subprocess
 import sys
@@ -17,6 +19,7 @@ from email.parser import Parser
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,9 +78,10 @@ def test_sdist_carries_what_its_tests_import(dist):
     assert {"benchmarks/memory.py", "benchmarks/sharded_step.py"} <= names
     assert {"colab/tpu_quickstart.ipynb", ".ci/oldest-constraints.txt"} <= names
     assert not [n for n in names if n.startswith("wip/") or n.endswith(".pyc")]
-    # The API reference's sources (tests/test_docs_build.py builds them), not what a build
-    # generated in the checkout.
-    assert {"docs/api/conf.py", "docs/api/index.rst"} <= names
+    # The documentation's sources (tests/test_docs_build.py builds them, test_docs_pages.py
+    # runs them), not what a build generated in the checkout.
+    assert {"docs/conf.py", "docs/index.md", "docs/api/index.rst"} <= names
+    assert {"docs/guides/getting-started.md", "docs/benchmarks.md"} <= names
     assert not [n for n in names if n.startswith(("docs/_build/", "docs/api/reference/"))]
 
 
@@ -117,8 +121,36 @@ def test_the_oldest_lane_pins_every_declared_floor():
 
 
 def test_no_placeholder_urls_in_docs_notebooks_or_tests():
-    files = [ROOT / "README.md", *ROOT.glob("colab/*.ipynb"), *ROOT.glob("docs/*.md")]
+    files = [ROOT / "README.md", *ROOT.glob("colab/*.ipynb"), *ROOT.glob("docs/**/*.md")]
     files += [p for p in ROOT.glob("tests/*.py") if p.name != "test_packaging.py"]
     placeholders = ("your-org", "your_org", "<owner>", "example.com/jstrategy")
     found = [(p.name, s) for p in files for s in placeholders if s in p.read_text()]
     assert not found
+
+
+RELEASE = re.compile(r"^## \[(\d+\.\d+\.\d+)\] - (\d{4}-\d{2}-\d{2})$", re.M)
+
+
+def test_the_version_follows_the_changelog():
+    """pyproject's version (and `jstrategy.__version__`) is the newest dated release in
+    CHANGELOG.md, or a development release of a later version while work lands after it;
+    the changelog keeps an `Unreleased` section on top and stays short."""
+    import jstrategy
+
+    text = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    assert len(text.encode()) < 25_000, "CHANGELOG.md: keep entries to one to three lines"
+    assert text.index("## [Unreleased]") == text.index("## [")  # the first section
+    releases = RELEASE.findall(text)
+    assert releases, "CHANGELOG.md has no dated release (## [X.Y.Z] - YYYY-MM-DD)"
+    versions = [Version(v) for v, _ in releases]
+    dates = [datetime.date.fromisoformat(d) for _, d in releases]
+    assert versions == sorted(versions, reverse=True) and dates == sorted(dates, reverse=True)
+    newest = versions[0]
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    version = Version(declared)
+    assert version == newest or (version.is_devrelease and version > newest), (
+        f"pyproject.toml's version {declared} is neither the newest release in CHANGELOG.md "
+        f"({newest}) nor a development release after it (e.g. {newest.major}."
+        f"{newest.minor}.{newest.micro + 1}.dev0)"
+    )
+    assert jstrategy.__version__ == declared

@@ -67,6 +67,13 @@ class Cluster:
       tasks: every training process as ``(task_type, task_index, "host:port")``.
       connected: whether JAX's distributed runtime connects this process to the others
         (so `jax.devices()` are every process's devices).
+
+    Example:
+
+    >>> from jstrategy.cluster_resolver import TFConfigClusterResolver, join
+    >>> cluster = join(TFConfigClusterResolver())    # no TF_CONFIG: this process, nothing started
+    >>> cluster.num_processes, cluster.is_chief, cluster.coordinator_address
+    (1, True, None)
     """
 
     process_id: int | None

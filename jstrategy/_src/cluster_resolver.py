@@ -259,6 +259,13 @@ class ClusterResolver(abc.ABC):
 
     Subclasses implement `cluster_spec` and `master`, and set ``_task_type``, ``_task_id``
     and ``_rpc_layer`` (or override the properties).
+
+    Example:
+
+    >>> from jstrategy.cluster_resolver import ClusterResolver, TFConfigClusterResolver
+    >>> resolver = TFConfigClusterResolver()          # without TF_CONFIG: no cluster
+    >>> isinstance(resolver, ClusterResolver), resolver.cluster_spec().as_dict()
+    (True, {})
     """
 
     _task_type: str | None = None
@@ -1021,6 +1028,15 @@ class ProcessLayout:
       task_id: this process's index within its task type; None for a single local process.
       tasks: every training process as ``(task_type, task_index, "host:port")``, in process
         id order (the chief first, then the workers); empty for a single local process.
+
+    Example:
+
+    >>> from jstrategy.cluster_resolver import ClusterSpec, SimpleClusterResolver
+    >>> from jstrategy.cluster_resolver import training_process_layout
+    >>> spec = ClusterSpec({"chief": ["a:2222"], "worker": ["b:2222", "c:2222"]})
+    >>> layout = training_process_layout(SimpleClusterResolver(spec, task_type="worker", task_id=1))
+    >>> layout.coordinator_address, layout.num_processes, layout.process_id, layout.is_chief
+    ('a:2222', 3, 2, False)
     """
 
     coordinator_address: str | None

@@ -20,6 +20,12 @@ class CommunicationImplementation(enum.Enum):
 
     ``AUTO`` lets XLA choose; ``RING`` is a reduce-scatter followed by an all-gather;
     ``NCCL`` is the platform's all-reduce (NCCL on GPUs, gloo on CPUs).
+
+    Example:
+
+    >>> from jstrategy.experimental import CollectiveCommunication, CommunicationImplementation
+    >>> CollectiveCommunication is CommunicationImplementation, CollectiveCommunication("RING")
+    (True, <CommunicationImplementation.RING: 'RING'>)
     """
 
     AUTO = "AUTO"

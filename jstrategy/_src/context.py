@@ -188,12 +188,33 @@ def get_strategy() -> StrategyLike:
 
 
 def has_strategy() -> bool:
-    """Whether a non-default strategy is current (inside a `scope()` or `run`)."""
+    """Whether a non-default strategy is current (inside a `scope()` or `run`).
+
+    Example:
+
+    >>> import jstrategy
+    >>> jstrategy.has_strategy()
+    False
+    >>> with jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"]).scope():
+    ...     jstrategy.has_strategy()
+    True
+    """
     return bool(_STACK.entries)
 
 
 def in_cross_replica_context() -> bool:
-    """True inside a `scope()` but outside `run`; False in `run` and outside any scope."""
+    """True inside a `scope()` but outside `run`; False in `run` and outside any scope.
+
+    Example:
+
+    >>> import jstrategy
+    >>> strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    >>> with strategy.scope():
+    ...     jstrategy.in_cross_replica_context()
+    True
+    >>> jstrategy.in_cross_replica_context()
+    False
+    """
     return _top().replica_context is None
 
 
@@ -207,6 +228,17 @@ def get_replica_context() -> ReplicaContext | None:
     """The current `ReplicaContext`; None in a cross-replica context (a `scope()` outside `run`).
 
     Outside any scope it is the default strategy's replica context, as in tf.distribute.
+
+    Example:
+
+    >>> import jstrategy
+    >>> strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    >>> with strategy.scope():
+    ...     print(jstrategy.get_replica_context())   # cross-replica: inside a scope, outside run
+    None
+    >>> ids = strategy.run(lambda: jstrategy.get_replica_context().replica_id_in_sync_group)
+    >>> [int(i) for i in strategy.experimental_local_results(ids)]
+    [0, 1]
     """
     return _top().replica_context
 
@@ -249,6 +281,17 @@ def experimental_set_strategy(strategy: StrategyLike | None) -> None:
 
     Raises:
       RuntimeError: if called inside some `scope()`.
+
+    Example:
+
+    >>> import jstrategy
+    >>> strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    >>> jstrategy.experimental_set_strategy(strategy)
+    >>> jstrategy.get_strategy() is strategy
+    True
+    >>> jstrategy.experimental_set_strategy(None)
+    >>> jstrategy.has_strategy()
+    False
     """
     entries = _STACK.entries
     own = _STACK.set_strategy

@@ -57,6 +57,13 @@ class CrossDeviceOps:
 
     Subclasses implement `_sum_leaves`, the sum across replicas of a list of arrays inside
     the SPMD program. Everything else (MEAN, pytrees, cross-replica `reduce`) is shared.
+
+    Example:
+
+    >>> import jstrategy
+    >>> ops = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"]).cross_device_ops
+    >>> isinstance(ops, jstrategy.CrossDeviceOps), type(ops).__name__
+    (True, 'NcclAllReduce')
     """
 
     def __init__(self) -> None:
@@ -304,6 +311,16 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
     Args:
       num_packs: how many buffers to concatenate the tensors into (per dtype). 0 reduces
         each tensor separately.
+
+    Example:
+
+    >>> import jax.numpy as jnp, jstrategy
+    >>> strategy = jstrategy.MirroredStrategy(
+    ...     devices=["cpu:0", "cpu:1", "cpu:2", "cpu:3"],
+    ...     cross_device_ops=jstrategy.HierarchicalCopyAllReduce(num_packs=1))
+    >>> ones = strategy.run(lambda: jnp.ones(2))
+    >>> strategy.reduce("SUM", ones, axis=None).tolist()
+    [4.0, 4.0]
     """
 
     def __init__(self, num_packs: int = 1):
@@ -349,6 +366,15 @@ class ReductionToOneDevice(CrossDeviceOps):
 
     Raises:
       ValueError: at first use, if `reduce_to_device` is not one of the strategy's devices.
+
+    Example:
+
+    >>> import jax.numpy as jnp, jstrategy
+    >>> strategy = jstrategy.MirroredStrategy(
+    ...     devices=["cpu:0", "cpu:1"],
+    ...     cross_device_ops=jstrategy.ReductionToOneDevice(reduce_to_device="cpu:0"))
+    >>> strategy.reduce("MEAN", strategy.run(lambda: jnp.ones(3)), axis=None).tolist()
+    [1.0, 1.0, 1.0]
     """
 
     def __init__(

@@ -70,6 +70,14 @@ class InputReplicationMode(enum.Enum):
       global batch (``global_batch_size // num_input_pipelines`` rows).
     * ``PER_REPLICA``: one pipeline per replica; each element is one replica's batch
       (``InputContext.get_per_replica_batch_size(global_batch_size)`` rows).
+
+    Example:
+
+    >>> import jstrategy
+    >>> jstrategy.InputReplicationMode("PER_WORKER") is jstrategy.InputReplicationMode.PER_WORKER
+    True
+    >>> options = jstrategy.InputOptions(
+    ...     experimental_replication_mode=jstrategy.InputReplicationMode.PER_REPLICA)
     """
 
     PER_WORKER = "PER_WORKER"

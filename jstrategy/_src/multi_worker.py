@@ -44,6 +44,13 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     Raises:
       RuntimeError: if JAX's backends already started, so the runtime cannot.
+
+    Example:
+
+    >>> import jstrategy
+    >>> strategy = jstrategy.MultiWorkerMirroredStrategy()   # no TF_CONFIG: this process alone
+    >>> strategy.num_replicas_in_sync, len(strategy.extended.worker_devices)
+    (8, 8)
     """
 
     def __init__(
@@ -93,6 +100,15 @@ class _DeprecatedMultiWorkerMirroredStrategy(MultiWorkerMirroredStrategy):
 
     Deprecated, as in TF: use `jstrategy.MultiWorkerMirroredStrategy` with
     `CommunicationOptions(implementation=...)`.
+
+    Example:
+
+    >>> import warnings, jstrategy
+    >>> with warnings.catch_warnings(record=True):
+    ...     warnings.simplefilter("always")
+    ...     strategy = jstrategy.experimental.MultiWorkerMirroredStrategy(communication="RING")
+    >>> strategy.num_replicas_in_sync
+    8
     """
 
     def __init__(

@@ -63,7 +63,15 @@ STACKED_KEY = "stacked_layers"
 
 
 class PipelineSchedule(enum.Enum):
-    """The order in which the stages run the microbatches (see the module docstring)."""
+    """The order in which the stages run the microbatches (see the module docstring).
+
+    Example:
+
+    >>> from jstrategy.experimental import PipelineSchedule, PipelineStrategy
+    >>> PipelineSchedule("1f1b") is PipelineSchedule.ONE_F_ONE_B, [s.value for s in PipelineSchedule]
+    (True, ['gpipe', '1f1b'])
+    >>> strategy = PipelineStrategy(num_stages=2, num_microbatches=4, schedule=PipelineSchedule.GPIPE)
+    """
 
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"

@@ -72,6 +72,15 @@ class ValueContext:
     Attributes:
       replica_id_in_sync_group: the replica whose value is being made.
       num_replicas_in_sync: how many replicas there are.
+
+    Example:
+
+    >>> import jstrategy
+    >>> strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    >>> values = strategy.experimental_distribute_values_from_function(
+    ...     lambda ctx: ctx.replica_id_in_sync_group * 10.0)
+    >>> [float(v) for v in strategy.experimental_local_results(values)]
+    [0.0, 10.0]
     """
 
     replica_id_in_sync_group: int = 0
@@ -115,6 +124,15 @@ class Strategy:
 
     Raises:
       ValueError: if `data_axis` is not an axis of the mesh.
+
+    Example:
+
+    >>> import jax.numpy as jnp, jstrategy
+    >>> strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    >>> isinstance(strategy, jstrategy.Strategy), strategy.axis_name
+    (True, 'replica')
+    >>> strategy.reduce("SUM", strategy.run(lambda: jnp.float32(1.0)), axis=None).item()
+    2.0
     """
 
     def __init__(

@@ -78,6 +78,16 @@ class Topology:
       num_tasks: how many hosts (JAX processes).
       num_tpus_per_task: how many cores each host drives.
       device_kind: e.g. ``"TPU v4"``; the platform name when not on TPU.
+
+    Example:
+
+    >>> import os
+    >>> from unittest import mock
+    >>> import jstrategy
+    >>> with mock.patch.dict(os.environ, {"JSTRATEGY_ALLOW_NON_TPU": "1"}):  # no TPU here
+    ...     topology = jstrategy.tpu.experimental.initialize_tpu_system()
+    >>> topology.num_tasks, topology.num_tpus_per_task
+    (1, 8)
     """
 
     mesh_shape: tuple[int, ...]
@@ -206,6 +216,12 @@ def experimental_connect_to_cluster(cluster_spec_or_resolver: Any = None, **_: A
 
     Args:
       cluster_spec_or_resolver: a `TPUClusterResolver` (or anything with `num_hosts()`).
+
+    Example:
+
+    >>> import jstrategy
+    >>> resolver = jstrategy.cluster_resolver.TPUClusterResolver(tpu="local")
+    >>> jstrategy.config.experimental_connect_to_cluster(resolver)   # one host: nothing to do
     """
     if callable(getattr(cluster_spec_or_resolver, "num_hosts", None)):
         cluster_lib.join(cluster_spec_or_resolver)
@@ -222,6 +238,17 @@ def initialize_tpu_system(cluster_resolver: TPUClusterResolver | None = None) ->
 
     Returns:
       The `Topology` of the slice.
+
+    Example:
+
+    >>> import os
+    >>> from unittest import mock
+    >>> import jstrategy
+    >>> resolver = jstrategy.cluster_resolver.TPUClusterResolver(tpu="local")
+    >>> with mock.patch.dict(os.environ, {"JSTRATEGY_ALLOW_NON_TPU": "1"}):  # no TPU here
+    ...     topology = jstrategy.tpu.experimental.initialize_tpu_system(resolver)
+    >>> isinstance(topology, jstrategy.tpu.experimental.Topology)
+    True
     """
     resolver = cluster_resolver or TPUClusterResolver()
     return Topology.from_devices(resolver.devices())
@@ -238,6 +265,16 @@ class TPUStrategy(Strategy):
 
     Raises:
       RuntimeError: without a TPU, naming the devices found (see ``JSTRATEGY_ALLOW_NON_TPU``).
+
+    Example:
+
+    >>> import os
+    >>> from unittest import mock
+    >>> import jstrategy
+    >>> with mock.patch.dict(os.environ, {"JSTRATEGY_ALLOW_NON_TPU": "1"}):  # no TPU here
+    ...     strategy = jstrategy.TPUStrategy()
+    >>> strategy.num_replicas_in_sync
+    8
     """
 
     def __init__(

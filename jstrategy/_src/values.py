@@ -47,6 +47,16 @@ class PerReplica:
       value: the global array.
       stacked: whether the leading axis indexes replicas (True) or splits rows (False).
       mask: for split values, which rows are real (None: all of them).
+
+    Example:
+
+    >>> import jax.numpy as jnp, jstrategy
+    >>> strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    >>> def replica_id():
+    ...     return jnp.float32(jstrategy.get_replica_context().replica_id_in_sync_group)
+    >>> ids = strategy.run(replica_id)
+    >>> isinstance(ids, jstrategy.PerReplica), [float(v) for v in strategy.experimental_local_results(ids)]
+    (True, [0.0, 1.0])
     """
 
     __slots__ = ("mask", "mirrored", "stacked", "value")

@@ -12,6 +12,17 @@ class CheckpointError(ValueError):
 
     Attributes:
       path: the checkpoint directory concerned.
+
+    Example:
+
+    >>> import tempfile, jstrategy
+    >>> try:
+    ...     jstrategy.CheckpointManager(tempfile.mkdtemp()).restore()
+    ... except (jstrategy.CheckpointError, FileNotFoundError) as error:
+    ...     print(type(error).__name__)
+    FileNotFoundError
+    >>> issubclass(jstrategy.CheckpointError, ValueError)
+    True
     """
 
     def __init__(self, message: str, *, path: os.PathLike | str):

@@ -118,6 +118,16 @@ def load_weights(
       FileNotFoundError: if `path` does not exist.
       CheckpointError: if the weights are damaged or incomplete.
       ValueError: if `target` does not match the saved leaves or shapes.
+
+    Example:
+
+    >>> import os, tempfile, jax.numpy as jnp, jstrategy
+    >>> path = os.path.join(tempfile.mkdtemp(), "weights")
+    >>> jstrategy.save_weights(path, {"w": jnp.arange(4.0)})
+    >>> strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    >>> w = jstrategy.load_weights(path, strategy=strategy)["w"]
+    >>> w.tolist(), w.sharding.num_devices
+    ([0.0, 1.0, 2.0, 3.0], 2)
     """
     return _load_weights(path, target, strategy, as_variables=True)
 

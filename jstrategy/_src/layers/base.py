@@ -44,6 +44,17 @@ class Layer(nn.Module):
     Subclasses declare Keras's arguments as fields (``input_shape`` last, the shape of one
     input row, read by `jstrategy.Sequential` from its first layer) and check them in
     `validate`, so a bad argument fails when the layer is made.
+
+    Example:
+
+    >>> from jstrategy.layers import Dense, Layer
+    >>> isinstance(Dense(4), Layer)
+    True
+    >>> try:
+    ...     Dense(0)
+    ... except ValueError as error:
+    ...     print(str(error)[:30])
+    `units` must be a positive int
     """
 
     #: The dtype of the sample row a `Sequential` starting with this layer is built from.

@@ -38,6 +38,14 @@ class InputLayer(Layer):
     Attributes:
       shape: the shape of one row, without the batch axis.
       dtype: the dtype of the rows.
+
+    Example:
+
+    >>> import jstrategy
+    >>> from jstrategy.layers import Dense, Input, InputLayer
+    >>> model = jstrategy.Sequential([Input(shape=(3,)), Dense(2)])
+    >>> isinstance(Input(shape=(3,)), InputLayer), [layer.name for layer in model.layers]
+    (True, ['dense'])
     """
 
     shape: tuple[int, ...] = ()

@@ -31,7 +31,15 @@ def _factor(value: Any, name: str) -> float:
 
 
 class Regularizer:
-    """The base of weight regularizers: ``regularizer(weight) -> scalar penalty``."""
+    """The base of weight regularizers: ``regularizer(weight) -> scalar penalty``.
+
+    Example:
+
+    >>> import jax.numpy as jnp
+    >>> from jstrategy.regularizers import L2, Regularizer
+    >>> isinstance(L2(0.1), Regularizer), float(L2(0.1)(jnp.ones((2, 2))))
+    (True, 0.4000000059604645)
+    """
 
     def __call__(self, x: jax.Array) -> jax.Array:
         raise NotImplementedError

@@ -56,6 +56,23 @@ class WorkerFailureError(RuntimeError):
     The coordinator catches it: the function runs again on another worker and the failed
     worker is restarted with its per-worker datasets rebuilt. Raise it from a scheduled
     function to simulate a preemption.
+
+    Example:
+
+    >>> import jstrategy
+    >>> from jstrategy.coordinator import ClusterCoordinator, WorkerFailureError
+    >>> from jstrategy.coordinator import local_cluster_resolver
+    >>> coordinator = ClusterCoordinator(
+    ...     jstrategy.ParameterServerStrategy(local_cluster_resolver(num_workers=2)))
+    >>> attempts = []
+    >>> def preempted_once():
+    ...     attempts.append(1)
+    ...     if len(attempts) == 1:
+    ...         raise WorkerFailureError("simulated preemption")
+    ...     return len(attempts)
+    >>> coordinator.schedule(preempted_once).fetch()    # run again on a worker
+    2
+    >>> coordinator.shutdown()
     """
 
 
@@ -64,6 +81,15 @@ class ParameterServerFailureError(RuntimeError):
 
     As in TF, a parameter-server failure is fatal to the cluster: `ClusterCoordinator.join`,
     `done` and later `schedule` calls raise it. Restart training (from a checkpoint).
+
+    Example:
+
+    >>> from jstrategy.coordinator import ParameterServerFailureError
+    >>> try:
+    ...     raise ParameterServerFailureError("ps 0 is unavailable")
+    ... except RuntimeError as error:
+    ...     print(type(error).__name__, error)
+    ParameterServerFailureError ps 0 is unavailable
     """
 
 

@@ -53,11 +53,43 @@ _QUEUE_SIZE_PER_WORKER = 256
 
 
 class FunctionCancelledError(RuntimeError):
-    """A scheduled function was cancelled because an earlier one failed; schedule it again."""
+    """A scheduled function was cancelled because an earlier one failed; schedule it again.
+
+    Example:
+
+    >>> import threading
+    >>> import jstrategy, jstrategy.coordinator as jc
+    >>> one_worker = jc.local_cluster_resolver(num_workers=1)
+    >>> coordinator = jc.ClusterCoordinator(jstrategy.ParameterServerStrategy(one_worker))
+    >>> all_scheduled = threading.Event()
+    >>> def fails():
+    ...     all_scheduled.wait()
+    ...     raise ValueError("a bug")
+    >>> results = [coordinator.schedule(fails)] + [coordinator.schedule(lambda: 1) for _ in range(2)]
+    >>> all_scheduled.set()
+    >>> try:
+    ...     coordinator.join()
+    ... except ValueError as error:
+    ...     print(error)
+    a bug
+    >>> try:
+    ...     results[-1].fetch()                  # queued behind the failure: cancelled
+    ... except jc.FunctionCancelledError as error:
+    ...     print(type(error).__name__)
+    FunctionCancelledError
+    >>> coordinator.shutdown()
+    """
 
 
 class NoWorkersAvailableError(RuntimeError):
-    """Every worker has failed for good, so scheduled functions cannot run."""
+    """Every worker has failed for good, so scheduled functions cannot run.
+
+    Example:
+
+    >>> from jstrategy.coordinator import NoWorkersAvailableError
+    >>> issubclass(NoWorkersAvailableError, RuntimeError)
+    True
+    """
 
 
 class _Status(enum.Enum):
@@ -71,6 +103,17 @@ class RemoteValue:
 
     Returned by `ClusterCoordinator.schedule`. Wait for it with `fetch` (NumPy values) or
     `get` (the values as the function returned them).
+
+    Example:
+
+    >>> import jax.numpy as jnp, jstrategy
+    >>> from jstrategy.coordinator import ClusterCoordinator, local_cluster_resolver
+    >>> coordinator = ClusterCoordinator(
+    ...     jstrategy.ParameterServerStrategy(local_cluster_resolver(num_workers=1)))
+    >>> value = coordinator.schedule(lambda: jnp.arange(3))
+    >>> value.fetch().tolist()
+    [0, 1, 2]
+    >>> coordinator.shutdown()
     """
 
     def __init__(self) -> None:
@@ -176,6 +219,18 @@ class PerWorkerDatasetIterator(_PerWorkerResource):
 
     Pass it to `ClusterCoordinator.schedule`; inside the function call ``next(it)``. Each
     element is the batch with its arrays on that worker's device.
+
+    Example:
+
+    >>> import numpy as np, jstrategy
+    >>> from jstrategy.coordinator import ClusterCoordinator, local_cluster_resolver
+    >>> coordinator = ClusterCoordinator(
+    ...     jstrategy.ParameterServerStrategy(local_cluster_resolver(num_workers=1)))
+    >>> iterator = iter(coordinator.create_per_worker_dataset(lambda ctx: iter(np.arange(5.0))))
+    >>> sums = [coordinator.schedule(lambda it: next(it) * 2, args=(iterator,)) for _ in range(3)]
+    >>> sorted(float(v.fetch()) for v in sums)
+    [0.0, 2.0, 4.0]
+    >>> coordinator.shutdown()
     """
 
     def __next__(self) -> Any:
@@ -195,6 +250,20 @@ class PerWorkerDataset:
     """One dataset per worker, built by each worker; ``iter()`` gives per-worker iterators.
 
     Created by `ClusterCoordinator.create_per_worker_dataset`.
+
+    Example:
+
+    >>> import numpy as np, jstrategy
+    >>> from jstrategy.coordinator import ClusterCoordinator, local_cluster_resolver
+    >>> coordinator = ClusterCoordinator(
+    ...     jstrategy.ParameterServerStrategy(local_cluster_resolver(num_workers=2)))
+    >>> dataset = coordinator.create_per_worker_dataset(
+    ...     lambda ctx: iter([np.full(2, ctx.input_pipeline_id)] * 4))
+    >>> iterator = iter(dataset)
+    >>> first = coordinator.schedule(lambda it: next(it).sum(), args=(iterator,))
+    >>> float(first.fetch()) in (0.0, 2.0)   # worker 0's batch, or worker 1's
+    True
+    >>> coordinator.shutdown()
     """
 
     def __init__(self, coordinator: ClusterCoordinator, resource_id: int):

@@ -55,6 +55,14 @@ class Partitioner:
     Subclasses return, for each axis of `shape`, how many shards to split it into.
     `ParameterServerStrategy` splits only along the first axis, so it accepts results whose
     entries other than the first are 1.
+
+    Example:
+
+    >>> import numpy as np
+    >>> from jstrategy.experimental.partitioners import MinSizePartitioner, Partitioner
+    >>> partitioner = MinSizePartitioner(min_shard_bytes=64, max_shards=4)
+    >>> isinstance(partitioner, Partitioner), partitioner((10, 8), np.float32)
+    (True, [4, 1])
     """
 
     def __call__(self, shape: Sequence[int], dtype: Any, axis: int = 0) -> list[int]:

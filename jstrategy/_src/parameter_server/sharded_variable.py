@@ -99,6 +99,15 @@ class Variable(_Assignable):
       shape: its shape.
       dtype: its dtype.
       ps_task: the index of the parameter server that holds it.
+
+    Example:
+
+    >>> import jax.numpy as jnp, jstrategy
+    >>> from jstrategy.coordinator import local_cluster_resolver
+    >>> strategy = jstrategy.ParameterServerStrategy(local_cluster_resolver(num_workers=1, num_ps=2))
+    >>> tree = strategy.create_variables({"a": jnp.zeros(2), "b": jnp.ones(3)})
+    >>> [(v.name, v.shape, v.ps_task) for v in tree.variables.values()]
+    [('a', (2,), 0), ('b', (3,), 1)]
     """
 
     def __init__(self, store: Any, var_id: int, name: str, shape, dtype, tree: VariableTree):
@@ -145,6 +154,20 @@ class ShardedVariable(_Assignable):
       shape: the full shape.
       dtype: the dtype.
       offsets: the row offsets of the shards (``len(shards) + 1`` of them).
+
+    Example:
+
+    >>> import jax.numpy as jnp, jstrategy
+    >>> from jstrategy.coordinator import local_cluster_resolver
+    >>> from jstrategy.experimental.partitioners import FixedShardsPartitioner
+    >>> strategy = jstrategy.ParameterServerStrategy(
+    ...     local_cluster_resolver(num_workers=1, num_ps=2),
+    ...     variable_partitioner=FixedShardsPartitioner(2))
+    >>> w = strategy.create_variables({"w": jnp.arange(5.0)}).variables["w"]
+    >>> w.name, w.offsets, [s.name for s in w.shards]
+    ('w', [0, 3, 5], ['w/part_0', 'w/part_1'])
+    >>> w.numpy().tolist()
+    [0.0, 1.0, 2.0, 3.0, 4.0]
     """
 
     def __init__(self, shards: Sequence[Variable], name: str):
@@ -281,6 +304,16 @@ class VariableTree:
     Attributes:
       variables: the pytree, with a `Variable` or `ShardedVariable` per original leaf.
       optimizer: the optax transformation `apply_gradients` runs, or None.
+
+    Example:
+
+    >>> import jax.numpy as jnp, optax, jstrategy
+    >>> from jstrategy.coordinator import local_cluster_resolver
+    >>> strategy = jstrategy.ParameterServerStrategy(local_cluster_resolver(num_workers=1))
+    >>> tree = strategy.create_variables({"w": jnp.ones(2)}, optimizer=optax.sgd(0.5))
+    >>> tree.apply_gradients({"w": jnp.ones(2)})    # w - 0.5 * gradient, on the ps
+    >>> tree.numpy()["w"].tolist()
+    [0.5, 0.5]
     """
 
     def __init__(self, treedef: Any, leaves: list[Variable | ShardedVariable], optimizer: Any):

@@ -36,6 +36,12 @@ class Backend(enum.Enum):
 
     * ``LOCAL``: devices and threads of this process (the default).
     * ``RAY``: Ray actors, on one machine or a Ray cluster (``pip install 'jstrategy[ray]'``).
+
+    Example:
+
+    >>> from jstrategy.coordinator import Backend
+    >>> Backend("ray") is Backend.RAY, Backend.LOCAL.value
+    (True, 'local')
     """
 
     LOCAL = "local"

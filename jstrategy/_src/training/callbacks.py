@@ -307,7 +307,15 @@ class ProgbarLogger(Callback):
 
 
 class Mode(enum.Enum):
-    """Whether a monitored quantity should go down (MIN), up (MAX), or be inferred (AUTO)."""
+    """Whether a monitored quantity should go down (MIN), up (MAX), or be inferred (AUTO).
+
+    Example:
+
+    >>> from jstrategy.callbacks import EarlyStopping, Mode
+    >>> Mode("max") is Mode.MAX
+    True
+    >>> stopping = EarlyStopping(monitor="val_accuracy", mode=Mode.MAX)
+    """
 
     AUTO = "auto"
     MIN = "min"

@@ -95,13 +95,33 @@ def enable_check_numerics() -> None:
 
 
 def disable_check_numerics() -> None:
-    """Steps compiled from now on skip the check (the default)."""
+    """Steps compiled from now on skip the check (the default).
+
+    Example:
+
+    >>> import jstrategy
+    >>> jstrategy.config.enable_check_numerics()
+    >>> jstrategy.config.disable_check_numerics()
+    >>> jstrategy.config.check_numerics_enabled()
+    False
+    """
     global _ENABLED
     _ENABLED = False
 
 
 def check_numerics_enabled() -> bool:
-    """Whether steps compiled now include the numerics check."""
+    """Whether steps compiled now include the numerics check.
+
+    Example:
+
+    >>> import jstrategy
+    >>> jstrategy.config.enable_check_numerics()
+    >>> jstrategy.config.check_numerics_enabled()
+    True
+    >>> jstrategy.config.disable_check_numerics()
+    >>> jstrategy.config.check_numerics_enabled()
+    False
+    """
     return _ENABLED
 
 

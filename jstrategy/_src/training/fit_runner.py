@@ -142,6 +142,20 @@ class FitState:
       position_base: for a dataset read through one persistent iterator
         (``steps_per_epoch``), the elements drawn from it before this epoch; else None.
       sums: the epoch's running loss and metric sums (on the devices), or None.
+
+    Example:
+
+    >>> import numpy as np, jstrategy
+    >>> model = jstrategy.Sequential([jstrategy.layers.Dense(1, input_shape=(3,))])
+    >>> model.compile("sgd", loss="mse")
+    >>> seen = []
+    >>> where = jstrategy.callbacks.LambdaCallback(
+    ...     on_train_batch_end=lambda batch, logs: seen.append(
+    ...         (model.fit_state.epoch, model.fit_state.step)))
+    >>> _ = model.fit(np.ones((8, 3)), np.zeros((8, 1)), batch_size=4, epochs=2, verbose=0,
+    ...               callbacks=[where])
+    >>> seen
+    [(0, 1), (0, 2), (1, 1), (1, 2)]
     """
 
     trainer: FitTrainer = dataclasses.field(repr=False)

@@ -229,6 +229,13 @@ class Optimizer:
     Raises:
       ValueError: for a bad argument (Keras's rules and messages: e.g. at most one of
         the clip options).
+
+    Example:
+
+    >>> import jstrategy
+    >>> optimizer = jstrategy.optimizers.Adam(learning_rate=0.01, global_clipnorm=1.0)
+    >>> isinstance(optimizer, jstrategy.optimizers.Optimizer), optimizer.learning_rate
+    (True, 0.01)
     """
 
     def __init__(
@@ -1069,6 +1076,14 @@ def deserialize(config: dict[str, Any]) -> Optimizer:
 
     Raises:
       ValueError: for an unknown class name.
+
+    Example:
+
+    >>> import jstrategy
+    >>> config = jstrategy.optimizers.serialize(jstrategy.optimizers.SGD(0.1, momentum=0.9))
+    >>> optimizer = jstrategy.optimizers.deserialize(config)
+    >>> type(optimizer).__name__, optimizer.learning_rate
+    ('SGD', 0.1)
     """
     name = str(config.get("class_name", "")).lower()
     if name not in _CLASSES:

@@ -93,6 +93,16 @@ class Reduction(enum.Enum):
     global batch whatever the loss's reduction (``NONE`` and ``MEAN`` alike); they refuse
     ``SUM`` and ``MEAN_WITH_SAMPLE_WEIGHT``, whose meaning depends on how the data is cut
     into batches.
+
+    Example:
+
+    >>> import numpy as np, jstrategy
+    >>> Reduction = jstrategy.losses.Reduction
+    >>> y_true, y_pred = np.array([0.0, 1.0]), np.array([1.0, 1.0])
+    >>> jstrategy.losses.MeanSquaredError(reduction=Reduction.NONE)(y_true[:, None], y_pred[:, None]).tolist()
+    [1.0, 0.0]
+    >>> float(jstrategy.losses.MeanSquaredError(reduction="sum")(y_true[:, None], y_pred[:, None]))
+    1.0
     """
 
     NONE = "none"

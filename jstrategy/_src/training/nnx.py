@@ -61,6 +61,16 @@ class NNXTrainState(struct.PyTreeNode):
         applies, or None (no loss scaling; the default except for float16 compute).
       grad_accumulator: the gradient-accumulation cycle in progress (a
         `GradientAccumulator`, with ``gradient_accumulation_steps`` > 1), or None.
+
+    Example:
+
+    >>> import optax, jstrategy
+    >>> from flax import nnx
+    >>> from jstrategy.training import NNXTrainState, create_nnx_train_state
+    >>> with jstrategy.OneDeviceStrategy("cpu:0").scope():
+    ...     state = create_nnx_train_state(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1))
+    >>> isinstance(state, NNXTrainState), state.params["kernel"].shape, int(state.step)
+    (True, (3, 2), 0)
     """
 
     params: nnx.State

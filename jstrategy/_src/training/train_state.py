@@ -62,6 +62,20 @@ class TrainStateProtocol(Protocol):
     new state. `params` are the trained variables; `model_state` the variables the forward
     pass updates without gradients (BatchNorm statistics, NNX random-stream counts), or
     None.
+
+    Example:
+
+    >>> import jax.numpy as jnp, optax, flax.linen as nn, jstrategy
+    >>> from flax import nnx
+    >>> from jstrategy.training import TrainStateProtocol
+    >>> from jstrategy.training import create_nnx_train_state, create_train_state
+    >>> with jstrategy.OneDeviceStrategy("cpu:0").scope():
+    ...     linen = create_train_state(nn.Dense(2), optax.sgd(0.1), jnp.ones((1, 3)))
+    ...     nnx_state = create_nnx_train_state(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1))
+    >>> def describe(state: TrainStateProtocol) -> str:   # any train state the steps take
+    ...     return f"{type(state).__name__}: step {int(state.step)}"
+    >>> describe(linen), describe(nnx_state)
+    ('TrainState: step 0', 'NNXTrainState: step 0')
     """
 
     @property
@@ -210,6 +224,15 @@ class TrainState(flax_train_state.TrainState):
         applies, or None (no loss scaling; the default except for float16 compute).
       grad_accumulator: the gradient-accumulation cycle in progress (a
         `GradientAccumulator`, with ``gradient_accumulation_steps`` > 1), or None.
+
+    Example:
+
+    >>> import jax.numpy as jnp, optax, flax.linen as nn, jstrategy
+    >>> from jstrategy.training import TrainState, create_train_state
+    >>> with jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"]).scope():
+    ...     state = create_train_state(nn.Dense(2), optax.adam(1e-3), jnp.ones((1, 3)))
+    >>> isinstance(state, TrainState), state.params["kernel"].shape, int(state.step)
+    (True, (3, 2), 0)
     """
 
     batch_stats: Any = None

@@ -76,7 +76,19 @@ class _Step:
 
 
 class TrainStep(_Step):
-    """``train_step(state, batch) -> (state, metrics)``; see `make_train_step`."""
+    """``train_step(state, batch) -> (state, metrics)``; see `make_train_step`.
+
+    Example:
+
+    >>> import jax.numpy as jnp, numpy as np, optax, flax.linen as nn, jstrategy
+    >>> from jstrategy.training import TrainStep, create_train_state, make_train_step
+    >>> with jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"]).scope():
+    ...     state = create_train_state(nn.Dense(1), optax.sgd(0.1), jnp.ones((1, 3)))
+    ...     step = make_train_step("mse")
+    >>> state, metrics = step(state, (np.ones((4, 3), np.float32), np.zeros((4, 1), np.float32)))
+    >>> isinstance(step, TrainStep), int(state.step)
+    (True, 1)
+    """
 
     _what = "train step"
 
@@ -121,7 +133,18 @@ class TrainStep(_Step):
 
 
 class EvalStep(_Step):
-    """``eval_step(state, batch) -> metrics``; see `make_eval_step`."""
+    """``eval_step(state, batch) -> metrics``; see `make_eval_step`.
+
+    Example:
+
+    >>> import jax.numpy as jnp, numpy as np, optax, flax.linen as nn, jstrategy
+    >>> from jstrategy.training import EvalStep, create_train_state, make_eval_step
+    >>> with jstrategy.OneDeviceStrategy("cpu:0").scope():
+    ...     state = create_train_state(nn.Dense(1), optax.sgd(0.1), jnp.ones((1, 3)))
+    ...     evaluate = make_eval_step("mse")
+    >>> isinstance(evaluate, EvalStep), sorted(evaluate(state, (np.ones((2, 3)), np.zeros((2, 1)))))
+    (True, ['loss'])
+    """
 
     _what = "evaluation step"
 
@@ -138,7 +161,18 @@ class EvalStep(_Step):
 
 
 class PredictStep(_Step):
-    """``predict_step(state, x) -> PerReplica``; see `make_predict_step`."""
+    """``predict_step(state, x) -> PerReplica``; see `make_predict_step`.
+
+    Example:
+
+    >>> import jax.numpy as jnp, numpy as np, optax, flax.linen as nn, jstrategy
+    >>> from jstrategy.training import PredictStep, create_train_state, make_predict_step
+    >>> with jstrategy.OneDeviceStrategy("cpu:0").scope():
+    ...     state = create_train_state(nn.Dense(2), optax.sgd(0.1), jnp.ones((1, 3)))
+    ...     predict = make_predict_step()
+    >>> isinstance(predict, PredictStep), predict(state, np.ones((5, 3), np.float32)).value.shape
+    (True, (5, 2))
+    """
 
     def __init__(self, spec: step_lib.StepSpec):
         super().__init__(spec)
