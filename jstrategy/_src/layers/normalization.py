@@ -10,6 +10,7 @@ bfloat16 inputs, as Keras does.
 from __future__ import annotations
 
 from typing import Any
+from typing import ClassVar
 
 import flax.linen as nn
 import jax
@@ -51,6 +52,8 @@ def _float32(x: Any) -> Any:
 
 class _Normalization(Layer):
     """``gamma``/``beta`` over the feature axes, shared by both layers."""
+
+    has_weights: ClassVar[bool] = True
 
     def _affine(self, shape: tuple[int, ...]) -> tuple[Any, Any]:
         gamma = beta = None
@@ -135,6 +138,8 @@ class BatchNormalization(_Normalization):
 
     @nn.compact
     def __call__(self, inputs: Any, training: bool | None = None) -> Any:
+        inputs = self.cast_inputs(inputs)
+        training = training and self.trainable  # Keras 3: frozen, it runs in inference mode
         x = _float32(inputs)
         axes = _axes(self.axis, x.ndim)
         feature_shape = tuple(x.shape[a] for a in axes)
@@ -209,6 +214,7 @@ class LayerNormalization(_Normalization):
 
     @nn.compact
     def __call__(self, inputs: Any, training: bool | None = None) -> Any:
+        inputs = self.cast_inputs(inputs)
         x = _float32(inputs)
         axes = _axes(self.axis, x.ndim)
         stat_shape = tuple(x.shape[a] if a in axes else 1 for a in range(x.ndim))

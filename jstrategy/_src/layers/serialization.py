@@ -18,7 +18,7 @@ from jstrategy._src.layers import regularizers
 from jstrategy._src.layers import reshaping
 from jstrategy._src.layers.base import Layer
 
-__all__ = ["LAYER_CLASSES", "deserialize", "serialize"]
+__all__ = ["LAYER_CLASSES", "class_name", "deserialize", "serialize"]
 
 #: The layer classes a saved config may name.
 LAYER_CLASSES: dict[str, type[Layer]] = {
@@ -55,8 +55,17 @@ def _value(value: Any, where: str) -> Any:
         return {"class_name": type(value).__name__, "config": value.get_config()}
     raise NotSerializable(
         f"{where} is {type(value).__name__} {value!r}, which has no JSON config; give it by "
-        "name (e.g. activation='relu') to save the layer's config."
+        "name (e.g. activation='relu') to save the layer's config"
     )
+
+
+def class_name(layer: Any) -> str:
+    """How a saved `Sequential` records `layer`'s class: ``"jstrategy.layers.Dense"`` for
+    jstrategy's layers, the class's qualified name for others (``"Dense"`` for Flax's)."""
+    cls = type(layer)
+    if LAYER_CLASSES.get(cls.__name__) is cls:
+        return f"jstrategy.layers.{cls.__name__}"
+    return cls.__qualname__
 
 
 def serialize(layer: Any) -> dict[str, Any]:
@@ -73,7 +82,9 @@ def serialize(layer: Any) -> dict[str, Any]:
     """
     cls = type(layer)
     if LAYER_CLASSES.get(cls.__name__) is not cls:
-        raise NotSerializable(f"{cls.__name__} is not a jstrategy.layers layer.")
+        raise NotSerializable(
+            f"{cls.__module__}.{cls.__qualname__} is not a jstrategy.layers layer"
+        )
     config = {}
     for field in dataclasses.fields(layer):
         if field.name == "parent":

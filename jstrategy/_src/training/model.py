@@ -21,6 +21,7 @@ import optax
 from flax import nnx
 
 from jstrategy._src import mixed_precision as mp
+from jstrategy._src.random_seed import default_seed
 from jstrategy._src.strategy import Strategy
 from jstrategy._src.strategy import get_strategy
 from jstrategy._src.training import callbacks as callbacks_lib
@@ -59,6 +60,7 @@ class Model(SavingMixin, CustomLoopMixin):
       input_dtype: the dtype of the sample input used to initialize the module.
       seed: seeds shuffling and, for linen modules, parameter initialization and dropout
         (an NNX module brings its own ``nnx.Rngs``); the same seed gives the same run.
+        None: the seed of `jstrategy.utils.set_random_seed`, else 0.
       name: the name shown by `summary`; defaults to the module's class name.
       train_arg: the linen module's training-mode keyword (``"train"``, ``"training"``,
         ``"deterministic"``), found in ``__call__``'s signature by default (``"auto"``).
@@ -91,7 +93,7 @@ class Model(SavingMixin, CustomLoopMixin):
         input_shape: Sequence[int] | int | None = None,
         *,
         input_dtype: Any = jnp.float32,
-        seed: int = 0,
+        seed: int | None = None,
         name: str | None = None,
         train_arg: str | None = "auto",
         dtype_policy: mp.Policy | str | None = None,
@@ -102,6 +104,7 @@ class Model(SavingMixin, CustomLoopMixin):
                 f"`module` must be a flax.linen.Module or a flax.nnx.Module; got "
                 f"{type(module).__name__} {module!r}."
             )
+        seed = default_seed(seed)
         if not is_int(seed):
             raise TypeError(f"`seed` must be an int; got {seed!r}.")
         self.module = module
@@ -467,7 +470,7 @@ class Model(SavingMixin, CustomLoopMixin):
             sample = adapter.first_x()
             if self._input_shape is None and data_adapters.is_array(sample):
                 self._input_shape = tuple(sample.shape[1:])
-                self._input_dtype = sample.dtype
+                self._input_dtype = jax.dtypes.canonicalize_dtype(sample.dtype)
             self._ensure_ready(sample, training=False)
         elif isinstance(adapter, data_adapters.ArrayAdapter):
             input_checks.check_row_shape(self._input_shape, adapter.data[0], kwargs["arg"])
@@ -556,6 +559,8 @@ class Model(SavingMixin, CustomLoopMixin):
                 validation_steps, "validation_steps", "Pass None for every validation batch."
             )
         validate = _validation_epochs(validation_freq)
+        x, y = data_adapters.as_arrays(x), data_adapters.as_arrays(y)
+        sample_weight = data_adapters.as_arrays(sample_weight)
         x, y, sample_weight, validation_data = data_adapters.split_validation(
             x, y, sample_weight, validation_split, validation_data
         )

@@ -30,6 +30,7 @@ from jstrategy._src.layers.base import Layer
 from jstrategy._src.layers.base import call_layer
 from jstrategy._src.layers.base import keras_name
 from jstrategy._src.layers.core import InputLayer
+from jstrategy._src.training import saved_config
 from jstrategy._src.training import saving
 from jstrategy._src.training.model import Model
 from jstrategy._src.validation import check_row_shape
@@ -71,7 +72,8 @@ class Sequential(Model):
       layers: the layers, in order (or None, to `add` them).
       trainable: Keras's argument; only True is supported (freeze with an optax mask).
       name: the model's name (default ``"sequential"``), shown by `summary`.
-      seed: seeds parameter initialization, dropout and shuffling.
+      seed: seeds parameter initialization, dropout and shuffling (None: the seed of
+        `jstrategy.utils.set_random_seed`, else 0).
       dtype_policy: the precision policy, as `Model`'s.
 
     Raises:
@@ -99,7 +101,7 @@ class Sequential(Model):
         trainable: bool = True,
         name: str | None = None,
         *,
-        seed: int = 0,
+        seed: int | None = None,
         dtype_policy: mp.Policy | str | None = None,
     ):
         if trainable is not True:
@@ -257,14 +259,32 @@ class Sequential(Model):
         return super().built
 
     def get_config(self) -> dict[str, Any]:
-        """`Model.get_config` plus ``layers``: each layer's config (None when a layer is
-        not one of `jstrategy.layers`: pass the layers to `load_model` then)."""
+        """`Model.get_config` plus ``layers``: each layer's config (None when a layer has
+        none, e.g. a Flax module or a function given as an activation: pass the layers to
+        `load_model` then), ``layers_not_saved`` (why ``layers`` is None) and
+        ``layer_classes`` (the layers' class names, which `load_model` checks the layers
+        it is given against)."""
         config = super().get_config()
+        config["layer_classes"] = [serialization.class_name(layer) for layer in self._layers]
         try:
             config["layers"] = [serialization.serialize(layer) for layer in self._layers]
-        except serialization.NotSerializable:
+        except serialization.NotSerializable as e:
             config["layers"] = None
+            config["layers_not_saved"] = str(e)
         return config
+
+
+def _rebuilt_layers(config: dict[str, Any], path: str) -> list[Any]:
+    """The layers a saved config describes (its errors name the file and the field)."""
+    layers = []
+    for i, entry in enumerate(config["layers"]):
+        try:
+            layers.append(serialization.deserialize(entry))
+        except (TypeError, ValueError) as e:
+            raise saved_config.field_error(
+                path, f"layers[{i}]", f"does not build a jstrategy layer: {e}"
+            ) from e
+    return layers
 
 
 def _load_sequential(config: dict[str, Any], module: Any, path: str) -> Sequential:
@@ -274,12 +294,15 @@ def _load_sequential(config: dict[str, Any], module: Any, path: str) -> Sequenti
     elif isinstance(module, (list, tuple)):
         layers = list(module)
     elif module is None and config.get("layers") is not None:
-        layers = [serialization.deserialize(c) for c in config["layers"]]
+        layers = _rebuilt_layers(config, path)
     else:
+        why = config.get("layers_not_saved") or "some are not jstrategy.layers"
+        classes = config.get("layer_classes")
+        order = f" ({', '.join(classes)})" if classes else ""
         raise ValueError(
-            f"The Sequential saved in {path} holds layers that are not jstrategy.layers, so "
-            "their code was not saved. Pass them: load_model(path, [layer, ...]) in the "
-            "saved order."
+            f"The Sequential saved in {path} has layers whose config was not saved ({why}), "
+            f"so they cannot be rebuilt from the file. Pass them: load_model(path, "
+            f"[layer, ...]), new layers of the saved classes in the saved order{order}."
         )
     model = Sequential(
         name=config["name"],

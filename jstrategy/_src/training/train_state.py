@@ -547,9 +547,10 @@ def _creation(
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             apply_fn=module.apply,
-            params=variables["params"],
+            # A model of layers without weights (pooling, reshaping) has no "params".
+            params=variables.get("params", {}),
             tx=tx,
-            opt_state=tx.init(variables["params"]),
+            opt_state=tx.init(variables.get("params", {})),
             batch_stats=variables.get("batch_stats"),
             rng=dropout_key,
             train_arg=resolved,

@@ -97,6 +97,9 @@ class Trainer:
     def _build_pending(self) -> None:
         if self.state is None and self.build_pending is not None:
             self.build_pending()
+            # Compiled before it was built: the state takes the compiled optimizer now, so
+            # that what is saved or restored holds its optimizer state.
+            self.apply_optimizer()
 
     def require_state(self, what: str) -> Any:
         """The train state, or a clear error naming `what` needed it before it existed."""
