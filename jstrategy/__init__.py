@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING
 from jstrategy import callbacks
 from jstrategy import cluster_resolver
 from jstrategy import config
+from jstrategy import constraints
 from jstrategy import coordinator
 from jstrategy import experimental
 from jstrategy import layers
@@ -87,6 +88,7 @@ __all__ = [
     "cluster_resolver",
     "compute_average_loss",
     "config",
+    "constraints",
     "coordinator",
     "experimental",
     "experimental_set_strategy",

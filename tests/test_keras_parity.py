@@ -9,15 +9,24 @@ an error with the fix: the first names a Keras user types, the layer arguments K
 from __future__ import annotations
 
 import json
+import pathlib
+import re
 
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jstrategy
 from jstrategy import layers as L
 from jstrategy._src.cluster import PeerFailureError
 from jstrategy._src.rendezvous import ClusterStartupError
+
+REFERENCE = json.loads(
+    (pathlib.Path(__file__).parent / "data" / "keras_parity_reference.json").read_text()
+)
 
 
 def _data(rows=10, features=3, seed=0):
@@ -272,3 +281,410 @@ def test_a_tampered_sample_row_or_layer_names_the_file_and_field(tmp_path, chang
     file.write_text(json.dumps(config))
     with pytest.raises(ValueError, match=rf"jstrategy_model.json: {message}"):
         jstrategy.models.load_model(tmp_path / "m")
+
+
+# Keras's weight order --------------------------------------------------------------------
+KERAS_MODELS = {
+    "dense_bn_dense": lambda: [L.Input((3,)), L.Dense(4), L.BatchNormalization(), L.Dense(2)],
+    "twelve_dense": lambda: [L.Input((3,)), *[L.Dense(3, activation="tanh") for _ in range(12)]],
+    "conv": lambda: [L.Input((6, 6, 2)), L.Conv2D(3, 3), L.MaxPooling2D(), L.Flatten(), L.Dense(2)],
+    "embedding": lambda: [
+        L.Input((5,), dtype="int32"),
+        L.Embedding(10, 4),
+        L.LayerNormalization(),
+        L.Flatten(),
+        L.Dense(1),
+    ],
+}
+
+
+def _unnumbered(name):
+    # Keras numbers layer names across a session (dense_14); each jstrategy model its own.
+    return re.sub(r"_\d+/", "/", name)
+
+
+@pytest.mark.parametrize("name", sorted(KERAS_MODELS))
+def test_set_weights_takes_kerass_get_weights_list(name):
+    case = REFERENCE["models"][name]
+    model = jstrategy.Sequential(KERAS_MODELS[name]())
+    assert [list(w.shape) for w in model.get_weights()] == case["shapes"]
+    ours = [_unnumbered(n) for n in model.state.weight_names()]
+    assert ours == [_unnumbered(n) for n in case["names"]]
+    model.set_weights([np.asarray(w, np.float32) for w in case["values"]])
+    x = np.asarray(case["x"], np.int32 if name == "embedding" else np.float32)
+    np.testing.assert_allclose(model.predict(x, verbose=0), case["predict"], rtol=1e-5, atol=1e-6)
+    for got, want in zip(model.get_weights(), case["values"], strict=True):
+        np.testing.assert_array_equal(got, np.asarray(want, np.float32))
+
+
+def test_twelve_layers_are_in_layer_order_not_string_order():
+    model = jstrategy.Sequential(KERAS_MODELS["twelve_dense"]())
+    names = model.state.weight_names()
+    assert names[18:22] == ["dense_9/kernel", "dense_9/bias", "dense_10/kernel", "dense_10/bias"]
+
+
+def test_a_flax_modules_weights_are_in_call_order_parameters_first():
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool = False):
+            x = nn.Dense(4, name="z_first")(x)
+            x = nn.BatchNorm(use_running_average=not train, name="norm")(x)
+            return nn.Dense(2, name="a_last")(x)
+
+    model = jstrategy.Model(Block(), input_shape=(3,))
+    assert model.state.weight_names() == [
+        "z_first/kernel",
+        "z_first/bias",
+        "norm/scale",
+        "norm/bias",
+        "norm/mean",
+        "norm/var",
+        "a_last/kernel",
+        "a_last/bias",
+    ]
+
+
+def test_an_nnx_modules_weights_are_in_definition_order():
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.z_first = nnx.Linear(3, 4, rngs=rngs)
+            self.norm = nnx.BatchNorm(4, rngs=rngs)
+            self.a_last = nnx.Linear(4, 2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.a_last(self.norm(self.z_first(x)))
+
+    model = jstrategy.Model(Net(nnx.Rngs(0)))
+    names = model.state.weight_names()
+    assert names[:2] == ["z_first/kernel", "z_first/bias"]
+    assert names[2:4] == ["norm/scale", "norm/bias"] and names[-2:] == [
+        "a_last/kernel",
+        "a_last/bias",
+    ]
+    weights = model.get_weights()
+    model.set_weights([w + 1 for w in weights])
+    np.testing.assert_array_equal(model.get_weights()[0], weights[0] + 1)
+
+
+def test_a_misplaced_weight_is_an_error_naming_the_index_and_the_weight():
+    case = REFERENCE["models"]["dense_bn_dense"]
+    model = jstrategy.Sequential(KERAS_MODELS["dense_bn_dense"]())
+    sorted_by_name = [case["values"][i] for i in (1, 0, 2, 3, 4, 5, 6, 7)]  # bias first
+    with pytest.raises(
+        ValueError,
+        match=r"`weights\[0\]` is dense/kernel, of shape \(3, 4\); got an array of "
+        r"shape \(4,\)\. Pass the arrays in get_weights\(\)'s order",
+    ):
+        model.set_weights(sorted_by_name)
+    with pytest.raises(ValueError, match=r"must hold 8 arrays.*dense/kernel \(3, 4\), dense/bias"):
+        model.set_weights(case["values"][:3])
+
+
+# validation_split, from Keras's numbers --------------------------------------------------
+def test_validation_split_losses_are_kerass():
+    case = REFERENCE["validation_split"]
+    model = jstrategy.Sequential([L.Input((3,)), L.Dense(2)])
+    model.set_weights([np.asarray(w, np.float32) for w in case["initial"]])
+    model.compile(jstrategy.optimizers.SGD(0.1), "mse")
+    history = model.fit(
+        np.asarray(case["x"], np.float32),
+        np.asarray(case["y"], np.float32),
+        batch_size=4,
+        epochs=2,
+        validation_split=0.25,
+        shuffle=False,
+        verbose=0,
+    ).history
+    np.testing.assert_allclose(history["loss"], case["loss"], rtol=1e-5)
+    np.testing.assert_allclose(history["val_loss"], case["val_loss"], rtol=1e-5)
+
+
+# trainable=False and constraints, from Keras's numbers ----------------------------------
+def _trained_from(case, layers):
+    model = jstrategy.Sequential(layers)
+    model.set_weights([np.asarray(w, np.float32) for w in case["initial"]])
+    model.compile(jstrategy.optimizers.SGD(0.1), "mse")
+    x, y = np.asarray(case["x"], np.float32), np.asarray(case["y"], np.float32)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    return model
+
+
+def _assert_weights(model, expected):
+    for got, want in zip(model.get_weights(), expected, strict=True):
+        np.testing.assert_allclose(got, np.asarray(want, np.float32), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("when", ["made", "set"])
+def test_frozen_layers_train_as_kerass(when):
+    case = REFERENCE["frozen"]
+    frozen = {"trainable": False} if when == "made" else {}
+    layers = [L.Input((3,)), L.Dense(4, **frozen), L.BatchNormalization(**frozen), L.Dense(2)]
+    if when == "set":  # Keras's transfer-learning freeze, then compile
+        model = jstrategy.Sequential(layers)
+        model.layers[0].trainable = False
+        model.layers[1].trainable = False
+        layers = [L.Input((3,)), *model.layers]
+    model = _trained_from(case, layers)
+    _assert_weights(model, case["final"])
+    initial = case["initial"]
+    for i in range(6):  # the frozen Dense and BatchNormalization (inference mode): as they were
+        np.testing.assert_array_equal(model.get_weights()[i], np.asarray(initial[i], np.float32))
+    assert not np.allclose(model.get_weights()[6], initial[6])
+
+
+def test_constraints_train_as_kerass():
+    case = REFERENCE["constrained"]
+    C = jstrategy.constraints
+    model = _trained_from(
+        case,
+        [
+            L.Input((3,)),
+            L.Dense(4, kernel_constraint=C.MaxNorm(0.5), bias_constraint="non_neg"),
+            L.Dense(3, kernel_constraint=C.UnitNorm(axis=0)),
+            L.Dense(2, kernel_constraint=C.MinMaxNorm(0.2, 0.6, rate=0.5)),
+        ],
+    )
+    _assert_weights(model, case["final"])
+
+
+def test_freezing_after_training_needs_compile_again_as_in_keras():
+    x, y = _data(8)
+    model = _regression()
+    model.fit(x, y, verbose=0)
+    model.layers[0].trainable = False
+    with pytest.raises(
+        ValueError,
+        match=r"changed after the model was compiled and trained.*"
+        r"model.compile\(\.\.\.\)",
+    ):
+        model.fit(x, y, verbose=0)
+    model.compile("sgd", "mse")
+    before = model.get_weights()
+    model.fit(x, y, verbose=0)
+    after = model.get_weights()
+    np.testing.assert_array_equal(after[0], before[0])  # the frozen kernel
+    assert not np.array_equal(after[2], before[2])
+    # Set after compile but before any training: the optimizer state is fresh, so it holds.
+    fresh = _regression()
+    fresh.layers[1].trainable = False
+    kernel = fresh.get_weights()[2]
+    fresh.fit(x, y, verbose=0)
+    np.testing.assert_array_equal(fresh.get_weights()[2], kernel)
+
+
+def test_model_trainable_false_freezes_everything_and_counts_in_the_summary():
+    x, y = _data(8)
+    model = jstrategy.Sequential(
+        [L.Input((3,)), L.Dense(4), L.BatchNormalization(), L.Dense(2)], trainable=False
+    )
+    assert all(layer.trainable is False for layer in model.layers)
+    model.compile("adam", "mse")
+    before = model.get_weights()
+    model.fit(x, y, epochs=2, verbose=0)
+    for a, b in zip(model.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+    lines = []
+    model.summary(print_fn=lines.append)
+    assert "Trainable params: 0 (0.00 B)" in lines[0]
+    assert "Non-trainable params: 42 (168.00 B)" in lines[0]
+    model.trainable = True
+    assert all(layer.trainable for layer in model.layers)
+    model.compile("adam", "mse")
+    model.fit(x, y, verbose=0)
+    assert not np.array_equal(model.get_weights()[0], before[0])
+
+
+def test_a_frozen_layer_in_a_flax_module_is_frozen_and_saved(tmp_path):
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, training: bool = False):
+            x = L.Dense(4, trainable=False, kernel_constraint="non_neg")(x)
+            return L.Dense(2)(x)
+
+    x, y = _data(8)
+    model = jstrategy.Model(Net(), input_shape=(3,))
+    model.compile("sgd", "mse")
+    before = model.get_weights()
+    model.fit(x, y, verbose=0)
+    np.testing.assert_array_equal(model.get_weights()[0], before[0])
+    model.save(tmp_path / "m")
+    loaded = jstrategy.models.load_model(tmp_path / "m", Net())
+    loaded.fit(x, y, verbose=0)
+    np.testing.assert_array_equal(loaded.get_weights()[0], before[0])
+
+
+def test_layer_arguments_round_trip_through_save(tmp_path):
+    model = jstrategy.Sequential(
+        [
+            L.Dense(4, input_dim=3, trainable=False, kernel_constraint="max_norm"),
+            L.Activation("softmax", dtype="float32"),
+        ]
+    )
+    model.compile("sgd", "mse")
+    model.save(tmp_path / "m")
+    loaded = jstrategy.models.load_model(tmp_path / "m")
+    first, second = loaded.layers
+    assert first.trainable is False and first.kernel_constraint == jstrategy.constraints.MaxNorm()
+    assert second.dtype == "float32" and loaded.get_config()["input_shape"] == [3]
+
+
+# Layer arguments Keras takes -------------------------------------------------------------
+def test_dtype_float32_on_the_last_activation_computes_in_float32_as_kerass_guide():
+    case = REFERENCE["mixed_softmax"]
+    model = jstrategy.Sequential(
+        [L.Input((3,)), L.Dense(4), L.Activation("softmax", dtype="float32")],
+        dtype_policy="mixed_bfloat16",
+    )
+    model.set_weights([np.asarray(w, np.float32) for w in case["initial"]])
+    out = model.predict(np.asarray(case["x"], np.float32), verbose=0)
+    assert str(out.dtype) == case["dtype"]
+    np.testing.assert_allclose(out, case["predict"], rtol=1e-5, atol=1e-6)
+    # Without it the softmax computes in bfloat16: Keras's guide's reason for the argument.
+    plain = jstrategy.Sequential(
+        [L.Input((3,)), L.Dense(4), L.Activation("softmax")], dtype_policy="mixed_bfloat16"
+    )
+    plain.set_weights([np.asarray(w, np.float32) for w in case["initial"]])
+    rounded = plain.predict(np.asarray(case["x"], np.float32), verbose=0)
+    assert np.abs(rounded - np.asarray(case["predict"])).max() > 1e-4
+
+
+def test_a_layer_dtype_casts_inputs_and_weights():
+    x = np.ones((2, 3), np.float32)
+    layer = L.Dense(2, dtype="mixed_bfloat16")
+    variables = layer.init(jax.random.key(0), x)
+    assert layer.apply(variables, x).dtype == jnp.bfloat16
+    assert variables["params"]["kernel"].dtype == jnp.float32
+    assert (
+        L.Activation("relu", dtype="float32").apply({}, x.astype(jnp.bfloat16)).dtype == jnp.float32
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"`dtype`='bfloat16' would keep this layer's weights in "
+        r"bfloat16.*dtype='mixed_bfloat16'",
+    ):
+        L.Dense(2, dtype="bfloat16")
+    assert L.Activation("relu", dtype="bfloat16").dtype == "bfloat16"  # no weights to keep
+    with pytest.raises(ValueError, match=r"`dtype` must be a jstrategy.mixed_precision.Policy or"):
+        L.Dense(2, dtype="float99")
+
+
+@pytest.mark.parametrize(
+    ("make", "shape"),
+    [
+        (lambda: L.Dense(2, input_dim=5), (5,)),
+        (lambda: L.Dense(2, batch_input_shape=(None, 4)), (4,)),
+        (lambda: L.Embedding(10, 3, input_length=7), (7,)),
+        (lambda: L.Conv2D(2, 3, batch_shape=(None, 8, 8, 1)), (8, 8, 1)),
+    ],
+)
+def test_kerass_row_shape_arguments_give_input_shape(make, shape):
+    layer = make()
+    assert layer.input_shape == shape
+    assert jstrategy.Sequential([layer]).built
+
+
+ALL_LAYERS = [
+    lambda **kw: L.Dense(2, **kw),
+    lambda **kw: L.Embedding(10, 2, **kw),
+    lambda **kw: L.Activation("relu", **kw),
+    lambda **kw: L.Dropout(0.5, **kw),
+    lambda **kw: L.Conv2D(2, 3, **kw),
+    lambda **kw: L.MaxPooling2D(**kw),
+    lambda **kw: L.AveragePooling2D(2, **kw),
+    lambda **kw: L.GlobalAveragePooling2D(**kw),
+    lambda **kw: L.BatchNormalization(**kw),
+    lambda **kw: L.LayerNormalization(**kw),
+    lambda **kw: L.Flatten(**kw),
+    lambda **kw: L.Reshape((4,), **kw),
+    lambda **kw: L.InputLayer(shape=(4,), **kw),
+]
+
+
+@pytest.mark.parametrize("make", ALL_LAYERS)
+def test_every_layer_refuses_an_unknown_argument_naming_layer_argument_and_fix(make):
+    name = type(make()).__name__
+    with pytest.raises(
+        TypeError,
+        match=rf"^{name} got an unexpected keyword argument `nope`\. "
+        r"Its arguments are .*name",
+    ):
+        make(nope=1)
+    with pytest.raises(
+        ValueError,
+        match=rf"^{name} does not take `activity_regularizer`.*"
+        r"kernel_regularizer",
+    ):
+        make(activity_regularizer="l2")
+    with pytest.raises(ValueError, match=rf"^{name} does not take `lora_rank`"):
+        make(lora_rank=4)
+    made = make(trainable=False, autocast=True, name="x")
+    assert made.trainable is False and made.name == "x"
+
+
+def test_a_misspelled_argument_gets_the_close_name():
+    with pytest.raises(
+        TypeError,
+        match=r"unexpected keyword argument `activaton`\. Did you mean "
+        r"`activation`\?",
+    ):
+        L.Dense(2, activaton="relu")
+    with pytest.raises(ValueError, match=r"`input_dim`=4 and `input_shape`=\(5,\) disagree"):
+        L.Dense(2, input_dim=4, input_shape=(5,))
+    with pytest.raises(ValueError, match=r"`trainable` must be a bool; got 'no'"):
+        L.Dense(2, trainable="no")
+    with pytest.raises(ValueError, match=r"Dense does not take `weights`.*initializers.constant"):
+        L.Dense(2, weights=[np.ones((3, 2))])
+    with pytest.raises(ValueError, match=r"Dense does not take `autocast` \(autocast=False\)"):
+        L.Dense(2, autocast=False)
+    with pytest.raises(ValueError, match=r"`kernel_constraint` must be a constraint name"):
+        L.Dense(2, kernel_constraint="nope")
+
+
+def test_to_categorical_numbers_are_kerass():
+    for case in REFERENCE["to_categorical"]:
+        out = jstrategy.utils.to_categorical(case["x"], case["num_classes"])
+        np.testing.assert_array_equal(out, case["out"])
+
+
+# NNX: the Flax tutorial's call-time rngs -------------------------------------------------
+def test_an_nnx_model_taking_rngs_at_call_time_is_refused_with_the_fix():
+    from flax import nnx
+
+    class Tutorial(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(3, 2, rngs=rngs)
+            self.dropout = nnx.Dropout(0.5)
+
+        def __call__(self, x, rngs):
+            return self.dropout(self.linear(x), rngs=rngs)
+
+    with pytest.raises(
+        ValueError, match=r"Tutorial.__call__ requires `rngs`.*nnx.Dropout\(rate, rngs=rngs\)"
+    ):
+        jstrategy.Model(Tutorial(nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"Tutorial.__call__ requires `rngs`"):
+        jstrategy.training.create_nnx_train_state(lambda: Tutorial(nnx.Rngs(0)), optax.sgd(0.1))
+
+
+def test_an_nnx_dropout_without_streams_is_refused_before_training():
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs, dropout_rngs=None):
+            self.linear = nnx.Linear(3, 2, rngs=rngs)
+            self.dropout = nnx.Dropout(0.5, rngs=dropout_rngs)
+
+        def __call__(self, x):
+            return self.dropout(self.linear(x))
+
+    x, y = _data(8)
+    model = jstrategy.Model(Net(nnx.Rngs(0)))
+    model.compile(optax.sgd(0.1), "mse")
+    assert model.predict(x, verbose=0).shape == (8, 2)  # inference needs no stream
+    with pytest.raises(ValueError, match=r"nnx.Dropout at 'dropout' was made without `rngs`"):
+        model.fit(x, y, verbose=0)
+    fixed = jstrategy.Model(Net(nnx.Rngs(0), dropout_rngs=nnx.Rngs(1)))
+    fixed.compile(optax.sgd(0.1), "mse")
+    assert np.isfinite(fixed.fit(x, y, verbose=0).history["loss"][0])

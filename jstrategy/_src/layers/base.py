@@ -117,6 +117,12 @@ def _python_scalars(value: Any) -> Any:
     return value
 
 
+def _shown(value: Any) -> str:
+    """`value`'s repr on one line, cut to 60 characters (arrays are long)."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _row_shape(cls: type, key: str, value: Any) -> tuple[Any, ...] | None:
     """The row shape that Keras's `key` (an alias of ``input_shape``) gives, or None."""
     if value is None:
@@ -161,7 +167,7 @@ def _keras_arguments(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
             pass  # Keras's default: floating inputs are cast to the compute dtype
         elif key in _REFUSED:
             raise LayerArgumentError(
-                f"{cls.__name__} does not take `{key}` ({key}={value!r}). {_REFUSED[key]}"
+                f"{cls.__name__} does not take `{key}` ({key}={_shown(value)}). {_REFUSED[key]}"
             )
         else:
             known = sorted(f for f in fields if f != "parent")

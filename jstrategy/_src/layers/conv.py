@@ -104,6 +104,8 @@ class Conv2D(Layer):
       bias_initializer: default ``"zeros"``.
       kernel_regularizer: a regularizer for the kernel, or None.
       bias_regularizer: a regularizer for the bias, or None.
+      kernel_constraint: a constraint for the kernel, or None.
+      bias_constraint: a constraint for the bias, or None.
       input_shape: the shape of one input row, for the first layer of a `Sequential`.
 
     Example:
@@ -129,6 +131,8 @@ class Conv2D(Layer):
     bias_initializer: Any = "zeros"
     kernel_regularizer: Any = None
     bias_regularizer: Any = None
+    kernel_constraint: Any = None
+    bias_constraint: Any = None
     input_shape: Any = None
 
     has_weights: ClassVar[bool] = True

@@ -142,7 +142,11 @@ class Dense(Layer):
       kernel_regularizer: a `jstrategy.regularizers` object, a name (``"l2"``) or None;
         its penalty is added to the loss, as in Keras.
       bias_regularizer: likewise, for the bias.
+      kernel_constraint: a `jstrategy.constraints` object, a name (``"max_norm"``) or
+        None: the kernel is projected by it after each update, as Keras's optimizer does.
+      bias_constraint: likewise, for the bias.
       input_shape: the shape of one input row, for the first layer of a `Sequential`.
+        Keras's ``input_dim=n`` means ``input_shape=(n,)``.
 
     Example:
 
@@ -160,6 +164,8 @@ class Dense(Layer):
     bias_initializer: Any = "zeros"
     kernel_regularizer: Any = None
     bias_regularizer: Any = None
+    kernel_constraint: Any = None
+    bias_constraint: Any = None
     input_shape: Any = None
 
     has_weights: ClassVar[bool] = True
@@ -188,6 +194,7 @@ class Embedding(Layer):
       output_dim: the size of each row.
       embeddings_initializer: default ``"uniform"``: Keras's ``RandomUniform(-0.05, 0.05)``.
       embeddings_regularizer: a regularizer for the table, or None.
+      embeddings_constraint: a constraint for the table, or None.
       mask_zero: Keras's masking of index 0; not supported (masks are not propagated).
       input_shape: the shape of one input row, for the first layer of a `Sequential`.
         Keras 2's ``input_length=n`` means ``input_shape=(n,)`` (Keras 3 ignores it, with
@@ -206,6 +213,7 @@ class Embedding(Layer):
     output_dim: int
     embeddings_initializer: Any = "uniform"
     embeddings_regularizer: Any = None
+    embeddings_constraint: Any = None
     mask_zero: bool = False
     input_shape: Any = None
 
@@ -223,6 +231,7 @@ class Embedding(Layer):
             "embeddings_regularizer",
             regularizers.get(self.embeddings_regularizer, "embeddings_regularizer"),
         )
+        weights.resolve_constraints(self, "embeddings")
         if self.mask_zero:
             raise ValueError(
                 "`mask_zero=True` is not supported: jstrategy's layers do not propagate "

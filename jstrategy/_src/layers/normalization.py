@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from jstrategy._src.layers import initializers
 from jstrategy._src.layers import regularizers
+from jstrategy._src.layers import weights
 from jstrategy._src.layers.base import Layer
 from jstrategy._src.strategy import REPLICA_AXIS
 from jstrategy._src.validation import check_bool
@@ -85,6 +86,7 @@ class _Normalization(Layer):
             initializers.get(getattr(self, name), name)
         for name in ("beta_regularizer", "gamma_regularizer"):
             object.__setattr__(self, name, regularizers.get(getattr(self, name), name))
+        weights.resolve_constraints(self, "beta", "gamma")
 
 
 def _normalize(x: Any, mean: Any, var: Any, gamma: Any, beta: Any, epsilon: float) -> Any:
@@ -123,6 +125,8 @@ class BatchNormalization(_Normalization):
     moving_variance_initializer: Any = "ones"
     beta_regularizer: Any = None
     gamma_regularizer: Any = None
+    beta_constraint: Any = None
+    gamma_constraint: Any = None
     synchronized: bool = False
     input_shape: Any = None
 
@@ -206,6 +210,8 @@ class LayerNormalization(_Normalization):
     gamma_initializer: Any = "ones"
     beta_regularizer: Any = None
     gamma_regularizer: Any = None
+    beta_constraint: Any = None
+    gamma_constraint: Any = None
     input_shape: Any = None
 
     @staticmethod

@@ -1,7 +1,7 @@
 """Layers to JSON and back: how `Model.save` records a `jstrategy.Sequential`'s layers.
 
 A layer's config is its class name and its constructor's arguments (Keras's
-``{"class_name": ..., "config": ...}``); regularizers are nested configs. Only the classes
+``{"class_name": ..., "config": ...}``); regularizers and constraints are nested configs. Only the classes
 registered here are rebuilt, so loading never imports or calls anything a file names.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jstrategy._src.layers import constraints
 from jstrategy._src.layers import conv
 from jstrategy._src.layers import core
 from jstrategy._src.layers import normalization
@@ -39,7 +40,11 @@ LAYER_CLASSES: dict[str, type[Layer]] = {
         normalization.LayerNormalization,
     )
 }
-_REGULARIZERS = {cls.__name__: cls for cls in (regularizers.L1, regularizers.L2, regularizers.L1L2)}
+# The objects a layer's config nests (regularizers, constraints), by class name.
+_NESTED: dict[str, type[Any]] = {
+    **{cls.__name__: cls for cls in (regularizers.L1, regularizers.L2, regularizers.L1L2)},
+    **constraints.CLASSES,
+}
 
 
 class NotSerializable(ValueError):
@@ -51,7 +56,7 @@ def _value(value: Any, where: str) -> Any:
         return value
     if isinstance(value, (tuple, list)):
         return [_value(v, where) for v in value]
-    if type(value).__name__ in _REGULARIZERS and type(value) is _REGULARIZERS[type(value).__name__]:
+    if _NESTED.get(type(value).__name__) is type(value):
         return {"class_name": type(value).__name__, "config": value.get_config()}
     raise NotSerializable(
         f"{where} is {type(value).__name__} {value!r}, which has no JSON config; give it by "
@@ -94,8 +99,8 @@ def serialize(layer: Any) -> dict[str, Any]:
 
 
 def _restore(value: Any) -> Any:
-    if isinstance(value, dict) and value.get("class_name") in _REGULARIZERS:
-        return _REGULARIZERS[value["class_name"]](**value["config"])
+    if isinstance(value, dict) and value.get("class_name") in _NESTED:
+        return _NESTED[value["class_name"]](**value["config"])
     if isinstance(value, list):
         return tuple(_restore(v) for v in value)
     return value

@@ -30,6 +30,7 @@ from jstrategy._src.training import fit_loop
 from jstrategy._src.training import input_checks
 from jstrategy._src.training import step as step_lib
 from jstrategy._src.training import summary as summary_lib
+from jstrategy._src.training import trainable as trainable_lib
 from jstrategy._src.training.fit_runner import FitState
 from jstrategy._src.training.global_batch import BatchNormSync
 from jstrategy._src.training.model_variables import CustomLoopMixin
@@ -37,6 +38,7 @@ from jstrategy._src.training.nnx import create_nnx_train_state
 from jstrategy._src.training.saving import SavingMixin
 from jstrategy._src.training.train_state import create_train_state
 from jstrategy._src.training.trainer import Trainer
+from jstrategy._src.validation import check_bool
 from jstrategy._src.validation import check_non_negative_int
 from jstrategy._src.validation import check_positive_int
 from jstrategy._src.validation import check_row_shape
@@ -114,8 +116,10 @@ class Model(SavingMixin, CustomLoopMixin):
         )
         self._input_dtype = input_dtype
         self._train_arg = train_arg
+        self._trainable = True
         policy = mp.as_policy(dtype_policy, argument="dtype_policy")
         self._trainer = Trainer(get_strategy(), int(seed), policy)
+        self._trainer.plan_reader = self._with_layer_plan
         self.history: callbacks_lib.History | None = None
         if is_nnx:
             state = create_nnx_train_state(
@@ -130,6 +134,28 @@ class Model(SavingMixin, CustomLoopMixin):
     def strategy(self) -> Strategy:
         """The strategy captured when the model was created."""
         return self._trainer.strategy
+
+    @property
+    def trainable(self) -> bool:
+        """Keras's ``model.trainable``: False freezes every parameter.
+
+        Read, with the ``trainable`` flags of the `jstrategy.layers` the module holds and
+        their weight constraints, when the model is compiled (and by the first `fit` after
+        it): as in Keras, set it, then ``compile``. A change after the model trained,
+        without compiling again, raises at `fit`.
+        """
+        return self._trainable
+
+    @trainable.setter
+    def trainable(self, value: bool) -> None:
+        self._trainable = check_bool(value, "trainable")
+
+    def _with_layer_plan(self, state: Any) -> Any:
+        """`state` with what the layers say about training now (`trainable.py`)."""
+        self._trainer.plan_seen = trainable_lib.fingerprint(self.module, self._trainable)
+        return trainable_lib.with_current_plan(
+            state, self.module, self._sample_row(), self._trainable, self.strategy
+        )
 
     @property
     def dtype_policy(self) -> mp.Policy:
@@ -580,6 +606,8 @@ class Model(SavingMixin, CustomLoopMixin):
             arg="x",
         )
         self._ensure_ready(training=True)
+        self._trainer.follow_layer_changes(trainable_lib.fingerprint(self.module, self._trainable))
+        self._trainer.stepped = True
         self._check_labels(data, "x")
         val_data = None
         if validation_data is not None:

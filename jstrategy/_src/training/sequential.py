@@ -33,6 +33,7 @@ from jstrategy._src.layers.core import InputLayer
 from jstrategy._src.training import saved_config
 from jstrategy._src.training import saving
 from jstrategy._src.training.model import Model
+from jstrategy._src.validation import check_bool
 from jstrategy._src.validation import check_row_shape
 
 __all__ = ["Sequential", "SequentialModule"]
@@ -70,14 +71,14 @@ class Sequential(Model):
 
     Args:
       layers: the layers, in order (or None, to `add` them).
-      trainable: Keras's argument; only True is supported (freeze with an optax mask).
+      trainable: Keras's argument: False freezes every layer (`Model.trainable`).
       name: the model's name (default ``"sequential"``), shown by `summary`.
       seed: seeds parameter initialization, dropout and shuffling (None: the seed of
         `jstrategy.utils.set_random_seed`, else 0).
       dtype_policy: the precision policy, as `Model`'s.
 
     Raises:
-      ValueError: for ``trainable=False``, or layers that `add` refuses.
+      ValueError: for a `trainable` that is not a bool, or layers that `add` refuses.
       TypeError: for layers that are not modules or functions.
 
     Example:
@@ -104,12 +105,7 @@ class Sequential(Model):
         seed: int | None = None,
         dtype_policy: mp.Policy | str | None = None,
     ):
-        if trainable is not True:
-            raise ValueError(
-                f"`trainable` must be True for a jstrategy.Sequential; got {trainable!r}. "
-                "Freeze variables in the optimizer instead, e.g. optax.multi_transform with "
-                "optax.set_to_zero() for the frozen ones."
-            )
+        check_bool(trainable, "trainable")
         super().__init__(
             SequentialModule(),
             None,
@@ -128,6 +124,22 @@ class Sequential(Model):
                 )
             for layer in layers:
                 self.add(layer)
+        if not trainable:
+            self.trainable = False
+
+    @property
+    def trainable(self) -> bool:
+        """Keras's ``model.trainable``: setting it sets every layer's ``trainable`` too,
+        as Keras does (so a frozen model's `BatchNormalization` layers run in inference
+        mode); read when the model is compiled."""
+        return self._trainable
+
+    @trainable.setter
+    def trainable(self, value: bool) -> None:
+        self._trainable = check_bool(value, "trainable")
+        for layer in self._layers:
+            if isinstance(layer, Layer):
+                layer.trainable = value
 
     # Layers -------------------------------------------------------------------------------
     def _auto_name(self, layer: Any) -> str:
