@@ -688,3 +688,77 @@ def test_an_nnx_dropout_without_streams_is_refused_before_training():
     fixed = jstrategy.Model(Net(nnx.Rngs(0), dropout_rngs=nnx.Rngs(1)))
     fixed.compile(optax.sgd(0.1), "mse")
     assert np.isfinite(fixed.fit(x, y, verbose=0).history["loss"][0])
+
+
+def test_a_module_given_for_a_saved_sequential_is_sent_to_the_layer_list(tmp_path):
+    model = _regression()
+    model.save(tmp_path / "m")
+    with pytest.raises(
+        ValueError,
+        match=r"says the model is a jstrategy.Sequential, but load_model "
+        r"got a Dense\. Pass its layers: load_model\(path, \[layer, \.\.\.\]\)",
+    ):
+        jstrategy.models.load_model(tmp_path / "m", nn.Dense(2))
+    loaded = jstrategy.models.load_model(tmp_path / "m", [L.Dense(4), L.Dense(2)])
+    np.testing.assert_array_equal(loaded.get_weights()[0], model.get_weights()[0])
+
+
+def test_model_trainable_false_freezes_a_flax_module():
+    x, y = _data(8)
+    model = jstrategy.Model(nn.Sequential([nn.Dense(4), nn.Dense(2)]), input_shape=(3,))
+    model.trainable = False
+    model.compile("adam", "mse")
+    before = model.get_weights()
+    model.fit(x, y, verbose=0)
+    for a, b in zip(model.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match=r"`trainable` must be a bool"):
+        model.trainable = 0
+
+
+def test_the_summary_counts_a_layer_frozen_since_compile_as_keras():
+    model = _regression()
+    model.layers[0].trainable = False
+    lines = []
+    model.summary(print_fn=lines.append)
+    assert "Trainable params: 10 (40.00 B)" in lines[0]
+    assert "Non-trainable params: 16 (64.00 B)" in lines[0]
+
+
+def test_freezing_model_layers_works_for_flax_modules_too():
+    x, y = _data(8)
+
+    class Net(nn.Module):
+        def setup(self):
+            self.first = L.Dense(4)
+            self.second = nn.Dense(2)
+
+        def __call__(self, x, training: bool = False):
+            return self.second(self.first(x))
+
+    for model in (
+        jstrategy.Sequential([L.Input((3,)), nn.Dense(4), L.Dense(2)]),
+        jstrategy.Model(Net(), input_shape=(3,)),
+    ):
+        model.layers[0].trainable = False  # a Flax nn.Dense, or a layer inside a module
+        assert model.layers[0].trainable is False
+        model.compile("sgd", "mse")
+        before = model.get_weights()
+        model.fit(x, y, verbose=0)
+        after = model.get_weights()
+        np.testing.assert_array_equal(after[0], before[0])
+        np.testing.assert_array_equal(after[1], before[1])
+        assert not np.array_equal(after[2], before[2])
+
+
+def test_an_nnx_submodule_flag_is_refused_with_the_wrt_fix():
+    from flax import nnx
+
+    model = jstrategy.Model(nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0))))
+    model.layers[0].trainable = False
+    with pytest.raises(
+        ValueError,
+        match=r"trainable = False: an NNX model trains what its "
+        r"optimizer's `wrt` filter selects.*create_nnx_train_state",
+    ):
+        model.compile(optax.sgd(0.1), "mse")

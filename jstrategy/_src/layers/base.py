@@ -16,6 +16,7 @@ use instead, before anything is built.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -241,7 +242,13 @@ class Layer(nn.Module):
     def _check_dtype(self) -> None:
         if self.dtype is None:
             return
-        policy = mp.as_policy(self.dtype, argument="dtype")
+        dtype = self.dtype
+        if not isinstance(dtype, (str, mp.Policy)):
+            # A dtype object (jnp.float32, np.dtype("float32")): its name, as Keras reads
+            # it; anything else goes to as_policy, whose error names the argument.
+            with contextlib.suppress(TypeError):
+                dtype = np.dtype(dtype).name
+        policy = mp.as_policy(dtype, argument="dtype")
         if self.has_weights and policy.variable_dtype != "float32":
             raise ValueError(
                 f"{type(self).__name__}: `dtype`={policy.name!r} would keep this layer's "

@@ -117,6 +117,7 @@ class Model(SavingMixin, CustomLoopMixin):
         self._input_dtype = input_dtype
         self._train_arg = train_arg
         self._trainable = True
+        self._layer_views: dict[tuple[str, ...], Any] = {}
         policy = mp.as_policy(dtype_policy, argument="dtype_policy")
         self._trainer = Trainer(get_strategy(), int(seed), policy)
         self._trainer.plan_reader = self._with_layer_plan
@@ -152,9 +153,10 @@ class Model(SavingMixin, CustomLoopMixin):
 
     def _with_layer_plan(self, state: Any) -> Any:
         """`state` with what the layers say about training now (`trainable.py`)."""
-        self._trainer.plan_seen = trainable_lib.fingerprint(self.module, self._trainable)
+        layers = self._user_layers()
+        self._trainer.plan_seen = trainable_lib.fingerprint(self.module, self._trainable, layers)
         return trainable_lib.with_current_plan(
-            state, self.module, self._sample_row(), self._trainable, self.strategy
+            state, self.module, self._sample_row(), self._trainable, self.strategy, layers
         )
 
     @property
@@ -452,15 +454,21 @@ class Model(SavingMixin, CustomLoopMixin):
         Total params: 21 (84.00 B)
         ...
         """
+        # The layers' trainable flags as they are now, as Keras's summary counts them.
+        state = trainable_lib.with_current_plan(
+            self.state, self.module, self._sample_row(), self._trainable, None, self._user_layers()
+        )
         table = summary_lib.model_table(
-            self.state, self.module, self._input_shape, self._input_dtype, self.name
+            state, self.module, self._input_shape, self._input_dtype, self.name
         )
         (print_fn or print)(table)
 
     @property
     def layers(self) -> list[Any]:
         """The module's direct submodules, in the order the model calls them (Keras's
-        ``layers``; for NNX, its child modules).
+        ``layers``; for NNX, its child modules). Each call gives the same objects, so
+        ``model.layers[0].trainable = False`` freezes that layer at the next `compile`,
+        as in Keras.
 
         Example:
 
@@ -469,7 +477,16 @@ class Model(SavingMixin, CustomLoopMixin):
         >>> [type(layer).__name__ for layer in model.layers]
         ['Dense', 'Dense']
         """
-        return summary_lib.direct_layers(self.state, self.module, self._sample_row())
+        found = summary_lib.direct_layers(self.state, self.module, self._sample_row())
+        if isinstance(self.module, nnx.Module):
+            return found
+        # The same objects at each call: a flag set on one (``model.layers[0].trainable =
+        # False``) is read at the next compile (`_user_layers`).
+        return [self._layer_views.setdefault((layer.name,), layer) for layer in found]
+
+    def _user_layers(self) -> dict[tuple[str, ...], Any]:
+        """The layer objects a user holds, by path: `layers`' (read by the layer plan)."""
+        return dict(self._layer_views)
 
     def count_params(self) -> int:
         """The number of scalars in the model's floating-point variables, trained or not
@@ -606,7 +623,9 @@ class Model(SavingMixin, CustomLoopMixin):
             arg="x",
         )
         self._ensure_ready(training=True)
-        self._trainer.follow_layer_changes(trainable_lib.fingerprint(self.module, self._trainable))
+        self._trainer.follow_layer_changes(
+            trainable_lib.fingerprint(self.module, self._trainable, self._user_layers())
+        )
         self._trainer.stepped = True
         self._check_labels(data, "x")
         val_data = None

@@ -573,6 +573,13 @@ def check_module(
     if layers is not None:
         _check_layer_classes(config, layers, path, allow_other_module=allow_other_module)
         return
+    if config.get("class_name") == "Sequential":
+        raise ValueError(
+            f"{os.path.join(path, CONFIG_FILE)}: `class_name` says the model is a "
+            f"jstrategy.Sequential, but load_model got a {type(module).__name__}. Pass its "
+            "layers: load_model(path, [layer, ...]) (new layers of the saved classes, in the "
+            "saved order), or nothing when their config was saved: load_model(path)."
+        )
     saved, given = config["module"], type(module).__name__
     if saved == given or allow_other_module:
         return

@@ -218,6 +218,10 @@ class Sequential(Model):
         an `Input` is not one)."""
         return list(self._layers)
 
+    def _user_layers(self) -> dict[tuple[str, ...], Any]:
+        # A Sequential's layers are the objects its module calls, at their names.
+        return {(str(layer.name),): layer for layer in self._layers if isinstance(layer, nn.Module)}
+
     def get_layer(self, name: str | None = None, index: int | None = None) -> Any:
         """A layer by name or by index (Keras's ``get_layer``).
 

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 from flax import traverse_util
 
 from jstrategy._src.layers.base import Layer
@@ -62,38 +64,57 @@ def _constraints(layer: Layer) -> Iterable[tuple[str, Any]]:
             yield field.name[: -len(_SUFFIX)], getattr(layer, field.name)
 
 
-def plan_of(calls: list[tuple[Path, Any]], *, everything_frozen: bool = False) -> LayerPlan:
-    """The plan of the submodules a module called (`weight_order.recording_calls`)."""
+def plan_of(
+    calls: list[tuple[Path, Any]],
+    *,
+    everything_frozen: bool = False,
+    layers: Mapping[Path, Any] | None = None,
+) -> LayerPlan:
+    """The plan of the submodules a module called (`weight_order.recording_calls`).
+
+    `layers` are the objects a user holds for some of those paths (a `Sequential`'s
+    layers, `Model.layers`), read instead of the traced copies: a flag set on a Flax
+    module (``model.layers[1].trainable = False``) lives on that object only.
+    """
     frozen: list[Path] = [()] if everything_frozen else []
     constraints: list[tuple[Path, Any]] = []
     for path, module in calls:
-        if not isinstance(module, Layer):
-            continue
-        if module.trainable is False:
+        module = (layers or {}).get(path, module)
+        if getattr(module, "trainable", True) is False:
             frozen.append(path)
-        constraints.extend(((*path, name), c) for name, c in _constraints(module))
+        if isinstance(module, Layer):
+            constraints.extend(((*path, name), c) for name, c in _constraints(module))
     return LayerPlan(tuple(frozen), tuple(constraints))
 
 
 def read_plan(
-    module: nn.Module, sample: Any, init_kwargs: dict[str, Any], *, everything_frozen: bool
+    module: nn.Module,
+    sample: Any,
+    init_kwargs: dict[str, Any],
+    *,
+    everything_frozen: bool,
+    layers: Mapping[Path, Any] | None = None,
 ) -> LayerPlan:
     """The plan of `module`'s layers as they are now (a trace of its initialization on
-    `sample`, a `jax.ShapeDtypeStruct`: nothing is computed)."""
+    `sample`, a `jax.ShapeDtypeStruct`: nothing is computed); `layers` as `plan_of`'s."""
 
     def init(key: jax.Array, x: Any) -> Any:
         return module.init({"params": key, "dropout": key}, x, **init_kwargs)
 
     with weight_order.recording_calls() as calls:
         jax.eval_shape(init, jax.random.key(0), sample)
-    return plan_of(calls, everything_frozen=everything_frozen)
+    return plan_of(calls, everything_frozen=everything_frozen, layers=layers)
 
 
-def fingerprint(module: Any, model_trainable: bool) -> tuple[Any, ...]:
+def fingerprint(
+    module: Any, model_trainable: bool, layers: Mapping[Path, Any] | None = None
+) -> tuple[Any, ...]:
     """What can change a plan after the module was made: the ``trainable`` flags and
     constraints of the layers its fields hold (layers made inside ``__call__`` are made
-    anew, as written, at every call), and the model's own flag."""
+    anew, as written, at every call) and of `layers` (`plan_of`'s), and the model's own
+    flag."""
     out: list[Any] = [model_trainable]
+    out.extend((path, getattr(obj, "trainable", True)) for path, obj in (layers or {}).items())
     seen: set[int] = set()
 
     def walk(obj: Any) -> None:
@@ -164,24 +185,40 @@ def honour(tx: optax.GradientTransformation, plan: LayerPlan) -> optax.GradientT
 
 
 def with_current_plan(
-    state: Any, module: Any, sample: Any, model_trainable: bool, strategy: Any
+    state: Any,
+    module: Any,
+    sample: Any,
+    model_trainable: bool,
+    strategy: Any = None,
+    layers: Mapping[Path, Any] | None = None,
 ) -> Any:
     """`state` (a `jstrategy.Model`'s) with the plan of its layers as they are now, read
     on `sample` (the model's sample row, or None where unknown: the plan read when the
-    state was created stays).
+    state was created stays); `strategy`, where the plan is for training, is checked to
+    support it.
 
     Raises:
-      ValueError: for ``model.trainable = False`` on an NNX model, or a plan under a
-        strategy whose `fit` applies gradients on parameter servers.
+      ValueError: for ``model.trainable = False`` (or a submodule's ``trainable``) on an
+        NNX model, or a plan under a strategy whose `fit` applies gradients on parameter
+        servers.
     """
     if not hasattr(state, "layer_plan"):  # NNX: its optimizer's `wrt` says what trains
-        if not model_trainable:
+        flagged = [
+            "/".join(map(str, path))
+            for path, node in nnx.iter_graph(module)
+            if isinstance(node, nnx.Module) and getattr(node, "trainable", True) is False
+        ]
+        if not model_trainable or flagged:
+            what = (
+                "model.trainable = False"
+                if not model_trainable
+                else f"{flagged[0]}.trainable = False"
+            )
             raise ValueError(
-                "model.trainable = False freezes a linen model's parameters; an NNX model "
-                "trains what its optimizer's `wrt` filter selects. Freeze with "
+                f"{what}: an NNX model trains what its optimizer's `wrt` filter selects, "
+                "and a `trainable` attribute means nothing to it. Freeze with "
                 "jstrategy.training.create_nnx_train_state(module, tx, wrt=...) (e.g. a "
-                "filter excluding the frozen submodules' nnx.Param), or set "
-                "model.trainable = True."
+                "filter excluding the frozen submodules' nnx.Param), and drop the flag."
             )
         return state
     if sample is None:
@@ -192,8 +229,10 @@ def with_current_plan(
         kwargs = (
             {} if state.train_arg is None else {state.train_arg: state.train_arg == "deterministic"}
         )
-        plan = read_plan(module, sample, kwargs, everything_frozen=not model_trainable)
-    if plan and strategy.should_use_with_coordinator:
+        plan = read_plan(
+            module, sample, kwargs, everything_frozen=not model_trainable, layers=layers
+        )
+    if plan and strategy is not None and strategy.should_use_with_coordinator:
         raise ValueError(
             f"{type(strategy).__name__}'s fit applies each variable's gradients on the "
             "parameter servers, so frozen layers (trainable=False) and weight constraints "
