@@ -760,3 +760,17 @@ def test_an_nnx_submodule_flag_is_refused_with_the_wrt_fix():
         r"optimizer's `wrt` filter selects.*create_nnx_train_state",
     ):
         model.compile(optax.sgd(0.1), "mse")
+
+
+def test_a_layer_the_user_holds_is_the_models_as_in_keras():
+    x, y = _data(8)
+    base = L.Dense(4)
+    flax_head = nn.Dense(2)
+    model = jstrategy.Sequential([L.Input((3,)), base, flax_head])
+    assert model.layers[0] is base and model.layers[1] is flax_head
+    assert base.name == "dense"
+    base.trainable = False  # Keras's freeze through the user's own reference
+    model.compile("sgd", "mse")
+    kernel = model.get_weights()[0]
+    model.fit(x, y, verbose=0)
+    np.testing.assert_array_equal(model.get_weights()[0], kernel)

@@ -209,7 +209,12 @@ class Sequential(Model):
                 f"taken (layers: {[getattr(e, 'name', None) for e in self._layers]}). Give "
                 "the layer another name=, or none to have one made."
             )
-        self._layers.append(layer if layer.name == name else layer.clone(name=name))
+        if layer.name is None:
+            # Named in place, as Keras names the layer object itself: `model.layers[0] is
+            # layer`, so a flag the user sets on it (`layer.trainable = False`) is the
+            # model's.
+            object.__setattr__(layer, "name", name)
+        self._layers.append(layer)
         self.module = SequentialModule(tuple(self._layers))
 
     @property
