@@ -774,3 +774,45 @@ def test_a_layer_the_user_holds_is_the_models_as_in_keras():
     kernel = model.get_weights()[0]
     model.fit(x, y, verbose=0)
     np.testing.assert_array_equal(model.get_weights()[0], kernel)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"]),
+        lambda: jstrategy.CentralStorageStrategy(),
+        lambda: jstrategy.experimental.FSDPStrategy(min_shard_size=0),
+    ],
+    ids=["mirrored_2", "central_storage_8", "fsdp_8"],
+)
+def test_frozen_layers_and_constraints_follow_one_device(make):
+    x, y = _data(16)
+
+    def train(strategy, ema=False, **compile_kwargs):
+        with strategy.scope():
+            model = jstrategy.Sequential(
+                [
+                    L.Input((3,)),
+                    L.Dense(8, trainable=False),
+                    L.BatchNormalization(synchronized=True),  # one device's statistics
+                    L.Dense(2, kernel_constraint=jstrategy.constraints.MaxNorm(0.3)),
+                ],
+                seed=3,
+            )
+            optimizer = jstrategy.optimizers.Adam(0.01, use_ema=ema)
+            model.compile(optimizer, "mse", **compile_kwargs)
+        before = model.get_weights()
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        np.testing.assert_array_equal(model.get_weights()[0], before[0])  # frozen
+        if not ema:  # (an average starts from the unconstrained initial kernel, in Keras too)
+            assert np.linalg.norm(model.get_weights()[6], axis=0).max() <= 0.3 + 1e-6
+        return model.get_weights()
+
+    oracle = train(jstrategy.OneDeviceStrategy("cpu:0"))
+    for got, want in zip(train(make()), oracle, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    accumulated = train(jstrategy.OneDeviceStrategy("cpu:0"), gradient_accumulation_steps=2)
+    assert not np.allclose(accumulated[6], oracle[6])  # one update per 2 batches
+    averaged = train(make(), ema=True)  # the average covers the trained parameters only
+    assert not np.allclose(averaged[6], oracle[6])

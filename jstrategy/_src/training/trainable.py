@@ -17,6 +17,7 @@ so setting ``layer.trainable`` takes effect at the next ``compile``, as in Keras
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable
 from collections.abc import Mapping
 from typing import Any
@@ -158,9 +159,19 @@ def with_trained(params: Any, trained: Any, plan: LayerPlan) -> Any:
 
 def honour(tx: optax.GradientTransformation, plan: LayerPlan) -> optax.GradientTransformation:
     """`tx` restricted to the trained parameters, frozen ones given a zero update, and each
-    constraint applied to its parameter after the update (Keras's optimizer's order)."""
+    constraint applied to its parameter after the update (Keras's optimizer's order).
+
+    The same `tx` and `plan` give the same object: a state's optimizer is part of its
+    tree structure, which a state traced twice (its shapes, then where it lives) must
+    repeat.
+    """
     if not plan:
         return tx
+    return _honoured(tx, plan)
+
+
+@functools.lru_cache(maxsize=256)
+def _honoured(tx: optax.GradientTransformation, plan: LayerPlan) -> optax.GradientTransformation:
 
     def init(params: Any) -> Any:
         return tx.init(_trained(params, plan))
