@@ -816,3 +816,19 @@ def test_frozen_layers_and_constraints_follow_one_device(make):
     assert not np.allclose(accumulated[6], oracle[6])  # one update per 2 batches
     averaged = train(make(), ema=True)  # the average covers the trained parameters only
     assert not np.allclose(averaged[6], oracle[6])
+
+
+def test_a_frozen_layer_under_parameter_servers_is_refused_before_any_work(shut_down_coordinators):
+    from jstrategy.coordinator import local_cluster_resolver
+
+    strategy = jstrategy.ParameterServerStrategy(local_cluster_resolver(num_workers=1, num_ps=1))
+    shut_down_coordinators(strategy)
+    with strategy.scope():
+        model = jstrategy.Sequential([L.Input((3,)), L.Dense(4, trainable=False), L.Dense(2)])
+        model.compile("sgd", "mse")
+    with pytest.raises(
+        ValueError,
+        match=r"ParameterServerStrategy's fit applies each "
+        r"variable's gradients on the parameter servers, so frozen layers",
+    ):
+        model.fit(*_data(8), verbose=0)
