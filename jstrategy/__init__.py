@@ -1,8 +1,11 @@
 """jstrategy: TensorFlow 2's tf.distribute.Strategy family for JAX and Flax."""
 
+from typing import TYPE_CHECKING
+
 from jstrategy import callbacks
 from jstrategy import cluster_resolver
 from jstrategy import config
+from jstrategy import constraints
 from jstrategy import coordinator
 from jstrategy import experimental
 from jstrategy import layers
@@ -14,11 +17,13 @@ from jstrategy import optimizers
 from jstrategy import regularizers
 from jstrategy import tpu
 from jstrategy import training
+from jstrategy import utils
 from jstrategy._src.central_storage import CentralStorageStrategy
 from jstrategy._src.checkpoint import CheckpointError
 from jstrategy._src.checkpoint import CheckpointManager
 from jstrategy._src.checkpoint import load_weights
 from jstrategy._src.checkpoint import save_weights
+from jstrategy._src.cluster import PeerFailureError
 from jstrategy._src.context import ReplicaContext
 from jstrategy._src.context import experimental_set_strategy
 from jstrategy._src.context import get_replica_context
@@ -31,6 +36,8 @@ from jstrategy._src.cross_device_ops import ReductionToOneDevice
 from jstrategy._src.input import InputContext
 from jstrategy._src.input import InputOptions
 from jstrategy._src.input import InputReplicationMode
+from jstrategy._src.keras_names import missing_attribute
+from jstrategy._src.layers.core import Input
 from jstrategy._src.loss_reduction import compute_average_loss
 from jstrategy._src.loss_reduction import scale_regularization_loss
 from jstrategy._src.mirrored import MirroredStrategy
@@ -38,6 +45,7 @@ from jstrategy._src.multi_worker import MultiWorkerMirroredStrategy
 from jstrategy._src.one_device import OneDeviceStrategy
 from jstrategy._src.parameter_server.strategy import ParameterServerStrategy
 from jstrategy._src.reduce_util import ReduceOp
+from jstrategy._src.rendezvous import ClusterStartupError
 from jstrategy._src.strategy import REPLICA_AXIS
 from jstrategy._src.strategy import Strategy
 from jstrategy._src.strategy import ValueContext
@@ -54,8 +62,10 @@ __all__ = [
     "CentralStorageStrategy",
     "CheckpointError",
     "CheckpointManager",
+    "ClusterStartupError",
     "CrossDeviceOps",
     "HierarchicalCopyAllReduce",
+    "Input",
     "InputContext",
     "InputOptions",
     "InputReplicationMode",
@@ -65,6 +75,7 @@ __all__ = [
     "NcclAllReduce",
     "OneDeviceStrategy",
     "ParameterServerStrategy",
+    "PeerFailureError",
     "PerReplica",
     "ReduceOp",
     "ReductionToOneDevice",
@@ -77,6 +88,7 @@ __all__ = [
     "cluster_resolver",
     "compute_average_loss",
     "config",
+    "constraints",
     "coordinator",
     "experimental",
     "experimental_set_strategy",
@@ -96,4 +108,10 @@ __all__ = [
     "regularizers",
     "tpu",
     "training",
+    "utils",
 ]
+
+if not TYPE_CHECKING:  # for type checkers, a missing name stays an error
+
+    def __getattr__(name: str):
+        raise missing_attribute(__name__, name)

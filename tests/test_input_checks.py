@@ -113,9 +113,9 @@ def test_array_arguments_with_a_dataset_are_errors(model):
         model.evaluate(batches, batch_size=4, verbose=0)
     with pytest.raises(ValueError, match=r"got validation_split=0.5 with x of type list"):
         model.fit(batches, validation_split=0.5, verbose=0)
-    # A list of rows is read as a list of batches: the error says how to pass arrays.
+    # A list of row arrays is read as a list of batches: the error says how to pass arrays.
     with pytest.raises(ValueError, match=r"since it is a list.*np.asarray\(x\)"):
-        model.fit(x.tolist(), y.tolist(), verbose=0)
+        model.fit(list(x), y, verbose=0)
 
 
 def test_bad_counts_and_validation_tuples(model):

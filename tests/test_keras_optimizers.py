@@ -102,7 +102,7 @@ def _fit_model(case: dict, optimizer, *, accumulation: int = 1) -> jstrategy.Mod
         model = jstrategy.Model(nn.Dense(3), input_shape=(4,), seed=0)
         model.compile(optimizer, loss="mse", gradient_accumulation_steps=accumulation)
     kernel, bias = (np.asarray(w, np.float32) for w in REFERENCE["initial"])
-    model.set_weights([bias, kernel])  # jstrategy lists a Dense's variables by name
+    model.set_weights([kernel, bias])  # Keras's order
     callbacks = []
     if case["halving_from"] is not None:
         start = case["halving_from"]
@@ -120,7 +120,7 @@ def _fit_model(case: dict, optimizer, *, accumulation: int = 1) -> jstrategy.Mod
 
 
 def _fit_close(model: jstrategy.Model, case: dict, what: str) -> None:
-    bias, kernel = model.get_weights()
+    kernel, bias = model.get_weights()
     _close({"kernel": kernel, "bias": bias}, case["weights"], what)
 
 
@@ -262,7 +262,7 @@ def test_apply_gradients_on_one_device_outside_any_scope_still_works():
     model, optimizer = _model(jstrategy.OneDeviceStrategy("cpu:0"))
     optimizer.apply_gradients(zip(_grads(model), model.trainable_variables, strict=True))
     assert optimizer.iterations == 1
-    assert jax.tree.leaves(model.get_weights())[0].shape == (1,)
+    assert [w.shape for w in model.get_weights()] == [(3, 1), (1,)]  # kernel, bias
 
 
 @pytest.mark.slow

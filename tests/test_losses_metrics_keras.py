@@ -110,7 +110,7 @@ def _sequence_model(strategy):
             metrics=["sparse_categorical_accuracy"],
             weighted_metrics=["sparse_categorical_accuracy"],
         )
-    model.set_weights([np.asarray(seq["bias"], np.float32), np.asarray(seq["kernel"], np.float32)])
+    model.set_weights([np.asarray(seq["kernel"], np.float32), np.asarray(seq["bias"], np.float32)])
     return model
 
 

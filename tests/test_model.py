@@ -301,12 +301,12 @@ def test_weights_round_trip_and_variables_are_placed():
     kernel = model.variables["params"]["Dense_0"]["kernel"]
     assert kernel.sharding == strategy.replicated_sharding()
     weights = model.get_weights()
-    assert len(weights) == 8  # BatchNorm mean and var, then 6 parameters
+    assert len(weights) == 8  # Keras's order: Dense, BatchNorm (gamma, beta, mean, var), Dense
     model.set_weights([w + 1 for w in weights])
     _close(model.get_weights(), [w + 1 for w in weights], atol=0)
     with pytest.raises(ValueError, match="must hold 8 arrays"):
         model.set_weights(weights[:3])
-    with pytest.raises(ValueError, match="must have shape"):
+    with pytest.raises(ValueError, match=r"`weights\[0\]` is Dense_0/kernel, of shape"):
         model.set_weights([np.ones(1)] * 8)
 
 

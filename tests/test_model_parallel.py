@@ -26,6 +26,7 @@ import functools
 from typing import Callable  # noqa: UP035  # as the linen guide imports it
 
 import flax.linen as nn
+import flax.traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -397,7 +398,9 @@ def test_the_linen_guides_models_train_as_annotated_matching_the_guides_loop(nam
     with strategy.scope():
         model = jstrategy.Model(make(), input_shape=(DEPTH,), seed=0)
         model.compile(optax.adam(learning_rate=0.001), loss=_fake_loss, steps_per_execution=2)
-    model.set_weights(jax.tree.leaves(initial))
+    # get_weights' order is Keras's (call order), not the params dict's sorted keys.
+    flat = flax.traverse_util.flatten_dict(initial, sep="/")
+    model.set_weights([flat[name] for name in model.state.weight_names()])
     history = model.fit(x, y, batch_size=BATCH, epochs=GUIDE_STEPS, shuffle=False, verbose=0)
     _rel_close(history.history["loss"], want_losses)
     _close(jax.tree.leaves(model.state.params), jax.tree.leaves(want_final))
@@ -417,7 +420,7 @@ def test_the_linen_guides_models_train_as_annotated_matching_the_guides_loop(nam
         )
         step = jstrategy.training.make_train_step(_fake_loss)
     state = jstrategy.training.place_state(
-        state.with_weight_list(jax.tree.leaves(initial)), strategy
+        state.with_weight_list([flat[name] for name in state.weight_names()]), strategy
     )
     got = []
     for _ in range(GUIDE_STEPS):

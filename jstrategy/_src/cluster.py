@@ -45,7 +45,17 @@ __all__ = ["Cluster", "PeerFailureError", "join"]
 
 
 class PeerFailureError(RuntimeError):
-    """A collective failed because another worker died or stopped responding."""
+    """A collective failed because another worker died or stopped responding.
+
+    Raised in the surviving workers within the job's ``timeout_seconds``; catch it to stop
+    (or to restart from the last checkpoint).
+
+    Example:
+
+    >>> import jstrategy
+    >>> issubclass(jstrategy.PeerFailureError, RuntimeError)
+    True
+    """
 
 
 _COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"

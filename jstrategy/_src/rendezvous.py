@@ -40,7 +40,17 @@ _MAX_LINE = 4096
 
 
 class ClusterStartupError(RuntimeError):
-    """The processes of a multi-worker job could not all start; the message says why."""
+    """The processes of a multi-worker job could not all start; the message says why.
+
+    A task that never arrives, a port in use, or two processes claiming one task, before
+    the job's deadline.
+
+    Example:
+
+    >>> import jstrategy
+    >>> issubclass(jstrategy.ClusterStartupError, RuntimeError)
+    True
+    """
 
 
 def split_address(address: str) -> tuple[str, int]:

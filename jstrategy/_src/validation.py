@@ -17,6 +17,7 @@ __all__ = [
     "check_positive_int",
     "check_row_shape",
     "is_int",
+    "named_object",
 ]
 
 
@@ -131,4 +132,36 @@ def check_row_shape(value: Any, name: str) -> tuple[int, ...]:
         "the shape of one row without the batch axis, every dimension a positive int",
         tuple(value) if isinstance(value, list) else value,
         fix,
+    )
+
+
+def named_object(
+    identifier: Any, by_name: dict[str, Any], argument: str, kind: str, namespace: str, example: str
+) -> Any:
+    """Keras's way to give a layer an object: its name (built with its defaults), the
+    object itself, any callable, or None.
+
+    Example:
+
+    >>> named_object("l2", {"l2": dict}, "kernel_regularizer", "regularizer", "", "")
+    {}
+    >>> named_object(3, {}, "kernel_constraint", "constraint", "jstrategy.constraints", "NonNeg()")
+    Traceback (most recent call last):
+    ...
+    ValueError: `kernel_constraint` must be a constraint name, a jstrategy.constraints object (e.g. NonNeg()) or None; got int 3.
+    """
+    if identifier is None:
+        return None
+    if isinstance(identifier, str):
+        if identifier in by_name:
+            return by_name[identifier]()
+        raise ValueError(
+            f"`{argument}` must be a {kind} name ({sorted(by_name)}), a {namespace} object or "
+            f"None; got {identifier!r}."
+        )
+    if callable(identifier):
+        return identifier
+    raise ValueError(
+        f"`{argument}` must be a {kind} name, a {namespace} object (e.g. {example}) or None; "
+        f"got {type(identifier).__name__} {identifier!r}."
     )

@@ -14,6 +14,9 @@ Example:
 193
 """
 
+from typing import TYPE_CHECKING
+
+from jstrategy._src.keras_names import missing_attribute
 from jstrategy._src.layers.base import Layer
 from jstrategy._src.layers.conv import Conv2D
 from jstrategy._src.layers.core import Activation
@@ -47,3 +50,8 @@ __all__ = [
     "MaxPooling2D",
     "Reshape",
 ]
+
+if not TYPE_CHECKING:  # for type checkers, a missing name stays an error
+
+    def __getattr__(name: str):
+        raise missing_attribute(__name__, name)

@@ -11,6 +11,9 @@ Example:
 (0.1, 1e-07)
 """
 
+from typing import TYPE_CHECKING
+
+from jstrategy._src.keras_names import missing_attribute
 from jstrategy._src.training.keras_optimizers import SGD
 from jstrategy._src.training.keras_optimizers import Adadelta
 from jstrategy._src.training.keras_optimizers import Adagrad
@@ -42,3 +45,8 @@ __all__ = [
     "schedules",
     "serialize",
 ]
+
+if not TYPE_CHECKING:  # for type checkers, a missing name stays an error
+
+    def __getattr__(name: str):
+        raise missing_attribute(__name__, name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Any
+from typing import ClassVar
 
 import flax.linen as nn
 import jax
@@ -13,7 +14,7 @@ from jstrategy._src.layers import weights
 from jstrategy._src.layers.base import Layer
 from jstrategy._src.validation import check_positive_int
 
-__all__ = ["Conv2D", "check_data_format", "check_padding", "pair"]
+__all__ = ["Conv2D", "check_data_format", "check_image_inputs", "check_padding", "pair"]
 
 
 def check_data_format(data_format: Any) -> str:
@@ -32,6 +33,48 @@ def check_padding(padding: Any) -> str:
     if not isinstance(padding, str) or padding.lower() not in ("valid", "same"):
         raise ValueError(f"`padding` must be 'valid' or 'same'; got {padding!r}.")
     return padding.upper()
+
+
+def check_image_inputs(
+    layer: Any,
+    shape: tuple[int, ...],
+    window: tuple[int, int] | None = None,
+    strides: tuple[int, int] = (1, 1),
+    dilation: tuple[int, int] = (1, 1),
+) -> None:
+    """Refuses inputs a 2-D layer cannot take, before any work: a rank other than 4 (e.g.
+    images without a channel axis), or (``"valid"`` padding) a `window` larger than the
+    image, which Keras refuses too ("Computed output size would be zero or negative")
+    and which would otherwise build an empty feature map.
+    """
+    what = f"{type(layer).__name__} {layer.name!r}" if layer.name else type(layer).__name__
+    first = check_data_format(layer.data_format) == "channels_first"
+    layout = "(batch, channels, height, width)" if first else "(batch, height, width, channels)"
+    if len(shape) != 4:
+        fix = "Give the rows the layout above"
+        if len(shape) == 3:
+            row = (1, *shape[1:]) if first else (*shape[1:], 1)
+            axis = "x[:, None]" if first else "x[..., None]"
+            fix = (
+                f"Add a channel axis: {axis} (then input_shape={row}), or start the model "
+                f"with Reshape({row})"
+            )
+        raise ValueError(
+            f"{what} takes inputs of rank 4, {layout}; got inputs of shape {tuple(shape)}. {fix}."
+        )
+    if window is None or check_padding(layer.padding) != "VALID":
+        return
+    spatial = shape[2:] if first else shape[1:3]
+    span = tuple((k - 1) * d + 1 for k, d in zip(window, dilation, strict=True))
+    if any(size < extent for size, extent in zip(spatial, span, strict=True)):
+        out = tuple(
+            (size - extent) // s + 1 for size, extent, s in zip(spatial, span, strides, strict=True)
+        )
+        raise ValueError(
+            f"{what}: its window {span} is larger than the {tuple(spatial)} image of its "
+            f"inputs (shape {tuple(shape)}). Computed output size would be zero or negative: "
+            f"{out}. Use a smaller window, padding='same', or larger images."
+        )
 
 
 def pair(value: Any, name: str) -> tuple[int, int]:
@@ -61,6 +104,8 @@ class Conv2D(Layer):
       bias_initializer: default ``"zeros"``.
       kernel_regularizer: a regularizer for the kernel, or None.
       bias_regularizer: a regularizer for the bias, or None.
+      kernel_constraint: a constraint for the kernel, or None.
+      bias_constraint: a constraint for the bias, or None.
       input_shape: the shape of one input row, for the first layer of a `Sequential`.
 
     Example:
@@ -86,7 +131,11 @@ class Conv2D(Layer):
     bias_initializer: Any = "zeros"
     kernel_regularizer: Any = None
     bias_regularizer: Any = None
+    kernel_constraint: Any = None
+    bias_constraint: Any = None
     input_shape: Any = None
+
+    has_weights: ClassVar[bool] = True
 
     @staticmethod
     def validate(self: Any) -> None:  # static: Flax does not wrap it (no bound scope yet)
@@ -104,6 +153,10 @@ class Conv2D(Layer):
 
     @nn.compact
     def __call__(self, inputs: Any, training: bool | None = None) -> Any:
+        inputs = self.cast_inputs(inputs)
+        check_image_inputs(
+            self, jnp.shape(inputs), self.kernel_size, self.strides, self.dilation_rate
+        )
         channels_first = check_data_format(self.data_format) == "channels_first"
         in_channels = jnp.shape(inputs)[1 if channels_first else -1]
         if in_channels % self.groups:
@@ -117,7 +170,7 @@ class Conv2D(Layer):
         layout = "NCHW" if channels_first else "NHWC"
         y = jax.lax.conv_general_dilated(
             inputs,
-            kernel.astype(jnp.result_type(inputs, kernel)),
+            kernel.astype(self.compute_dtype(inputs, kernel)),
             window_strides=self.strides,
             padding=check_padding(self.padding),
             rhs_dilation=self.dilation_rate,

@@ -32,14 +32,22 @@ __all__ = ["Activation", "Dense", "Dropout", "Embedding", "Input", "InputLayer"]
 class InputLayer(Layer):
     """The input of a `jstrategy.Sequential`: the shape and dtype of one row (identity).
 
-    Made by `Input`; a `Sequential` takes it as its first element and does not list it
-    in ``layers``, as Keras.
+    Made by `Input` (Keras 3's recommended first entry of a ``Sequential``) or directly,
+    with Keras 3's arguments; a `Sequential` takes it as its first element and does not
+    list it in ``layers``, as Keras.
 
     Attributes:
-      shape: the shape of one row, without the batch axis.
-      dtype: the dtype of the rows.
+      shape: the shape of one row, without the batch axis. Keras 2's ``input_shape=``
+        means the same.
+      batch_size: accepted as Keras does; batches come from the data.
+      batch_shape: instead of `shape`, the shape with the batch axis first (which may be
+        None), as Keras's ``batch_shape`` (and Keras 2's ``batch_input_shape``).
+      dtype: the dtype of the rows (default float32).
 
     Example:
+
+    >>> InputLayer(input_shape=(3,)).shape, InputLayer(batch_shape=(None, 4, 2)).shape
+    ((3,), (4, 2))
 
     >>> import jstrategy
     >>> from jstrategy.layers import Dense, Input, InputLayer
@@ -48,13 +56,43 @@ class InputLayer(Layer):
     (True, ['dense'])
     """
 
-    shape: tuple[int, ...] = ()
-    dtype: str = "float32"
+    shape: Any = None
+    batch_size: int | None = None
+    batch_shape: Any = None
+
+    @nn.nowrap  # called before the module is bound
+    def _check_dtype(self) -> None:
+        # An input's dtype is the rows' dtype, not a precision policy.
+        try:
+            name = np.dtype(self.dtype or "float32").name
+        except TypeError:
+            raise ValueError(
+                f"`dtype` must be the rows' dtype, e.g. 'float32' or 'int32'; got {self.dtype!r}."
+            ) from None
+        object.__setattr__(self, "dtype", name)
 
     @staticmethod
     def validate(self: Any) -> None:  # static: Flax does not wrap it (no bound scope yet)
+        if self.batch_size is not None:
+            check_positive_int(self.batch_size, "batch_size", "Or pass None.")
+        if self.batch_shape is not None:
+            if self.shape is not None:
+                raise ValueError(
+                    "Pass `shape` or `batch_shape` to InputLayer, not both: shape is "
+                    "batch_shape without its first (batch) entry."
+                )
+            if not isinstance(self.batch_shape, (tuple, list)) or len(self.batch_shape) < 2:
+                raise ValueError(
+                    f"`batch_shape` must be (batch, *row_shape), e.g. (None, 10); got "
+                    f"{self.batch_shape!r}."
+                )
+            object.__setattr__(self, "shape", tuple(self.batch_shape[1:]))
+            object.__setattr__(self, "batch_shape", None)
+        if self.shape is None:
+            raise ValueError(
+                "InputLayer needs `shape`, the shape of one row, e.g. InputLayer(shape=(10,))."
+            )
         object.__setattr__(self, "shape", check_row_shape(self.shape, "shape"))
-        object.__setattr__(self, "dtype", np.dtype(self.dtype).name)
 
     @nn.compact
     def __call__(self, inputs: Any, training: bool | None = None) -> Any:
@@ -69,6 +107,8 @@ def Input(
     name: str | None = None,
 ) -> InputLayer:
     """Keras's ``Input``: the row shape (and dtype) a `jstrategy.Sequential` starts from.
+
+    Also ``jstrategy.Input``, as ``keras.Input``.
 
     Args:
       shape: the shape of one row, without the batch axis, e.g. ``(28, 28, 1)``.
@@ -87,22 +127,13 @@ def Input(
     Example:
 
     >>> import jstrategy
-    >>> model = jstrategy.Sequential([jstrategy.layers.Input((3,)), jstrategy.layers.Dense(2)])
+    >>> model = jstrategy.Sequential([jstrategy.Input((3,)), jstrategy.layers.Dense(2)])
     >>> model.count_params()
     8
     """
-    del batch_size  # the data decides the batch size
-    if batch_shape is not None:
-        if shape is not None:
-            raise ValueError("Pass `shape` or `batch_shape` to Input, not both.")
-        if not isinstance(batch_shape, (tuple, list)) or len(batch_shape) < 2:
-            raise ValueError(
-                f"`batch_shape` must be (batch, *row_shape), e.g. (None, 10); got {batch_shape!r}."
-            )
-        shape = tuple(batch_shape[1:])
-    if shape is None:
-        raise ValueError("Input needs `shape`, the shape of one row, e.g. Input(shape=(10,)).")
-    return InputLayer(shape=check_row_shape(shape, "shape"), dtype=dtype or "float32", name=name)
+    return InputLayer(
+        shape=shape, batch_size=batch_size, batch_shape=batch_shape, dtype=dtype, name=name
+    )
 
 
 class Dense(Layer):
@@ -118,7 +149,11 @@ class Dense(Layer):
       kernel_regularizer: a `jstrategy.regularizers` object, a name (``"l2"``) or None;
         its penalty is added to the loss, as in Keras.
       bias_regularizer: likewise, for the bias.
+      kernel_constraint: a `jstrategy.constraints` object, a name (``"max_norm"``) or
+        None: the kernel is projected by it after each update, as Keras's optimizer does.
+      bias_constraint: likewise, for the bias.
       input_shape: the shape of one input row, for the first layer of a `Sequential`.
+        Keras's ``input_dim=n`` means ``input_shape=(n,)``.
 
     Example:
 
@@ -136,7 +171,11 @@ class Dense(Layer):
     bias_initializer: Any = "zeros"
     kernel_regularizer: Any = None
     bias_regularizer: Any = None
+    kernel_constraint: Any = None
+    bias_constraint: Any = None
     input_shape: Any = None
+
+    has_weights: ClassVar[bool] = True
 
     @staticmethod
     def validate(self: Any) -> None:  # static: Flax does not wrap it (no bound scope yet)
@@ -145,8 +184,9 @@ class Dense(Layer):
 
     @nn.compact
     def __call__(self, inputs: Any, training: bool | None = None) -> Any:
+        inputs = self.cast_inputs(inputs)
         kernel = weights.weight(self, "kernel", (jnp.shape(inputs)[-1], self.units))
-        y = jnp.matmul(inputs, kernel.astype(jnp.result_type(inputs, kernel)))
+        y = jnp.matmul(inputs, kernel.astype(self.compute_dtype(inputs, kernel)))
         if self.use_bias:
             bias = weights.weight(self, "bias", (self.units,))
             y = y + bias.astype(y.dtype)
@@ -161,8 +201,11 @@ class Embedding(Layer):
       output_dim: the size of each row.
       embeddings_initializer: default ``"uniform"``: Keras's ``RandomUniform(-0.05, 0.05)``.
       embeddings_regularizer: a regularizer for the table, or None.
+      embeddings_constraint: a constraint for the table, or None.
       mask_zero: Keras's masking of index 0; not supported (masks are not propagated).
       input_shape: the shape of one input row, for the first layer of a `Sequential`.
+        Keras 2's ``input_length=n`` means ``input_shape=(n,)`` (Keras 3 ignores it, with
+        a warning).
 
     Example:
 
@@ -177,10 +220,13 @@ class Embedding(Layer):
     output_dim: int
     embeddings_initializer: Any = "uniform"
     embeddings_regularizer: Any = None
+    embeddings_constraint: Any = None
     mask_zero: bool = False
     input_shape: Any = None
 
     sample_dtype: ClassVar[str] = "int32"
+    has_weights: ClassVar[bool] = True
+    reads_input_length: ClassVar[bool] = True
 
     @staticmethod
     def validate(self: Any) -> None:  # static: Flax does not wrap it (no bound scope yet)
@@ -192,6 +238,7 @@ class Embedding(Layer):
             "embeddings_regularizer",
             regularizers.get(self.embeddings_regularizer, "embeddings_regularizer"),
         )
+        weights.resolve_constraints(self, "embeddings")
         if self.mask_zero:
             raise ValueError(
                 "`mask_zero=True` is not supported: jstrategy's layers do not propagate "
@@ -202,6 +249,7 @@ class Embedding(Layer):
     @nn.compact
     def __call__(self, inputs: Any, training: bool | None = None) -> Any:
         table = weights.weight(self, "embeddings", (self.input_dim, self.output_dim))
+        table = table.astype(self.compute_dtype(table))
         return jnp.take(table, jnp.asarray(inputs).astype(jnp.int32), axis=0)
 
 
@@ -224,7 +272,7 @@ class Activation(Layer):
 
     @nn.compact
     def __call__(self, inputs: Any, training: bool | None = None) -> Any:
-        return activations.get(self.activation)(inputs)
+        return activations.get(self.activation)(self.cast_inputs(inputs))
 
 
 class Dropout(Layer):
@@ -271,6 +319,7 @@ class Dropout(Layer):
 
     @nn.compact
     def __call__(self, inputs: Any, training: bool | None = None) -> Any:
+        inputs = self.cast_inputs(inputs)
         if not training or self.rate == 0:
             return inputs
         key = self.make_rng("dropout")

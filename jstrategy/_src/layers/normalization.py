@@ -10,6 +10,7 @@ batch's under every strategy (`batch_region`), as on one device.
 from __future__ import annotations
 
 from typing import Any
+from typing import ClassVar
 
 import flax.linen as nn
 import jax
@@ -19,6 +20,7 @@ from jstrategy._src import batch_region
 from jstrategy._src import context
 from jstrategy._src.layers import initializers
 from jstrategy._src.layers import regularizers
+from jstrategy._src.layers import weights
 from jstrategy._src.layers.base import Layer
 from jstrategy._src.strategy import REPLICA_AXIS
 from jstrategy._src.validation import check_bool
@@ -54,6 +56,8 @@ def _float32(x: Any) -> Any:
 class _Normalization(Layer):
     """``gamma``/``beta`` over the feature axes, shared by both layers."""
 
+    has_weights: ClassVar[bool] = True
+
     def _affine(self, shape: tuple[int, ...]) -> tuple[Any, Any]:
         gamma = beta = None
         if self.scale:  # type: ignore[attr-defined]
@@ -84,6 +88,7 @@ class _Normalization(Layer):
             initializers.get(getattr(self, name), name)
         for name in ("beta_regularizer", "gamma_regularizer"):
             object.__setattr__(self, name, regularizers.get(getattr(self, name), name))
+        weights.resolve_constraints(self, "beta", "gamma")
 
 
 def _normalize(x: Any, mean: Any, var: Any, gamma: Any, beta: Any, epsilon: float) -> Any:
@@ -128,6 +133,8 @@ class BatchNormalization(_Normalization):
     moving_variance_initializer: Any = "ones"
     beta_regularizer: Any = None
     gamma_regularizer: Any = None
+    beta_constraint: Any = None
+    gamma_constraint: Any = None
     synchronized: bool = False
     input_shape: Any = None
 
@@ -143,6 +150,8 @@ class BatchNormalization(_Normalization):
 
     @nn.compact
     def __call__(self, inputs: Any, training: bool | None = None) -> Any:
+        inputs = self.cast_inputs(inputs)
+        training = training and self.trainable  # Keras 3: frozen, it runs in inference mode
         x = _float32(inputs)
         axes = _axes(self.axis, x.ndim)
         feature_shape = tuple(x.shape[a] for a in axes)
@@ -218,6 +227,8 @@ class LayerNormalization(_Normalization):
     gamma_initializer: Any = "ones"
     beta_regularizer: Any = None
     gamma_regularizer: Any = None
+    beta_constraint: Any = None
+    gamma_constraint: Any = None
     input_shape: Any = None
 
     @staticmethod
@@ -226,6 +237,7 @@ class LayerNormalization(_Normalization):
 
     @nn.compact
     def __call__(self, inputs: Any, training: bool | None = None) -> Any:
+        inputs = self.cast_inputs(inputs)
         x = _float32(inputs)
         axes = _axes(self.axis, x.ndim)
         stat_shape = tuple(x.shape[a] if a in axes else 1 for a in range(x.ndim))

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from jstrategy._src.layers.base import Layer
 from jstrategy._src.layers.conv import check_data_format
+from jstrategy._src.layers.conv import check_image_inputs
 from jstrategy._src.layers.conv import check_padding
 from jstrategy._src.layers.conv import pair
 
@@ -34,6 +35,7 @@ class _Pooling2D(Layer):
         check_data_format(self.data_format)  # type: ignore[attr-defined]
 
     def _pool(self, x: Any, init: Any, op: Any) -> Any:
+        check_image_inputs(self, jnp.shape(x), self.pool_size, self.strides)  # type: ignore[attr-defined]
         first = check_data_format(self.data_format) == "channels_first"  # type: ignore[attr-defined]
         return jax.lax.reduce_window(
             x,
@@ -63,7 +65,7 @@ class MaxPooling2D(_Pooling2D):
 
     @nn.compact
     def __call__(self, inputs: Any, training: bool | None = None) -> Any:
-        return self._pool(inputs, -jnp.inf, jax.lax.max)
+        return self._pool(self.cast_inputs(inputs), -jnp.inf, jax.lax.max)
 
 
 class AveragePooling2D(_Pooling2D):
@@ -85,6 +87,7 @@ class AveragePooling2D(_Pooling2D):
 
     @nn.compact
     def __call__(self, inputs: Any, training: bool | None = None) -> Any:
+        inputs = self.cast_inputs(inputs)
         sums = self._pool(inputs, 0.0, jax.lax.add)
         if check_padding(self.padding) == "VALID":
             return sums / (self.pool_size[0] * self.pool_size[1])
@@ -112,5 +115,6 @@ class GlobalAveragePooling2D(Layer):
 
     @nn.compact
     def __call__(self, inputs: Any, training: bool | None = None) -> Any:
+        check_image_inputs(self, jnp.shape(inputs))
         axes = (2, 3) if check_data_format(self.data_format) == "channels_first" else (1, 2)
-        return jnp.mean(inputs, axis=axes, keepdims=self.keepdims)
+        return jnp.mean(self.cast_inputs(inputs), axis=axes, keepdims=self.keepdims)

@@ -15,6 +15,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jstrategy._src.validation import named_object
+
 __all__ = ["L1", "L1L2", "L2", "LOSSES", "Regularizer", "add_weight_loss", "get"]
 
 #: The Flax collection layers sow their regularization penalties into.
@@ -140,20 +142,8 @@ def get(identifier: Any, argument: str = "kernel_regularizer") -> Any:
     >>> get("l2")
     L2(l2=0.01)
     """
-    if identifier is None:
-        return None
-    if isinstance(identifier, str):
-        if identifier in _BY_NAME:
-            return _BY_NAME[identifier]()
-        raise ValueError(
-            f"`{argument}` must be a regularizer name ({sorted(_BY_NAME)}), a "
-            f"jstrategy.regularizers object or None; got {identifier!r}."
-        )
-    if callable(identifier):
-        return identifier
-    raise ValueError(
-        f"`{argument}` must be a regularizer name, a jstrategy.regularizers object (e.g. "
-        f"L2(0.01)) or None; got {type(identifier).__name__} {identifier!r}."
+    return named_object(
+        identifier, _BY_NAME, argument, "regularizer", "jstrategy.regularizers", "L2(0.01)"
     )
 
 

@@ -33,6 +33,7 @@ class Flatten(Layer):
 
     @nn.compact
     def __call__(self, inputs: Any, training: bool | None = None) -> Any:
+        inputs = self.cast_inputs(inputs)
         if check_data_format(self.data_format) == "channels_first" and inputs.ndim > 2:
             inputs = jnp.moveaxis(inputs, 1, -1)
         return jnp.reshape(inputs, (inputs.shape[0], -1))
@@ -69,4 +70,5 @@ class Reshape(Layer):
 
     @nn.compact
     def __call__(self, inputs: Any, training: bool | None = None) -> Any:
+        inputs = self.cast_inputs(inputs)
         return jnp.reshape(inputs, (inputs.shape[0], *self.target_shape))

@@ -1,7 +1,7 @@
 """Layers to JSON and back: how `Model.save` records a `jstrategy.Sequential`'s layers.
 
 A layer's config is its class name and its constructor's arguments (Keras's
-``{"class_name": ..., "config": ...}``); regularizers are nested configs. Only the classes
+``{"class_name": ..., "config": ...}``); regularizers and constraints are nested configs. Only the classes
 registered here are rebuilt, so loading never imports or calls anything a file names.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jstrategy._src.layers import constraints
 from jstrategy._src.layers import conv
 from jstrategy._src.layers import core
 from jstrategy._src.layers import normalization
@@ -18,7 +19,7 @@ from jstrategy._src.layers import regularizers
 from jstrategy._src.layers import reshaping
 from jstrategy._src.layers.base import Layer
 
-__all__ = ["LAYER_CLASSES", "deserialize", "serialize"]
+__all__ = ["LAYER_CLASSES", "class_name", "deserialize", "serialize"]
 
 #: The layer classes a saved config may name.
 LAYER_CLASSES: dict[str, type[Layer]] = {
@@ -39,7 +40,11 @@ LAYER_CLASSES: dict[str, type[Layer]] = {
         normalization.LayerNormalization,
     )
 }
-_REGULARIZERS = {cls.__name__: cls for cls in (regularizers.L1, regularizers.L2, regularizers.L1L2)}
+# The objects a layer's config nests (regularizers, constraints), by class name.
+_NESTED: dict[str, type[Any]] = {
+    **{cls.__name__: cls for cls in (regularizers.L1, regularizers.L2, regularizers.L1L2)},
+    **constraints.CLASSES,
+}
 
 
 class NotSerializable(ValueError):
@@ -51,12 +56,21 @@ def _value(value: Any, where: str) -> Any:
         return value
     if isinstance(value, (tuple, list)):
         return [_value(v, where) for v in value]
-    if type(value).__name__ in _REGULARIZERS and type(value) is _REGULARIZERS[type(value).__name__]:
+    if _NESTED.get(type(value).__name__) is type(value):
         return {"class_name": type(value).__name__, "config": value.get_config()}
     raise NotSerializable(
         f"{where} is {type(value).__name__} {value!r}, which has no JSON config; give it by "
-        "name (e.g. activation='relu') to save the layer's config."
+        "name (e.g. activation='relu') to save the layer's config"
     )
+
+
+def class_name(layer: Any) -> str:
+    """How a saved `Sequential` records `layer`'s class: ``"jstrategy.layers.Dense"`` for
+    jstrategy's layers, the class's qualified name for others (``"Dense"`` for Flax's)."""
+    cls = type(layer)
+    if LAYER_CLASSES.get(cls.__name__) is cls:
+        return f"jstrategy.layers.{cls.__name__}"
+    return cls.__qualname__
 
 
 def serialize(layer: Any) -> dict[str, Any]:
@@ -73,7 +87,9 @@ def serialize(layer: Any) -> dict[str, Any]:
     """
     cls = type(layer)
     if LAYER_CLASSES.get(cls.__name__) is not cls:
-        raise NotSerializable(f"{cls.__name__} is not a jstrategy.layers layer.")
+        raise NotSerializable(
+            f"{cls.__module__}.{cls.__qualname__} is not a jstrategy.layers layer"
+        )
     config = {}
     for field in dataclasses.fields(layer):
         if field.name == "parent":
@@ -83,8 +99,8 @@ def serialize(layer: Any) -> dict[str, Any]:
 
 
 def _restore(value: Any) -> Any:
-    if isinstance(value, dict) and value.get("class_name") in _REGULARIZERS:
-        return _REGULARIZERS[value["class_name"]](**value["config"])
+    if isinstance(value, dict) and value.get("class_name") in _NESTED:
+        return _NESTED[value["class_name"]](**value["config"])
     if isinstance(value, list):
         return tuple(_restore(v) for v in value)
     return value

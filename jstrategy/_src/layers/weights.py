@@ -7,16 +7,19 @@ from typing import Any
 import jax.numpy as jnp
 
 from jstrategy._src.layers import activations
+from jstrategy._src.layers import constraints
 from jstrategy._src.layers import initializers
 from jstrategy._src.layers import regularizers
 
-__all__ = ["check_kernel_and_bias", "weight"]
+__all__ = ["check_kernel_and_bias", "resolve_constraints", "weight"]
 
 
 def check_kernel_and_bias(layer: Any) -> None:
-    """Checks `layer`'s activation, kernel and bias initializers and regularizers, in `validate`.
+    """Checks `layer`'s activation, kernel and bias initializers, regularizers and
+    constraints, in `validate`.
 
-    The regularizers are replaced by the objects they name, as Keras resolves them.
+    The regularizers and constraints are replaced by the objects they name, as Keras
+    resolves them.
     """
     activations.get(layer.activation)
     initializers.get(layer.kernel_initializer, "kernel_initializer")
@@ -25,6 +28,14 @@ def check_kernel_and_bias(layer: Any) -> None:
     object.__setattr__(
         layer, "bias_regularizer", regularizers.get(layer.bias_regularizer, "bias_regularizer")
     )
+    resolve_constraints(layer, "kernel", "bias")
+
+
+def resolve_constraints(layer: Any, *weights: str) -> None:
+    """Replaces `layer`'s ``{weight}_constraint`` arguments by the objects they name."""
+    for name in weights:
+        argument = f"{name}_constraint"
+        object.__setattr__(layer, argument, constraints.get(getattr(layer, argument), argument))
 
 
 def weight(layer: Any, name: str, shape: tuple[int, ...]) -> Any:

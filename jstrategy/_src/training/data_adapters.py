@@ -48,6 +48,7 @@ __all__ = [
     "Execution",
     "is_array",
     "is_array_tree",
+    "as_arrays",
     "make_adapter",
     "ones_mask",
     "prefetch",
@@ -106,6 +107,30 @@ def is_array_tree(x: Any) -> bool:
         leaves = jax.tree.leaves(x)
         return bool(leaves) and all(is_array(leaf) for leaf in leaves)
     return is_array(x)
+
+
+def _numbers_only(value: Any) -> bool:
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return bool(value) and all(_numbers_only(v) for v in value)
+    return isinstance(value, (int, float, np.number, np.bool_))  # a bool is an int
+
+
+def as_arrays(value: Any) -> Any:
+    """A list (or tuple) of numbers, nested to any depth, as one NumPy array, as tf.keras
+    converted one (``y=[0, 1, 1]``, ``x=[[0.1, 0.2], ...]``); anything else as it is.
+
+    A list whose elements are arrays stays a list (targets of several outputs, or a list
+    of batches). Keras 3 refuses lists of numbers ("Unrecognized data type").
+
+    Example:
+
+    >>> as_arrays([[1, 2], [3, 4]]).shape, as_arrays(np.ones(2)).shape
+    ((2, 2), (2,))
+    """
+    if not _numbers_only(value) or not isinstance(value, (list, tuple)):
+        return value
+    array = np.asarray(value)
+    return value if array.dtype == object else array
 
 
 def rows_of(tree: Any, arg: str) -> int:
@@ -393,6 +418,10 @@ def split_validation(
 ) -> tuple[Any, Any, Any, Any]:
     """`fit`'s ``validation_split``: the last fraction of the array rows, before shuffling.
 
+    Cut where Keras 3 cuts (``train_validation_split``): training keeps the first
+    ``floor(rows * (1 - validation_split))`` rows, validation the rest (10 rows at 0.25:
+    7 and 3).
+
     Returns:
       ``(x, y, sample_weight, validation_data)``: the training part and the held-out one
       (the arguments as they are without a split, or with `validation_data` given).
@@ -413,7 +442,7 @@ def split_validation(
     if not validation_split or validation_data is not None:
         return x, y, w, validation_data
     rows = rows_of((x, y), "x and y")
-    split = rows - int(rows * float(validation_split))
+    split = math.floor(rows * (1.0 - float(validation_split)))
     if split in (0, rows):
         raise ValueError(
             f"validation_split={validation_split} leaves an empty part of {rows} rows."
@@ -490,6 +519,8 @@ def validation_inputs(validation_data: Any, batch_size: Any) -> tuple[Any, Any, 
     Raises:
       ValueError: for a tuple of arrays that is not ``(x, y)`` or ``(x, y, w)``.
     """
+    if isinstance(validation_data, tuple):
+        validation_data = tuple(as_arrays(part) for part in validation_data)
     if isinstance(validation_data, tuple) and validation_data and is_array_tree(validation_data[0]):
         if not 2 <= len(validation_data) <= 3:
             raise ValueError(
@@ -531,6 +562,7 @@ def make_adapter(
         `sample_weight` or `batch_size` given with a dataset.
       TypeError: for inputs that are neither arrays nor an iterable of batches.
     """
+    x, y, w = as_arrays(x), as_arrays(y), as_arrays(w)
     if steps is not None:
         steps = check_positive_int(steps, "steps", "Pass None for all the batches.")
     if is_array_tree(x):

@@ -120,7 +120,12 @@ def _num_classes(train_state: Any, x: Any, cache: dict[Any, int | None]) -> int 
     # Shapes only: the variables may live in host memory (CentralStorageStrategy).
     leaves, treedef = jax.tree.flatten(train_state.replica_view(with_params=True))
     state = [jax.ShapeDtypeStruct(np.shape(a), a.dtype) for a in leaves]
-    row = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype), x)
+    # The dtype the arrays get on the devices: float64 data (NumPy's default) is float32
+    # there, and a float64 ShapeDtypeStruct would warn that it is truncated.
+    row = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct((1, *a.shape[1:]), jax.dtypes.canonicalize_dtype(a.dtype)),
+        x,
+    )
     key = (treedef, tuple(state), jax.tree.structure(row), tuple(jax.tree.leaves(row)))
     if key not in cache:
         out = jax.eval_shape(

@@ -60,7 +60,8 @@ def load_model(
       module: a Flax module of the saved model's architecture (linen, or an NNX module
         instance); its code is not saved. None for a `jstrategy.Sequential` of
         `jstrategy.layers` (rebuilt from its saved config); for one holding other
-        modules, the list of its layers.
+        modules (or a layer given a function, e.g. as its activation), the list of its
+        layers: new layers of the saved classes, in the saved order.
       custom_objects: losses, metrics or the optimizer the model was compiled with that
         jstrategy does not define (functions, optax transformations, your own classes), by
         the name the error names (a function's ``__name__``, or the name it was wrapped
@@ -99,10 +100,15 @@ def load_model(
         saved_config.check_module(config, module, path, allow_other_module=allow_other_module)
     model = saving.model_loader(config)(config, module, path)
     if not model.built:
+        how = (
+            "start it with jstrategy.Input(shape=...)"
+            if config.get("class_name") == "Sequential"
+            else "create it with jstrategy.Model(module, input_shape=...)"
+        )
         raise ValueError(
             f"The model saved in {path} was built from its first data (no input_shape); "
-            "create it with jstrategy.Model(module, input_shape=...) before model.save, or "
-            "load its weights into a built model with load_weights."
+            f"{how} before model.save, or build the model the same way, call it on data "
+            "(e.g. model.predict(x)) and load the weights with model.load_weights(path)."
         )
     compiled = config["compile"]
     if compile and compiled is not None:

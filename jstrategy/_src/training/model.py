@@ -21,6 +21,7 @@ import optax
 from flax import nnx
 
 from jstrategy._src import mixed_precision as mp
+from jstrategy._src.random_seed import default_seed
 from jstrategy._src.strategy import Strategy
 from jstrategy._src.strategy import get_strategy
 from jstrategy._src.training import callbacks as callbacks_lib
@@ -29,6 +30,7 @@ from jstrategy._src.training import fit_loop
 from jstrategy._src.training import input_checks
 from jstrategy._src.training import step as step_lib
 from jstrategy._src.training import summary as summary_lib
+from jstrategy._src.training import trainable as trainable_lib
 from jstrategy._src.training.fit_runner import FitState
 from jstrategy._src.training.global_batch import BatchNormSync
 from jstrategy._src.training.model_variables import CustomLoopMixin
@@ -36,6 +38,7 @@ from jstrategy._src.training.nnx import create_nnx_train_state
 from jstrategy._src.training.saving import SavingMixin
 from jstrategy._src.training.train_state import create_train_state
 from jstrategy._src.training.trainer import Trainer
+from jstrategy._src.validation import check_bool
 from jstrategy._src.validation import check_non_negative_int
 from jstrategy._src.validation import check_positive_int
 from jstrategy._src.validation import check_row_shape
@@ -59,6 +62,7 @@ class Model(SavingMixin, CustomLoopMixin):
       input_dtype: the dtype of the sample input used to initialize the module.
       seed: seeds shuffling and, for linen modules, parameter initialization and dropout
         (an NNX module brings its own ``nnx.Rngs``); the same seed gives the same run.
+        None: the seed of `jstrategy.utils.set_random_seed`, else 0.
       name: the name shown by `summary`; defaults to the module's class name.
       train_arg: the linen module's training-mode keyword (``"train"``, ``"training"``,
         ``"deterministic"``), found in ``__call__``'s signature by default (``"auto"``).
@@ -91,7 +95,7 @@ class Model(SavingMixin, CustomLoopMixin):
         input_shape: Sequence[int] | int | None = None,
         *,
         input_dtype: Any = jnp.float32,
-        seed: int = 0,
+        seed: int | None = None,
         name: str | None = None,
         train_arg: str | None = "auto",
         dtype_policy: mp.Policy | str | None = None,
@@ -102,6 +106,7 @@ class Model(SavingMixin, CustomLoopMixin):
                 f"`module` must be a flax.linen.Module or a flax.nnx.Module; got "
                 f"{type(module).__name__} {module!r}."
             )
+        seed = default_seed(seed)
         if not is_int(seed):
             raise TypeError(f"`seed` must be an int; got {seed!r}.")
         self.module = module
@@ -111,8 +116,11 @@ class Model(SavingMixin, CustomLoopMixin):
         )
         self._input_dtype = input_dtype
         self._train_arg = train_arg
+        self._trainable = True
+        self._layer_views: dict[tuple[str, ...], Any] = {}
         policy = mp.as_policy(dtype_policy, argument="dtype_policy")
         self._trainer = Trainer(get_strategy(), int(seed), policy)
+        self._trainer.plan_reader = self._with_layer_plan
         self.history: callbacks_lib.History | None = None
         if is_nnx:
             state = create_nnx_train_state(
@@ -127,6 +135,29 @@ class Model(SavingMixin, CustomLoopMixin):
     def strategy(self) -> Strategy:
         """The strategy captured when the model was created."""
         return self._trainer.strategy
+
+    @property
+    def trainable(self) -> bool:
+        """Keras's ``model.trainable``: False freezes every parameter.
+
+        Read, with the ``trainable`` flags of the `jstrategy.layers` the module holds and
+        their weight constraints, when the model is compiled (and by the first `fit` after
+        it): as in Keras, set it, then ``compile``. A change after the model trained,
+        without compiling again, raises at `fit`.
+        """
+        return self._trainable
+
+    @trainable.setter
+    def trainable(self, value: bool) -> None:
+        self._trainable = check_bool(value, "trainable")
+
+    def _with_layer_plan(self, state: Any) -> Any:
+        """`state` with what the layers say about training now (`trainable.py`)."""
+        layers = self._user_layers()
+        self._trainer.plan_seen = trainable_lib.fingerprint(self.module, self._trainable, layers)
+        return trainable_lib.with_current_plan(
+            state, self.module, self._sample_row(), self._trainable, self.strategy, layers
+        )
 
     @property
     def dtype_policy(self) -> mp.Policy:
@@ -423,15 +454,21 @@ class Model(SavingMixin, CustomLoopMixin):
         Total params: 21 (84.00 B)
         ...
         """
+        # The layers' trainable flags as they are now, as Keras's summary counts them.
+        state = trainable_lib.with_current_plan(
+            self.state, self.module, self._sample_row(), self._trainable, None, self._user_layers()
+        )
         table = summary_lib.model_table(
-            self.state, self.module, self._input_shape, self._input_dtype, self.name
+            state, self.module, self._input_shape, self._input_dtype, self.name
         )
         (print_fn or print)(table)
 
     @property
     def layers(self) -> list[Any]:
         """The module's direct submodules, in the order the model calls them (Keras's
-        ``layers``; for NNX, its child modules).
+        ``layers``; for NNX, its child modules). Each call gives the same objects, so
+        ``model.layers[0].trainable = False`` freezes that layer at the next `compile`,
+        as in Keras.
 
         Example:
 
@@ -440,7 +477,16 @@ class Model(SavingMixin, CustomLoopMixin):
         >>> [type(layer).__name__ for layer in model.layers]
         ['Dense', 'Dense']
         """
-        return summary_lib.direct_layers(self.state, self.module, self._sample_row())
+        found = summary_lib.direct_layers(self.state, self.module, self._sample_row())
+        if isinstance(self.module, nnx.Module):
+            return found
+        # The same objects at each call: a flag set on one (``model.layers[0].trainable =
+        # False``) is read at the next compile (`_user_layers`).
+        return [self._layer_views.setdefault((layer.name,), layer) for layer in found]
+
+    def _user_layers(self) -> dict[tuple[str, ...], Any]:
+        """The layer objects a user holds, by path: `layers`' (read by the layer plan)."""
+        return dict(self._layer_views)
 
     def count_params(self) -> int:
         """The number of scalars in the model's floating-point variables, trained or not
@@ -467,7 +513,7 @@ class Model(SavingMixin, CustomLoopMixin):
             sample = adapter.first_x()
             if self._input_shape is None and data_adapters.is_array(sample):
                 self._input_shape = tuple(sample.shape[1:])
-                self._input_dtype = sample.dtype
+                self._input_dtype = jax.dtypes.canonicalize_dtype(sample.dtype)
             self._ensure_ready(sample, training=False)
         elif isinstance(adapter, data_adapters.ArrayAdapter):
             input_checks.check_row_shape(self._input_shape, adapter.data[0], kwargs["arg"])
@@ -556,6 +602,8 @@ class Model(SavingMixin, CustomLoopMixin):
                 validation_steps, "validation_steps", "Pass None for every validation batch."
             )
         validate = _validation_epochs(validation_freq)
+        x, y = data_adapters.as_arrays(x), data_adapters.as_arrays(y)
+        sample_weight = data_adapters.as_arrays(sample_weight)
         x, y, sample_weight, validation_data = data_adapters.split_validation(
             x, y, sample_weight, validation_split, validation_data
         )
@@ -575,6 +623,10 @@ class Model(SavingMixin, CustomLoopMixin):
             arg="x",
         )
         self._ensure_ready(training=True)
+        self._trainer.follow_layer_changes(
+            trainable_lib.fingerprint(self.module, self._trainable, self._user_layers())
+        )
+        self._trainer.stepped = True
         self._check_labels(data, "x")
         val_data = None
         if validation_data is not None:

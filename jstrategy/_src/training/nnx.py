@@ -16,6 +16,7 @@ reproducible and the state stays identical on every replica.
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING
 from typing import Any
 
@@ -35,6 +36,7 @@ from jstrategy._src.strategy import get_strategy
 from jstrategy._src.training import global_batch
 from jstrategy._src.training import keras_optimizers
 from jstrategy._src.training import summary as summary_lib
+from jstrategy._src.training import weight_order
 from jstrategy._src.training.global_batch import BatchNormSync
 from jstrategy._src.training.train_state import loss_scale_for
 
@@ -61,6 +63,9 @@ class NNXTrainState(struct.PyTreeNode):
         applies, or None (no loss scaling; the default except for float16 compute).
       grad_accumulator: the gradient-accumulation cycle in progress (a
         `GradientAccumulator`, with ``gradient_accumulation_steps`` > 1), or None.
+      weight_order: the variables' paths in Keras's order (definition order, each
+        module's parameters first: `weight_order.nnx_order`), read from the module given
+        (merging a graph definition sorts attributes by name), for `get_weights`.
 
     Example:
 
@@ -82,6 +87,9 @@ class NNXTrainState(struct.PyTreeNode):
     wrt: Any = struct.field(pytree_node=False, default=nnx.Param)
     loss_scale: Any = None
     grad_accumulator: Any = None
+    weight_order: tuple[weight_order.Path, ...] | None = struct.field(
+        pytree_node=False, default=None
+    )
 
     @property
     def step(self) -> jax.Array:
@@ -127,6 +135,7 @@ class NNXTrainState(struct.PyTreeNode):
             return model(x), None
         model_state = _fresh(_fold_keys(self.model_state))
         model = nnx.merge(self.graphdef, _fresh(params), model_state)
+        check_dropout_streams(model)
         with global_batch.nnx_global_batch(
             model, x, axis_name=axis_name, sync_batch_norm=sync_batch_norm, row_mask=row_mask
         ):
@@ -183,15 +192,23 @@ class NNXTrainState(struct.PyTreeNode):
     def with_optimizer(self, tx: optax.GradientTransformation) -> NNXTrainState:
         model = in_device_memory(self).model
         state = _split_state(model, nnx.Optimizer(model, tx, wrt=self.wrt), self.wrt)
-        return state.replace(loss_scale=self.loss_scale)
+        return state.replace(loss_scale=self.loss_scale, weight_order=self.weight_order)
 
     def weights(self) -> dict[str, Any]:
         return {"params": self.params, "model_state": self.model_state}
 
     def _weight_indices(self) -> list[int]:
-        # NNX random streams (keys and counts) are not weights.
+        # NNX random streams (keys and counts) are not weights. The rest in Keras's order:
+        # definition order, each module's parameters first (`weight_order.nnx_order`).
         variables = jax.tree.leaves(self.variables, is_leaf=_is_variable)
-        return [i for i, v in enumerate(variables) if not isinstance(v, nnx.RngState)]
+        paths = weight_order.leaf_paths(self.variables, is_leaf=_is_variable)
+        rank = {path: i for i, path in enumerate(self.weight_order or ())}
+        kept = [i for i, v in enumerate(variables) if not isinstance(v, nnx.RngState)]
+        return sorted(kept, key=lambda i: rank.get(paths[i], len(rank) + i))
+
+    def weight_names(self) -> list[str]:
+        paths = weight_order.leaf_paths(self.variables, is_leaf=_is_variable)
+        return ["/".join(paths[i]) for i in self._weight_indices()]
 
     def with_weights(self, weights: dict[str, Any]) -> NNXTrainState:
         return self.replace(**weights)
@@ -249,6 +266,57 @@ def _restore_keys(new: nnx.State, old: nnx.State) -> nnx.State:
         return o if isinstance(o, nnx.RngKey) else n
 
     return jax.tree.map(restore, new, old, is_leaf=_is_variable)
+
+
+_STREAMS_FIX = (
+    "The train step calls model(x) (no `rngs`): keep the streams in the module, as "
+    "nnx.Dropout(rate, rngs=rngs) built in __init__ from the nnx.Rngs it is given, and "
+    "call the random layers without rngs."
+)
+
+
+def check_call_signature(model: nnx.Module) -> None:
+    """Refuses, before any work, a module whose ``__call__`` requires more than its input
+    (the Flax tutorial's call-time ``rngs``): every step calls ``model(x)``."""
+    try:
+        params = list(inspect.signature(type(model).__call__).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return
+    required = [
+        p.name
+        for p in params[1:]
+        if p.default is inspect.Parameter.empty
+        and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    ]
+    if "rngs" in required:
+        raise ValueError(
+            f"{type(model).__name__}.__call__ requires `rngs`, the random streams the Flax "
+            f"tutorial passes at each call. {_STREAMS_FIX}"
+        )
+    if required:
+        raise ValueError(
+            f"{type(model).__name__}.__call__ requires {', '.join(map(repr, required))} "
+            "besides its input, but the steps call model(x). Give them defaults, or hold "
+            "them in the module."
+        )
+
+
+def check_dropout_streams(model: nnx.Module) -> None:
+    """Refuses, at the training step's trace (before any work), an `nnx.Dropout` made
+    without ``rngs``: in training it needs a stream, which the step does not pass."""
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Dropout) and node.rngs is None and node.rate > 0:
+            where = "/".join(str(k) for k in path) or type(model).__name__
+            raise ValueError(
+                f"The nnx.Dropout at {where!r} was made without `rngs`, so in training it "
+                f"needs them at each call (the Flax tutorial's model(x, rngs=rngs)). "
+                f"{_STREAMS_FIX}"
+            )
+
+
+def _keras_order(model: nnx.Module) -> tuple[weight_order.Path, ...]:
+    ranks = weight_order.nnx_order(model)
+    return tuple(sorted(ranks, key=ranks.__getitem__))
 
 
 def _split_state(model: nnx.Module, optimizer: nnx.Optimizer, wrt: Any) -> NNXTrainState:
@@ -330,6 +398,8 @@ def create_nnx_train_state(
                 f"one; got {type(model).__name__}. For linen modules use create_train_state."
             )
         factory = model
+    else:
+        check_call_signature(model)
     if isinstance(optimizer, keras_optimizers.Optimizer):
         optimizer = optimizer.tx
     if isinstance(optimizer, nnx.Optimizer):
@@ -348,7 +418,7 @@ def create_nnx_train_state(
             f"{type(optimizer).__name__} {optimizer!r}."
         )
 
-    def assemble(model: nnx.Module, optimizer: Any) -> NNXTrainState:
+    def assemble(model: nnx.Module, optimizer: Any, order: Any) -> NNXTrainState:
         graphdef, variables = nnx.split(model)
         flax_annotations.prepare_nnx(variables, strategy)  # Flax's sharding metadata
         cast = mp.cast_to_variable(variables, policy)
@@ -361,7 +431,8 @@ def create_nnx_train_state(
                 optimizer = optimizer.tx
         if isinstance(optimizer, optax.GradientTransformation):
             optimizer = nnx.Optimizer(model, optimizer, wrt=wrt)
-        return _split_state(model, optimizer, wrt).replace(loss_scale=loss_scale_for(policy))
+        state = _split_state(model, optimizer, wrt)
+        return state.replace(loss_scale=loss_scale_for(policy), weight_order=order)
 
     # Where variables are split (FSDP, ModelParallel) the state is created where it lives
     # by one jitted program; otherwise eagerly, then placed.
@@ -373,7 +444,8 @@ def create_nnx_train_state(
                 raise TypeError(
                     f"`model` must create an nnx.Module; it returned {type(made).__name__}."
                 )
-            return assemble(made, optimizer)
+            check_call_signature(made)
+            return assemble(made, optimizer, _keras_order(made))
 
         def eager() -> NNXTrainState:
             with jax.default_device(strategy.local_devices[0]):
@@ -384,6 +456,7 @@ def create_nnx_train_state(
     # An existing module: its variables are placed first (split, if their layout says so),
     # then the optimizer state is created next to them.
     flax_annotations.prepare_nnx(nnx.split(model)[1], strategy)  # before any placement
+    order = _keras_order(model)  # read here: the module rebuilt below has sorted attributes
     graphdef, params, model_state = split_model(model, wrt)
     opt_graphdef = opt_state = None
     if isinstance(optimizer, nnx.Optimizer):
@@ -394,13 +467,13 @@ def create_nnx_train_state(
         opt: Any = optimizer
         if opt_graphdef is not None:
             opt = nnx.merge(opt_graphdef, variables["opt_state"])
-        return assemble(built, opt)
+        return assemble(built, opt, order)
 
     variables = {"params": params, "model_state": model_state, "opt_state": opt_state}
     return create_placed(
         build,
         variables,
         strategy=strategy,
-        eager=lambda: assemble(model, optimizer),
+        eager=lambda: assemble(model, optimizer, order),
         place_args=lambda args: (place_state(args[0], strategy),),
     )

@@ -17,6 +17,7 @@ holds what both must agree on:
 from __future__ import annotations
 
 import json
+import math
 import os
 import types
 from collections.abc import Callable
@@ -25,8 +26,10 @@ from typing import Any
 from typing import Protocol
 from typing import TypeVar
 
+import jax.numpy as jnp
 import numpy as np
 
+from jstrategy._src.layers import serialization
 from jstrategy._src.training import keras_optimizers
 from jstrategy._src.training import losses as losses_lib
 from jstrategy._src.training import metrics as metrics_lib
@@ -42,6 +45,7 @@ __all__ = [
     "CompiledModel",
     "check_module",
     "compile_arguments",
+    "field_error",
     "is_saved_model",
     "read_config",
     "register_saveable",
@@ -55,6 +59,9 @@ FORMAT = "jstrategy.Model"
 #: The directory in a `Model.save` directory that holds the train state.
 STATE_DIR = "state"
 VERSION = 1
+#: The most numbers a saved ``input_shape`` may hold in one row: the model is built from a
+#: sample row of that shape, and a larger one (4 GiB of float32) is no model's.
+MAX_ROW_SIZE = 2**30
 CUSTOM = "custom"  # the class_name of an object saved by name, given back in custom_objects
 _FIX = (
     "Save the model again with model.save(path), or restore the file from a copy; "
@@ -340,6 +347,58 @@ def _is_shape(value: Any) -> bool:
     return value is None or (isinstance(value, list) and all(is_int(d) and d >= 0 for d in value))
 
 
+def _check_sample_row(fields: _Fields, config: dict[str, Any]) -> None:
+    """What the model is built from: a row of `input_shape` numbers of `input_dtype`,
+    bounded, so a damaged file cannot ask JAX for terabytes or build from objects."""
+    shape = config["input_shape"]
+    if shape is not None and math.prod(shape) > MAX_ROW_SIZE:
+        raise fields.fail(
+            "input_shape",
+            "the shape of one row of at most 2**30 numbers (the model is built from one)",
+            f"{_shown(shape)}, {math.prod(shape):,} numbers",
+        )
+    dtype = np.dtype(config["input_dtype"])
+    if not (jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)):
+        raise fields.fail(
+            "input_dtype",
+            "a NumPy dtype name",
+            f"{_shown(config['input_dtype'])}, not a dtype of numbers or bools, which a "
+            "model's rows are",
+        )
+
+
+def _check_layers(fields: _Fields, config: dict[str, Any]) -> None:
+    """A `Sequential`'s ``layers``: null, or a list of ``{"class_name", "config"}`` (each
+    rebuilt by `jstrategy.layers`, whose errors name the field too)."""
+    layers = fields.get(
+        config,
+        "layers",
+        "layers",
+        "a list of layer configs or null",
+        lambda v: v is None or isinstance(v, list),
+        default=None,
+    )
+    for i, entry in enumerate(layers or ()):
+        if not isinstance(entry, dict):
+            raise fields.fail(f"layers[{i}]", "a JSON object describing a layer", _shown(entry))
+        fields.string(entry, "class_name", f"layers[{i}].class_name")
+        fields.object(entry, "config", f"layers[{i}].config")
+    fields.get(
+        config,
+        "layer_classes",
+        "layer_classes",
+        "a list of class names",
+        lambda v: isinstance(v, list) and all(isinstance(c, str) for c in v),
+        default=None,
+    )
+
+
+def field_error(path: str, field: str, message: str) -> ValueError:
+    """An error about `field` of the configuration in the `Model.save` directory `path`
+    (the file and the field named, and the fix)."""
+    return ValueError(f"{os.path.join(path, CONFIG_FILE)}: `{field}`: {message} {_FIX}")
+
+
 def _check_entry(fields: _Fields, entry: Any, field: str, kind: str) -> None:
     """The shape of a loss or metric entry: ``{"class_name", "config"}``, a custom one
     ``{"class_name": "custom", "name"}``, or (metrics) ``{"identifier"}``."""
@@ -467,6 +526,8 @@ def read_config(path: str) -> dict[str, Any]:
     )
     fields.get(config, "input_shape", "input_shape", "a list of sizes or null", _is_shape)
     fields.get(config, "input_dtype", "input_dtype", "a NumPy dtype name", _is_dtype)
+    _check_sample_row(fields, config)
+    _check_layers(fields, config)
     fields.get(config, "seed", "seed", "an int", is_int)
     fields.get(
         config,
@@ -508,6 +569,17 @@ def check_module(
     """
     if not isinstance(allow_other_module, bool):
         raise TypeError(f"`allow_other_module` must be True or False; got {allow_other_module!r}.")
+    layers = _given_layers(module)
+    if layers is not None:
+        _check_layer_classes(config, layers, path, allow_other_module=allow_other_module)
+        return
+    if config.get("class_name") == "Sequential":
+        raise ValueError(
+            f"{os.path.join(path, CONFIG_FILE)}: `class_name` says the model is a "
+            f"jstrategy.Sequential, but load_model got a {type(module).__name__}. Pass its "
+            "layers: load_model(path, [layer, ...]) (new layers of the saved classes, in the "
+            "saved order), or nothing when their config was saved: load_model(path)."
+        )
     saved, given = config["module"], type(module).__name__
     if saved == given or allow_other_module:
         return
@@ -517,6 +589,42 @@ def check_module(
         f"compute something else. Pass a {saved} of the saved architecture, or "
         f"allow_other_module=True if the {given} is meant to take them (e.g. the class "
         f"was renamed)."
+    )
+
+
+def _given_layers(module: Any) -> list[Any] | None:
+    """The layers `load_model` was given for a `Sequential` (a list, or a `Sequential`
+    whose ``layers`` they are), or None for a module."""
+    if isinstance(module, (list, tuple)):
+        return list(module)
+    if type(module).__name__ == "Sequential" and isinstance(getattr(module, "layers", None), list):
+        return list(module.layers)
+    return None
+
+
+def _check_layer_classes(
+    config: dict[str, Any], layers: list[Any], path: str, *, allow_other_module: bool
+) -> None:
+    """Refuses layers for a model that is not a `Sequential`, or of other classes than the
+    saved layers (``layer_classes``), unless allowed."""
+    file = os.path.join(path, CONFIG_FILE)
+    if config.get("class_name", "Model") != "Sequential":
+        raise ValueError(
+            f"{file}: `class_name` says the model is a {config.get('class_name', 'Model')} "
+            f"of a {config['module']} module, but load_model got a list of layers (the "
+            f"route for a jstrategy.Sequential). Pass the module: load_model(path, "
+            f"{config['module']}(...))."
+        )
+    saved = config.get("layer_classes")
+    # An Input given first describes the rows; the model's layers follow it.
+    given = [serialization.class_name(layer) for layer in layers]
+    given = given[1:] if given[:1] == ["jstrategy.layers.InputLayer"] else given
+    if saved is None or saved == given or allow_other_module:
+        return
+    raise ValueError(
+        f"{file}: `layer_classes` says the Sequential was saved with layers {saved}, but "
+        f"load_model got {given}. Pass new layers of the saved classes, in the saved order, "
+        "or allow_other_module=True if these are meant to take the saved variables."
     )
 
 

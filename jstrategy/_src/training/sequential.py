@@ -30,8 +30,10 @@ from jstrategy._src.layers.base import Layer
 from jstrategy._src.layers.base import call_layer
 from jstrategy._src.layers.base import keras_name
 from jstrategy._src.layers.core import InputLayer
+from jstrategy._src.training import saved_config
 from jstrategy._src.training import saving
 from jstrategy._src.training.model import Model
+from jstrategy._src.validation import check_bool
 from jstrategy._src.validation import check_row_shape
 
 __all__ = ["Sequential", "SequentialModule"]
@@ -69,13 +71,14 @@ class Sequential(Model):
 
     Args:
       layers: the layers, in order (or None, to `add` them).
-      trainable: Keras's argument; only True is supported (freeze with an optax mask).
+      trainable: Keras's argument: False freezes every layer (`Model.trainable`).
       name: the model's name (default ``"sequential"``), shown by `summary`.
-      seed: seeds parameter initialization, dropout and shuffling.
+      seed: seeds parameter initialization, dropout and shuffling (None: the seed of
+        `jstrategy.utils.set_random_seed`, else 0).
       dtype_policy: the precision policy, as `Model`'s.
 
     Raises:
-      ValueError: for ``trainable=False``, or layers that `add` refuses.
+      ValueError: for a `trainable` that is not a bool, or layers that `add` refuses.
       TypeError: for layers that are not modules or functions.
 
     Example:
@@ -99,15 +102,10 @@ class Sequential(Model):
         trainable: bool = True,
         name: str | None = None,
         *,
-        seed: int = 0,
+        seed: int | None = None,
         dtype_policy: mp.Policy | str | None = None,
     ):
-        if trainable is not True:
-            raise ValueError(
-                f"`trainable` must be True for a jstrategy.Sequential; got {trainable!r}. "
-                "Freeze variables in the optimizer instead, e.g. optax.multi_transform with "
-                "optax.set_to_zero() for the frozen ones."
-            )
+        check_bool(trainable, "trainable")
         super().__init__(
             SequentialModule(),
             None,
@@ -126,6 +124,22 @@ class Sequential(Model):
                 )
             for layer in layers:
                 self.add(layer)
+        if not trainable:
+            self.trainable = False
+
+    @property
+    def trainable(self) -> bool:
+        """Keras's ``model.trainable``: setting it sets every layer's ``trainable`` too,
+        as Keras does (so a frozen model's `BatchNormalization` layers run in inference
+        mode); read when the model is compiled."""
+        return self._trainable
+
+    @trainable.setter
+    def trainable(self, value: bool) -> None:
+        self._trainable = check_bool(value, "trainable")
+        for layer in self._layers:
+            if isinstance(layer, Layer):
+                layer.trainable = value
 
     # Layers -------------------------------------------------------------------------------
     def _auto_name(self, layer: Any) -> str:
@@ -195,7 +209,12 @@ class Sequential(Model):
                 f"taken (layers: {[getattr(e, 'name', None) for e in self._layers]}). Give "
                 "the layer another name=, or none to have one made."
             )
-        self._layers.append(layer if layer.name == name else layer.clone(name=name))
+        if layer.name is None:
+            # Named in place, as Keras names the layer object itself: `model.layers[0] is
+            # layer`, so a flag the user sets on it (`layer.trainable = False`) is the
+            # model's.
+            object.__setattr__(layer, "name", name)
+        self._layers.append(layer)
         self.module = SequentialModule(tuple(self._layers))
 
     @property
@@ -203,6 +222,10 @@ class Sequential(Model):
         """The layers, in order, with the names they carry in the model (Keras's ``layers``;
         an `Input` is not one)."""
         return list(self._layers)
+
+    def _user_layers(self) -> dict[tuple[str, ...], Any]:
+        # A Sequential's layers are the objects its module calls, at their names.
+        return {(str(layer.name),): layer for layer in self._layers if isinstance(layer, nn.Module)}
 
     def get_layer(self, name: str | None = None, index: int | None = None) -> Any:
         """A layer by name or by index (Keras's ``get_layer``).
@@ -257,14 +280,32 @@ class Sequential(Model):
         return super().built
 
     def get_config(self) -> dict[str, Any]:
-        """`Model.get_config` plus ``layers``: each layer's config (None when a layer is
-        not one of `jstrategy.layers`: pass the layers to `load_model` then)."""
+        """`Model.get_config` plus ``layers``: each layer's config (None when a layer has
+        none, e.g. a Flax module or a function given as an activation: pass the layers to
+        `load_model` then), ``layers_not_saved`` (why ``layers`` is None) and
+        ``layer_classes`` (the layers' class names, which `load_model` checks the layers
+        it is given against)."""
         config = super().get_config()
+        config["layer_classes"] = [serialization.class_name(layer) for layer in self._layers]
         try:
             config["layers"] = [serialization.serialize(layer) for layer in self._layers]
-        except serialization.NotSerializable:
+        except serialization.NotSerializable as e:
             config["layers"] = None
+            config["layers_not_saved"] = str(e)
         return config
+
+
+def _rebuilt_layers(config: dict[str, Any], path: str) -> list[Any]:
+    """The layers a saved config describes (its errors name the file and the field)."""
+    layers = []
+    for i, entry in enumerate(config["layers"]):
+        try:
+            layers.append(serialization.deserialize(entry))
+        except (TypeError, ValueError) as e:
+            raise saved_config.field_error(
+                path, f"layers[{i}]", f"does not build a jstrategy layer: {e}"
+            ) from e
+    return layers
 
 
 def _load_sequential(config: dict[str, Any], module: Any, path: str) -> Sequential:
@@ -274,12 +315,15 @@ def _load_sequential(config: dict[str, Any], module: Any, path: str) -> Sequenti
     elif isinstance(module, (list, tuple)):
         layers = list(module)
     elif module is None and config.get("layers") is not None:
-        layers = [serialization.deserialize(c) for c in config["layers"]]
+        layers = _rebuilt_layers(config, path)
     else:
+        why = config.get("layers_not_saved") or "some are not jstrategy.layers"
+        classes = config.get("layer_classes")
+        order = f" ({', '.join(classes)})" if classes else ""
         raise ValueError(
-            f"The Sequential saved in {path} holds layers that are not jstrategy.layers, so "
-            "their code was not saved. Pass them: load_model(path, [layer, ...]) in the "
-            "saved order."
+            f"The Sequential saved in {path} has layers whose config was not saved ({why}), "
+            f"so they cannot be rebuilt from the file. Pass them: load_model(path, "
+            f"[layer, ...]), new layers of the saved classes in the saved order{order}."
         )
     model = Sequential(
         name=config["name"],

@@ -54,6 +54,9 @@ class _Count:
     def __add__(self, other: _Count) -> _Count:
         return _Count(self.size + other.size, self.nbytes + other.nbytes)
 
+    def __sub__(self, other: _Count) -> _Count:
+        return _Count(self.size - other.size, self.nbytes - other.nbytes)
+
 
 def _readable_size(nbytes: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
@@ -169,7 +172,9 @@ def _subtree(collection: Any, path: tuple[str, ...]) -> Any:
     return collection
 
 
-def _summarize_linen(module: nn.Module, variables: Any, args: tuple, kwargs: dict) -> str:
+def _summarize_linen(
+    module: nn.Module, variables: Any, args: tuple, kwargs: dict, frozen: tuple = ()
+) -> str:
     if not isinstance(variables, Mapping):
         raise ValueError(
             f"`variables` must be the collections dict from module.init (e.g. "
@@ -227,7 +232,12 @@ def _summarize_linen(module: nn.Module, variables: Any, args: tuple, kwargs: dic
         root_output = rows[()].output if () in rows else "?"
         table.append((f"(own variables) ({type(module).__name__})", root_output, own.size))
 
-    trainable = _linen_count(weights.get("params", {}))
+    params = weights.get("params", {})
+    # Frozen layers' parameters (Keras's trainable=False) count as non-trainable.
+    outermost = [p for p in frozen if not any(q != p and p[: len(q)] == q for q in frozen)]
+    trainable = _linen_count(params)
+    for prefix in outermost:
+        trainable -= _linen_count(_subtree(params, prefix))
     total = _linen_count(weights)
     name = module.name or snake_case(type(module).__name__)
     return _render(name, table, total, trainable)
@@ -324,7 +334,9 @@ def _summarize_nnx(module: nnx.Module, state: Any, args: tuple, kwargs: dict) ->
     return _render(name, table, total, trainable)
 
 
-def summarize(module: Any, variables: Any, *sample_args: Any, **sample_kwargs: Any) -> str:
+def summarize(
+    module: Any, variables: Any, *sample_args: Any, frozen: tuple = (), **sample_kwargs: Any
+) -> str:
     """Returns a Keras-like summary table of `module` called on sample inputs.
 
     One row per submodule in call order (nested ones indented), with its output shape
@@ -342,6 +354,8 @@ def summarize(module: Any, variables: Any, *sample_args: Any, **sample_kwargs: A
         `jax.ShapeDtypeStruct` objects); for NNX, None (the module's own state) or an
         `nnx.State` to summarize instead.
       *sample_args: positional inputs for one forward call.
+      frozen: (linen) the paths below ``params`` of frozen submodules, whose parameters
+        count as non-trainable, as Keras counts a ``trainable=False`` layer's.
       **sample_kwargs: keyword inputs for it (e.g. ``train=False``).
 
     Returns:
@@ -372,7 +386,7 @@ def summarize(module: Any, variables: Any, *sample_args: Any, **sample_kwargs: A
     if isinstance(module, nnx.Module):
         return _summarize_nnx(module, variables, sample_args, sample_kwargs)
     if isinstance(module, nn.Module):
-        return _summarize_linen(module, variables, sample_args, sample_kwargs)
+        return _summarize_linen(module, variables, sample_args, sample_kwargs, frozen)
     raise ValueError(
         f"`module` must be a flax.linen.Module or a flax.nnx.Module; got {type(module).__name__}."
     )

@@ -34,6 +34,8 @@ from jstrategy._src.strategy import get_strategy
 from jstrategy._src.training import global_batch
 from jstrategy._src.training import keras_optimizers
 from jstrategy._src.training import summary as summary_lib
+from jstrategy._src.training import trainable
+from jstrategy._src.training import weight_order as weight_order_lib
 from jstrategy._src.training.global_batch import BatchNormSync
 
 if TYPE_CHECKING:
@@ -189,7 +191,12 @@ class TrainStateProtocol(Protocol):
         ...
 
     def get_weights(self) -> list[Any]:
-        """The weights as a list of arrays, in a fixed order (Keras's ``get_weights``)."""
+        """The weights as a list of arrays, in Keras's order (`weight_order`: Keras's
+        ``get_weights``)."""
+        ...
+
+    def weight_names(self) -> list[str]:
+        """The names of `get_weights`'s arrays, in its order (``"dense/kernel"``)."""
         ...
 
     def with_weight_list(self: _S, weights: list[Any]) -> _S:
@@ -224,6 +231,10 @@ class TrainState(flax_train_state.TrainState):
         applies, or None (no loss scaling; the default except for float16 compute).
       grad_accumulator: the gradient-accumulation cycle in progress (a
         `GradientAccumulator`, with ``gradient_accumulation_steps`` > 1), or None.
+      weight_order: the variables' paths in Keras's order (`weight_order.linen_order`,
+        recorded when the module is initialized), for `get_weights`; None: sorted.
+      layer_plan: the frozen layers and weight constraints the optimizer honours
+        (`trainable.LayerPlan`), read from the module's `jstrategy.layers`.
 
     Example:
 
@@ -238,6 +249,10 @@ class TrainState(flax_train_state.TrainState):
     batch_stats: Any = None
     rng: Any = None
     train_arg: str | None = struct.field(pytree_node=False, default=None)
+    weight_order: tuple[weight_order_lib.Path, ...] | None = struct.field(
+        pytree_node=False, default=None
+    )
+    layer_plan: trainable.LayerPlan = struct.field(pytree_node=False, default=trainable.LayerPlan())
     loss_scale: DynamicLossScale | None = None
     grad_accumulator: Any = None
 
@@ -340,6 +355,7 @@ class TrainState(flax_train_state.TrainState):
 
     def with_optimizer(self, tx: optax.GradientTransformation) -> TrainState:
         state = in_device_memory(self)
+        tx = trainable.honour(tx, self.layer_plan)  # frozen layers, constraints
         return state.replace(
             tx=tx,
             opt_state=tx.init(state.params),
@@ -353,17 +369,37 @@ class TrainState(flax_train_state.TrainState):
     def with_weights(self, weights: dict[str, Any]) -> TrainState:
         return self.replace(**weights)
 
+    def _ordered(self) -> tuple[weight_order_lib.Path, ...] | None:
+        order = self.weight_order
+        if order is None or weight_order_lib.get_leaves(self.variables, order) is None:
+            return None
+        return order
+
     def get_weights(self) -> list[Any]:
-        return jax.tree.leaves(self.variables)
+        order = self._ordered()
+        if order is None:
+            return jax.tree.leaves(self.variables)
+        return weight_order_lib.get_leaves(self.variables, order) or []
+
+    def weight_names(self) -> list[str]:
+        order = self._ordered()
+        paths = order or weight_order_lib.leaf_paths(self.variables)
+        return ["/".join(path[1:]) for path in paths]
 
     def with_weight_list(self, weights: list[Any]) -> TrainState:
-        new = jax.tree.unflatten(jax.tree.structure(self.variables), weights)
+        order = self._ordered()
+        if order is None:
+            new = jax.tree.unflatten(jax.tree.structure(self.variables), weights)
+        else:
+            new = weight_order_lib.set_leaves(self.variables, order, weights)
         return self.replace(params=new["params"], batch_stats=new.get("batch_stats"))
 
     def summary_table(self, module: Any, sample: Any) -> str:
         # Summaries trace the module in inference mode.
         variables = in_device_memory(self.variables)
-        return summary_lib.summarize(module, variables, sample, **self._mode_kwargs(False))
+        return summary_lib.summarize(
+            module, variables, sample, frozen=self.layer_plan.frozen, **self._mode_kwargs(False)
+        )
 
     def write_back(self, module: Any) -> None:
         del module  # a linen module holds no variables
@@ -562,9 +598,15 @@ def _creation(
 
     def init(key: jax.Array, *sample_args: Any) -> TrainState:
         params_key, dropout_key = jax.random.split(key)
-        variables = dict(
-            module.init({"params": params_key, "dropout": dropout_key}, *sample_args, **kwargs)
-        )
+        with weight_order_lib.recording_calls() as calls:
+            variables = dict(
+                module.init({"params": params_key, "dropout": dropout_key}, *sample_args, **kwargs)
+            )
+        # Keras's weight order, read before any tree operation sorts the dicts' keys, and
+        # what the layers say about training (frozen ones, constraints).
+        order = weight_order_lib.linen_order(variables, calls)
+        plan = trainable.plan_of(calls)
+        honoured = trainable.honour(tx, plan)
         # Flax's sharding annotations (nn.with_partitioning, ...) go to the strategy; the
         # state holds plain arrays.
         variables = flax_annotations.prepare(variables, strategy)
@@ -579,13 +621,16 @@ def _creation(
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             apply_fn=module.apply,
-            params=variables["params"],
-            tx=tx,
-            opt_state=tx.init(variables["params"]),
+            # A model of layers without weights (pooling, reshaping) has no "params".
+            params=variables.get("params", {}),
+            tx=honoured,
+            opt_state=honoured.init(variables.get("params", {})),
             batch_stats=variables.get("batch_stats"),
             rng=dropout_key,
             train_arg=resolved,
             loss_scale=loss_scale_for(policy),
+            weight_order=order,
+            layer_plan=plan,
         )
 
     return init, (key, *sample_args)

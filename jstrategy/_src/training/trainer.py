@@ -31,6 +31,7 @@ from jstrategy._src.training import learning_rate as learning_rate_lib
 from jstrategy._src.training import optimizers
 from jstrategy._src.training import saved_config
 from jstrategy._src.training import step as step_lib
+from jstrategy._src.training import trainable
 from jstrategy._src.training.coordinated_fit import CoordinatedFitRunner
 from jstrategy._src.training.fit_runner import FitRunner
 from jstrategy._src.training.fit_runner import FitState
@@ -93,10 +94,19 @@ class Trainer:
         # Builds the state when its shape became known after the model was made (a
         # `Sequential` whose layers are added one by one); None: nothing to build.
         self.build_pending: Callable[[], None] | None = None
+        # The state with what its layers say about training now (frozen layers, weight
+        # constraints: `trainable.py`), read when an optimizer state is made; the layers'
+        # flags it read (`trainable.fingerprint`); and whether a step ran since.
+        self.plan_reader: Callable[[Any], Any] | None = None
+        self.plan_seen: Any = None
+        self.stepped = False
 
     def _build_pending(self) -> None:
         if self.state is None and self.build_pending is not None:
             self.build_pending()
+            # Compiled before it was built: the state takes the compiled optimizer now, so
+            # that what is saved or restored holds its optimizer state.
+            self.apply_optimizer()
 
     def require_state(self, what: str) -> Any:
         """The train state, or a clear error naming `what` needed it before it existed."""
@@ -171,6 +181,9 @@ class Trainer:
         """Gives the state the compiled optimizer, a fresh optimizer state and step 0 (once)."""
         if self._raw_tx is None or self._tx is not None:
             return
+        if self.plan_reader is not None:
+            self.state = self.plan_reader(self.state)
+        self.stepped = False
         # Optimizer state is created in device memory (JAX cannot build arrays "like" a
         # host-memory array outside a program); place_state then puts it where it lives.
         # Where variables are split (FSDP, ModelParallel) it is created where it lives.
@@ -183,6 +196,29 @@ class Trainer:
         )
         self.set_state(step_lib.prepare_state(self.compiled_spec, state))
 
+    def follow_layer_changes(self, current: Any) -> None:
+        """Before `fit` trains: `current` (`trainable.fingerprint`) is how the layers' flags
+        are now. Changed since the optimizer state was made, they take effect at once if
+        no step ran since (the optimizer state is fresh anyway); after training, Keras
+        needs ``compile`` again, and so does this (a clear error rather than silently
+        training a frozen layer)."""
+        if self.plan_reader is None or self.plan_seen is None or current == self.plan_seen:
+            return
+        if not self.stepped:
+            self._tx = None
+            self.apply_optimizer()
+            return
+        before = getattr(self.state, "layer_plan", None)
+        state = self.plan_reader(self.state)
+        if getattr(state, "layer_plan", None) != before:
+            raise ValueError(
+                "A layer's `trainable` flag or weight constraint (or model.trainable) "
+                "changed after the model was compiled and trained, so the optimizer state "
+                "was made for other variables. As in Keras, compile again to apply it: "
+                "model.compile(...) (a fresh optimizer state), then fit."
+            )
+        self.state = state
+
     def finalize_variables(self) -> None:
         """At the end of `fit`: an optimizer with ``use_ema`` replaces the variables by
         their moving average (Keras's ``finalize_variable_values``)."""
@@ -192,6 +228,9 @@ class Trainer:
         if self.state is None or self._tx is None:
             return
         average = keras_optimizers.ema_average(self.state.opt_state)
+        plan = getattr(self.state, "layer_plan", None)
+        if plan is not None:  # the optimizer averaged the trained parameters only
+            average = trainable.with_trained(self.state.params, average, plan)
         state = self.state.with_variables(average, self.state.model_state)
         self.state = place_state(state, self.strategy)
 
@@ -220,15 +259,16 @@ class Trainer:
     # Programs -----------------------------------------------------------------------------
     def program(self, key: tuple[Any, ...]) -> Any:
         """The compiled program for `key`: ``("train", steps, stacked)``, ``("eval",)`` or
-        ``("predict",)``, built once."""
+        ``("predict",)``, built once (prediction needs no `compile`, as in Keras)."""
         program = self.programs.get(key)
         if program is None:
-            spec = self.compiled_spec
             if key[0] == "train":
                 _, steps, stacked = key
-                program = step_lib.build_train_program(spec, steps=steps, stacked=stacked)
+                program = step_lib.build_train_program(
+                    self.compiled_spec, steps=steps, stacked=stacked
+                )
             elif key[0] == "eval":
-                program = step_lib.build_eval_program(spec)
+                program = step_lib.build_eval_program(self.compiled_spec)
             else:
                 program = step_lib.build_predict_program(self.strategy, self.policy)
             self.programs[key] = program
@@ -251,16 +291,23 @@ class Trainer:
     def set_weights(self, weights: list[Any]) -> None:
         """`Model.set_weights`: a list like `get_weights`, checked and placed."""
         old = self.state.get_weights()
+        names = self.state.weight_names()
         if len(weights) != len(old):
+            shown = ", ".join(f"{n} {tuple(w.shape)}" for n, w in zip(names, old, strict=True))
             raise ValueError(
-                f"`weights` must hold {len(old)} arrays, as get_weights() returns; got "
-                f"{len(weights)}."
+                f"`weights` must hold {len(old)} arrays, as get_weights() returns them "
+                f"(Keras's order: {shown}); got {len(weights)}."
             )
         new = []
         for i, (w, like) in enumerate(zip(weights, old, strict=True)):
             w = np.asarray(w)
             if w.shape != like.shape:
-                raise ValueError(f"Weight {i} must have shape {like.shape}; got {w.shape}.")
+                raise ValueError(
+                    f"`weights[{i}]` is {names[i]}, of shape {tuple(like.shape)}; got an "
+                    f"array of shape {w.shape}. Pass the arrays in get_weights()'s order "
+                    "(Keras's: layer by layer, kernel before bias, gamma, beta, "
+                    "moving_mean, moving_variance)."
+                )
             new.append(w.astype(like.dtype))
         self.state = place_state(self.state.with_weight_list(new), self.strategy)
 
@@ -308,6 +355,7 @@ class Trainer:
         self.state = place_state(saved, self.strategy)
         if "strategy_state" in present:
             self.fit_runner.restore_backup_state(self.state, present["strategy_state"])
+        self.stepped = True  # the optimizer state is the checkpoint's
 
     def _restore_saved_state(self, state_dir: str) -> None:
         like = self.state
@@ -322,3 +370,4 @@ class Trainer:
         )
         if extra is not None:
             self.fit_runner.restore_backup_state(self.state, saved["strategy_state"])
+        self.stepped = True  # the optimizer state is the saved one
