@@ -61,8 +61,8 @@ from largest_model import _peak
 import jstrategy
 from jstrategy import training
 from jstrategy._src import dispatch
-from jstrategy._src import pipelining
 from jstrategy._src.input import distribute_batch
+from jstrategy._src.pipeline import schedules as pipelining
 from jstrategy.experimental import PipelineStrategy
 from jstrategy.experimental import Repeated
 

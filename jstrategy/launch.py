@@ -7,7 +7,7 @@ free ports of 127.0.0.1, prefixes their output with ``[worker-<i>]``, and stops 
 more.
 """
 
-from jstrategy._src.launch import main
+from jstrategy._src.cluster.launch import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -117,7 +117,7 @@ def test_only_the_cluster_module_starts_the_runtime():
         for path in package.rglob("*.py")
         if "distributed.initialize(" in path.read_text(encoding="utf-8")
     )
-    assert callers == ["_src/cluster.py"]
+    assert callers == ["_src/cluster/join.py"]
 
 
 @pytest.mark.multiprocess

@@ -10,8 +10,8 @@ import sys
 import jax
 import pytest
 
-from jstrategy._src.cluster_resolver import expand_hostlist
-from jstrategy._src.cluster_resolver import expand_tasks_per_node
+from jstrategy._src.cluster.slurm import expand_hostlist
+from jstrategy._src.cluster.slurm import expand_tasks_per_node
 from jstrategy.cluster_resolver import ClusterResolver
 from jstrategy.cluster_resolver import ClusterSpec
 from jstrategy.cluster_resolver import ProcessLayout

@@ -21,8 +21,8 @@ import pytest
 
 import jstrategy
 from jstrategy import layers as L
-from jstrategy._src.cluster import PeerFailureError
-from jstrategy._src.rendezvous import ClusterStartupError
+from jstrategy._src.cluster.join import PeerFailureError
+from jstrategy._src.cluster.rendezvous import ClusterStartupError
 
 REFERENCE = json.loads(
     (pathlib.Path(__file__).parent / "data" / "keras_parity_reference.json").read_text()

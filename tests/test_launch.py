@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from jstrategy._src import launch as launch_lib
-from jstrategy._src.launch import TIMEOUT_EXIT_CODE
-from jstrategy._src.launch import launch
-from jstrategy._src.launch import main
+from jstrategy._src.cluster import launch as launch_lib
+from jstrategy._src.cluster.launch import TIMEOUT_EXIT_CODE
+from jstrategy._src.cluster.launch import launch
+from jstrategy._src.cluster.launch import main
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Every wait in these tests is bounded by this (or by the launcher's own timeout).

@@ -7,9 +7,9 @@ import threading
 import pytest
 
 import jstrategy
-from jstrategy._src.cluster_resolver import ClusterSpec
-from jstrategy._src.cluster_resolver import is_this_machine
-from jstrategy._src.cluster_resolver import tasks_on_other_hosts
+from jstrategy._src.cluster.layout import is_this_machine
+from jstrategy._src.cluster.layout import tasks_on_other_hosts
+from jstrategy._src.cluster.spec import ClusterSpec
 
 # TEST-NET-3 (RFC 5737): addresses that are never this machine; nothing is sent to them.
 OTHER = ["203.0.113.10", "203.0.113.11"]

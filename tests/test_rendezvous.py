@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from jstrategy._src import rendezvous
-from jstrategy._src.rendezvous import ClusterStartupError
+from jstrategy._src.cluster import rendezvous
+from jstrategy._src.cluster.rendezvous import ClusterStartupError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from worker_processes import WorkerProcess

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jstrategy
-from jstrategy._src import tpu
+from jstrategy._src.strategies import tpu
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,8 +19,8 @@ from jax.sharding import Mesh
 
 from jstrategy._src import devices as devices_lib
 from jstrategy._src import jax_compat
-from jstrategy._src.cluster_resolver import TFConfigClusterResolver
-from jstrategy._src.cluster_resolver import training_process_layout
+from jstrategy._src.cluster.layout import training_process_layout
+from jstrategy._src.cluster.tf_config import TFConfigClusterResolver
 
 __all__ = ["DeviceMesh", "auto_mesh", "devices_known"]
 

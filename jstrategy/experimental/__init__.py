@@ -5,25 +5,25 @@ and `FSDPStrategy` go beyond tf.distribute: variables split over the devices;
 `PipelineStrategy` splits a `Repeated` block's layers over pipeline stages.
 """
 
-from jstrategy._src.central_storage import CentralStorageStrategy
+from jstrategy._src.checkpoint.preemption import PreemptionCheckpointHandler
+from jstrategy._src.cluster.signals import PREEMPTION_EXIT_CODE
 from jstrategy._src.collective_util import CollectiveCommunication
 from jstrategy._src.collective_util import CommunicationImplementation
 from jstrategy._src.collective_util import CommunicationOptions
-from jstrategy._src.fault_tolerance import PREEMPTION_EXIT_CODE
-from jstrategy._src.fault_tolerance import PreemptionCheckpointHandler
-from jstrategy._src.fsdp import FSDPStrategy
 from jstrategy._src.layout_map import LayoutMap
 from jstrategy._src.mesh import DeviceMesh
-from jstrategy._src.model_parallel import ModelParallelStrategy
-from jstrategy._src.multi_worker import (
+from jstrategy._src.parameter_server.strategy import ParameterServerStrategy
+from jstrategy._src.pipeline.repeated import Repeated
+from jstrategy._src.pipeline.schedules import PipelineSchedule
+from jstrategy._src.pipeline.strategy import PipelineStrategy
+from jstrategy._src.strategies.central_storage import CentralStorageStrategy
+from jstrategy._src.strategies.fsdp import FSDPStrategy
+from jstrategy._src.strategies.model_parallel import ModelParallelStrategy
+from jstrategy._src.strategies.multi_worker import (
     _DeprecatedMultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
 )
-from jstrategy._src.parameter_server.strategy import ParameterServerStrategy
-from jstrategy._src.pipeline import PipelineStrategy
-from jstrategy._src.pipelining import PipelineSchedule
-from jstrategy._src.repeated import Repeated
+from jstrategy._src.strategies.tpu import TPUStrategy
 from jstrategy._src.strategy import ValueContext
-from jstrategy._src.tpu import TPUStrategy
 from jstrategy.experimental import partitioners
 
 __all__ = [

@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 
-from jstrategy._src import coordination
 from jstrategy._src.checkpoint.array_format import _STATE_ITEM
 from jstrategy._src.checkpoint.array_format import _as_saveable
 from jstrategy._src.checkpoint.array_format import _check_metadata
@@ -31,6 +30,7 @@ from jstrategy._src.checkpoint.orbax_compat import _Trash
 from jstrategy._src.checkpoint.restore_layout import _restore_into
 from jstrategy._src.checkpoint.workers import _EVERY_WORKER
 from jstrategy._src.checkpoint.workers import _chief_directory
+from jstrategy._src.cluster import coordination
 
 if TYPE_CHECKING:
     from jstrategy._src.strategy import Strategy

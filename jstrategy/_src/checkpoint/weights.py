@@ -7,7 +7,6 @@ import shutil
 from typing import TYPE_CHECKING
 from typing import Any
 
-from jstrategy._src import coordination
 from jstrategy._src.checkpoint.array_format import _STATE_ITEM
 from jstrategy._src.checkpoint.array_format import _is_single_checkpoint
 from jstrategy._src.checkpoint.array_format import _prepare
@@ -18,6 +17,7 @@ from jstrategy._src.checkpoint.orbax_compat import _weights_checkpointer
 from jstrategy._src.checkpoint.restore_layout import _restore_into
 from jstrategy._src.checkpoint.workers import _EVERY_WORKER
 from jstrategy._src.checkpoint.workers import _chief_directory
+from jstrategy._src.cluster import coordination
 
 if TYPE_CHECKING:
     from jstrategy._src.strategy import Strategy

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-from jstrategy._src import coordination
+from jstrategy._src.cluster import coordination
 
 __all__: list[str] = []
 

@@ -13,12 +13,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jstrategy._src import cluster as cluster_lib
-from jstrategy._src import coordination
-from jstrategy._src.cluster_resolver import ClusterResolver
-from jstrategy._src.cluster_resolver import SimpleClusterResolver
-from jstrategy._src.cluster_resolver import TFConfigClusterResolver
-from jstrategy._src.cluster_resolver import tasks_on_other_hosts
+from jstrategy._src.cluster import coordination
+from jstrategy._src.cluster import join as cluster_lib
+from jstrategy._src.cluster.layout import tasks_on_other_hosts
+from jstrategy._src.cluster.resolver import ClusterResolver
+from jstrategy._src.cluster.simple import SimpleClusterResolver
+from jstrategy._src.cluster.tf_config import TFConfigClusterResolver
 from jstrategy._src.input import InputContext
 from jstrategy._src.parameter_server import backend as backend_lib
 from jstrategy._src.parameter_server import run_capture

@@ -25,8 +25,8 @@ import jax
 import numpy as np
 
 from jstrategy._src import checkpoint as checkpoint_lib
-from jstrategy._src import coordination
-from jstrategy._src import fault_tolerance
+from jstrategy._src.cluster import coordination
+from jstrategy._src.cluster import signals
 from jstrategy._src.training.progress import Progbar
 from jstrategy._src.training.progress import resolve_verbose
 from jstrategy._src.validation import check_non_negative_int
@@ -1329,7 +1329,7 @@ class BackupAndRestore(Callback):
         # Without exact resumption there is no step to save at a preemption notice: the
         # process stops at once, and the last epoch's backup is where it resumes.
         if self.save_before_preemption and exact:
-            self._watcher = fault_tolerance._PreemptionWatcher(owner="BackupAndRestore")
+            self._watcher = signals.PreemptionWatcher(owner="BackupAndRestore")
 
     def on_epoch_begin(self, epoch, logs=None):
         self._counter.epoch_begin(self.model)
@@ -1362,10 +1362,10 @@ class BackupAndRestore(Callback):
             print(
                 f"BackupAndRestore: preemption notice; backed up epoch {where['epoch'] + 1}, "
                 f"step {where['step']} in {self.backup_dir}; exiting with status "
-                f"{fault_tolerance.PREEMPTION_EXIT_CODE}.",
+                f"{signals.PREEMPTION_EXIT_CODE}.",
                 flush=True,
             )
-        sys.exit(fault_tolerance.PREEMPTION_EXIT_CODE)
+        sys.exit(signals.PREEMPTION_EXIT_CODE)
 
     def on_train_end(self, logs=None):
         self._release()

@@ -27,7 +27,7 @@ import jax
 
 from jstrategy._src import checkpoint as checkpoint_lib
 from jstrategy._src import dispatch
-from jstrategy._src import fault_tolerance
+from jstrategy._src.checkpoint import preemption
 from jstrategy._src.numerics import means
 from jstrategy._src.placement import place_state
 from jstrategy._src.strategy import Strategy
@@ -197,7 +197,7 @@ class FitState:
         trainer = self.trainer
         if weights_only:
             return {"weights": trainer.weights_tree()}
-        tree: dict[str, Any] = {"train_state": fault_tolerance.to_savable(trainer.state)}
+        tree: dict[str, Any] = {"train_state": preemption.to_savable(trainer.state)}
         if epoch_sums:
             tree["epoch_sums"] = self.sums if self.sums is not None else trainer.zero_sums()
         extra = trainer.fit_runner.backup_state(trainer.state)
@@ -221,7 +221,7 @@ class FitState:
         # on its parameter servers, where a Model keeps none).
         restored = manager.restore(target=target)
         metadata = manager.restore_metadata()
-        state = fault_tolerance.from_savable(restored["train_state"], trainer.state)
+        state = preemption.from_savable(restored["train_state"], trainer.state)
         trainer.state = place_state(state, trainer.strategy)
         if "strategy_state" in restored:
             trainer.fit_runner.restore_backup_state(trainer.state, restored["strategy_state"])

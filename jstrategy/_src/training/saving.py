@@ -35,8 +35,8 @@ import numpy as np
 from orbax.checkpoint import multihost
 
 from jstrategy._src import checkpoint as checkpoint_lib
-from jstrategy._src import coordination
-from jstrategy._src import fault_tolerance
+from jstrategy._src.checkpoint import preemption
+from jstrategy._src.cluster import coordination
 from jstrategy._src.training import saved_config
 from jstrategy._src.training.saved_config import CONFIG_FILE
 from jstrategy._src.training.saved_config import STATE_DIR
@@ -123,7 +123,7 @@ def save_model(
         **model.get_config(),
         "compile": None,
     }
-    tree: dict[str, Any] = {"train_state": fault_tolerance.to_savable(state)}
+    tree: dict[str, Any] = {"train_state": preemption.to_savable(state)}
     if model.compiled:
         config["compile"] = saved_config.serialize_compile(model)  # before anything is written
         extra = trainer.fit_runner.backup_state(state)

@@ -45,6 +45,7 @@ from jstrategy._src.numerics import WEIGHT_SUM
 from jstrategy._src.numerics import means
 from jstrategy._src.numerics import per_example
 from jstrategy._src.numerics import weight_key
+from jstrategy._src.pipeline import loss as pipelined
 from jstrategy._src.placement import abstract
 from jstrategy._src.placement import create_placed
 from jstrategy._src.reduce_util import ReduceOp
@@ -56,7 +57,6 @@ from jstrategy._src.training import accumulation
 from jstrategy._src.training import check_numerics
 from jstrategy._src.training import losses as losses_lib
 from jstrategy._src.training import metrics as metrics_lib
-from jstrategy._src.training import pipelined
 from jstrategy._src.training import probability_check
 from jstrategy._src.training import remat as remat_lib
 from jstrategy._src.training import replica_constraints

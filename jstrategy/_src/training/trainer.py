@@ -21,8 +21,8 @@ import optax
 
 from jstrategy._src import checkpoint as checkpoint_lib
 from jstrategy._src import context
-from jstrategy._src import fault_tolerance
 from jstrategy._src import mixed_precision as mp
+from jstrategy._src.checkpoint import preemption
 from jstrategy._src.placement import create_placed
 from jstrategy._src.placement import place_state
 from jstrategy._src.strategy import get_strategy
@@ -313,12 +313,12 @@ class Trainer:
 
     def weights_tree(self) -> dict[str, Any]:
         """The variables as checkpoints hold them (typed keys as raw data)."""
-        return fault_tolerance.to_savable(self.state.weights())
+        return preemption.to_savable(self.state.weights())
 
     def load_weights(self, filepath: os.PathLike | str) -> None:
         """`Model.load_weights`: from a `save_weights` directory or a checkpoint's latest step."""
         like = self.state.weights()
-        target = fault_tolerance.to_savable(like)
+        target = preemption.to_savable(like)
         path = os.path.abspath(os.fspath(filepath))
         step_dir = checkpoint_lib.latest_step_dir(path)
         if step_dir is None and saved_config.is_saved_model(path):
@@ -328,7 +328,7 @@ class Trainer:
         else:
             roots = ("weights", "train_state")
             saved = checkpoint_lib.read_by_paths(step_dir, target, roots, self.strategy)
-        saved = place_state(fault_tolerance.from_savable(saved, like), self.strategy)
+        saved = place_state(preemption.from_savable(saved, like), self.strategy)
         self.state = self.state.with_weights(saved)
 
     def restore_checkpoint(self, directory: os.PathLike | str) -> None:
@@ -345,13 +345,13 @@ class Trainer:
                 f"No checkpoint in {path}. Pass a directory written by ModelCheckpoint or "
                 "BackupAndRestore (for save_weights directories use load_weights)."
             )
-        target = fault_tolerance.to_savable(self.state)
+        target = preemption.to_savable(self.state)
         extra = self.fit_runner.backup_state(self.state)
         optional = {} if extra is None else {"strategy_state": extra}
         saved, present = checkpoint_lib.read_by_paths(
             step_dir, target, ("train_state",), self.strategy, optional=optional
         )
-        saved = fault_tolerance.from_savable(saved, self.state)
+        saved = preemption.from_savable(saved, self.state)
         self.state = place_state(saved, self.strategy)
         if "strategy_state" in present:
             self.fit_runner.restore_backup_state(self.state, present["strategy_state"])
@@ -359,14 +359,14 @@ class Trainer:
 
     def _restore_saved_state(self, state_dir: str) -> None:
         like = self.state
-        target: dict[str, Any] = {"train_state": fault_tolerance.to_savable(like)}
+        target: dict[str, Any] = {"train_state": preemption.to_savable(like)}
         extra = self.fit_runner.backup_state(like)
         if extra is not None:
             target["strategy_state"] = extra
         # Every leaf goes where the target's arrays are: where the model's strategy keeps them.
         saved = checkpoint_lib.load_weights(state_dir, target=target)
         self.set_state(
-            place_state(fault_tolerance.from_savable(saved["train_state"], like), self.strategy)
+            place_state(preemption.from_savable(saved["train_state"], like), self.strategy)
         )
         if extra is not None:
             self.fit_runner.restore_backup_state(self.state, saved["strategy_state"])

@@ -23,20 +23,20 @@ from jax.sharding import PartitionSpec as P
 
 from jstrategy._src import devices as devices_lib
 from jstrategy._src import flax_annotations
-from jstrategy._src import pipelining
 from jstrategy._src import staging
-from jstrategy._src.fsdp import DEFAULT_MIN_SHARD_SIZE
-from jstrategy._src.fsdp import shard_dim
 from jstrategy._src.mesh import DeviceMesh
 from jstrategy._src.names import path_names
-from jstrategy._src.pipelining import STAGE_AXIS
-from jstrategy._src.pipelining import PipelineSchedule
-from jstrategy._src.sharded import ShardedStrategy
+from jstrategy._src.pipeline import schedules as pipelining
+from jstrategy._src.pipeline.schedules import STAGE_AXIS
+from jstrategy._src.pipeline.schedules import PipelineSchedule
+from jstrategy._src.strategies.fsdp import DEFAULT_MIN_SHARD_SIZE
+from jstrategy._src.strategies.fsdp import shard_dim
+from jstrategy._src.strategies.sharded import ShardedStrategy
 from jstrategy._src.strategy import REPLICA_AXIS
 from jstrategy._src.validation import check_positive_int
 
 if TYPE_CHECKING:
-    from jstrategy._src.cluster_resolver import ClusterResolver
+    from jstrategy._src.cluster.resolver import ClusterResolver
     from jstrategy._src.collective_util import CommunicationOptions
 
 __all__ = ["PipelineStrategy"]

@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jstrategy._src import pipelining
+from jstrategy._src.pipeline import schedules as pipelining
 from jstrategy._src.validation import check_positive_int
 
 __all__ = ["Repeated"]

@@ -24,10 +24,10 @@ from jstrategy._src import mesh as mesh_lib
 from jstrategy._src.cross_device_ops import CrossDeviceOps
 from jstrategy._src.layout_map import LayoutMap
 from jstrategy._src.mesh import DeviceMesh
-from jstrategy._src.sharded import ShardedStrategy
+from jstrategy._src.strategies.sharded import ShardedStrategy
 
 if TYPE_CHECKING:
-    from jstrategy._src.cluster_resolver import ClusterResolver
+    from jstrategy._src.cluster.resolver import ClusterResolver
     from jstrategy._src.collective_util import CommunicationOptions
 
 __all__ = ["ModelParallelStrategy"]

@@ -40,8 +40,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import Literal
 
-from jstrategy._src import pipelining
 from jstrategy._src.names import path_names
+from jstrategy._src.pipeline import schedules as pipelining
 
 __all__ = ["one_f_one_b_active", "one_f_one_b_loss", "rows_of"]
 

@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING
 
 import jax
 
-from jstrategy._src import cluster as cluster_lib
-from jstrategy._src.cluster import PeerFailureError
-from jstrategy._src.cluster_resolver import TFConfigClusterResolver
+from jstrategy._src.cluster import join as cluster_lib
+from jstrategy._src.cluster.join import PeerFailureError
+from jstrategy._src.cluster.tf_config import TFConfigClusterResolver
 from jstrategy._src.collective_util import CommunicationImplementation
 from jstrategy._src.collective_util import CommunicationOptions
 from jstrategy._src.collective_util import check_communication_options
@@ -17,7 +17,7 @@ from jstrategy._src.cross_device_ops import CollectiveAllReduce
 from jstrategy._src.strategy import Strategy
 
 if TYPE_CHECKING:
-    from jstrategy._src.cluster_resolver import ClusterResolver
+    from jstrategy._src.cluster.resolver import ClusterResolver
 
 __all__ = ["MultiWorkerMirroredStrategy", "PeerFailureError"]
 

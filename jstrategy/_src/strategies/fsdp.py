@@ -25,10 +25,10 @@ from jax.sharding import PartitionSpec as P
 from jstrategy._src import devices as devices_lib
 from jstrategy._src import flax_annotations
 from jstrategy._src.collective_util import CommunicationOptions
-from jstrategy._src.sharded import ShardedStrategy
+from jstrategy._src.strategies.sharded import ShardedStrategy
 
 if TYPE_CHECKING:
-    from jstrategy._src.cluster_resolver import ClusterResolver
+    from jstrategy._src.cluster.resolver import ClusterResolver
 
 __all__ = ["DEFAULT_MIN_SHARD_SIZE", "FSDPStrategy", "shard_dim"]
 

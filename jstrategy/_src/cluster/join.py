@@ -30,16 +30,16 @@ from typing import Any
 
 import jax
 
-from jstrategy._src import coordination
 from jstrategy._src import dispatch
-from jstrategy._src import fault_tolerance
 from jstrategy._src import jax_compat
-from jstrategy._src import rendezvous
 from jstrategy._src import validation
-from jstrategy._src.cluster_resolver import ClusterResolver
-from jstrategy._src.cluster_resolver import ProcessLayout
-from jstrategy._src.cluster_resolver import TFConfigClusterResolver
-from jstrategy._src.cluster_resolver import training_process_layout
+from jstrategy._src.cluster import coordination
+from jstrategy._src.cluster import rendezvous
+from jstrategy._src.cluster import signals
+from jstrategy._src.cluster.layout import ProcessLayout
+from jstrategy._src.cluster.layout import training_process_layout
+from jstrategy._src.cluster.resolver import ClusterResolver
+from jstrategy._src.cluster.tf_config import TFConfigClusterResolver
 
 __all__ = ["Cluster", "PeerFailureError", "join"]
 
@@ -204,7 +204,7 @@ def _join_tpu_slice(resolver: Any, timeout_seconds: float | None, start_runtime:
     if not _running(hosts, None):
         _refuse_after_backends()
         jax.distributed.initialize(**_runtime_timeouts(timeout_seconds))
-        fault_tolerance.take_sigterm_from_jax()
+        signals.take_sigterm_from_jax()
     rank = jax.process_index()
     return Cluster(rank, jax.process_count(), "worker", rank, rank == 0, None, connected=True)
 
@@ -274,7 +274,7 @@ def _start_runtime(layout: ProcessLayout, timeout: float | None) -> None:
     )
     # JAX's preemption service now holds SIGTERM, which then no longer stops the
     # process; it gets it only while something saves on preemption.
-    fault_tolerance.take_sigterm_from_jax()
+    signals.take_sigterm_from_jax()
 
 
 def _bound_cpu_collectives(seconds: float) -> None:

@@ -24,8 +24,8 @@ import jax
 import numpy as np
 from jax.experimental import mesh_utils
 
-from jstrategy._src import cluster as cluster_lib
-from jstrategy._src.cluster_resolver import ClusterSpec
+from jstrategy._src.cluster import join as cluster_lib
+from jstrategy._src.cluster.spec import ClusterSpec
 from jstrategy._src.strategy import Strategy
 
 __all__ = [

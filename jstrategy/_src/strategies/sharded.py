@@ -19,16 +19,16 @@ from typing import Any
 import jax
 from flax.core import spmd as flax_spmd
 
-from jstrategy._src import cluster as cluster_lib
 from jstrategy._src import flax_annotations
 from jstrategy._src import staging
-from jstrategy._src.cluster_resolver import TFConfigClusterResolver
+from jstrategy._src.cluster import join as cluster_lib
+from jstrategy._src.cluster.tf_config import TFConfigClusterResolver
 from jstrategy._src.collective_util import check_communication_options
 from jstrategy._src.cross_device_ops import CollectiveAllReduce
 from jstrategy._src.strategy import Strategy
 
 if TYPE_CHECKING:
-    from jstrategy._src.cluster_resolver import ClusterResolver
+    from jstrategy._src.cluster.resolver import ClusterResolver
     from jstrategy._src.collective_util import CommunicationOptions
 
 __all__ = ["ShardedStrategy"]

@@ -1,0 +1,1 @@
+"""Pipeline parallelism: the strategy, the schedules, `Repeated` and the 1F1B loss."""
