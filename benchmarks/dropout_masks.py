@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common
 
 import jstrategy
-from jstrategy._src.training.global_batch import global_rows_bernoulli
+from jstrategy._src.training.state.global_batch import global_rows_bernoulli
 
 AXIS = jstrategy.REPLICA_AXIS
 RATE = 0.5

@@ -55,7 +55,7 @@ import jstrategy
 from jstrategy import mixed_precision
 from jstrategy import training
 from jstrategy._src.placement import variable_shardings
-from jstrategy._src.training import remat as remat_lib
+from jstrategy._src.training.step import remat as remat_lib
 
 GIB = 1 << 30
 STRATEGY_NAMES = ("Mirrored", "FSDP", "ModelParallel")

@@ -7,19 +7,19 @@ Example:
 2
 """
 
-from jstrategy._src.training.callbacks import BackupAndRestore
-from jstrategy._src.training.callbacks import Callback
-from jstrategy._src.training.callbacks import CallbackList
-from jstrategy._src.training.callbacks import EarlyStopping
-from jstrategy._src.training.callbacks import History
-from jstrategy._src.training.callbacks import LambdaCallback
-from jstrategy._src.training.callbacks import LearningRateScheduler
-from jstrategy._src.training.callbacks import Mode
-from jstrategy._src.training.callbacks import ModelCheckpoint
-from jstrategy._src.training.callbacks import ProgbarLogger
-from jstrategy._src.training.callbacks import ReduceLROnPlateau
-from jstrategy._src.training.progress import Progbar
-from jstrategy._src.training.tensorboard import TensorBoard
+from jstrategy._src.training.callbacks.base import Callback
+from jstrategy._src.training.callbacks.base import History
+from jstrategy._src.training.callbacks.base import LambdaCallback
+from jstrategy._src.training.callbacks.callback_list import CallbackList
+from jstrategy._src.training.callbacks.checkpoints import BackupAndRestore
+from jstrategy._src.training.callbacks.checkpoints import ModelCheckpoint
+from jstrategy._src.training.callbacks.early_stopping import EarlyStopping
+from jstrategy._src.training.callbacks.lr_schedule import LearningRateScheduler
+from jstrategy._src.training.callbacks.lr_schedule import ReduceLROnPlateau
+from jstrategy._src.training.callbacks.monitor import Mode
+from jstrategy._src.training.callbacks.progress import Progbar
+from jstrategy._src.training.callbacks.progress import ProgbarLogger
+from jstrategy._src.training.callbacks.tensorboard import TensorBoard
 
 __all__ = [
     "BackupAndRestore",

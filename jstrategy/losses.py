@@ -18,7 +18,7 @@ from jstrategy._src.training.losses import MeanSquaredError
 from jstrategy._src.training.losses import Reduction
 from jstrategy._src.training.losses import SparseCategoricalCrossentropy
 from jstrategy._src.training.losses import get
-from jstrategy._src.training.probability_check import NotProbabilitiesWarning
+from jstrategy._src.training.step.probability_check import NotProbabilitiesWarning
 
 __all__ = [
     "BinaryCrossentropy",

@@ -8,23 +8,23 @@ True
 """
 
 from jstrategy._src.placement import place_state
-from jstrategy._src.training.accumulation import GradientAccumulator
 from jstrategy._src.training.fit_runner import FitState
-from jstrategy._src.training.global_batch import BatchNormSync
 from jstrategy._src.training.model import Model
-from jstrategy._src.training.nnx import NNXTrainState
-from jstrategy._src.training.nnx import create_nnx_train_state
-from jstrategy._src.training.remat import remat
-from jstrategy._src.training.train_state import TrainState
-from jstrategy._src.training.train_state import TrainStateProtocol
-from jstrategy._src.training.train_state import compile_train_state_creation
-from jstrategy._src.training.train_state import create_train_state
-from jstrategy._src.training.train_step import EvalStep
-from jstrategy._src.training.train_step import PredictStep
-from jstrategy._src.training.train_step import TrainStep
-from jstrategy._src.training.train_step import make_eval_step
-from jstrategy._src.training.train_step import make_predict_step
-from jstrategy._src.training.train_step import make_train_step
+from jstrategy._src.training.state.global_batch import BatchNormSync
+from jstrategy._src.training.state.nnx import NNXTrainState
+from jstrategy._src.training.state.nnx import create_nnx_train_state
+from jstrategy._src.training.state.train_state import TrainState
+from jstrategy._src.training.state.train_state import TrainStateProtocol
+from jstrategy._src.training.state.train_state import compile_train_state_creation
+from jstrategy._src.training.state.train_state import create_train_state
+from jstrategy._src.training.step.accumulation import GradientAccumulator
+from jstrategy._src.training.step.factory import EvalStep
+from jstrategy._src.training.step.factory import PredictStep
+from jstrategy._src.training.step.factory import TrainStep
+from jstrategy._src.training.step.factory import make_eval_step
+from jstrategy._src.training.step.factory import make_predict_step
+from jstrategy._src.training.step.factory import make_train_step
+from jstrategy._src.training.step.remat import remat
 
 __all__ = [
     "BatchNormSync",

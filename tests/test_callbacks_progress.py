@@ -8,8 +8,8 @@ import pytest
 
 from jstrategy import callbacks
 from jstrategy import metrics
-from jstrategy._src.training.progress import Progbar
-from jstrategy._src.training.progress import resolve_verbose
+from jstrategy._src.training.callbacks.progress import Progbar
+from jstrategy._src.training.callbacks.progress import resolve_verbose
 
 
 class FakeModel:

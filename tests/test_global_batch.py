@@ -26,7 +26,7 @@ from jstrategy import losses
 from jstrategy import training
 from jstrategy._src import dispatch
 from jstrategy._src.input import distribute_batch
-from jstrategy._src.training.global_batch import global_rows_bernoulli
+from jstrategy._src.training.state.global_batch import global_rows_bernoulli
 
 FEATURES = 5
 HIDDEN = 16

@@ -20,7 +20,7 @@ import jstrategy
 from conftest import STRATEGIES
 from jstrategy import losses
 from jstrategy import training
-from jstrategy._src.training import check_numerics
+from jstrategy._src.training.step import check_numerics
 
 FEATURES = 4
 CLASSES = 3

@@ -27,7 +27,8 @@ import pytest
 
 import jstrategy
 from jstrategy import training
-from jstrategy._src.training import keras_optimizers
+from jstrategy._src.training.optimizers.base import ema_average
+from jstrategy._src.training.optimizers.base import injected_state
 
 REFERENCE = json.loads(
     (pathlib.Path(__file__).parent / "data" / "keras_optimizers_reference.json").read_text()
@@ -60,7 +61,7 @@ def _close(actual: dict, expected: list, what: str) -> None:
 
 
 def _with_rate(opt_state, rate: float):
-    injected = keras_optimizers.injected_state(opt_state)
+    injected = injected_state(opt_state)
     hyper = dict(injected.hyperparams)
     hyper["learning_rate"] = jnp.asarray(rate, hyper["learning_rate"].dtype)
     return injected._replace(hyperparams=hyper)
@@ -82,7 +83,7 @@ def test_each_step_follows_keras(name):
         params = optax.apply_updates(params, updates)
         _close(params, expected, f"{name} step {step}")
     if "ema_average" in case:
-        _close(keras_optimizers.ema_average(state), case["ema_average"], f"{name} EMA")
+        _close(ema_average(state), case["ema_average"], f"{name} EMA")
 
 
 def test_every_named_optimizer_is_recorded():

@@ -130,8 +130,8 @@ def test_the_train_step_factory_warns_once_and_the_program_has_no_host_callback(
 
 
 def test_the_probability_count_is_exact_over_real_rows():
-    from jstrategy._src.training import probability_check
-    from jstrategy._src.training.step import make_spec
+    from jstrategy._src.training.step import probability_check
+    from jstrategy._src.training.step.body import make_spec
 
     spec = make_spec("sparse_categorical_crossentropy", None, jstrategy.OneDeviceStrategy("cpu:0"))
     y_pred = jnp.array([[0.2, 0.8], [2.0, -1.0], [0.5, 0.4], [3.0, 0.0]])

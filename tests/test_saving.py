@@ -21,7 +21,7 @@ import optax
 import pytest
 
 import jstrategy
-from jstrategy._src.training import saved_config
+from jstrategy._src.training.saving import config as saved_config
 
 CONFIG = "jstrategy_model.json"
 

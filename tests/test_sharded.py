@@ -20,7 +20,7 @@ import jstrategy
 import jstrategy.training
 from jstrategy._src.hlo import collective_counts
 from jstrategy._src.input import distribute_batch
-from jstrategy._src.training import step as step_lib
+from jstrategy._src.training.step import body as step_lib
 from jstrategy.experimental import DeviceMesh
 from jstrategy.experimental import FSDPStrategy
 from jstrategy.experimental import LayoutMap

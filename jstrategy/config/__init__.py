@@ -3,9 +3,9 @@ of `tf.debugging`, and debug switches."""
 
 from jstrategy._src.mirrored_check import experimental_check_mirrored
 from jstrategy._src.strategies.tpu import experimental_connect_to_cluster
-from jstrategy._src.training.check_numerics import check_numerics_enabled
-from jstrategy._src.training.check_numerics import disable_check_numerics
-from jstrategy._src.training.check_numerics import enable_check_numerics
+from jstrategy._src.training.step.check_numerics import check_numerics_enabled
+from jstrategy._src.training.step.check_numerics import disable_check_numerics
+from jstrategy._src.training.step.check_numerics import enable_check_numerics
 
 __all__ = [
     "check_numerics_enabled",

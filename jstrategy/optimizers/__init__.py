@@ -14,19 +14,19 @@ Example:
 from typing import TYPE_CHECKING
 
 from jstrategy._src.keras_names import missing_attribute
-from jstrategy._src.training.keras_optimizers import SGD
-from jstrategy._src.training.keras_optimizers import Adadelta
-from jstrategy._src.training.keras_optimizers import Adagrad
-from jstrategy._src.training.keras_optimizers import Adam
-from jstrategy._src.training.keras_optimizers import Adamax
-from jstrategy._src.training.keras_optimizers import AdamW
-from jstrategy._src.training.keras_optimizers import Lion
-from jstrategy._src.training.keras_optimizers import Nadam
-from jstrategy._src.training.keras_optimizers import Optimizer
-from jstrategy._src.training.keras_optimizers import RMSprop
-from jstrategy._src.training.keras_optimizers import deserialize
-from jstrategy._src.training.keras_optimizers import get
-from jstrategy._src.training.keras_optimizers import serialize
+from jstrategy._src.training.optimizers.adagrad import Adadelta
+from jstrategy._src.training.optimizers.adagrad import Adagrad
+from jstrategy._src.training.optimizers.adam import Adam
+from jstrategy._src.training.optimizers.adam import Adamax
+from jstrategy._src.training.optimizers.adam import AdamW
+from jstrategy._src.training.optimizers.adam import Nadam
+from jstrategy._src.training.optimizers.base import Optimizer
+from jstrategy._src.training.optimizers.lion import Lion
+from jstrategy._src.training.optimizers.rmsprop import RMSprop
+from jstrategy._src.training.optimizers.serialization import deserialize
+from jstrategy._src.training.optimizers.serialization import get
+from jstrategy._src.training.optimizers.serialization import serialize
+from jstrategy._src.training.optimizers.sgd import SGD
 from jstrategy.optimizers import schedules
 
 __all__ = [

@@ -7,13 +7,13 @@ Example:
 0.01
 """
 
-from jstrategy._src.training.schedules import CosineDecay
-from jstrategy._src.training.schedules import ExponentialDecay
-from jstrategy._src.training.schedules import InverseTimeDecay
-from jstrategy._src.training.schedules import LearningRateSchedule
-from jstrategy._src.training.schedules import PiecewiseConstantDecay
-from jstrategy._src.training.schedules import deserialize
-from jstrategy._src.training.schedules import serialize
+from jstrategy._src.training.optimizers.schedules import CosineDecay
+from jstrategy._src.training.optimizers.schedules import ExponentialDecay
+from jstrategy._src.training.optimizers.schedules import InverseTimeDecay
+from jstrategy._src.training.optimizers.schedules import LearningRateSchedule
+from jstrategy._src.training.optimizers.schedules import PiecewiseConstantDecay
+from jstrategy._src.training.optimizers.schedules import deserialize
+from jstrategy._src.training.optimizers.schedules import serialize
 
 __all__ = [
     "CosineDecay",

@@ -38,12 +38,12 @@ from jstrategy._src.placement import place_state
 from jstrategy._src.staging import replica_map
 from jstrategy._src.staging import row_spec
 from jstrategy._src.strategy import Strategy
-from jstrategy._src.training import keras_optimizers
-from jstrategy._src.training import learning_rate as learning_rate_lib
-from jstrategy._src.training import step as step_lib
 from jstrategy._src.training.fit_runner import FitEpoch
 from jstrategy._src.training.fit_runner import FitEpochResult
 from jstrategy._src.training.fit_runner import FitRunner
+from jstrategy._src.training.optimizers import learning_rate as learning_rate_lib
+from jstrategy._src.training.optimizers.base import injected_state
+from jstrategy._src.training.step import body as step_lib
 from jstrategy._src.validation import check_positive_int
 from jstrategy._src.values import local_copy
 
@@ -324,7 +324,7 @@ def _check_synchronous_options(spec: step_lib.StepSpec, state: Any) -> None:
             "servers as they arrive, so there is no cycle to accumulate over: use a larger "
             "batch, or a synchronous strategy (MirroredStrategy) to accumulate."
         )
-    inner = getattr(keras_optimizers.injected_state(state.opt_state), "inner_state", None)
+    inner = getattr(injected_state(state.opt_state), "inner_state", None)
     if jax.tree.leaves(getattr(inner, "average", None)):
         raise ValueError(
             "Model.fit with ParameterServerStrategy takes no optimizer with use_ema=True: each "

@@ -33,10 +33,9 @@ from jstrategy._src.input import pad_rows
 from jstrategy._src.input import put_rows
 from jstrategy._src.numerics import static_rows
 from jstrategy._src.training import input_checks
-from jstrategy._src.training.step import batch_rows
-from jstrategy._src.training.step import split_batch
-from jstrategy._src.training.step import unpack_batch
 from jstrategy._src.validation import check_positive_int
+from jstrategy._src.values import PerReplica
+from jstrategy._src.values import is_per_replica
 
 if TYPE_CHECKING:
     from jstrategy._src.strategy import Strategy
@@ -49,10 +48,13 @@ __all__ = [
     "is_array",
     "is_array_tree",
     "as_arrays",
+    "batch_rows",
     "make_adapter",
     "ones_mask",
     "prefetch",
+    "split_batch",
     "split_validation",
+    "unpack_batch",
     "validation_inputs",
 ]
 
@@ -142,6 +144,59 @@ def rows_of(tree: Any, arg: str) -> int:
             f"{sorted(counts) or 'none'}."
         )
     return counts.pop()
+
+
+# Batches: what a step takes ---------------------------------------------------------
+def unpack_batch(batch: Any) -> tuple[Any, Any, Any]:
+    """``(x, y, sample_weight)`` from a Keras-style batch ``(x,)``, ``(x, y)`` or ``(x, y, w)``."""
+    if isinstance(batch, (tuple, list)):
+        if 1 <= len(batch) <= 3:
+            padded = (*batch, None, None)
+            return padded[0], padded[1], padded[2]
+        raise ValueError(
+            f"A batch must be (x,), (x, y) or (x, y, sample_weight); got a "
+            f"{type(batch).__name__} of length {len(batch)}. Group several inputs into one "
+            "pytree x, e.g. a dict."
+        )
+    return batch, None, None
+
+
+def split_batch(batch: Any, strategy: Strategy) -> tuple[Any, Any]:
+    """The global arrays of a (possibly distributed) batch, and its row mask (or None)."""
+    mask = None
+    leaves, treedef = jax.tree.flatten(batch, is_leaf=is_per_replica)
+    values = []
+    for leaf in leaves:
+        if isinstance(leaf, PerReplica):
+            if leaf.stacked:
+                raise ValueError(
+                    "A step takes batches split by rows (from a distributed dataset or "
+                    "distribute_batch); got a stacked PerReplica (one value per replica, as "
+                    "Strategy.run returns)."
+                )
+            if mask is None:
+                mask = leaf.mask
+            values.append(leaf.value)
+        else:
+            values.append(leaf)
+    rows = {int(np.shape(v)[0]) for v in values if np.ndim(v) > 0}
+    n = strategy.num_replicas_in_sync
+    for r in rows:
+        if r % n:
+            raise ValueError(
+                f"The global batch has {r} rows, which does not divide among {n} replicas. "
+                "Distribute it with jstrategy's distribute_batch or a distributed dataset, "
+                "which pad it and set the row mask."
+            )
+    return jax.tree.unflatten(treedef, values), mask
+
+
+def batch_rows(x: Any) -> int:
+    """The number of rows of a batch's inputs `x`."""
+    leaves = [leaf for leaf in jax.tree.leaves(x) if np.ndim(leaf) > 0]
+    if not leaves:
+        raise ValueError("The batch's inputs `x` must contain at least one array.")
+    return int(np.shape(leaves[0])[0])
 
 
 class ArrayAdapter:

@@ -16,13 +16,14 @@ import jax
 import numpy as np
 
 from jstrategy._src import dispatch
-from jstrategy._src.training import callbacks as callbacks_lib
-from jstrategy._src.training import check_numerics
+from jstrategy._src.training.callbacks.base import History
+from jstrategy._src.training.callbacks.callback_list import CallbackList
 from jstrategy._src.training.data_adapters import DataAdapter
 from jstrategy._src.training.data_adapters import prefetch
 from jstrategy._src.training.fit_runner import FitEpoch
 from jstrategy._src.training.fit_runner import FitState
 from jstrategy._src.training.fit_runner import implements
+from jstrategy._src.training.step import check_numerics
 from jstrategy._src.training.trainer import Trainer
 
 __all__ = [
@@ -36,13 +37,13 @@ def fit(
     trainer: Trainer,
     data: DataAdapter,
     val_data: DataAdapter | None,
-    cbs: callbacks_lib.CallbackList,
+    cbs: CallbackList,
     *,
     epochs: int,
     initial_epoch: int,
     steps_per_epoch: int | None,
     validate: Callable[[int], bool] = lambda epoch: True,
-) -> callbacks_lib.History:
+) -> History:
     """`Model.fit`'s loop over epochs, after its arguments were checked and adapted.
 
     `validate(epoch)` says whether `val_data` is evaluated after that epoch (Keras's
@@ -98,9 +99,7 @@ def fit(
     return cbs.history
 
 
-def evaluate(
-    trainer: Trainer, data: DataAdapter, cbs: callbacks_lib.CallbackList
-) -> dict[str, float]:
+def evaluate(trainer: Trainer, data: DataAdapter, cbs: CallbackList) -> dict[str, float]:
     """The loss and metrics over `data` (every real row once), with the test hooks."""
     program = trainer.program(("eval",))
     acc = trainer.zero_sums()
@@ -128,7 +127,7 @@ def evaluate(
     return result
 
 
-def predict(trainer: Trainer, data: DataAdapter, cbs: callbacks_lib.CallbackList) -> Any:
+def predict(trainer: Trainer, data: DataAdapter, cbs: CallbackList) -> Any:
     """The model's outputs for every real row of `data`, as NumPy arrays, in order."""
     program = trainer.program(("predict",))
     cbs.on_predict_begin()

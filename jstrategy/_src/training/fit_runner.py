@@ -31,11 +31,12 @@ from jstrategy._src.checkpoint import preemption
 from jstrategy._src.numerics import means
 from jstrategy._src.placement import place_state
 from jstrategy._src.strategy import Strategy
-from jstrategy._src.training import callbacks as callbacks_lib
-from jstrategy._src.training import check_numerics
+from jstrategy._src.training.callbacks.base import Callback
+from jstrategy._src.training.callbacks.callback_list import CallbackList
 from jstrategy._src.training.data_adapters import DataAdapter
 from jstrategy._src.training.data_adapters import prefetch
-from jstrategy._src.training.spec import StepSpec
+from jstrategy._src.training.step import check_numerics
+from jstrategy._src.training.step.spec import StepSpec
 
 __all__ = [
     "FitEpoch",
@@ -267,7 +268,7 @@ class FitEpoch:
 
     trainer: FitTrainer
     data: DataAdapter
-    callbacks: callbacks_lib.CallbackList
+    callbacks: CallbackList
     steps_per_epoch: int | None
     skip: int = 0
     sums: Any = None
@@ -356,12 +357,12 @@ class FitEpoch:
         return FitEpochResult(trainer.state, {k: float(v) for k, v in host.items()})
 
 
-def implements(callbacks: callbacks_lib.CallbackList, kind: str) -> bool:
+def implements(callbacks: CallbackList, kind: str) -> bool:
     """Whether any callback overrides the ``on_{kind}_begin/end`` hooks (or their aliases)."""
     names = {f"on_{kind}_begin", f"on_{kind}_end"}
     if kind == "train_batch":
         names |= {"on_batch_begin", "on_batch_end"}
-    base = callbacks_lib.Callback
+    base = Callback
     for cb in callbacks:
         for name in names:
             if name in vars(cb) or getattr(type(cb), name, None) is not getattr(base, name):

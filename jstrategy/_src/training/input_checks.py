@@ -11,7 +11,7 @@ inside the step (`jstrategy.config.enable_check_numerics`) covers what the host 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -20,9 +20,6 @@ import numpy as np
 
 from jstrategy._src.training import losses as losses_lib
 from jstrategy._src.training import metrics as metrics_lib
-
-if TYPE_CHECKING:
-    from jstrategy._src.training.spec import StepSpec
 
 __all__ = ["array_rows", "check_class_labels", "check_row_shape", "class_label_functions"]
 
@@ -107,9 +104,9 @@ def array_rows(x: Any, y: Any, w: Any, *, arg: str) -> int:
     return rows
 
 
-def class_label_functions(spec: StepSpec) -> list[Any]:
-    """The spec's loss and metrics whose labels are class indices (sparse categorical)."""
-    functions = [spec.loss, *(m for _, m in (*spec.metrics, *spec.weighted_metrics))]
+def class_label_functions(functions: Iterable[Any]) -> list[Any]:
+    """Those of a step's loss and metrics (`StepSpec.functions`) whose labels are class
+    indices (sparse categorical)."""
     return [f for f in functions if isinstance(f, _CLASS_INDEX_TYPES)]
 
 
@@ -138,11 +135,11 @@ def _num_classes(train_state: Any, x: Any, cache: dict[Any, int | None]) -> int 
 
 
 def check_class_labels(
-    spec: StepSpec, train_state: Any, data: Any, *, arg: str, cache: dict[Any, int | None]
+    functions: Iterable[Any], train_state: Any, data: Any, *, arg: str, cache: dict[Any, int | None]
 ) -> None:
     """Integer labels in ``[0, num_classes)`` for sparse categorical losses and metrics.
 
-    `data` is an `ArrayAdapter`; the number of classes is the last axis of the model's
+    `functions` are the step's loss and metrics (`StepSpec.functions`); `data` is an `ArrayAdapter`; the number of classes is the last axis of the model's
     output of `train_state`'s model, found by tracing it on one row (no computation) and
     kept in `cache`. Runs on the host, once per call, over the label array.
 
@@ -150,7 +147,7 @@ def check_class_labels(
       ValueError: for a label outside the range, or a float label that is not a whole
         number.
     """
-    functions = class_label_functions(spec)
+    functions = class_label_functions(functions)
     x, y, _ = data.data
     if not functions or not isinstance(y, np.ndarray) or y.size == 0:
         return

@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from jstrategy._src.training import saved_config
-from jstrategy._src.training import saving
 from jstrategy._src.training.model import Model
+from jstrategy._src.training.saving import config as saved_config
+from jstrategy._src.training.saving import model_dir as saving
 
 __all__ = ["load_model"]
 

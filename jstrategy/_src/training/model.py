@@ -24,19 +24,21 @@ from jstrategy._src import mixed_precision as mp
 from jstrategy._src.random_seed import default_seed
 from jstrategy._src.strategy import Strategy
 from jstrategy._src.strategy import get_strategy
-from jstrategy._src.training import callbacks as callbacks_lib
 from jstrategy._src.training import data_adapters
 from jstrategy._src.training import fit_loop
 from jstrategy._src.training import input_checks
-from jstrategy._src.training import step as step_lib
 from jstrategy._src.training import summary as summary_lib
-from jstrategy._src.training import trainable as trainable_lib
+from jstrategy._src.training.callbacks.base import Callback
+from jstrategy._src.training.callbacks.base import History
+from jstrategy._src.training.callbacks.callback_list import CallbackList
 from jstrategy._src.training.fit_runner import FitState
-from jstrategy._src.training.global_batch import BatchNormSync
 from jstrategy._src.training.model_variables import CustomLoopMixin
-from jstrategy._src.training.nnx import create_nnx_train_state
-from jstrategy._src.training.saving import SavingMixin
-from jstrategy._src.training.train_state import create_train_state
+from jstrategy._src.training.saving.model_dir import SavingMixin
+from jstrategy._src.training.state import trainable as trainable_lib
+from jstrategy._src.training.state.global_batch import BatchNormSync
+from jstrategy._src.training.state.nnx import create_nnx_train_state
+from jstrategy._src.training.state.train_state import create_train_state
+from jstrategy._src.training.step import body as step_lib
 from jstrategy._src.training.trainer import Trainer
 from jstrategy._src.validation import check_bool
 from jstrategy._src.validation import check_non_negative_int
@@ -121,7 +123,7 @@ class Model(SavingMixin, CustomLoopMixin):
         policy = mp.as_policy(dtype_policy, argument="dtype_policy")
         self._trainer = Trainer(get_strategy(), int(seed), policy)
         self._trainer.plan_reader = self._with_layer_plan
-        self.history: callbacks_lib.History | None = None
+        self.history: History | None = None
         if is_nnx:
             state = create_nnx_train_state(
                 module, optax.identity(), strategy=self.strategy, dtype_policy=policy
@@ -523,11 +525,15 @@ class Model(SavingMixin, CustomLoopMixin):
         if isinstance(data, data_adapters.ArrayAdapter):
             trainer = self._trainer
             input_checks.check_class_labels(
-                trainer.compiled_spec, trainer.state, data, arg=arg, cache=trainer.class_counts
+                trainer.compiled_spec.functions,
+                trainer.state,
+                data,
+                arg=arg,
+                cache=trainer.class_counts,
             )
 
     def _callbacks(self, callbacks: Any, verbose: Any, **params: Any) -> Any:
-        return callbacks_lib.CallbackList(
+        return CallbackList(
             callbacks, model=self, add_progbar=verbose != 0, verbose=verbose, **params
         )
 
@@ -539,7 +545,7 @@ class Model(SavingMixin, CustomLoopMixin):
         batch_size: int | None = None,
         epochs: int = 1,
         verbose: int | str = "auto",
-        callbacks: Sequence[callbacks_lib.Callback] | None = None,
+        callbacks: Sequence[Callback] | None = None,
         validation_split: float = 0.0,
         validation_data: Any = None,
         shuffle: bool = True,
@@ -550,7 +556,7 @@ class Model(SavingMixin, CustomLoopMixin):
         validation_steps: int | None = None,
         validation_batch_size: int | None = None,
         validation_freq: int | Sequence[int] = 1,
-    ) -> callbacks_lib.History:
+    ) -> History:
         """Trains the model, as Keras's ``fit``.
 
         Args:
@@ -677,7 +683,7 @@ class Model(SavingMixin, CustomLoopMixin):
         verbose: int | str = "auto",
         sample_weight: Any = None,
         steps: int | None = None,
-        callbacks: Sequence[callbacks_lib.Callback] | None = None,
+        callbacks: Sequence[Callback] | None = None,
         return_dict: bool = False,
     ) -> Any:
         """Computes the loss and metrics over data, as Keras's ``evaluate``.
@@ -728,7 +734,7 @@ class Model(SavingMixin, CustomLoopMixin):
         batch_size: int | None = None,
         verbose: int | str = "auto",
         steps: int | None = None,
-        callbacks: Sequence[callbacks_lib.Callback] | None = None,
+        callbacks: Sequence[Callback] | None = None,
     ) -> Any:
         """The model's outputs (inference mode), one row for each input row.
 

@@ -22,7 +22,7 @@ import jax
 
 from jstrategy._src import context
 from jstrategy._src.tracked import TrainableHolder
-from jstrategy._src.training.train_state import TrainState
+from jstrategy._src.training.state.train_state import TrainState
 
 if TYPE_CHECKING:
     from jstrategy._src.strategy import Strategy

@@ -30,9 +30,9 @@ from jstrategy._src.layers.base import Layer
 from jstrategy._src.layers.base import call_layer
 from jstrategy._src.layers.base import keras_name
 from jstrategy._src.layers.core import InputLayer
-from jstrategy._src.training import saved_config
-from jstrategy._src.training import saving
 from jstrategy._src.training.model import Model
+from jstrategy._src.training.saving import config as saved_config
+from jstrategy._src.training.saving import model_dir as saving
 from jstrategy._src.validation import check_bool
 from jstrategy._src.validation import check_row_shape
 

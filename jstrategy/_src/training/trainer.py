@@ -26,16 +26,17 @@ from jstrategy._src.checkpoint import preemption
 from jstrategy._src.placement import create_placed
 from jstrategy._src.placement import place_state
 from jstrategy._src.strategy import get_strategy
-from jstrategy._src.training import keras_optimizers
-from jstrategy._src.training import learning_rate as learning_rate_lib
-from jstrategy._src.training import optimizers
-from jstrategy._src.training import saved_config
-from jstrategy._src.training import step as step_lib
-from jstrategy._src.training import trainable
 from jstrategy._src.training.coordinated_fit import CoordinatedFitRunner
 from jstrategy._src.training.fit_runner import FitRunner
 from jstrategy._src.training.fit_runner import FitState
 from jstrategy._src.training.fit_runner import Resume
+from jstrategy._src.training.optimizers import learning_rate as learning_rate_lib
+from jstrategy._src.training.optimizers import serialization as optimizers
+from jstrategy._src.training.optimizers.base import Optimizer
+from jstrategy._src.training.optimizers.base import ema_average
+from jstrategy._src.training.saving import config as saved_config
+from jstrategy._src.training.state import trainable
+from jstrategy._src.training.step import body as step_lib
 
 if TYPE_CHECKING:
     from jstrategy._src.strategy import Strategy
@@ -164,7 +165,7 @@ class Trainer:
     def compile(self, optimizer: Any, spec: step_lib.StepSpec, steps_per_execution: int) -> None:
         """Sets the step and the optimizer; a built state gets a fresh optimizer state."""
         optimizer, tx = optimizers.resolve_optimizer(optimizer)
-        if isinstance(optimizer, keras_optimizers.Optimizer):
+        if isinstance(optimizer, Optimizer):
             # Under the model's accumulation its schedule counts micro-batches, as Keras's.
             tx = optimizer.attach(self, micro_batches=spec.accumulation_steps)
             if optimizer.loss_scale_factor is not None:
@@ -223,11 +224,11 @@ class Trainer:
         """At the end of `fit`: an optimizer with ``use_ema`` replaces the variables by
         their moving average (Keras's ``finalize_variable_values``)."""
         optimizer = self.optimizer
-        if not isinstance(optimizer, keras_optimizers.Optimizer) or not optimizer.use_ema:
+        if not isinstance(optimizer, Optimizer) or not optimizer.use_ema:
             return
         if self.state is None or self._tx is None:
             return
-        average = keras_optimizers.ema_average(self.state.opt_state)
+        average = ema_average(self.state.opt_state)
         plan = getattr(self.state, "layer_plan", None)
         if plan is not None:  # the optimizer averaged the trained parameters only
             average = trainable.with_trained(self.state.params, average, plan)
@@ -246,9 +247,7 @@ class Trainer:
         """`Model.learning_rate`: read from the optimizer state (`learning_rate.read`; a
         `jstrategy.optimizers` object's schedule at the state's update count)."""
         optimizer = self.optimizer
-        schedule = (
-            optimizer.update_schedule if isinstance(optimizer, keras_optimizers.Optimizer) else None
-        )
+        schedule = optimizer.update_schedule if isinstance(optimizer, Optimizer) else None
         return learning_rate_lib.read(self._opt_state(), schedule)
 
     def set_learning_rate(self, value: float) -> None:

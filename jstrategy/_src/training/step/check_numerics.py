@@ -29,12 +29,12 @@ import jax.numpy as jnp
 from jstrategy._src.loss_scale import DynamicLossScale
 from jstrategy._src.loss_scale import LossScaleFloorWarning
 from jstrategy._src.loss_scale import all_finite
-from jstrategy._src.training import probability_check
-from jstrategy._src.training import train_state
 from jstrategy._src.training.input_checks import class_label_functions
-from jstrategy._src.training.spec import CHECKED_KEYS
-from jstrategy._src.training.spec import FLOOR_KEY
-from jstrategy._src.training.spec import StepSpec
+from jstrategy._src.training.state import train_state
+from jstrategy._src.training.step import probability_check
+from jstrategy._src.training.step.spec import CHECKED_KEYS
+from jstrategy._src.training.step.spec import FLOOR_KEY
+from jstrategy._src.training.step.spec import StepSpec
 
 __all__ = [
     "FLOOR",
@@ -180,7 +180,11 @@ def step_flags(
     a non-finite loss sum or gradient. They are summed over replicas with the loss sums."""
     zero = jnp.sum(maskf) * 0.0  # per replica, like the sums it joins
     labels = zero
-    if class_label_functions(spec) and isinstance(y, jax.Array) and isinstance(y_pred, jax.Array):
+    if (
+        class_label_functions(spec.functions)
+        and isinstance(y, jax.Array)
+        and isinstance(y_pred, jax.Array)
+    ):
         classes = y_pred.shape[-1] if y_pred.ndim >= 2 else None
         if y.ndim == y_pred.ndim and y.shape[-1] == 1:
             y = jnp.squeeze(y, -1)

@@ -17,8 +17,8 @@ import numpy as np
 from jstrategy._src import mixed_precision as mp
 from jstrategy._src.numerics import COUNT
 from jstrategy._src.numerics import weight_key
-from jstrategy._src.training.global_batch import BatchNormSync
-from jstrategy._src.training.train_state import uses_loss_scale
+from jstrategy._src.training.state.global_batch import BatchNormSync
+from jstrategy._src.training.state.train_state import uses_loss_scale
 
 if TYPE_CHECKING:
     from jstrategy._src.strategy import Strategy
@@ -97,6 +97,13 @@ class StepSpec:
         """The logs' keys: ``"loss"`` (if any), each metric's name, each weighted metric's."""
         loss = ("loss",) if self.loss is not None else ()
         return loss + tuple(n for n, _ in (*self.metrics, *self.weighted_metrics))
+
+    @property
+    def functions(self) -> tuple[Any, ...]:
+        """The loss (if any), then every metric, plain and weighted: what the label checks
+        read (`input_checks.class_label_functions`)."""
+        loss = () if self.loss is None else (self.loss,)
+        return loss + tuple(m for _, m in (*self.metrics, *self.weighted_metrics))
 
     def zero_sums(self) -> dict[str, Any]:
         """Running sums before the first step: zeros for each name and the counts."""

@@ -21,12 +21,12 @@ from jstrategy._src import dispatch
 from jstrategy._src import mixed_precision as mp
 from jstrategy._src.placement import check_placed
 from jstrategy._src.strategy import get_strategy
-from jstrategy._src.training import check_numerics
 from jstrategy._src.training import data_adapters
-from jstrategy._src.training import step as step_lib
-from jstrategy._src.training.global_batch import BatchNormSync
-from jstrategy._src.training.train_state import TrainStateProtocol
-from jstrategy._src.training.train_state import as_train_state
+from jstrategy._src.training.state.global_batch import BatchNormSync
+from jstrategy._src.training.state.train_state import TrainStateProtocol
+from jstrategy._src.training.state.train_state import as_train_state
+from jstrategy._src.training.step import body as step_lib
+from jstrategy._src.training.step import check_numerics
 from jstrategy._src.values import PerReplica
 
 if TYPE_CHECKING:
@@ -68,10 +68,10 @@ class _Step:
         if key not in self._checked:
             check_placed(state, strategy)
             self._checked.add(key)
-        values, mask = step_lib.split_batch(batch, strategy)
+        values, mask = data_adapters.split_batch(batch, strategy)
         if mask is None:
-            x = step_lib.unpack_batch(values)[0]
-            mask = data_adapters.ones_mask(step_lib.batch_rows(x), strategy.batch_sharding())
+            x = data_adapters.unpack_batch(values)[0]
+            mask = data_adapters.ones_mask(data_adapters.batch_rows(x), strategy.batch_sharding())
         return state, values, mask
 
 

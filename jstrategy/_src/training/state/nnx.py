@@ -33,12 +33,12 @@ from jstrategy._src.placement import create_placed
 from jstrategy._src.placement import in_device_memory
 from jstrategy._src.placement import place_state
 from jstrategy._src.strategy import get_strategy
-from jstrategy._src.training import global_batch
-from jstrategy._src.training import keras_optimizers
 from jstrategy._src.training import summary as summary_lib
-from jstrategy._src.training import weight_order
-from jstrategy._src.training.global_batch import BatchNormSync
-from jstrategy._src.training.train_state import loss_scale_for
+from jstrategy._src.training.optimizers.base import Optimizer
+from jstrategy._src.training.state import global_batch
+from jstrategy._src.training.state import weight_order
+from jstrategy._src.training.state.global_batch import BatchNormSync
+from jstrategy._src.training.state.train_state import loss_scale_for
 
 if TYPE_CHECKING:
     from jstrategy._src.strategy import Strategy
@@ -400,7 +400,7 @@ def create_nnx_train_state(
         factory = model
     else:
         check_call_signature(model)
-    if isinstance(optimizer, keras_optimizers.Optimizer):
+    if isinstance(optimizer, Optimizer):
         optimizer = optimizer.tx
     if isinstance(optimizer, nnx.Optimizer):
         if factory is not None:

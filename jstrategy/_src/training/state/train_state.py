@@ -31,12 +31,12 @@ from jstrategy._src.placement import create_placed
 from jstrategy._src.placement import in_device_memory
 from jstrategy._src.placement import lower_creation
 from jstrategy._src.strategy import get_strategy
-from jstrategy._src.training import global_batch
-from jstrategy._src.training import keras_optimizers
 from jstrategy._src.training import summary as summary_lib
-from jstrategy._src.training import trainable
-from jstrategy._src.training import weight_order as weight_order_lib
-from jstrategy._src.training.global_batch import BatchNormSync
+from jstrategy._src.training.optimizers.base import Optimizer
+from jstrategy._src.training.state import global_batch
+from jstrategy._src.training.state import trainable
+from jstrategy._src.training.state import weight_order as weight_order_lib
+from jstrategy._src.training.state.global_batch import BatchNormSync
 
 if TYPE_CHECKING:
     from jstrategy._src.strategy import Strategy
@@ -583,7 +583,7 @@ def _creation(
 ) -> tuple[Any, tuple[Any, ...]]:
     """``(init, args)``: ``init(*args)`` is the new `TrainState`, a pure function."""
     policy = mp.as_policy(dtype_policy, argument="dtype_policy")
-    if isinstance(tx, keras_optimizers.Optimizer):
+    if isinstance(tx, Optimizer):
         tx = tx.tx
     if not isinstance(tx, optax.GradientTransformation):
         raise TypeError(

@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jstrategy._src.training.callbacks import Callback
-from jstrategy._src.training.callbacks import host_float
-from jstrategy._src.training.callbacks import log_numbers
+from jstrategy._src.training.callbacks.base import Callback
+from jstrategy._src.training.callbacks.base import host_float
+from jstrategy._src.training.callbacks.base import log_numbers
 from jstrategy._src.validation import is_int
 from jstrategy._src.values import to_host
 

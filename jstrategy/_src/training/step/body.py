@@ -34,7 +34,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jstrategy._src import mixed_precision as mp
@@ -53,25 +52,25 @@ from jstrategy._src.staging import StepFunctions
 from jstrategy._src.staging import TrainProgram
 from jstrategy._src.staging import replica_map
 from jstrategy._src.staging import row_spec
-from jstrategy._src.training import accumulation
-from jstrategy._src.training import check_numerics
 from jstrategy._src.training import losses as losses_lib
 from jstrategy._src.training import metrics as metrics_lib
-from jstrategy._src.training import probability_check
-from jstrategy._src.training import remat as remat_lib
-from jstrategy._src.training import replica_constraints
-from jstrategy._src.training.global_batch import BatchNormSync
-from jstrategy._src.training.global_batch import as_batch_norm_sync
+from jstrategy._src.training.data_adapters import batch_rows
+from jstrategy._src.training.data_adapters import unpack_batch
 from jstrategy._src.training.per_example import samplewise
 from jstrategy._src.training.per_example import weighted_values
-from jstrategy._src.training.spec import Metric
-from jstrategy._src.training.spec import StepSpec
-from jstrategy._src.training.train_state import TrainStateProtocol
-from jstrategy._src.training.train_state import loss_scale_for
-from jstrategy._src.training.train_state import uses_loss_scale
+from jstrategy._src.training.state.global_batch import BatchNormSync
+from jstrategy._src.training.state.global_batch import as_batch_norm_sync
+from jstrategy._src.training.state.train_state import TrainStateProtocol
+from jstrategy._src.training.state.train_state import loss_scale_for
+from jstrategy._src.training.state.train_state import uses_loss_scale
+from jstrategy._src.training.step import accumulation
+from jstrategy._src.training.step import check_numerics
+from jstrategy._src.training.step import probability_check
+from jstrategy._src.training.step import remat as remat_lib
+from jstrategy._src.training.step import replica_constraints
+from jstrategy._src.training.step.spec import Metric
+from jstrategy._src.training.step.spec import StepSpec
 from jstrategy._src.validation import check_positive_int
-from jstrategy._src.values import PerReplica
-from jstrategy._src.values import is_per_replica
 from jstrategy._src.values import varying_axes
 
 if TYPE_CHECKING:
@@ -90,9 +89,7 @@ __all__ = [
     "replica_gradients",
     "resolve_loss",
     "resolve_metrics",
-    "split_batch",
     "step_functions",
-    "unpack_batch",
 ]
 _FLOAT32 = mp.Policy("float32")
 
@@ -224,61 +221,6 @@ def prepare_state(spec: StepSpec, state: TrainStateProtocol) -> Any:
 
     # Created where they live: split like their parameters under FSDP and ModelParallel.
     return state.replace(**create_placed(added, strategy=spec.strategy))
-
-
-# ---------------------------------------------------------------------------------------
-# Batches
-# ---------------------------------------------------------------------------------------
-def unpack_batch(batch: Any) -> tuple[Any, Any, Any]:
-    """``(x, y, sample_weight)`` from a Keras-style batch ``(x,)``, ``(x, y)`` or ``(x, y, w)``."""
-    if isinstance(batch, (tuple, list)):
-        if 1 <= len(batch) <= 3:
-            padded = (*batch, None, None)
-            return padded[0], padded[1], padded[2]
-        raise ValueError(
-            f"A batch must be (x,), (x, y) or (x, y, sample_weight); got a "
-            f"{type(batch).__name__} of length {len(batch)}. Group several inputs into one "
-            "pytree x, e.g. a dict."
-        )
-    return batch, None, None
-
-
-def split_batch(batch: Any, strategy: Strategy) -> tuple[Any, Any]:
-    """The global arrays of a (possibly distributed) batch, and its row mask (or None)."""
-    mask = None
-    leaves, treedef = jax.tree.flatten(batch, is_leaf=is_per_replica)
-    values = []
-    for leaf in leaves:
-        if isinstance(leaf, PerReplica):
-            if leaf.stacked:
-                raise ValueError(
-                    "A step takes batches split by rows (from a distributed dataset or "
-                    "distribute_batch); got a stacked PerReplica (one value per replica, as "
-                    "Strategy.run returns)."
-                )
-            if mask is None:
-                mask = leaf.mask
-            values.append(leaf.value)
-        else:
-            values.append(leaf)
-    rows = {int(np.shape(v)[0]) for v in values if np.ndim(v) > 0}
-    n = strategy.num_replicas_in_sync
-    for r in rows:
-        if r % n:
-            raise ValueError(
-                f"The global batch has {r} rows, which does not divide among {n} replicas. "
-                "Distribute it with jstrategy's distribute_batch or a distributed dataset, "
-                "which pad it and set the row mask."
-            )
-    return jax.tree.unflatten(treedef, values), mask
-
-
-def batch_rows(x: Any) -> int:
-    """The number of rows of a batch's inputs `x`."""
-    leaves = [leaf for leaf in jax.tree.leaves(x) if np.ndim(leaf) > 0]
-    if not leaves:
-        raise ValueError("The batch's inputs `x` must contain at least one array.")
-    return int(np.shape(leaves[0])[0])
 
 
 # ---------------------------------------------------------------------------------------

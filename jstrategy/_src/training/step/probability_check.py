@@ -23,8 +23,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jstrategy._src.training.spec import NOT_PROBABILITIES_KEY
-from jstrategy._src.training.spec import StepSpec
+from jstrategy._src.training.step.spec import NOT_PROBABILITIES_KEY
+from jstrategy._src.training.step.spec import StepSpec
 
 __all__ = ["KEY", "NotProbabilitiesWarning", "count", "keys", "warn"]
 

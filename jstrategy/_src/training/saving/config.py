@@ -30,10 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jstrategy._src.layers import serialization
-from jstrategy._src.training import keras_optimizers
 from jstrategy._src.training import losses as losses_lib
 from jstrategy._src.training import metrics as metrics_lib
-from jstrategy._src.training import remat as remat_lib
+from jstrategy._src.training.optimizers import serialization as optimizer_serialization
+from jstrategy._src.training.optimizers.base import Optimizer
+from jstrategy._src.training.step import remat as remat_lib
 from jstrategy._src.validation import is_int
 
 __all__ = [
@@ -180,9 +181,9 @@ def _serialize_metric(metric: Any) -> dict[str, Any]:
 
 
 def _serialize_optimizer(optimizer: Any) -> dict[str, Any]:
-    if isinstance(optimizer, keras_optimizers.Optimizer):
+    if isinstance(optimizer, Optimizer):
         try:
-            return keras_optimizers.serialize(optimizer)
+            return optimizer_serialization.serialize(optimizer)
         except TypeError:  # a schedule that is a plain function
             pass
     return {"class_name": CUSTOM, "name": "optimizer"}
@@ -693,7 +694,7 @@ def _optimizer(entry: dict[str, Any], custom_objects: Mapping[str, Any], file: s
     if entry["class_name"] == CUSTOM:
         return _custom(entry, custom_objects, "optimizer", "compile.optimizer", file)
     try:
-        return keras_optimizers.deserialize(entry)
+        return optimizer_serialization.deserialize(entry)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{file}: `compile.optimizer`: {e} {_FIX}") from e
 

@@ -1,11 +1,11 @@
-"""Keras-named optimizers: Keras 3's update formulas, over optax, with a settable rate.
+"""`Optimizer`: the base of the Keras-named optimizers, Keras 3's formulas over optax.
 
 `jstrategy.optimizers.SGD(learning_rate=0.01, momentum=0.0, nesterov=False)`, `Adam`,
-`AdamW`, `RMSprop`, `Adagrad`, `Adadelta`, `Adamax`, `Nadam` and `Lion` take Keras 3's
-arguments and defaults and update as Keras 3 does (`keras_transform.py`: each class's
-`_rule` is its ``update_step``, e.g. SGD's momentum accumulates ``v = m * v - lr * g``,
-so a changing rate scales only the new steps, not the whole velocity as optax's trace
-does). The learning rate is a value in the optimizer state (``optax.inject_hyperparams``),
+`AdamW`, `RMSprop`, `Adagrad`, `Adadelta`, `Adamax`, `Nadam` and `Lion` (one family a
+file beside this one) take Keras 3's arguments and defaults and update as Keras 3 does
+(`transform.py`: each class's `_rule` is its ``update_step``, e.g. SGD's momentum
+accumulates ``v = m * v - lr * g``, so a changing rate scales only the new steps, not the
+whole velocity as optax's trace does). The learning rate is a value in the optimizer state (``optax.inject_hyperparams``),
 so `Model.learning_rate`, `LearningRateScheduler` and `ReduceLROnPlateau` read and set the
 rate that is applied, without recompiling; a schedule (a
 `jstrategy.optimizers.schedules` object or any ``step -> rate`` callable) sets it from
@@ -39,28 +39,20 @@ from jstrategy._src.reduce_util import ReduceOp
 from jstrategy._src.tracked import TrackedState
 from jstrategy._src.tracked import TrainableHolder
 from jstrategy._src.tracked import owner_of_trainable
-from jstrategy._src.training import keras_transform
-from jstrategy._src.training import learning_rate as learning_rate_lib
-from jstrategy._src.training import schedules as schedules_lib
+from jstrategy._src.training.optimizers import learning_rate as learning_rate_lib
+from jstrategy._src.training.optimizers import schedules as schedules_lib
+from jstrategy._src.training.optimizers import transform as keras_transform
 from jstrategy._src.values import local_copy
 from jstrategy._src.values import varying_axes
 
 __all__ = [
-    "SGD",
-    "Adadelta",
-    "Adagrad",
-    "Adam",
-    "AdamW",
-    "Adamax",
-    "Lion",
-    "Nadam",
     "Optimizer",
-    "RMSprop",
-    "deserialize",
+    "cast_like",
     "ema_average",
-    "get",
+    "in_range",
     "injected_state",
-    "serialize",
+    "non_negative",
+    "positive",
 ]
 
 _INJECTED = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
@@ -89,7 +81,8 @@ def _rate(value: Any) -> Any:
     return float(value)
 
 
-def _in_range(value: Any, name: str, low: float, high: float, *, high_open: bool = False) -> float:
+def in_range(value: Any, name: str, low: float, high: float, *, high_open: bool = False) -> float:
+    """`value` as a float in ``[low, high]`` (``[low, high)`` with `high_open`), else an error."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     ok = ok and low <= value and (value < high if high_open else value <= high)
     if not ok:
@@ -98,13 +91,15 @@ def _in_range(value: Any, name: str, low: float, high: float, *, high_open: bool
     return float(value)
 
 
-def _positive(value: Any, name: str) -> float:
+def positive(value: Any, name: str) -> float:
+    """`value` as a float > 0, else an error naming `name`."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"`{name}` must be a positive float; got {value!r}.")
     return float(value)
 
 
-def _non_negative(value: Any, name: str) -> float:
+def non_negative(value: Any, name: str) -> float:
+    """`value` as a float >= 0, else an error naming `name`."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
         raise ValueError(f"`{name}` must be a non-negative float; got {value!r}.")
     return float(value)
@@ -151,17 +146,17 @@ def _keras_options(
             f"global_clipnorm={global_clipnorm}"
         )
     return keras_transform.KerasOptions(
-        weight_decay=None if weight_decay is None else _non_negative(weight_decay, "weight_decay"),
-        clipnorm=None if clipnorm is None else _positive(clipnorm, "clipnorm"),
-        clipvalue=None if clipvalue is None else _positive(clipvalue, "clipvalue"),
+        weight_decay=None if weight_decay is None else non_negative(weight_decay, "weight_decay"),
+        clipnorm=None if clipnorm is None else positive(clipnorm, "clipnorm"),
+        clipvalue=None if clipvalue is None else positive(clipvalue, "clipvalue"),
         global_clipnorm=(
-            None if global_clipnorm is None else _positive(global_clipnorm, "global_clipnorm")
+            None if global_clipnorm is None else positive(global_clipnorm, "global_clipnorm")
         ),
         use_ema=bool(use_ema),
         ema_momentum=float(ema_momentum),
         ema_overwrite_frequency=ema_overwrite_frequency if use_ema else None,
         loss_scale_factor=(
-            None if loss_scale_factor is None else _positive(loss_scale_factor, "loss_scale_factor")
+            None if loss_scale_factor is None else positive(loss_scale_factor, "loss_scale_factor")
         ),
         gradient_accumulation_steps=gradient_accumulation_steps or None,
     )
@@ -614,520 +609,6 @@ def _combine_across_replicas(grads: list[Any]) -> list[Any]:
     return out
 
 
-def _cast(x: Any, like: jax.Array) -> jax.Array:
+def cast_like(x: Any, like: jax.Array) -> jax.Array:
+    """`x` (a hyperparameter) in `like`'s dtype: an update step computes in the variable's."""
     return jnp.asarray(x).astype(like.dtype)
-
-
-class SGD(Optimizer):
-    """Gradient descent with optional (Nesterov) momentum: Keras 3's ``SGD``.
-
-    With momentum the velocity accumulates rate-scaled steps, ``v = momentum * v -
-    learning_rate * g`` and ``w += v`` (Nesterov: ``w += momentum * v - learning_rate *
-    g``), so a rate that changes (a schedule, `LearningRateScheduler`) scales only the
-    new steps, as in Keras.
-
-    Args:
-      learning_rate: a float (default 0.01) or a schedule.
-      momentum: in [0, 1]; 0 for plain gradient descent.
-      nesterov: Nesterov momentum.
-      **kwargs: `Optimizer`'s: `weight_decay`, `clipnorm`, `clipvalue`, `global_clipnorm`,
-        `use_ema`, `ema_momentum`, `ema_overwrite_frequency`, `loss_scale_factor`,
-        `gradient_accumulation_steps`, `name`.
-
-    Example:
-
-    >>> import jax.numpy as jnp
-    >>> opt = SGD(learning_rate=0.1, momentum=0.9)
-    >>> params = {"w": jnp.ones(2)}
-    >>> updates, _ = opt.tx.update({"w": jnp.ones(2)}, opt.tx.init(params), params)
-    >>> opt.get_config()["momentum"], opt.learning_rate, round(float(updates["w"][0]), 6)
-    (0.9, 0.1, -0.1)
-    """
-
-    _hyperparameters: tuple[str, ...] = ("momentum", "nesterov")
-
-    def __init__(
-        self,
-        learning_rate: Any = 0.01,
-        momentum: float = 0.0,
-        nesterov: bool = False,
-        **kwargs: Any,
-    ):
-        super().__init__(learning_rate, **kwargs)
-        self.momentum = _in_range(momentum, "momentum", 0.0, 1.0)
-        self.nesterov = bool(nesterov)
-
-    def _rule(self) -> keras_transform.UpdateRule:
-        momentum, nesterov = self.momentum, self.nesterov
-
-        def leaf(g: Any, v: Any, slots: Any, lr: Any, t: Any, extra: Any) -> Any:
-            lr, g = _cast(lr, v), g.astype(v.dtype)
-            if not momentum:
-                return v - g * lr, slots
-            mom = _cast(momentum, v)
-            m = slots[0] * mom - g * lr
-            return (v + (m * mom - g * lr) if nesterov else v + m), (m,)
-
-        return keras_transform.UpdateRule((("momentum", 0.0),) if momentum else (), leaf)
-
-
-class _AdamFamily(Optimizer):
-    """What Adam, AdamW, Adamax and Nadam share: two moments and an epsilon."""
-
-    _hyperparameters: tuple[str, ...] = ("beta_1", "beta_2", "epsilon")
-
-    def __init__(
-        self,
-        learning_rate: Any = 0.001,
-        beta_1: float = 0.9,
-        beta_2: float = 0.999,
-        epsilon: float = 1e-7,
-        **kwargs: Any,
-    ):
-        super().__init__(learning_rate, **kwargs)
-        self.beta_1 = _in_range(beta_1, "beta_1", 0.0, 1.0, high_open=True)
-        self.beta_2 = _in_range(beta_2, "beta_2", 0.0, 1.0, high_open=True)
-        self.epsilon = _positive(epsilon, "epsilon")
-
-
-class Adam(_AdamFamily):
-    """Adam: Keras 3's ``Adam`` (epsilon added to the root of the uncorrected second
-    moment, the step size ``lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)``).
-
-    Args:
-      learning_rate: a float (default 0.001) or a schedule.
-      beta_1: the first moment's decay.
-      beta_2: the second moment's decay.
-      epsilon: added to the root of the second moment.
-      amsgrad: use the AMSGrad variant (the running maximum of the second moment, as
-        Keras keeps it).
-      **kwargs: `Optimizer`'s.
-
-    Example:
-
-    >>> Adam().get_config()["epsilon"]
-    1e-07
-    """
-
-    _hyperparameters: tuple[str, ...] = ("beta_1", "beta_2", "epsilon", "amsgrad")
-
-    def __init__(
-        self,
-        learning_rate: Any = 0.001,
-        beta_1: float = 0.9,
-        beta_2: float = 0.999,
-        epsilon: float = 1e-7,
-        amsgrad: bool = False,
-        **kwargs: Any,
-    ):
-        super().__init__(learning_rate, beta_1, beta_2, epsilon, **kwargs)
-        self.amsgrad = bool(amsgrad)
-
-    def _rule(self) -> keras_transform.UpdateRule:
-        b1, b2, eps, amsgrad = self.beta_1, self.beta_2, self.epsilon, self.amsgrad
-
-        def leaf(g: Any, v: Any, slots: Any, lr: Any, t: Any, extra: Any) -> Any:
-            lr, g = _cast(lr, v), g.astype(v.dtype)
-            step = _cast(t + 1, v)
-            b1_power, b2_power = jnp.power(_cast(b1, v), step), jnp.power(_cast(b2, v), step)
-            m, vel = slots[0], slots[1]
-            alpha = lr * jnp.sqrt(1 - b2_power) / (1 - b1_power)
-            m = m + (g - m) * (1 - b1)
-            vel = vel + (jnp.square(g) - vel) * (1 - b2)
-            out: tuple[Any, ...] = (m, vel)
-            if amsgrad:
-                vel = jnp.maximum(slots[2], vel)
-                out = (m, out[1], vel)
-            return v - (m * alpha) / (jnp.sqrt(vel) + eps), out
-
-        names = (("momentum", 0.0), ("velocity", 0.0))
-        return keras_transform.UpdateRule(
-            names + ((("velocity_hat", 0.0),) if amsgrad else ()), leaf
-        )
-
-
-class AdamW(Adam):
-    """Adam with decoupled weight decay: Keras 3's ``AdamW`` (default decay 0.004).
-
-    Args:
-      learning_rate: a float (default 0.001) or a schedule.
-      weight_decay: each step first subtracts ``variable * weight_decay *
-        learning_rate``.
-      beta_1: the first moment's decay.
-      beta_2: the second moment's decay.
-      epsilon: added to the root of the second moment.
-      amsgrad: use the AMSGrad variant.
-      **kwargs: `Optimizer`'s.
-
-    Raises:
-      ValueError: for ``weight_decay=None`` (Keras's message).
-
-    Example:
-
-    >>> AdamW().weight_decay
-    0.004
-    """
-
-    def __init__(
-        self,
-        learning_rate: Any = 0.001,
-        weight_decay: float = 0.004,
-        beta_1: float = 0.9,
-        beta_2: float = 0.999,
-        epsilon: float = 1e-7,
-        amsgrad: bool = False,
-        **kwargs: Any,
-    ):
-        if weight_decay is None:
-            raise ValueError("Argument `weight_decay` must be a float. Received: weight_decay=None")
-        super().__init__(
-            learning_rate, beta_1, beta_2, epsilon, amsgrad, weight_decay=weight_decay, **kwargs
-        )
-
-
-class Adamax(_AdamFamily):
-    """Adamax (Adam with the infinity norm): Keras 3's ``Adamax``.
-
-    Args:
-      learning_rate: a float (default 0.001) or a schedule.
-      beta_1: the first moment's decay.
-      beta_2: the decay of the infinity norm.
-      epsilon: added to the norm.
-      **kwargs: `Optimizer`'s.
-
-    Example:
-
-    >>> Adamax(learning_rate=0.002).learning_rate
-    0.002
-    """
-
-    def _rule(self) -> keras_transform.UpdateRule:
-        b1, b2, eps = self.beta_1, self.beta_2, self.epsilon
-
-        def leaf(g: Any, v: Any, slots: Any, lr: Any, t: Any, extra: Any) -> Any:
-            lr, g = _cast(lr, v), g.astype(v.dtype)
-            b1_power = jnp.power(_cast(b1, v), _cast(t + 1, v))
-            m, u = slots
-            m = m + (g - m) * (1 - b1)
-            u = jnp.maximum(b2 * u, jnp.abs(g))
-            return v - (lr * m) / ((1 - b1_power) * (u + eps)), (m, u)
-
-        return keras_transform.UpdateRule((("momentum", 0.0), ("norm", 0.0)), leaf)
-
-
-class Nadam(_AdamFamily):
-    """Adam with Nesterov momentum: Keras 3's ``Nadam`` (Dozat's momentum schedule
-    ``beta_1 * (1 - 0.5 * 0.96^t)`` and its running product).
-
-    Args:
-      learning_rate: a float (default 0.001) or a schedule.
-      beta_1: the first moment's decay.
-      beta_2: the second moment's decay.
-      epsilon: added to the root of the corrected second moment.
-      **kwargs: `Optimizer`'s.
-
-    Example:
-
-    >>> Nadam().get_config()["beta_2"]
-    0.999
-    """
-
-    def _rule(self) -> keras_transform.UpdateRule:
-        b1, b2, eps = self.beta_1, self.beta_2, self.epsilon
-
-        def init_extra(dtype: Any) -> Any:
-            return jnp.ones((), dtype)  # Keras's _u_product
-
-        def prepare(u_product: Any, t: Any) -> Any:
-            return u_product * b1 * (1.0 - 0.5 * jnp.power(0.96, _cast(t + 1, u_product)))
-
-        def leaf(g: Any, v: Any, slots: Any, lr: Any, t: Any, u_product: Any) -> Any:
-            lr, g = _cast(lr, v), g.astype(v.dtype)
-            local_step, next_step = _cast(t + 1, v), _cast(t + 2, v)
-            decay, beta_1, beta_2 = _cast(0.96, v), _cast(b1, v), _cast(b2, v)
-            u_t = beta_1 * (1.0 - 0.5 * jnp.power(decay, local_step))
-            u_t_1 = beta_1 * (1.0 - 0.5 * jnp.power(decay, next_step))
-            u_product_t = u_product.astype(v.dtype)
-            u_product_t_1 = u_product_t * u_t_1
-            beta_2_power = jnp.power(beta_2, local_step)
-            m, vel = slots
-            m = m + (g - m) * (1 - beta_1)
-            vel = vel + (jnp.square(g) - vel) * (1 - beta_2)
-            m_hat = (u_t_1 * m) / (1 - u_product_t_1) + ((1 - u_t) * g) / (1 - u_product_t)
-            v_hat = vel / (1 - beta_2_power)
-            return v - (m_hat * lr) / (jnp.sqrt(v_hat) + eps), (m, vel)
-
-        return keras_transform.UpdateRule(
-            (("momentum", 0.0), ("velocity", 0.0)), leaf, init_extra=init_extra, prepare=prepare
-        )
-
-
-class RMSprop(Optimizer):
-    """RMSprop: Keras 3's ``RMSprop`` (epsilon inside the root; the momentum, if any,
-    accumulates rate-scaled increments).
-
-    Args:
-      learning_rate: a float (default 0.001) or a schedule.
-      rho: the decay of the moving average of squared gradients.
-      momentum: in [0, 1]; 0 for none.
-      epsilon: added to the average before the root.
-      centered: divide by the variance rather than the second moment.
-      **kwargs: `Optimizer`'s.
-
-    Example:
-
-    >>> RMSprop().get_config()["rho"]
-    0.9
-    """
-
-    _hyperparameters: tuple[str, ...] = ("rho", "momentum", "epsilon", "centered")
-
-    def __init__(
-        self,
-        learning_rate: Any = 0.001,
-        rho: float = 0.9,
-        momentum: float = 0.0,
-        epsilon: float = 1e-7,
-        centered: bool = False,
-        **kwargs: Any,
-    ):
-        super().__init__(learning_rate, **kwargs)
-        self.rho = _in_range(rho, "rho", 0.0, 1.0, high_open=True)
-        self.momentum = _in_range(momentum, "momentum", 0.0, 1.0)
-        self.epsilon = _positive(epsilon, "epsilon")
-        self.centered = bool(centered)
-
-    def _rule(self) -> keras_transform.UpdateRule:
-        rho, momentum, eps, centered = self.rho, self.momentum, self.epsilon, self.centered
-        names: tuple[tuple[str, float], ...] = (("velocity", 0.0),)
-        if momentum > 0:
-            names += (("momentum", 0.0),)
-        if centered:
-            names += (("average_gradient", 0.0),)
-
-        def leaf(g: Any, v: Any, slots: Any, lr: Any, t: Any, extra: Any) -> Any:
-            lr, g = _cast(lr, v), g.astype(v.dtype)
-            velocity = rho * slots[0] + (1 - rho) * jnp.square(g)
-            out = [velocity]
-            if centered:
-                average_grad = rho * slots[-1] + (1 - rho) * g
-                denominator = velocity - jnp.square(average_grad) + eps
-            else:
-                denominator = velocity + eps
-            increment = (lr * g) / jnp.sqrt(denominator)
-            if momentum > 0:
-                mom = momentum * slots[1] + increment
-                out.append(mom)
-                v = v - mom
-            else:
-                v = v - increment
-            if centered:
-                out.append(average_grad)
-            return v, tuple(out)
-
-        return keras_transform.UpdateRule(names, leaf)
-
-
-class Adagrad(Optimizer):
-    """Adagrad: Keras 3's ``Adagrad``.
-
-    Args:
-      learning_rate: a float (default 0.001) or a schedule.
-      initial_accumulator_value: the starting sum of squared gradients.
-      epsilon: added to the sum before the root.
-      **kwargs: `Optimizer`'s.
-
-    Example:
-
-    >>> Adagrad().get_config()["initial_accumulator_value"]
-    0.1
-    """
-
-    _hyperparameters: tuple[str, ...] = ("initial_accumulator_value", "epsilon")
-
-    def __init__(
-        self,
-        learning_rate: Any = 0.001,
-        initial_accumulator_value: float = 0.1,
-        epsilon: float = 1e-7,
-        **kwargs: Any,
-    ):
-        super().__init__(learning_rate, **kwargs)
-        self.initial_accumulator_value = _non_negative(
-            initial_accumulator_value, "initial_accumulator_value"
-        )
-        self.epsilon = _positive(epsilon, "epsilon")
-
-    def _rule(self) -> keras_transform.UpdateRule:
-        eps = self.epsilon
-
-        def leaf(g: Any, v: Any, slots: Any, lr: Any, t: Any, extra: Any) -> Any:
-            lr, g = _cast(lr, v), g.astype(v.dtype)
-            accumulator = slots[0] + jnp.square(g)
-            return v - (lr * g) / jnp.sqrt(accumulator + eps), (accumulator,)
-
-        return keras_transform.UpdateRule((("accumulator", self.initial_accumulator_value),), leaf)
-
-
-class Adadelta(Optimizer):
-    """Adadelta: Keras 3's ``Adadelta``.
-
-    Args:
-      learning_rate: a float (default 0.001) or a schedule.
-      rho: the decay of the moving averages.
-      epsilon: added inside the roots.
-      **kwargs: `Optimizer`'s.
-
-    Example:
-
-    >>> Adadelta().get_config()["rho"]
-    0.95
-    """
-
-    _hyperparameters: tuple[str, ...] = ("rho", "epsilon")
-
-    def __init__(
-        self, learning_rate: Any = 0.001, rho: float = 0.95, epsilon: float = 1e-7, **kwargs: Any
-    ):
-        super().__init__(learning_rate, **kwargs)
-        self.rho = _in_range(rho, "rho", 0.0, 1.0, high_open=True)
-        self.epsilon = _positive(epsilon, "epsilon")
-
-    def _rule(self) -> keras_transform.UpdateRule:
-        rho, eps = self.rho, self.epsilon
-
-        def rms(x: Any) -> Any:
-            return jnp.sqrt(x + eps)
-
-        def leaf(g: Any, v: Any, slots: Any, lr: Any, t: Any, extra: Any) -> Any:
-            lr, g = _cast(lr, v), g.astype(v.dtype)
-            accumulated_grad, accumulated_delta_var = slots
-            accumulated_grad = rho * accumulated_grad + (1 - rho) * jnp.square(g)
-            delta_var = -((rms(accumulated_delta_var) * g) / rms(accumulated_grad))
-            accumulated_delta_var = rho * accumulated_delta_var + (1 - rho) * jnp.square(delta_var)
-            return v + lr * delta_var, (accumulated_grad, accumulated_delta_var)
-
-        return keras_transform.UpdateRule(
-            (("accumulated_grad", 0.0), ("accumulated_delta_var", 0.0)), leaf
-        )
-
-
-class Lion(Optimizer):
-    """Lion (sign of an interpolated momentum): Keras 3's ``Lion``.
-
-    Args:
-      learning_rate: a float (default 0.001) or a schedule.
-      beta_1: the interpolation factor of the update, in (0, 1].
-      beta_2: the momentum's decay.
-      **kwargs: `Optimizer`'s.
-
-    Example:
-
-    >>> Lion().get_config()["beta_2"]
-    0.99
-    """
-
-    _hyperparameters: tuple[str, ...] = ("beta_1", "beta_2")
-
-    def __init__(
-        self, learning_rate: Any = 0.001, beta_1: float = 0.9, beta_2: float = 0.99, **kwargs: Any
-    ):
-        super().__init__(learning_rate, **kwargs)
-        self.beta_1 = _in_range(beta_1, "beta_1", 0.0, 1.0)
-        self.beta_2 = _in_range(beta_2, "beta_2", 0.0, 1.0)
-        if self.beta_1 <= 0:
-            raise ValueError(
-                "Argument `beta_1` must be in the [0, 1] range. Otherwise, the optimizer "
-                f"degenerates to SignSGD. Received: beta_1={beta_1}."
-            )
-
-    def _rule(self) -> keras_transform.UpdateRule:
-        b1, b2 = self.beta_1, self.beta_2
-
-        def leaf(g: Any, v: Any, slots: Any, lr: Any, t: Any, extra: Any) -> Any:
-            lr, g = _cast(lr, v), g.astype(v.dtype)
-            beta_1, beta_2 = _cast(b1, v), _cast(b2, v)
-            m = slots[0]
-            v = v - lr * jnp.sign(m * beta_1 + g * (1.0 - beta_1))
-            return v, (m * beta_2 + g * (1.0 - beta_2),)
-
-        return keras_transform.UpdateRule((("momentum", 0.0),), leaf)
-
-
-_CLASSES: dict[str, Any] = {  # name -> class (each has Keras's default learning rate)
-    cls.__name__.lower(): cls
-    for cls in (SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, Nadam, Lion)
-}
-
-
-def serialize(optimizer: Optimizer) -> dict[str, Any]:
-    """``{"class_name": ..., "config": ...}``, Keras's form.
-
-    Example:
-
-    >>> serialize(SGD(0.1))["class_name"]
-    'SGD'
-    """
-    return {"class_name": type(optimizer).__name__, "config": optimizer.get_config()}
-
-
-def deserialize(config: dict[str, Any]) -> Optimizer:
-    """The optimizer `serialize` described.
-
-    Raises:
-      ValueError: for an unknown class name.
-
-    Example:
-
-    >>> import jstrategy
-    >>> config = jstrategy.optimizers.serialize(jstrategy.optimizers.SGD(0.1, momentum=0.9))
-    >>> optimizer = jstrategy.optimizers.deserialize(config)
-    >>> type(optimizer).__name__, optimizer.learning_rate
-    ('SGD', 0.1)
-    """
-    name = str(config.get("class_name", "")).lower()
-    if name not in _CLASSES:
-        raise ValueError(
-            f"Unknown optimizer {config.get('class_name')!r}; known: "
-            f"{sorted(c.__name__ for c in _CLASSES.values())}."
-        )
-    return _CLASSES[name].from_config(config.get("config", {}))
-
-
-def get(identifier: Any) -> Optimizer:
-    """An optimizer from a Keras name (Keras's defaults), a `serialize` dict, or itself.
-
-    Args:
-      identifier: an `Optimizer`; a name such as ``"sgd"``, ``"adam"``, ``"adamw"``,
-        ``"rmsprop"``, ``"adagrad"``, ``"adadelta"``, ``"adamax"``, ``"nadam"``,
-        ``"lion"`` (any case); or ``{"class_name": ..., "config": ...}``.
-
-    Returns:
-      An `Optimizer` (a new one for a name or a dict).
-
-    Raises:
-      ValueError: for an unknown name.
-      TypeError: for anything else.
-
-    Example:
-
-    >>> type(get("Adam")).__name__, get("sgd").learning_rate
-    ('Adam', 0.01)
-    """
-    if isinstance(identifier, Optimizer):
-        return identifier
-    if isinstance(identifier, dict):
-        return deserialize(identifier)
-    if isinstance(identifier, str):
-        key = identifier.lower()
-        if key not in _CLASSES:
-            raise ValueError(
-                f"Unknown optimizer {identifier!r}. Valid names: {sorted(_CLASSES)}; or pass "
-                "a jstrategy.optimizers object such as Adam(learning_rate=1e-3), or an "
-                "optax.GradientTransformation."
-            )
-        return _CLASSES[key]()
-    raise TypeError(
-        f"An optimizer must be a jstrategy.optimizers.Optimizer, a name or a config dict; "
-        f"got {type(identifier).__name__} {identifier!r}."
-    )

@@ -37,11 +37,11 @@ from orbax.checkpoint import multihost
 from jstrategy._src import checkpoint as checkpoint_lib
 from jstrategy._src.checkpoint import preemption
 from jstrategy._src.cluster import coordination
-from jstrategy._src.training import saved_config
-from jstrategy._src.training.saved_config import CONFIG_FILE
-from jstrategy._src.training.saved_config import STATE_DIR
-from jstrategy._src.training.saved_config import CompiledModel
-from jstrategy._src.training.saved_config import is_saved_model
+from jstrategy._src.training.saving import config as saved_config
+from jstrategy._src.training.saving.config import CONFIG_FILE
+from jstrategy._src.training.saving.config import STATE_DIR
+from jstrategy._src.training.saving.config import CompiledModel
+from jstrategy._src.training.saving.config import is_saved_model
 from jstrategy._src.values import to_host
 
 if TYPE_CHECKING:

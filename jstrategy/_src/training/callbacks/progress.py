@@ -1,6 +1,6 @@
-"""Keras-like progress bars that behave in terminals and in captured output alike.
+"""Keras-like progress bars, and `ProgbarLogger`, the callback that draws them in `fit`.
 
-In a terminal the bar is redrawn in place with a carriage return, at most once per
+The bars behave in terminals and in captured output alike. In a terminal the bar is redrawn in place with a carriage return, at most once per
 `interval`. Anywhere else (CI logs, files, notebooks capturing stdout) a carriage return
 does not overwrite anything, so each redraw would become a new line; there the bar prints
 one finished line per run (and, for runs longer than `Progbar.non_tty_interval` seconds,
@@ -18,7 +18,9 @@ from typing import TextIO
 
 import numpy as np
 
-__all__ = ["Progbar", "resolve_verbose"]
+from jstrategy._src.training.callbacks.base import Callback
+
+__all__ = ["Progbar", "ProgbarLogger", "resolve_verbose"]
 
 
 def _isatty(file: Any) -> bool:
@@ -284,3 +286,122 @@ class Progbar:
             f"{self._counter(current).strip()} - {_format_duration(now - self._start)} - "
             f"{_format_per_unit(self._per_unit(current, now), self.unit_name)}" + self._metrics()
         )
+
+
+class ProgbarLogger(Callback):
+    """Prints Keras's ``Epoch i/N`` headers and a `Progbar` per epoch, evaluation or predict.
+
+    Reads ``verbose``, ``epochs`` and ``steps`` from `params`. Batch logs are shown as
+    given, since by Keras's convention they are already running averages; they are
+    converted to numbers only when drawn. Inside `fit`, validation draws no bar: its
+    results appear on the epoch's final line.
+
+    Args:
+      file: the stream to write to; None means `sys.stdout` at the time of writing.
+
+    Example:
+
+    >>> import io
+    >>> out = io.StringIO()
+    >>> logger = ProgbarLogger(file=out)
+    >>> logger.set_params({"verbose": 2, "epochs": 2, "steps": 4})
+    >>> logger.on_train_begin()
+    >>> logger.on_epoch_begin(0)
+    >>> for batch in range(4):
+    ...     logger.on_train_batch_end(batch, {"loss": 0.5})
+    >>> logger.on_epoch_end(0, {"loss": 0.5, "val_loss": 0.75})
+    >>> print(out.getvalue().splitlines()[0])
+    Epoch 1/2
+    >>> out.getvalue().splitlines()[1].endswith("loss: 0.5000 - val_loss: 0.7500")
+    True
+    """
+
+    def __init__(self, *, file: Any = None) -> None:
+        super().__init__()
+        self.file = file
+        self.verbose = 1
+        self.epochs = 1
+        self.target: int | None = None
+        self.seen = 0
+        self.progbar: Progbar | None = None
+        self._called_in_fit = False
+
+    def set_params(self, params):
+        super().set_params(params)
+        self.verbose = resolve_verbose(params.get("verbose", 1), self.file)
+        self.epochs = params.get("epochs") or 1
+        self.target = params.get("steps")
+
+    def _print(self, text: str) -> None:
+        file = sys.stdout if self.file is None else self.file
+        print(text, file=file, flush=True)
+
+    def on_train_begin(self, logs=None):
+        self._called_in_fit = True
+
+    def on_train_end(self, logs=None):
+        self._called_in_fit = False
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._reset_progbar()
+        if self.verbose and self.epochs > 1:
+            self._print(f"Epoch {epoch + 1}/{self.epochs}")
+        self._maybe_init_progbar()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._update_progbar(batch, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._finalize_progbar(logs)
+
+    def on_test_begin(self, logs=None):
+        if not self._called_in_fit:
+            self._reset_progbar()
+            self._maybe_init_progbar()
+
+    def on_test_batch_end(self, batch, logs=None):
+        if not self._called_in_fit:
+            self._update_progbar(batch, logs)
+
+    def on_test_end(self, logs=None):
+        if not self._called_in_fit:
+            self._finalize_progbar(logs)
+
+    def on_predict_begin(self, logs=None):
+        self._reset_progbar()
+        self._maybe_init_progbar()
+
+    def on_predict_batch_end(self, batch, logs=None):
+        # Prediction outputs are not metrics; only progress is shown.
+        self._update_progbar(batch, None)
+
+    def on_predict_end(self, logs=None):
+        self._finalize_progbar(None)
+
+    def _reset_progbar(self) -> None:
+        self.seen = 0
+        self.progbar = None
+
+    def _maybe_init_progbar(self) -> Progbar:
+        if self.progbar is None:
+            self.progbar = Progbar(
+                self.target, verbose=self.verbose, unit_name="step", file=self.file
+            )
+        return self.progbar
+
+    def _update_progbar(self, batch: int, logs: dict[str, Any] | None) -> None:
+        progbar = self._maybe_init_progbar()
+        logs = logs or {}
+        progbar.stateful_metrics.update(logs)
+        self.seen = batch + 1
+        if self.verbose == 1:
+            progbar.update(self.seen, logs, finalize=False)
+
+    def _finalize_progbar(self, logs: dict[str, Any] | None) -> None:
+        progbar = self._maybe_init_progbar()
+        logs = logs or {}
+        progbar.stateful_metrics.update(logs)
+        if progbar.target is None:
+            # The step count is known only now: show it as the target on the final line.
+            progbar.target = self.seen
+        progbar.update(progbar.target, logs, finalize=True)

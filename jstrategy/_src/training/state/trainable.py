@@ -30,8 +30,8 @@ from flax import nnx
 from flax import traverse_util
 
 from jstrategy._src.layers.base import Layer
-from jstrategy._src.training import weight_order
-from jstrategy._src.training.weight_order import Path
+from jstrategy._src.training.state import weight_order
+from jstrategy._src.training.state.weight_order import Path
 
 __all__ = ["LayerPlan", "fingerprint", "honour", "plan_of", "read_plan", "with_trained"]
 
