@@ -6,8 +6,8 @@ Three measurements on 8 fake CPU devices, side by side in one process:
    computing one microbatch per tick; in the lockstep SPMD program the stages that have
    nothing to do during the fill and drain compute on placeholders, which takes the time
    they would idle. The measured bubble is ``1 - T(M ticks) / T(all ticks)``: the
-   pipelined forward and backward of the repeated block (`pipelining.gpipe`, or
-   `pipelining.one_f_one_b` for 1F1B, whose ``S - 1`` fill ticks run forward slots only
+   pipelined forward and backward of the repeated block (`schedules.gpipe`, or
+   `schedules.one_f_one_b` for 1F1B, whose ``S - 1`` fill ticks run forward slots only
    and whose ``S - 1`` drain ticks backward slots only), traced in the train step's view
    (replicas vmapped over the data axis), against the same program without fill and
    drain, the same work per tick (the no-bubble limit). Printed beside the formula
@@ -62,7 +62,7 @@ import jstrategy
 from jstrategy import training
 from jstrategy._src import dispatch
 from jstrategy._src.input import distribute_batch
-from jstrategy._src.pipeline import schedules as pipelining
+from jstrategy._src.pipeline import schedules
 from jstrategy.experimental import PipelineStrategy
 from jstrategy.experimental import Repeated
 
@@ -83,7 +83,7 @@ class Net(nn.Module):
         return nn.Dense(10)(Repeated(Block(), num_layers=self.layers)(h))
 
 
-SCHEDULES = [s.value for s in pipelining.PipelineSchedule]
+SCHEDULES = [s.value for s in schedules.PipelineSchedule]
 
 
 def _loss(y: Any, logits: Any) -> Any:
@@ -95,9 +95,7 @@ def _block_program(strategy: PipelineStrategy, width: int, rows: int, bubble: bo
     """The jitted forward and backward of 8 pipelined layers, each replica's rows vmapped
     (`bubble` False: without the fill and drain)."""
     stages = strategy.num_stages
-    config = pipelining.PipelineConfig(
-        stages, strategy.num_microbatches, strategy.schedule, strategy.mesh
-    )
+    config = strategy.pipeline
     mesh = strategy.mesh
     on_stages = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("stage"))
     rows_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("replica"))
@@ -112,11 +110,11 @@ def _block_program(strategy: PipelineStrategy, width: int, rows: int, bubble: bo
     def stage(w: Any, h: Any) -> Any:
         return jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), h, w)[0]
 
-    if strategy.schedule is pipelining.PipelineSchedule.GPIPE:
+    if strategy.schedule is schedules.PipelineSchedule.GPIPE:
         ticks = None if bubble else strategy.num_microbatches
 
         def loss(w: Any, x: Any) -> Any:
-            one = lambda xr: pipelining.gpipe(stage, w, xr, config, ticks=ticks)  # noqa: E731
+            one = lambda xr: schedules.gpipe(stage, w, xr, config, ticks=ticks)  # noqa: E731
             return jnp.sum(jax.vmap(one, spmd_axis_name="replica")(x) ** 2)
 
         program = jax.jit(jax.grad(loss))
@@ -127,7 +125,7 @@ def _block_program(strategy: PipelineStrategy, width: int, rows: int, bubble: bo
 
         def grads(w: Any, x: Any) -> Any:
             def one(xr: Any) -> Any:
-                out = pipelining.one_f_one_b(stage, w, xr, head, [], config, fill_and_drain=bubble)
+                out = schedules.one_f_one_b(stage, w, xr, head, [], config, fill_and_drain=bubble)
                 return out[3]
 
             return jnp.sum(jax.vmap(one, spmd_axis_name="replica")(x), axis=0)
@@ -216,7 +214,7 @@ def stage_peaks(
         stacked = sum(
             leaf.addressable_shards[0].data.nbytes
             for path, leaf in jax.tree_util.tree_flatten_with_path(state.params)[0]
-            if pipelining.STACKED_KEY in str(path)
+            if schedules.STACKED_KEY in str(path)
         )
         results.append((stages, _peak(compiled) / 2**20, stacked / 2**20))
     return results
@@ -234,7 +232,7 @@ def _handwritten_gpipe_step(strategy: PipelineStrategy, state: Any):
     on_stages = jax.sharding.NamedSharding(mesh, P("stage"))
 
     def sharding(path: Any, leaf: Any) -> Any:
-        spec = P("stage") if pipelining.STACKED_KEY in str(path) else P()
+        spec = P("stage") if schedules.STACKED_KEY in str(path) else P()
         return jax.sharding.NamedSharding(mesh, spec)
 
     params = jax.device_get(state.params)
@@ -276,7 +274,7 @@ def _handwritten_gpipe_step(strategy: PipelineStrategy, state: Any):
     def loss(params: Any, x: Any, y: Any) -> Any:
         def one(xr: Any, yr: Any) -> Any:
             h = dense(params["Dense_0"], xr)
-            h = pipeline(params["Repeated_0"][pipelining.STACKED_KEY], h)
+            h = pipeline(params["Repeated_0"][schedules.STACKED_KEY], h)
             logits = dense(params["Dense_1"], h)
             return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, yr))
 

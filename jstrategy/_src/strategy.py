@@ -893,6 +893,23 @@ class Strategy:
         return tree
 
     @property
+    def pipeline(self) -> Any:
+        """The pipeline the train step runs a model's `Repeated` blocks on, or None (the
+        default: their layers run one after the other).
+
+        Read once, when a step is built, into its `StepSpec.pipeline`; the step traces the
+        model inside that pipeline's context, as it does inside `remat`'s policy.
+        `PipelineStrategy` returns its `PipelineConfig` (stages, microbatches, schedule).
+
+        Example:
+
+        >>> import jstrategy
+        >>> print(jstrategy.MirroredStrategy(["cpu:0", "cpu:1"]).pipeline)
+        None
+        """
+        return None
+
+    @property
     def should_use_with_coordinator(self) -> bool:
         """Whether `jstrategy.Model.fit` trains through a `ClusterCoordinator` (TF's Keras
         reads ``strategy._should_use_with_coordinator`` for the same decision).

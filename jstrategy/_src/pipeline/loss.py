@@ -5,7 +5,7 @@ Under GPipe the repeated block is one differentiable function and JAX's autodiff
 backward pass after every microbatch's forward pass. 1F1B starts a microbatch's backward
 pass as soon as its forward pass leaves the last stage, so the loss of each microbatch
 must be known there: this module cuts one replica's training forward pass in two, with
-the block (`jstrategy.experimental.Repeated`) following a `pipelining.Split`:
+the block (`jstrategy.experimental.Repeated`) following a `repeated.Split`:
 
 1. *Before*: the model traced with the block returning its input; what the block was
    given is the first stage's input (``h0``), a function of the parameters pulled back
@@ -15,7 +15,7 @@ the block (`jstrategy.experimental.Repeated`) following a `pipelining.Split`:
    block returning the last stage's output for them; then microbatch ``m``'s loss sum.
    Its inputs reach the loss only through the block (checked), so the layers before the
    block in this trace are dead code.
-3. `pipelining.one_f_one_b` runs the stages and (2) in the 1F1B order and returns the
+3. `schedules.one_f_one_b` runs the stages and (2) in the 1F1B order and returns the
    gradients: of the stages' stacked variables, of (2)'s parameters and of ``h0``, which
    (1)'s pullback turns into the gradients of the layers before the block.
 
@@ -41,15 +41,13 @@ import jax.numpy as jnp
 from jax.extend.core import Literal
 
 from jstrategy._src.names import path_names
-from jstrategy._src.pipeline import schedules as pipelining
+from jstrategy._src.pipeline.repeated import Captured
+from jstrategy._src.pipeline.repeated import Split
+from jstrategy._src.pipeline.repeated import Tracing
+from jstrategy._src.pipeline.schedules import STACKED_KEY
+from jstrategy._src.pipeline.schedules import one_f_one_b
 
-__all__ = ["one_f_one_b_active", "one_f_one_b_loss", "rows_of"]
-
-
-def one_f_one_b_active() -> bool:
-    """Whether the train step traced now runs its repeated block as a 1F1B pipeline."""
-    config = pipelining.active()
-    return config is not None and config.schedule is pipelining.PipelineSchedule.ONE_F_ONE_B
+__all__ = ["one_f_one_b_loss", "rows_of"]
 
 
 def rows_of(tree: Any, rows: int, m: Any, size: int) -> Any:
@@ -80,7 +78,7 @@ def _sources(fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[list[frozen
     return [read(v) for v in closed.jaxpr.outvars], shapes
 
 
-def _refusing_after(record: pipelining.Split) -> Any:
+def _refusing_after(record: Split) -> Any:
     """A linen interceptor refusing dropout and BatchNorm's batch statistics in the
     layers called after the block returned (their microbatches would not be the batch's)."""
 
@@ -111,6 +109,7 @@ def _refusing_after(record: pipelining.Split) -> Any:
 
 
 def one_f_one_b_loss(
+    tracing: Tracing,
     params: Any,
     x: Any,
     *,
@@ -123,6 +122,7 @@ def one_f_one_b_loss(
     """One replica's differentiated loss under a 1F1B pipeline (the module docstring).
 
     Args:
+      tracing: the pipeline the step traces the model on (`repeated.applying`'s).
       params: the parameters (differentiated by the caller).
       x: the replica's inputs.
       forward: ``(params, inputs) -> (y_pred, model_state, model_loss)``, the training
@@ -136,17 +136,16 @@ def one_f_one_b_loss(
       ``(value, (loss sum, y_pred, model_state))`` as the step's ``local_loss`` returns
       them: `value`'s gradient with respect to `params` is the scaled loss sum's.
     """
-    config = pipelining.active()
-    assert config is not None
+    config = tracing.config
     stages, micro = config.num_stages, config.num_microbatches
     frozen = jax.lax.stop_gradient(params)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(frozen)
     paths = [path_names(p) for p, _ in leaves]
     values = [v for _, v in leaves]
-    found: list[pipelining.Captured] = []
+    found: list[Captured] = []
 
     def before(p: Any) -> tuple[tuple[jax.Array, jax.Array], tuple[Any, jax.Array]]:
-        with pipelining.splitting(pipelining.Split()) as record:
+        with tracing.splitting(Split()) as record:
             _, model_state, model_loss = forward(p, x)
         found[:] = record.captured
         if len(found) != 1:
@@ -162,15 +161,15 @@ def one_f_one_b_loss(
     (h0, pen_scaled), pull_before, (model_state, pen) = jax.vjp(before, frozen, has_aux=True)
     block = found[0]
     rows, size = h0.shape[0], h0.shape[0] // micro
-    prefix = (*block.path, pipelining.STACKED_KEY)
+    prefix = (*block.path, STACKED_KEY)
     stacked = [i for i, p in enumerate(paths) if p[: len(prefix)] == prefix]
 
     def after(
         p: Any, h: jax.Array, m: Any, inputs: Any = None
     ) -> tuple[jax.Array, tuple[Any, Any, Any, Any]]:
         inputs = rows_of(x, rows, m, size) if inputs is None else inputs
-        record = pipelining.Split(output=h)
-        with pipelining.splitting(record), nn.intercept_methods(_refusing_after(record)):
+        record = Split(output=h)
+        with tracing.splitting(record), nn.intercept_methods(_refusing_after(record)):
             y_pred, state, model_loss = forward(p, inputs)
         total = loss_sum(y_pred, m)
         return scaled(total), (total, y_pred, state, model_loss)
@@ -223,7 +222,7 @@ def one_f_one_b_loss(
     def stage(p: list[Any], h: jax.Array) -> jax.Array:
         return block.stage(jax.tree.unflatten(block_tree, [cast(v) for v in p]), h)
 
-    value, (totals, y_preds), d_head, d_block, d_h0 = pipelining.one_f_one_b(
+    value, (totals, y_preds), d_head, d_block, d_h0 = one_f_one_b(
         stage, block_params, h0, head, [values[i] for i in live], config
     )
     (d_before,) = pull_before((d_h0, jnp.ones_like(pen_scaled)))

@@ -1,13 +1,22 @@
-"""`Repeated`: a Flax block applied several times, its layers' variables stacked.
+"""`Repeated`: a Flax block applied several times, its layers' variables stacked; and
+`applying`, the pipeline it reads while a train step is traced.
 
-The one marker a pipelined model needs: `PipelineStrategy` splits the stacked layers over
-its stages and runs the block as a pipeline (`pipelining`); every other strategy, and
-evaluation and prediction, apply the layers one after the other in a ``lax.scan``, as
+The one marker a pipelined model needs, as `jstrategy.training.remat` is remat's: the step
+sets the pipeline, the model says where its layers are. A train step whose strategy has a
+pipeline (`Strategy.pipeline`, read once into `StepSpec.pipeline`) traces the model inside
+`applying(pipeline)`, beside remat's `applying(policy)`; a `Repeated` block traced there
+runs its layers as the pipeline (`schedules`), split over the stages. Every other step,
+and evaluation and prediction, apply the layers one after the other in a ``lax.scan``, as
 ``nn.scan`` would (one compiled layer, whatever their number).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable
+from collections.abc import Iterator
 from typing import Any
 
 import flax.errors
@@ -15,10 +24,90 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jstrategy._src.pipeline import schedules as pipelining
+from jstrategy._src.pipeline.schedules import STACKED_KEY
+from jstrategy._src.pipeline.schedules import PipelineConfig
+from jstrategy._src.pipeline.schedules import gpipe
 from jstrategy._src.validation import check_positive_int
 
-__all__ = ["Repeated"]
+__all__ = ["Captured", "Repeated", "Split", "Tracing", "applying"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Captured:
+    """A repeated block met while a 1F1B step traces the model's layers before it.
+
+    Attributes:
+      path: the block's module path; its stacked variables are the parameters at
+        ``path + (STACKED_KEY,)``.
+      stage: ``(one stage's stacked variables, microbatch) -> microbatch``: the block's
+        layers of one stage, in order.
+      inputs: what the block was given (the first stage's input rows).
+    """
+
+    path: tuple[str, ...]
+    stage: Callable[[Any, jax.Array], jax.Array]
+    inputs: jax.Array
+
+
+@dataclasses.dataclass
+class Split:
+    """How repeated blocks behave while a 1F1B step traces the model in two pieces.
+
+    With `output` None (the layers before the block), a block records itself in
+    `captured` and returns its input as it is: what the layers after it compute then is
+    never read. With `output` (one microbatch's output of the last stage: the layers after
+    the block), a block returns it in place of running, and sets `returned`.
+    """
+
+    output: jax.Array | None = None
+    captured: list[Captured] = dataclasses.field(default_factory=list)
+    returned: bool = False
+
+
+@dataclasses.dataclass
+class Tracing:
+    """The one context object the model side reads: the pipeline a train step traces the
+    model on, and, while a 1F1B step traces it in pieces, the `Split` it follows.
+
+    Attributes:
+      config: the pipeline.
+      split: the `Split` repeated blocks follow now, or None (they run the pipeline).
+    """
+
+    config: PipelineConfig
+    split: Split | None = None
+
+    @contextlib.contextmanager
+    def splitting(self, record: Split) -> Iterator[Split]:
+        """Repeated blocks traced inside follow `record` (see `Split`)."""
+        previous, self.split = self.split, record
+        try:
+            yield record
+        finally:
+            self.split = previous
+
+
+_CURRENT: contextvars.ContextVar[Tracing | None] = contextvars.ContextVar(
+    "jstrategy_pipeline", default=None
+)
+
+
+@contextlib.contextmanager
+def applying(config: PipelineConfig | None, params: Any, rows: int) -> Iterator[Tracing | None]:
+    """Traces what runs inside with `config`'s pipeline in effect for `Repeated` blocks
+    (None: none in effect), after its pre-flight checks (`PipelineConfig.check_step`) of
+    the step's `params` and one replica's `rows`.
+
+    Yields the `Tracing` the blocks read (None without a pipeline).
+    """
+    if config is not None:
+        config.check_step(params, rows)
+    tracing = None if config is None else Tracing(config)
+    token = _CURRENT.set(tracing)
+    try:
+        yield tracing
+    finally:
+        _CURRENT.reset(token)
 
 
 class Repeated(nn.Module):
@@ -86,21 +175,27 @@ class Repeated(nn.Module):
                 )
             return nn.meta.unbox(variables["params"])
 
-        stacked = self.param(pipelining.STACKED_KEY, init)
-        if self.is_initializing():
+        stacked = self.param(STACKED_KEY, init)
+        tracing = _CURRENT.get()
+        if self.is_initializing() or tracing is None:
             return self._in_order(template, stacked, x, args, kwargs, layers)
-        record = pipelining.split()
-        if record is not None:
-            return self._split(record, template, x, args, kwargs, layers)
-        config = pipelining.active()
-        if config is None:
-            return self._in_order(template, stacked, x, args, kwargs, layers)
+        record, config = tracing.split, tracing.config
+        if record is not None and record.output is not None:
+            # The layers after the block, on one microbatch: the last stage's output.
+            _check_output(type(self.block).__name__, x, record.output)
+            record.returned = True
+            return record.output
         self._check_pipelined(x, args, kwargs, layers, config)
+        if record is not None:  # the layers before the block: record it, return its input
+            assert self.scope is not None  # bound: it is being applied
+            stage = self._stage(template, args, kwargs)
+            record.captured.append(Captured(tuple(self.scope.path), stage, x))
+            return x
         stages = config.num_stages
         stage_params = jax.tree.map(
             lambda v: v.reshape(stages, layers // stages, *v.shape[1:]), stacked
         )
-        return pipelining.gpipe(self._stage(template, args, kwargs), stage_params, x, config)
+        return gpipe(self._stage(template, args, kwargs), stage_params, x, config)
 
     def _apply(self, template: nn.Module, params: Any, h: jax.Array, args, kwargs, rngs=None):
         out = template.apply({"params": params}, h, *args, rngs=rngs, **kwargs)
@@ -169,21 +264,6 @@ class Repeated(nn.Module):
             return jax.lax.scan(layer, h, params)[0]
 
         return stage
-
-    def _split(self, record, template, x, args, kwargs, layers):
-        """A 1F1B step's pieces (`pipelining.Split`): record this block and return its
-        input, or return the last stage's output in place of running."""
-        if record.output is not None:
-            _check_output(type(self.block).__name__, x, record.output)
-            record.returned = True
-            return record.output
-        config = pipelining.active()
-        assert config is not None, "a 1F1B split is traced under its pipeline"
-        self._check_pipelined(x, args, kwargs, layers, config)
-        stage = self._stage(template, args, kwargs)
-        assert self.scope is not None  # bound: it is being applied
-        record.captured.append(pipelining.Captured(tuple(self.scope.path), stage, x))
-        return x
 
 
 def _check_output(name: str, h: jax.Array, out: Any) -> None:

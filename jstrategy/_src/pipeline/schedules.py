@@ -19,19 +19,18 @@ inside the one compiled train step, every microbatch through the stages in order
   backward slot; a stage keeps at most ``2S - 1`` microbatch inputs, whatever ``M``, and
   recomputes its layers in the backward slot. The bubble is GPipe's.
 
-The schedule is chosen by the strategy; the block (`jstrategy.experimental.Repeated`)
-reads it while the train step is traced (`active`), and without one runs its layers one
-after the other (a ``lax.scan``), as on one device.
+The schedule is chosen by the strategy and declared to the step as its `PipelineConfig`
+(`Strategy.pipeline`, read once into `StepSpec.pipeline`); the block
+(`jstrategy.experimental.Repeated`) reads it while the train step is traced (`repeated.py`'s
+`applying`), and without one runs its layers one after the other (a ``lax.scan``), as on
+one device.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import enum
 from collections.abc import Callable
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -39,19 +38,16 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jstrategy._src.names import path_names
+
 __all__ = [
     "STACKED_KEY",
     "STAGE_AXIS",
     "PipelineConfig",
     "PipelineSchedule",
-    "Split",
-    "activate",
-    "active",
     "gpipe",
     "is_stacked",
     "one_f_one_b",
-    "split",
-    "splitting",
 ]
 
 #: The mesh axis the stages are laid along.
@@ -92,7 +88,7 @@ class PipelineSchedule(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    """What a repeated block reads while a pipelined step is traced.
+    """A strategy's pipeline, as its train step reads it (`Strategy.pipeline`).
 
     Attributes:
       num_stages: the stages (the size of `STAGE_AXIS`).
@@ -106,25 +102,38 @@ class PipelineConfig:
     schedule: PipelineSchedule
     mesh: Mesh
 
+    @property
+    def num_replicas(self) -> int:
+        """The replicas, each of which runs the stages on its own rows."""
+        return self.mesh.devices.size // self.num_stages
 
-_ACTIVE: contextvars.ContextVar[PipelineConfig | None] = contextvars.ContextVar(
-    "jstrategy_pipeline", default=None
-)
+    def check_step(self, params: Any, rows: int) -> None:
+        """The pre-flight checks of a pipelined train step, before the model is traced:
+        `params` hold a repeated block's stacked layers, and one replica's `rows` divide
+        into the microbatches.
 
-
-def active() -> PipelineConfig | None:
-    """The pipeline a repeated block traced now runs on, or None (its layers in order)."""
-    return _ACTIVE.get()
-
-
-@contextlib.contextmanager
-def activate(config: PipelineConfig | None) -> Iterator[None]:
-    """Repeated blocks traced inside run on `config`'s pipeline (None: not pipelined)."""
-    token = _ACTIVE.set(config)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
+        Raises:
+          ValueError: naming what is missing, or the rows and the batch sizes that fit.
+        """
+        paths = [path_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+        if not any(is_stacked(p) for p in paths):
+            raise ValueError(
+                "PipelineStrategy splits a model's repeated block over its stages, but "
+                "this model has none: no variable is stacked by "
+                "jstrategy.experimental.Repeated. Write the repeated layers as "
+                "Repeated(block, num_layers=...), or train this model with FSDPStrategy "
+                "or MirroredStrategy."
+            )
+        if rows % self.num_microbatches:
+            replicas = self.num_replicas
+            raise ValueError(
+                f"num_microbatches={self.num_microbatches} must divide the rows of "
+                f"each replica, {rows} (a global batch of {rows * replicas} over "
+                f"{replicas} replicas). Pass batches of a multiple of "
+                f"{replicas * self.num_microbatches} rows, or let distribute_batch, a "
+                "distributed dataset or Model.fit pad them (they pad to that multiple "
+                "and mask the padding), or pick another num_microbatches."
+            )
 
 
 def is_stacked(path: tuple[str, ...]) -> bool:
@@ -201,58 +210,6 @@ def gpipe(
 # ---------------------------------------------------------------------------------------
 # 1F1B: each microbatch's backward pass starts as soon as its forward pass ends
 # ---------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Captured:
-    """A repeated block met while a 1F1B step traces the model's layers before it.
-
-    Attributes:
-      path: the block's module path; its stacked variables are the parameters at
-        ``path + (STACKED_KEY,)``.
-      stage: ``(one stage's stacked variables, microbatch) -> microbatch``: the block's
-        layers of one stage, in order.
-      inputs: what the block was given (the first stage's input rows).
-    """
-
-    path: tuple[str, ...]
-    stage: Callable[[Any, jax.Array], jax.Array]
-    inputs: jax.Array
-
-
-@dataclasses.dataclass
-class Split:
-    """How repeated blocks behave while a 1F1B step traces the model in two pieces.
-
-    With `output` None (the layers before the block), a block records itself in
-    `captured` and returns its input as it is: what the layers after it compute then is
-    never read. With `output` (one microbatch's output of the last stage: the layers after
-    the block), a block returns it in place of running, and sets `returned`.
-    """
-
-    output: jax.Array | None = None
-    captured: list[Captured] = dataclasses.field(default_factory=list)
-    returned: bool = False
-
-
-_SPLIT: contextvars.ContextVar[Split | None] = contextvars.ContextVar(
-    "jstrategy_pipeline_split", default=None
-)
-
-
-def split() -> Split | None:
-    """The `Split` a repeated block traced now follows, or None (it runs its layers)."""
-    return _SPLIT.get()
-
-
-@contextlib.contextmanager
-def splitting(record: Split) -> Iterator[Split]:
-    """Repeated blocks traced inside follow `record` (see `Split`)."""
-    token = _SPLIT.set(record)
-    try:
-        yield record
-    finally:
-        _SPLIT.reset(token)
-
-
 def _at(tree: Any, index: Any) -> Any:
     return jax.tree.map(lambda v: jax.lax.dynamic_index_in_dim(v, index, keepdims=False), tree)
 

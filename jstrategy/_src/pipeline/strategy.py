@@ -2,19 +2,17 @@
 
 A 2-D mesh ``("stage", "replica")``. What differs from `FSDPStrategy` is where a repeated
 block's stacked variables live (split over ``"stage"`` along their layers dimension, so
-each stage holds ``1 / num_stages`` of the layers) and how the train step runs the block:
-as a pipeline (`pipelining`), microbatches handed from stage to stage with
+each stage holds ``1 / num_stages`` of the layers) and what it declares to the train step:
+its `pipeline` (a `PipelineConfig`, read once into `StepSpec.pipeline`), on which the step
+runs the block as a pipeline (`schedules`), microbatches handed from stage to stage with
 ``jax.lax.ppermute`` inside the one compiled step. Replicas, `run`, the data axis and the
-rest of the staging are the sharded strategies' (`ShardedStrategy`).
+staging are the sharded strategies' (`ShardedStrategy`).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
-from typing import Any
 
 import jax
 import numpy as np
@@ -23,12 +21,11 @@ from jax.sharding import PartitionSpec as P
 
 from jstrategy._src import devices as devices_lib
 from jstrategy._src import flax_annotations
-from jstrategy._src import staging
 from jstrategy._src.mesh import DeviceMesh
-from jstrategy._src.names import path_names
-from jstrategy._src.pipeline import schedules as pipelining
 from jstrategy._src.pipeline.schedules import STAGE_AXIS
+from jstrategy._src.pipeline.schedules import PipelineConfig
 from jstrategy._src.pipeline.schedules import PipelineSchedule
+from jstrategy._src.pipeline.schedules import is_stacked
 from jstrategy._src.strategies.fsdp import DEFAULT_MIN_SHARD_SIZE
 from jstrategy._src.strategies.fsdp import shard_dim
 from jstrategy._src.strategies.sharded import ShardedStrategy
@@ -126,7 +123,7 @@ class PipelineStrategy(ShardedStrategy):
         grid = np.asarray(resolved, dtype=object).reshape(stages, len(resolved) // stages)
         mesh = DeviceMesh(grid.shape, (STAGE_AXIS, REPLICA_AXIS), devices=grid)
         super().__init__(mesh, cross_device_ops=cross_device_ops, data_axis=REPLICA_AXIS)
-        self._config = pipelining.PipelineConfig(stages, micro, schedule, self.mesh)
+        self._config = PipelineConfig(stages, micro, schedule, self.mesh)
         self._shard_over_replicas = shard_over_replicas
         self._min_shard_size = min_shard_size
 
@@ -134,6 +131,13 @@ class PipelineStrategy(ShardedStrategy):
     def batch_multiple(self) -> int:
         """Each replica's rows divide into `num_microbatches`: replicas x microbatches."""
         return self.num_replicas_in_sync * self.num_microbatches
+
+    @property
+    def pipeline(self) -> PipelineConfig:
+        """The pipeline the train step runs a `Repeated` block on: read once into
+        `StepSpec.pipeline`, it checks the step's state and rows before the model is
+        traced, and every `Repeated` block traced in the step runs its schedule."""
+        return self._config
 
     @property
     def num_stages(self) -> int:
@@ -162,7 +166,7 @@ class PipelineStrategy(ShardedStrategy):
         names = tuple(str(k) for k in path)
         shape = tuple(leaf.shape)
         spec: list[str | None] = [None] * len(shape)
-        stacked = pipelining.is_stacked(names) and len(shape) >= 1
+        stacked = is_stacked(names) and len(shape) >= 1
         if stacked and shape[0] % self.num_stages:
             is_parameter, candidates = flax_annotations.candidate_paths(names)
             if is_parameter:
@@ -188,67 +192,9 @@ class PipelineStrategy(ShardedStrategy):
             return self.replicated_sharding()
         return NamedSharding(self.mesh, P(*spec))
 
-    @contextlib.contextmanager
-    def _pipelining(self) -> Iterator[None]:
-        with pipelining.activate(self._config):
-            yield
-
-    def stage_train_step(
-        self, fns: staging.StepFunctions, *, steps: int = 0, stacked: bool = True
-    ) -> staging.TrainProgram:
-        """The sharded strategies' program, traced with the repeated blocks pipelined."""
-        return _PipelinedProgram(self, super().stage_train_step(fns, steps=steps, stacked=stacked))
-
     def __repr__(self) -> str:
         return (
             f"PipelineStrategy(num_stages={self.num_stages}, num_replicas_in_sync="
             f"{self.num_replicas_in_sync}, num_microbatches={self.num_microbatches}, "
             f"schedule={self.schedule.value!r})"
         )
-
-
-class _PipelinedProgram:
-    """A train program whose repeated blocks run as the strategy's pipeline; before its
-    first trace it checks the state has a repeated block and the batch splits."""
-
-    def __init__(self, strategy: PipelineStrategy, program: staging.TrainProgram):
-        self._strategy = strategy
-        self._program = program
-        self._checked: set[Any] = set()
-
-    def _check(self, state: Any, mask: Any) -> None:
-        key = jax.tree.structure(state)
-        if key not in self._checked:
-            paths = [path_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-            if not any(pipelining.is_stacked(p) for p in paths):
-                raise ValueError(
-                    "PipelineStrategy splits a model's repeated block over its stages, but "
-                    "this model has none: no variable is stacked by "
-                    "jstrategy.experimental.Repeated. Write the repeated layers as "
-                    "Repeated(block, num_layers=...), or train this model with FSDPStrategy "
-                    "or MirroredStrategy."
-                )
-            self._checked.add(key)
-        strategy = self._strategy
-        for m in jax.tree.leaves(mask):
-            rows = m.shape[-1] // strategy.num_replicas_in_sync
-            if rows % strategy.num_microbatches:
-                raise ValueError(
-                    f"num_microbatches={strategy.num_microbatches} must divide the rows of "
-                    f"each replica, {rows} (a global batch of {m.shape[-1]} over "
-                    f"{strategy.num_replicas_in_sync} replicas). Pass batches of a multiple "
-                    f"of {strategy.batch_multiple} rows, or let distribute_batch, a "
-                    "distributed dataset or Model.fit pad them (they pad to that multiple "
-                    "and mask the padding), or pick another num_microbatches."
-                )
-
-    def __call__(self, state: Any, acc: Any, batch: Any, mask: Any) -> tuple[Any, Any, Any]:
-        self._check(state, mask)
-        with self._strategy._pipelining():
-            return self._program(state, acc, batch, mask)
-
-    def lower(self, state: Any, acc: Any, batch: Any, mask: Any) -> Any:
-        """The lowered program, its repeated blocks pipelined."""
-        self._check(state, mask)
-        with self._strategy._pipelining():
-            return self._program.lower(state, acc, batch, mask)

@@ -44,7 +44,10 @@ from jstrategy._src.numerics import WEIGHT_SUM
 from jstrategy._src.numerics import means
 from jstrategy._src.numerics import per_example
 from jstrategy._src.numerics import weight_key
-from jstrategy._src.pipeline import loss as pipelined
+from jstrategy._src.pipeline import repeated
+from jstrategy._src.pipeline.loss import one_f_one_b_loss
+from jstrategy._src.pipeline.loss import rows_of
+from jstrategy._src.pipeline.schedules import PipelineSchedule
 from jstrategy._src.placement import abstract
 from jstrategy._src.placement import create_placed
 from jstrategy._src.reduce_util import ReduceOp
@@ -178,6 +181,7 @@ def make_spec(
         check_numerics=check_numerics.check_numerics_enabled(),
         sync_batch_norm=as_batch_norm_sync(sync_batch_norm),
         remat=remat_lib.resolve_remat(remat),
+        pipeline=strategy.pipeline,
     )
 
 
@@ -348,8 +352,10 @@ def _replica_loss(
     The function maps the parameters to ``(scaled loss sum, (loss sum, y_pred,
     model_state))``: the forward pass over this replica's rows in training mode, the
     replicas named by ``spec.strategy.axis_name`` (dropout keys, synchronized BatchNorm).
-    Under a 1F1B pipeline the same pieces (forward pass, per-microbatch loss sums,
-    scaling) are run by `pipelined.one_f_one_b_loss`, which computes the gradients itself.
+    The forward pass is traced inside the step's remat policy and its pipeline
+    (`StepSpec.remat`, `StepSpec.pipeline`); under a 1F1B pipeline the same pieces
+    (forward pass, per-microbatch loss sums, scaling) are run by
+    `pipeline.loss.one_f_one_b_loss`, which computes the gradients itself.
     """
     axis = spec.strategy.axis_name
     x, y, w = unpack_batch(batch)
@@ -376,10 +382,10 @@ def _replica_loss(
         return scaled
 
     def microbatch_loss(y_pred: Any, m: Any) -> jax.Array:
-        # Microbatch m's rows of the labels, weights and mask (`pipelined`).
+        # Microbatch m's rows of the labels, weights and mask (`one_f_one_b_loss`).
         rows = maskf.shape[0]
         size = batch_rows(y_pred)
-        y_m, maskf_m, w_m = pipelined.rows_of((y, maskf, w), rows, m, size)
+        y_m, maskf_m, w_m = rows_of((y, maskf, w), rows, m, size)
         return _loss_sum(spec, y_m, y_pred, maskf_m, w_m)
 
     def penalty(model_loss: Any) -> jax.Array:
@@ -388,10 +394,18 @@ def _replica_loss(
     def compute_params(params: Any) -> Any:
         return params if spec.policy == _FLOAT32 else mp.cast_to_compute(params, spec.policy)
 
+    pipeline = spec.pipeline
+    one_f_one_b = pipeline is not None and pipeline.schedule is PipelineSchedule.ONE_F_ONE_B
+
     def local_loss(params: Any) -> tuple[jax.Array, tuple[Any, Any, Any]]:
-        with remat_lib.applying(spec.remat) as active:
-            if pipelined.one_f_one_b_active():
-                out = pipelined.one_f_one_b_loss(
+        with (
+            remat_lib.applying(spec.remat) as active,
+            repeated.applying(pipeline, params, maskf.shape[0]) as tracing,
+        ):
+            if one_f_one_b:
+                assert tracing is not None
+                out = one_f_one_b_loss(
+                    tracing,
                     params,
                     x,
                     forward=forward,

@@ -17,6 +17,7 @@ import numpy as np
 from jstrategy._src import mixed_precision as mp
 from jstrategy._src.numerics import COUNT
 from jstrategy._src.numerics import weight_key
+from jstrategy._src.pipeline.schedules import PipelineConfig
 from jstrategy._src.training.state.global_batch import BatchNormSync
 from jstrategy._src.training.state.train_state import uses_loss_scale
 
@@ -79,6 +80,9 @@ class StepSpec:
         training (`BatchNormSync`: the global batch by default).
       remat: the checkpoint policy the model's `jstrategy.training.remat` blocks are
         rematerialized with in the differentiated forward pass, or None (no remat).
+      pipeline: the pipeline the model's `jstrategy.experimental.Repeated` blocks run on
+        in the differentiated forward pass (`Strategy.pipeline`, a `PipelineConfig`), or
+        None (their layers in order).
     """
 
     strategy: Strategy
@@ -91,6 +95,7 @@ class StepSpec:
     loss_scale_factor: float | None = None
     sync_batch_norm: BatchNormSync = BatchNormSync.GLOBAL
     remat: Callable[..., bool] | None = None
+    pipeline: PipelineConfig | None = None
 
     @property
     def names(self) -> tuple[str, ...]:
