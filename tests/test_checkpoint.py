@@ -22,7 +22,8 @@ from jax.sharding import PartitionSpec as P
 
 import jstrategy
 import jstrategy.training
-from jstrategy._src import checkpoint as checkpoint_lib
+from jstrategy._src.checkpoint.fingerprint import fingerprint_np
+from jstrategy._src.checkpoint.fingerprint import leaf_fingerprints
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -792,8 +793,8 @@ def test_fingerprint_is_the_same_on_host_and_device(dtype):
     mirrored = _STRATEGIES["mirrored_8"]()
     on_device = jax.device_put(values, mirrored.replicated_sharding())
     sharded = jax.device_put(values.reshape(8, 3), mirrored.batch_sharding())
-    host_fp = checkpoint_lib._fingerprint_np(values)
-    assert checkpoint_lib._fingerprints([on_device, sharded, values]) == [host_fp] * 3
+    host_fp = fingerprint_np(values)
+    assert leaf_fingerprints([on_device, sharded, values]) == [host_fp] * 3
 
 
 def test_fingerprint_sees_moved_and_changed_elements():
@@ -802,7 +803,7 @@ def test_fingerprint_sees_moved_and_changed_elements():
     swapped[[3, 4]] = swapped[[4, 3]]
     changed = x.copy()
     changed[7] = np.nextafter(changed[7], np.float32(100))
-    fingerprints = {checkpoint_lib._fingerprint_np(v) for v in (x, swapped, changed, x[:8])}
+    fingerprints = {fingerprint_np(v) for v in (x, swapped, changed, x[:8])}
     assert len(fingerprints) == 4
 
 

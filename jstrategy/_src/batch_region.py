@@ -41,7 +41,6 @@ __all__ = [
     "dropout",
     "entered",
     "global_rows_bernoulli",
-    "leading_rows",
     "moments",
 ]
 
@@ -86,12 +85,6 @@ def entered(region: Region | None) -> Iterator[Region | None]:
         yield region
     finally:
         _REGION.reset(token)
-
-
-def leading_rows(x: Any) -> int | None:
-    """The leading dimension of the first array of `x` with one, or None."""
-    leaves = [leaf for leaf in jax.tree.leaves(x) if np.ndim(leaf) > 0]
-    return int(np.shape(leaves[0])[0]) if leaves else None
 
 
 def axis_bound(axis_name: str) -> bool:

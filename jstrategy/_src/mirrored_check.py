@@ -23,6 +23,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jstrategy._src.values import key_data
+
 __all__ = ["disagreement", "enabled", "experimental_check_mirrored"]
 
 _GLOBAL = {"enabled": False}
@@ -63,10 +65,7 @@ def enabled() -> bool:
 
 
 def _fingerprint(x: Any) -> jax.Array:
-    x = jnp.asarray(x)
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-    x = x.astype(jnp.float32)
+    x = key_data(jnp.asarray(x)).astype(jnp.float32)
     return jnp.stack([jnp.sum(x), jnp.sum(x * x)])
 
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from collections.abc import Mapping
 from typing import Any
+from typing import overload
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = [
     "COUNT",
@@ -21,6 +23,7 @@ __all__ = [
     "means",
     "per_example",
     "round_up",
+    "row_count",
     "static_rows",
     "weight_key",
 ]
@@ -30,6 +33,54 @@ COUNT = "count"
 #: The prefix of the keys holding a weighted metric's sum of sample weights, the
 #: denominator of its mean (Keras's ``weighted_metrics``): `weight_key`.
 WEIGHT_SUM = "weight_sum/"
+
+
+@overload
+def row_count(tree: Any, name: str) -> int: ...
+
+
+@overload
+def row_count(tree: Any, name: None = None) -> int | None: ...
+
+
+def row_count(tree: Any, name: str | None = None) -> int | None:
+    """The number of rows of `tree`: the leading dimension of its arrays (scalars and
+    leaves without a leading axis are not counted). The one row count of the library.
+
+    Args:
+      tree: a pytree of arrays (a batch, its inputs, a model's outputs).
+      name: how errors name `tree`; None counts the first array's rows and raises nothing.
+
+    Returns:
+      The rows, or None (no `name` given) when `tree` has no array with a leading axis.
+
+    Raises:
+      ValueError: with `name`, when `tree` has no such array or its arrays disagree.
+
+    Example:
+
+    >>> row_count({"a": np.ones((4, 2)), "b": np.ones(4)}, "x")
+    4
+    >>> row_count({"a": np.ones((4, 2)), "b": np.ones(3)}, "x")
+    Traceback (most recent call last):
+    ...
+    ValueError: The arrays of `x` must have the same number of rows (examples); `x['a']` has 4, `x['b']` has 3.
+    """
+    rows: dict[int, str] = {}  # each row count, with the first leaf that has it
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if np.ndim(leaf) > 0:
+            rows.setdefault(int(np.shape(leaf)[0]), jax.tree_util.keystr(path))
+    if name is not None and len(rows) != 1:
+        if not rows:
+            raise ValueError(
+                f"`{name}` must contain at least one array with a leading axis of rows "
+                "(examples); it has none."
+            )
+        detail = ", ".join(f"`{name}{where}` has {count}" for count, where in rows.items())
+        raise ValueError(
+            f"The arrays of `{name}` must have the same number of rows (examples); {detail}."
+        )
+    return next(iter(rows), None)
 
 
 def weight_key(name: str) -> str:

@@ -1,4 +1,11 @@
-"""Per-replica values: one array holding every replica's value, laid over the mesh."""
+"""Per-replica values: one array holding every replica's value, laid over the mesh; and the
+one codec of typed PRNG keys as their raw data.
+
+Checkpoints hold plain arrays, transfers between processes and fingerprints read bits: a
+typed key array (``jax.random.key``) goes through them as its raw data and comes back
+with its implementation (`is_key`, `key_data`, `keys_from_data`; a tree at a time:
+`keys_as_data`, `keys_like`).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +18,12 @@ from jax.experimental import multihost_utils
 
 __all__ = [
     "PerReplica",
+    "is_key",
     "is_per_replica",
+    "key_data",
+    "keys_as_data",
+    "keys_from_data",
+    "keys_like",
     "local_copy",
     "local_devices_of",
     "local_replica_devices",
@@ -313,9 +325,8 @@ def device_put_global(tree: Any, sharding: jax.sharding.Sharding) -> Any:
     def put(leaf: Any) -> jax.Array:
         if isinstance(leaf, jax.Array) and leaf.sharding == sharding:
             return leaf
-        if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            data = put(jax.random.key_data(leaf))
-            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(leaf))
+        if is_key(leaf):
+            return keys_from_data(put(key_data(leaf)), jax.random.key_impl(leaf))
         host = np.asarray(leaf)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
@@ -346,3 +357,62 @@ def to_host(tree: Any) -> Any:
         return leaf
 
     return jax.device_get(jax.tree.map(gather, tree))
+
+
+# Typed PRNG keys as their raw data --------------------------------------------------------
+def is_key(x: Any) -> bool:
+    """Whether `x` is an array of typed PRNG keys (``jax.random.key``, not raw ``uint32``).
+
+    Example:
+
+    >>> is_key(jax.random.key(0)), is_key(jax.random.PRNGKey(0))
+    (True, False)
+    """
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def key_data(x: Any) -> Any:
+    """`x`'s raw key data if it is typed keys (`is_key`), else `x` itself."""
+    return jax.random.key_data(x) if is_key(x) else x
+
+
+def keys_from_data(data: Any, impl: Any) -> jax.Array:
+    """Typed keys of implementation `impl` (as ``jax.random.key_impl`` names it) back from
+    their raw `data`: the inverse of `key_data`."""
+    return jax.random.wrap_key_data(data, impl=impl)
+
+
+def keys_as_data(tree: Any) -> Any:
+    """`tree` with each typed PRNG key array replaced by its raw key data (checkpoints hold
+    plain arrays only); `keys_like` undoes it.
+
+    Example:
+
+    >>> saved = keys_as_data({"rng": jax.random.key(0)})
+    >>> saved["rng"].dtype, saved["rng"].shape
+    (dtype('uint32'), (2,))
+    """
+    return jax.tree.map(key_data, tree)
+
+
+def keys_like(saved: Any, like: Any) -> Any:
+    """`saved` (restored from ``keys_as_data(like)``) with typed keys where `like` has them.
+
+    Args:
+      saved: a pytree with the structure of ``keys_as_data(like)``.
+      like: the pytree whose typed PRNG keys (and their implementation) are restored.
+
+    Returns:
+      `saved`, with raw key data wrapped back into typed keys.
+    """
+
+    def back(s: Any, original: Any) -> Any:
+        if not is_key(original):
+            return s
+        if isinstance(s, jax.Array):
+            # Laid out as the keys are: a key's data must be whole on each device, and a
+            # strategy that splits small arrays (FSDP) may have read it split.
+            s = jax.device_put(s, original.sharding)
+        return keys_from_data(s, jax.random.key_impl(original))
+
+    return jax.tree.map(back, saved, like)

@@ -18,7 +18,7 @@ Writes are atomic: orbax writes a step into ``<step>.orbax-checkpoint-tmp`` and 
 when every item is complete, so a process killed mid-write leaves the previous step as the
 latest; the next `CheckpointManager` on the directory removes the leftover. Deletions are
 atomic too: a step dropped by `max_to_keep` is renamed into ``.jstrategy-deleted`` before
-its files are removed (see `_Trash`), so a listed step is always a whole one.
+its files are removed (see `Trash`), so a listed step is always a whole one.
 
 One job a module:
 
@@ -34,13 +34,8 @@ One job a module:
 """
 
 from jstrategy._src.checkpoint.errors import CheckpointError
-from jstrategy._src.checkpoint.fingerprint import _fingerprint_np as _fingerprint_np
-from jstrategy._src.checkpoint.fingerprint import _fingerprints as _fingerprints
 from jstrategy._src.checkpoint.manager import BestMode
 from jstrategy._src.checkpoint.manager import CheckpointManager
-from jstrategy._src.checkpoint.paths import latest_step_dir as latest_step_dir
-from jstrategy._src.checkpoint.paths import read_by_paths as read_by_paths
-from jstrategy._src.checkpoint.weights import load_arrays as load_arrays
 from jstrategy._src.checkpoint.weights import load_weights
 from jstrategy._src.checkpoint.weights import save_weights
 

@@ -1,9 +1,9 @@
 """What a checkpoint holds on disk: the ``state`` item and the ``jstrategy`` record.
 
-The state is written as a pytree of arrays (`_prepare`: containers give their arrays,
+The state is written as a pytree of arrays (`prepare`: containers give their arrays,
 agreeing `PerReplica` values one copy, typed PRNG keys their raw data); the record lists
 each leaf's path, dtype, shape and fingerprint (and a key's implementation), with the
-user's metadata and the metrics (`_record`, read back by `_read_record`).
+user's metadata and the metrics (`_record`, read back by `read_record`).
 """
 
 from __future__ import annotations
@@ -17,25 +17,41 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jstrategy._src.checkpoint.errors import _READ_ERRORS
+from jstrategy._src.checkpoint.errors import READ_ERRORS
 from jstrategy._src.checkpoint.errors import CheckpointError
-from jstrategy._src.checkpoint.errors import _advice
-from jstrategy._src.checkpoint.errors import _show
-from jstrategy._src.checkpoint.fingerprint import _fingerprints
+from jstrategy._src.checkpoint.errors import advice
+from jstrategy._src.checkpoint.errors import show
+from jstrategy._src.checkpoint.fingerprint import leaf_fingerprints
 from jstrategy._src.names import path_names
 from jstrategy._src.values import PerReplica
+from jstrategy._src.values import is_key
 from jstrategy._src.values import is_per_replica
+from jstrategy._src.values import key_data
+from jstrategy._src.values import keys_from_data
 
-__all__: list[str] = []
+__all__ = [
+    "RECORD_ITEM",
+    "SAVABLE",
+    "STATE_ITEM",
+    "as_saveable",
+    "check_metadata",
+    "flatten_state",
+    "is_single_checkpoint",
+    "leaf_records",
+    "prepare",
+    "read_record",
+    "save_args",
+    "saved_dtype",
+]
 
 
-_STATE_ITEM = "state"
-_RECORD_ITEM = "jstrategy"
+STATE_ITEM = "state"
+RECORD_ITEM = "jstrategy"
 _FORMAT = "jstrategy.checkpoint/1"
 
 
 _HOST_SCALARS = (bool, int, float)
-_SAVABLE = (jax.Array, np.ndarray, np.generic, *_HOST_SCALARS)
+SAVABLE = (jax.Array, np.ndarray, np.generic, *_HOST_SCALARS)
 
 
 def _numeric(dtype: np.dtype) -> bool:
@@ -44,13 +60,13 @@ def _numeric(dtype: np.dtype) -> bool:
 
 
 # Saving ---------------------------------------------------------------------------------------
-def _as_saveable(state: Any) -> Any:
+def as_saveable(state: Any) -> Any:
     """A state as a pytree of arrays: containers of variables say how (`checkpoint_value`)."""
     value = getattr(state, "checkpoint_value", None)
     return value() if callable(value) else state
 
 
-def _flatten_state(state: Any, argname: str) -> list[tuple[tuple[str, ...], Any]]:
+def flatten_state(state: Any, argname: str) -> list[tuple[tuple[str, ...], Any]]:
     flat, _ = jax.tree_util.tree_flatten_with_path(state)
     if not flat:
         raise ValueError(
@@ -60,11 +76,11 @@ def _flatten_state(state: Any, argname: str) -> list[tuple[tuple[str, ...], Any]
     out = []
     for keypath, leaf in flat:
         path = path_names(keypath)
-        if not isinstance(leaf, _SAVABLE) or (
+        if not isinstance(leaf, SAVABLE) or (
             isinstance(leaf, (np.ndarray, np.generic)) and not _numeric(leaf.dtype)
         ):
             raise TypeError(
-                f"`{argname}` leaf {_show(path)} is a {type(leaf).__name__}"
+                f"`{argname}` leaf {show(path)} is a {type(leaf).__name__}"
                 f"{f' of {leaf.dtype}' if hasattr(leaf, 'dtype') else ''}; checkpoints hold "
                 "numeric jax.Arrays and NumPy arrays and Python numbers. Keep other values "
                 "out of the pytree (e.g. a flax.struct field with pytree_node=False) or put "
@@ -74,18 +90,14 @@ def _flatten_state(state: Any, argname: str) -> list[tuple[tuple[str, ...], Any]
     return out
 
 
-def _is_key(x: Any) -> bool:
-    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _prepare(state: Any, argname: str) -> tuple[Any, list[tuple[tuple[str, ...], Any]], dict]:
+def prepare(state: Any, argname: str) -> tuple[Any, list[tuple[tuple[str, ...], Any]], dict]:
     """What is written for `state`: (the pytree of arrays, its flat leaves, key impls).
 
-    Containers of variables give their arrays (`_as_saveable`); `PerReplica` values become
+    Containers of variables give their arrays (`as_saveable`); `PerReplica` values become
     one copy (`_one_copy`); typed PRNG keys become their raw data, and the record keeps
     their implementation so that a restore without a target gives keys back.
     """
-    state = _as_saveable(state)
+    state = as_saveable(state)
 
     def arrays(keypath: Any, leaf: Any) -> Any:
         if isinstance(leaf, PerReplica):
@@ -95,14 +107,13 @@ def _prepare(state: Any, argname: str) -> tuple[Any, list[tuple[tuple[str, ...],
     state = jax.tree_util.tree_map_with_path(arrays, state, is_leaf=is_per_replica)
     impls: dict[tuple[str, ...], str] = {}
 
-    def key_data(keypath: Any, leaf: Any) -> Any:
-        if not _is_key(leaf):
-            return leaf
-        impls[path_names(keypath)] = str(jax.random.key_impl(leaf))
-        return jax.random.key_data(leaf)
+    def as_data(keypath: Any, leaf: Any) -> Any:
+        if is_key(leaf):
+            impls[path_names(keypath)] = str(jax.random.key_impl(leaf))
+        return key_data(leaf)
 
-    state = jax.tree_util.tree_map_with_path(key_data, state)
-    return state, _flatten_state(state, argname), impls
+    state = jax.tree_util.tree_map_with_path(as_data, state)
+    return state, flatten_state(state, argname), impls
 
 
 def _agreement(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -122,30 +133,29 @@ def _one_copy(value: PerReplica, path: tuple[str, ...], argname: str) -> jax.Arr
     """
     if not value.stacked:
         raise TypeError(
-            f"`{argname}` leaf {_show(path)} is a PerReplica of rows (a distributed batch), "
+            f"`{argname}` leaf {show(path)} is a PerReplica of rows (a distributed batch), "
             "not a variable. Save variables; gather rows first with "
             "strategy.gather(value, axis=0) if they must be kept."
         )
     x = value.value
-    keys = _is_key(x)
-    data = jax.random.key_data(x) if keys else x
+    data = key_data(x)
     sharding = x.sharding
     if not isinstance(sharding, jax.sharding.NamedSharding):
         raise TypeError(
-            f"`{argname}` leaf {_show(path)} is a PerReplica not laid over a strategy's mesh "
+            f"`{argname}` leaf {show(path)} is a PerReplica not laid over a strategy's mesh "
             f"({sharding}). Save values made by a strategy's `run`."
         )
     replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
     first, agree = jax.jit(_agreement, out_shardings=(replicated, replicated))(data)
     if not bool(agree):  # every process computes and reads the same verdict
         raise ValueError(
-            f"`{argname}` leaf {_show(path)} is a PerReplica whose {value.num_replicas} "
+            f"`{argname}` leaf {show(path)} is a PerReplica whose {value.num_replicas} "
             "replicas hold different values, but a checkpoint keeps one value per variable. "
             f'Save their mean, `strategy.reduce("MEAN", {argname}, axis=None)` (in one '
             "process or several), or make the replicas agree: all-reduce the gradients "
             "inside `run` (jstrategy.get_replica_context().all_reduce)."
         )
-    return jax.random.wrap_key_data(first, impl=jax.random.key_impl(x)) if keys else first
+    return keys_from_data(first, jax.random.key_impl(x)) if is_key(x) else first
 
 
 def _record(
@@ -154,7 +164,7 @@ def _record(
     metrics: dict[str, float] | None,
     key_impls: Mapping[tuple[str, ...], str],
 ) -> dict[str, Any]:
-    fingerprints = _fingerprints([leaf for _, leaf in flat])
+    fingerprints = leaf_fingerprints([leaf for _, leaf in flat])
     leaves = []
     for (path, leaf), fp in zip(flat, fingerprints, strict=True):
         dtype = leaf.dtype if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) else None
@@ -172,7 +182,7 @@ def _record(
     }
 
 
-def _check_metadata(metadata: Any) -> None:
+def check_metadata(metadata: Any) -> None:
     if metadata is None:
         return
     if not isinstance(metadata, Mapping):
@@ -188,24 +198,24 @@ def _check_metadata(metadata: Any) -> None:
         ) from None
 
 
-def _save_args(flat, state, metadata, metrics, key_impls):
+def save_args(flat, state, metadata, metrics, key_impls):
     import orbax.checkpoint as ocp
 
     return ocp.args.Composite(
         **{
-            _STATE_ITEM: ocp.args.StandardSave(state),
-            _RECORD_ITEM: ocp.args.JsonSave(_record(flat, metadata, metrics, key_impls)),
+            STATE_ITEM: ocp.args.StandardSave(state),
+            RECORD_ITEM: ocp.args.JsonSave(_record(flat, metadata, metrics, key_impls)),
         }
     )
 
 
 # Reading ---------------------------------------------------------------------------------------
-def _dtype(name: str) -> np.dtype:
+def saved_dtype(name: str) -> np.dtype:
     # jnp.dtype also knows the ml_dtypes names NumPy lacks ("bfloat16", "float8_e4m3fn").
     return np.dtype(jnp.dtype(name))
 
 
-def _leaf_records(record: dict, location: str) -> dict[tuple[str, ...], dict]:
+def leaf_records(record: dict, location: str) -> dict[tuple[str, ...], dict]:
     try:
         records = {}
         for path, dtype, shape, fp, *key_impl in record["leaves"]:
@@ -216,37 +226,37 @@ def _leaf_records(record: dict, location: str) -> dict[tuple[str, ...], dict]:
                 "key_impl": key_impl[0] if key_impl else None,
             }
         for rec in records.values():
-            _dtype(rec["dtype"])
+            saved_dtype(rec["dtype"])
         return records
     except (KeyError, TypeError, ValueError):
         raise CheckpointError(
-            f"The checkpoint record in {location} is malformed. {_advice(location)}", path=location
+            f"The checkpoint record in {location} is malformed. {advice(location)}", path=location
         ) from None
 
 
-def _read_record(read, location: str) -> dict:
+def read_record(read, location: str) -> dict:
     import orbax.checkpoint as ocp
 
     try:
-        record = read(ocp.args.JsonRestore(), item=_RECORD_ITEM)
-    except _READ_ERRORS as e:
+        record = read(ocp.args.JsonRestore(), item=RECORD_ITEM)
+    except READ_ERRORS as e:
         raise CheckpointError(
             f"The checkpoint in {location} has no readable jstrategy record (the "
-            f"'{_RECORD_ITEM}' item): it is damaged, incomplete, or was not written by "
-            f"jstrategy ({type(e).__name__}: {str(e)[:300]}). {_advice(location)}",
+            f"'{RECORD_ITEM}' item): it is damaged, incomplete, or was not written by "
+            f"jstrategy ({type(e).__name__}: {str(e)[:300]}). {advice(location)}",
             path=location,
         ) from e
     if not isinstance(record, dict) or record.get("format") != _FORMAT:
         raise CheckpointError(
             f"The checkpoint record in {location} is not a {_FORMAT} record; got "
-            f"{str(record)[:200]}. {_advice(location)}",
+            f"{str(record)[:200]}. {advice(location)}",
             path=location,
         )
     return record
 
 
-def _is_single_checkpoint(path: str) -> bool:
+def is_single_checkpoint(path: str) -> bool:
     """Whether `path` is one checkpoint (a weights directory or a manager's step)."""
-    return os.path.isdir(os.path.join(path, _RECORD_ITEM)) or os.path.isdir(
-        os.path.join(path, _STATE_ITEM)
+    return os.path.isdir(os.path.join(path, RECORD_ITEM)) or os.path.isdir(
+        os.path.join(path, STATE_ITEM)
     )

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["CheckpointError"]
+__all__ = [
+    "READ_ERRORS",
+    "CheckpointError",
+    "advice",
+    "show",
+    "wrap_read_error",
+    "write_error",
+]
 
 
 class CheckpointError(ValueError):
@@ -32,32 +39,32 @@ class CheckpointError(ValueError):
 
 # Orbax names leaves by the same strings as `path_names`, so a TrainState's `.params` and
 # the dict key 'params' of a target-less restore are the same leaf.
-def _show(path: tuple[str, ...]) -> str:
+def show(path: tuple[str, ...]) -> str:
     return "/".join(path) or "<root>"
 
 
-def _advice(location: str) -> str:
+def advice(location: str) -> str:
     """What to do about a damaged checkpoint: a manager's step, or a weights directory."""
     if os.path.basename(os.fspath(location)).isdigit():
         return "Restore another step (restore(step=...)), or delete this directory and save again."
     return "Save the weights again (save_weights), or load another copy of them."
 
 
-def _wrap_read_error(e: Exception, location: str, what: str) -> CheckpointError:
+def wrap_read_error(e: Exception, location: str, what: str) -> CheckpointError:
     text = str(e).split("[tensorstore_spec", 1)[0].strip()
     if len(text) > 400:
         text = text[:400] + " ..."
     return CheckpointError(
         f"Cannot read {what} of the checkpoint in {location}: it is damaged or incomplete "
-        f"({type(e).__name__}: {text}). {_advice(location)}",
+        f"({type(e).__name__}: {text}). {advice(location)}",
         path=location,
     )
 
 
-_READ_ERRORS = (OSError, ValueError, KeyError, TypeError, IndexError, RuntimeError)
+READ_ERRORS = (OSError, ValueError, KeyError, TypeError, IndexError, RuntimeError)
 
 
-def _write_error(e: OSError, location: str) -> OSError:
+def write_error(e: OSError, location: str) -> OSError:
     """`e` (same type and errno) with a message that names the checkpoint and the fix."""
     where = f" ({e.filename})" if e.filename else ""
     message = (

@@ -16,7 +16,10 @@ import numpy as np
 from jstrategy._src import dispatch
 from jstrategy._src.placement import in_device_memory
 
-__all__: list[str] = []
+__all__ = [
+    "fingerprint_np",
+    "leaf_fingerprints",
+]
 
 
 # Sub-byte types pack several elements per byte on devices: not bitcast per element.
@@ -65,7 +68,7 @@ def _words_jax(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, unsigned).reshape(-1).astype(jnp.uint32)
 
 
-def _fingerprint_np(x: np.ndarray) -> int:
+def fingerprint_np(x: np.ndarray) -> int:
     return int(_mix(_words_np(x), np))
 
 
@@ -74,7 +77,7 @@ def _fingerprint_jax(x: jax.Array) -> jax.Array:
     return _mix(_words_jax(x), jnp)
 
 
-def _fingerprints(leaves: list[Any]) -> list[int | None]:
+def leaf_fingerprints(leaves: list[Any]) -> list[int | None]:
     """One fingerprint per leaf (None where the dtype has no fixed-width bits)."""
     out: list[Any] = [None] * len(leaves)
     for i, x in enumerate(leaves):
@@ -89,5 +92,5 @@ def _fingerprints(leaves: list[Any]) -> list[int | None]:
         else:
             a = np.asarray(x)
             if _hashable_dtype(a.dtype):
-                out[i] = _fingerprint_np(a)
+                out[i] = fingerprint_np(a)
     return [None if v is None else int(v) for v in jax.device_get(out)]

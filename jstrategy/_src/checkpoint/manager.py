@@ -11,25 +11,25 @@ from typing import Any
 
 import numpy as np
 
-from jstrategy._src.checkpoint.array_format import _STATE_ITEM
-from jstrategy._src.checkpoint.array_format import _as_saveable
-from jstrategy._src.checkpoint.array_format import _check_metadata
-from jstrategy._src.checkpoint.array_format import _flatten_state
-from jstrategy._src.checkpoint.array_format import _is_single_checkpoint
-from jstrategy._src.checkpoint.array_format import _prepare
-from jstrategy._src.checkpoint.array_format import _read_record
-from jstrategy._src.checkpoint.array_format import _save_args
-from jstrategy._src.checkpoint.errors import _READ_ERRORS
-from jstrategy._src.checkpoint.errors import _wrap_read_error
-from jstrategy._src.checkpoint.errors import _write_error
-from jstrategy._src.checkpoint.orbax_compat import _committed
-from jstrategy._src.checkpoint.orbax_compat import _handler_registry
-from jstrategy._src.checkpoint.orbax_compat import _hold_until_committed
-from jstrategy._src.checkpoint.orbax_compat import _manager_options
-from jstrategy._src.checkpoint.orbax_compat import _Trash
-from jstrategy._src.checkpoint.restore_layout import _restore_into
-from jstrategy._src.checkpoint.workers import _EVERY_WORKER
-from jstrategy._src.checkpoint.workers import _chief_directory
+from jstrategy._src.checkpoint.array_format import STATE_ITEM
+from jstrategy._src.checkpoint.array_format import as_saveable
+from jstrategy._src.checkpoint.array_format import check_metadata
+from jstrategy._src.checkpoint.array_format import flatten_state
+from jstrategy._src.checkpoint.array_format import is_single_checkpoint
+from jstrategy._src.checkpoint.array_format import prepare
+from jstrategy._src.checkpoint.array_format import read_record
+from jstrategy._src.checkpoint.array_format import save_args
+from jstrategy._src.checkpoint.errors import READ_ERRORS
+from jstrategy._src.checkpoint.errors import wrap_read_error
+from jstrategy._src.checkpoint.errors import write_error
+from jstrategy._src.checkpoint.orbax_compat import Trash
+from jstrategy._src.checkpoint.orbax_compat import handler_registry
+from jstrategy._src.checkpoint.orbax_compat import hold_until_committed
+from jstrategy._src.checkpoint.orbax_compat import manager_options
+from jstrategy._src.checkpoint.orbax_compat import mark_committed
+from jstrategy._src.checkpoint.restore_layout import restore_into
+from jstrategy._src.checkpoint.workers import EVERY_WORKER
+from jstrategy._src.checkpoint.workers import chief_directory
 from jstrategy._src.cluster import coordination
 
 if TYPE_CHECKING:
@@ -178,7 +178,7 @@ class CheckpointManager:
         self._restores = 0
         if coordination.active():
             self._meeting = coordination.next_id()
-            directory = _chief_directory(
+            directory = chief_directory(
                 f"checkpoint-{self._meeting}", directory, f"CheckpointManager({directory!r})"
             )
         self._directory = directory
@@ -186,17 +186,17 @@ class CheckpointManager:
         self._best_mode = mode
         self._max_to_keep = max_to_keep
         self._closed = False
-        self._trash = _Trash(directory)
+        self._trash = Trash(directory)
         try:
             os.makedirs(directory, exist_ok=True)
             self._trash.repair()
         except OSError as e:
-            raise _write_error(e, directory) from e
+            raise write_error(e, directory) from e
         if self._meeting is not None:  # the others list the steps once the chief repaired
             coordination.barrier(
                 f"checkpoint-{self._meeting}/repaired",
                 what=f"Opening {directory}",
-                fix=_EVERY_WORKER,
+                fix=EVERY_WORKER,
             )
         self._manager = self._open(
             directory, max_to_keep, keep_best, mode, save_interval_steps, async_save
@@ -229,13 +229,13 @@ class CheckpointManager:
             best_mode=mode.value,
             enable_async_checkpointing=async_save,
             create=True,
-            **_manager_options(ocp),
+            **manager_options(ocp),
         )
-        registry = _handler_registry(ocp)
+        registry = handler_registry(ocp)
         try:
             return ocp.CheckpointManager(directory, options=options, handler_registry=registry)
-        except _READ_ERRORS as e:
-            raise _wrap_read_error(e, directory, "the step list") from e
+        except READ_ERRORS as e:
+            raise wrap_read_error(e, directory, "the step list") from e
 
     # Properties --------------------------------------------------------------------------
     @property
@@ -296,9 +296,9 @@ class CheckpointManager:
             raise ValueError(f"`step` must be a non-negative int; got {step!r}.")
         step = int(step)
         metrics_ = _metrics_dict(metrics, self._keep_best)
-        _check_metadata(metadata)
+        check_metadata(metadata)
         if not force and not self._manager.should_save(step):
-            _flatten_state(_as_saveable(state), "state")  # the same errors on every step
+            flatten_state(as_saveable(state), "state")  # the same errors on every step
             return False
         if step in self._manager.all_steps():
             raise ValueError(
@@ -310,17 +310,17 @@ class CheckpointManager:
             coordination.barrier(
                 f"checkpoint-{self._meeting}/save-{step}",
                 what=f"Saving step {step} in {self._directory}",
-                fix=_EVERY_WORKER,
+                fix=EVERY_WORKER,
             )
-        state, flat, key_impls = _prepare(state, "state")
-        args = _save_args(flat, state, metadata, metrics_, key_impls)
+        state, flat, key_impls = prepare(state, "state")
+        args = save_args(flat, state, metadata, metrics_, key_impls)
         self._trash.empty(background=True)  # the steps deleted by earlier saves
-        _hold_until_committed(self._manager)
+        hold_until_committed(self._manager)
         try:
             return bool(self._manager.save(step, args=args, metrics=metrics_, force=True))
         except OSError as e:
-            _committed(self._manager)
-            raise _write_error(e, self._step_dir(step)) from e
+            mark_committed(self._manager)
+            raise write_error(e, self._step_dir(step)) from e
 
     def wait_until_finished(self) -> None:
         """Blocks until every save started so far is written and committed.
@@ -331,9 +331,9 @@ class CheckpointManager:
         try:
             self._manager.wait_until_finished()
         except OSError as e:
-            raise _write_error(e, self._directory) from e
+            raise write_error(e, self._directory) from e
         finally:
-            _committed(self._manager)
+            mark_committed(self._manager)
 
     # Steps -------------------------------------------------------------------------------
     def all_steps(self) -> list[int]:
@@ -364,7 +364,7 @@ class CheckpointManager:
         steps = self.all_steps()
         if step is None:
             if not steps:
-                if _is_single_checkpoint(self._directory):
+                if is_single_checkpoint(self._directory):
                     raise FileNotFoundError(
                         f"No numbered steps in {self._directory}: it is one checkpoint itself "
                         "(written by save_weights, or one step of a CheckpointManager). Read "
@@ -385,9 +385,9 @@ class CheckpointManager:
     def _reader(self, step: int):
         import orbax.checkpoint as ocp
 
-        def read(args, *, item=_STATE_ITEM, metadata=False):
+        def read(args, *, item=STATE_ITEM, metadata=False):
             if metadata:
-                return self._manager.item_metadata(step)[_STATE_ITEM]
+                return self._manager.item_metadata(step)[STATE_ITEM]
             return self._manager.restore(step, args=ocp.args.Composite(**{item: args}))[item]
 
         return read
@@ -434,9 +434,9 @@ class CheckpointManager:
             coordination.barrier(
                 f"checkpoint-{self._meeting}/restore-{self._restores}",
                 what=f"Restoring step {step} from {self._directory}",
-                fix=_EVERY_WORKER,
+                fix=EVERY_WORKER,
             )
-        return _restore_into(self._reader(step), self._step_dir(step), target, strategy)
+        return restore_into(self._reader(step), self._step_dir(step), target, strategy)
 
     def restore_metadata(self, step: int | None = None) -> dict[str, Any]:
         """The `metadata` saved with `step` (default: the latest); {} if none was.
@@ -446,7 +446,7 @@ class CheckpointManager:
           CheckpointError: if the checkpoint is damaged or incomplete.
         """
         step = self._resolve_step(step)
-        record = _read_record(self._reader(step), self._step_dir(step))
+        record = read_record(self._reader(step), self._step_dir(step))
         return dict(record.get("metadata") or {})
 
     def metrics(self, step: int | None = None) -> dict[str, float] | None:
@@ -457,7 +457,7 @@ class CheckpointManager:
           CheckpointError: if the checkpoint is damaged or incomplete.
         """
         step = self._resolve_step(step)
-        record = _read_record(self._reader(step), self._step_dir(step))
+        record = read_record(self._reader(step), self._step_dir(step))
         return record.get("metrics")
 
     # Lifetime ----------------------------------------------------------------------------
@@ -469,7 +469,7 @@ class CheckpointManager:
         try:
             self._manager.wait_until_finished()
         finally:
-            _committed(self._manager)
+            mark_committed(self._manager)
             self._manager.close()
             self._trash.empty(background=False)
 

@@ -3,14 +3,14 @@
 Checked against the oldest supported orbax-checkpoint (0.12.3) and the newest tested
 (0.12.8); a workaround that neither needs any more goes, with its line here.
 
-1. A save in flight at exit (`_hold_until_committed`): orbax finishes a write in threads
+1. A save in flight at exit (`hold_until_committed`): orbax finishes a write in threads
    that stop taking work when the interpreter shuts down.
 2. Step directories made in `save`, not in the background (`_async_options`).
 3. Deleted steps renamed away first, and temporary directories of killed writes removed
-   by us (`_Trash`): orbax deletes a step in place, file by file, and its own cleanup
+   by us (`Trash`): orbax deletes a step in place, file by file, and its own cleanup
    thread fails noisily when the program ends soon after.
-4. The items' handlers declared when a checkpoint is opened (`_handler_registry`,
-   `_weights_checkpointer`), so that a new process can read a step's metadata.
+4. The items' handlers declared when a checkpoint is opened (`handler_registry`,
+   `weights_checkpointer`), so that a new process can read a step's metadata.
 
 Dropped: the probe for ``AsyncOptions.create_directories_asynchronously``, which orbax
 older than the floor lacked (0.12.3 has it). Typed PRNG keys are saved as their raw data
@@ -32,10 +32,17 @@ from typing import Any
 
 import jax
 
-from jstrategy._src.checkpoint.array_format import _RECORD_ITEM
-from jstrategy._src.checkpoint.array_format import _STATE_ITEM
+from jstrategy._src.checkpoint.array_format import RECORD_ITEM
+from jstrategy._src.checkpoint.array_format import STATE_ITEM
 
-__all__: list[str] = []
+__all__ = [
+    "Trash",
+    "handler_registry",
+    "hold_until_committed",
+    "manager_options",
+    "mark_committed",
+    "weights_checkpointer",
+]
 
 
 # 1. A save in flight at exit (orbax-checkpoint 0.12.3 to 0.12.8) ------------------------
@@ -75,7 +82,7 @@ def _finish_in_flight() -> None:
                 manager.close()
 
 
-def _hold_until_committed(manager: Any) -> None:
+def hold_until_committed(manager: Any) -> None:
     """Makes a program that ends with a save in flight finish it instead of losing it.
 
     Orbax writes in background threads that use `concurrent.futures` executors, which stop
@@ -99,7 +106,7 @@ def _hold_until_committed(manager: Any) -> None:
         atexit.register(_finish_in_flight)
 
 
-def _committed(manager: Any) -> None:
+def mark_committed(manager: Any) -> None:
     with _IN_FLIGHT_LOCK:
         _IN_FLIGHT.pop(id(manager), None)
 
@@ -126,7 +133,7 @@ _COMMITTED_MARKERS = ("commit_success.txt", "_CHECKPOINT_METADATA")
 _TMP_MARK = ".orbax-checkpoint-tmp"
 
 
-class _Trash:
+class Trash:
     """Empties `_TRASH` and repairs what a killed deletion left, on the primary process."""
 
     def __init__(self, directory: str):
@@ -197,13 +204,13 @@ class _Trash:
                 shutil.rmtree(os.path.join(self._path, name), ignore_errors=True)
 
 
-def _manager_options(ocp: Any) -> dict[str, Any]:
+def manager_options(ocp: Any) -> dict[str, Any]:
     """The `ocp.CheckpointManagerOptions` that workarounds 2 and 3 set."""
     return {
         "async_options": _async_options(ocp),
-        # `_Trash.repair` removes what a process killed mid-write left behind.
+        # `Trash.repair` removes what a process killed mid-write left behind.
         "cleanup_tmp_directories": False,
-        # Old steps are renamed away (atomic), then emptied there: see `_Trash`.
+        # Old steps are renamed away (atomic), then emptied there: see `Trash`.
         "todelete_subdir": _TRASH,
     }
 
@@ -211,28 +218,28 @@ def _manager_options(ocp: Any) -> dict[str, Any]:
 # 4. Handlers declared up front (orbax-checkpoint 0.12.3 to 0.12.8) -------------------------
 # Orbax learns which handler reads an item from the save or restore that names it: without
 # the registry, a new process's `item_metadata(step)` has None for ``state`` (0.12.3, 0.12.8).
-def _handler_registry(ocp: Any) -> Any:
+def handler_registry(ocp: Any) -> Any:
     """A `CheckpointManager`'s handlers of the ``state`` and ``jstrategy`` items."""
     # Registered up front so that a new process can read a step's metadata before any
     # save or restore told orbax which handler each item uses.
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     state_handler, record_handler = ocp.StandardCheckpointHandler(), ocp.JsonCheckpointHandler()
-    registry.add(_STATE_ITEM, ocp.args.StandardSave, state_handler)
-    registry.add(_STATE_ITEM, ocp.args.StandardRestore, state_handler)
-    registry.add(_RECORD_ITEM, ocp.args.JsonSave, record_handler)
-    registry.add(_RECORD_ITEM, ocp.args.JsonRestore, record_handler)
+    registry.add(STATE_ITEM, ocp.args.StandardSave, state_handler)
+    registry.add(STATE_ITEM, ocp.args.StandardRestore, state_handler)
+    registry.add(RECORD_ITEM, ocp.args.JsonSave, record_handler)
+    registry.add(RECORD_ITEM, ocp.args.JsonRestore, record_handler)
     return registry
 
 
-def _weights_checkpointer():
+def weights_checkpointer():
     import orbax.checkpoint as ocp
 
     # The same two items as a manager's step, declared so that metadata() can describe them.
     return ocp.Checkpointer(
         ocp.CompositeCheckpointHandler(
             **{
-                _STATE_ITEM: ocp.StandardCheckpointHandler(),
-                _RECORD_ITEM: ocp.JsonCheckpointHandler(),
+                STATE_ITEM: ocp.StandardCheckpointHandler(),
+                RECORD_ITEM: ocp.JsonCheckpointHandler(),
             }
         )
     )

@@ -9,15 +9,18 @@ from typing import Any
 import jax
 import numpy as np
 
-from jstrategy._src.checkpoint.array_format import _STATE_ITEM
-from jstrategy._src.checkpoint.errors import _show
-from jstrategy._src.checkpoint.weights import _load_weights
+from jstrategy._src.checkpoint.array_format import STATE_ITEM
+from jstrategy._src.checkpoint.errors import show
+from jstrategy._src.checkpoint.weights import read_weights
 from jstrategy._src.names import path_names
 
 if TYPE_CHECKING:
     from jstrategy._src.strategy import Strategy
 
-__all__ = ["latest_step_dir", "read_by_paths"]
+__all__ = [
+    "latest_step_dir",
+    "read_by_paths",
+]
 
 
 # Reading a Model's variables from any checkpoint directory, by path -------------------------
@@ -27,7 +30,7 @@ def latest_step_dir(path: str) -> str | None:
     Read from the directory listing rather than by opening a manager, which would remove
     the temporary directory of a save that another process is writing there now.
     """
-    if not os.path.isdir(path) or os.path.isdir(os.path.join(path, _STATE_ITEM)):
+    if not os.path.isdir(path) or os.path.isdir(os.path.join(path, STATE_ITEM)):
         return None
     steps = [int(name) for name in os.listdir(path) if name.isdigit()]
     return os.path.join(path, str(max(steps))) if steps else None
@@ -40,7 +43,7 @@ def _lookup(tree: Any, path: tuple[str, ...], location: str) -> Any:
             node = node[int(name)] if isinstance(node, (list, tuple)) else node[name]
         except (KeyError, IndexError, ValueError, TypeError):
             raise ValueError(
-                f"The checkpoint in {location} has no variable {_show(path)}: it was saved "
+                f"The checkpoint in {location} has no variable {show(path)}: it was saved "
                 "from a different model. Load it into a model built like the one that saved "
                 "it."
             ) from None
@@ -56,7 +59,7 @@ def _pick(saved: Any, like: Any, location: str) -> Any:
         value = _lookup(saved, path, location)
         if np.shape(value) != np.shape(leaf):
             raise ValueError(
-                f"Variable {_show(path)} in {location} has shape {np.shape(value)}; the "
+                f"Variable {show(path)} in {location} has shape {np.shape(value)}; the "
                 f"model's has {np.shape(leaf)}. Load it into a model built like the one that "
                 "saved it."
             )
@@ -91,7 +94,7 @@ def read_by_paths(
     Raises:
       ValueError: if the step holds none of `roots`, or not `like`'s variables.
     """
-    saved = _load_weights(step_dir, None, strategy, as_variables=False)
+    saved = read_weights(step_dir, None, strategy, as_variables=False)
     root = next((r for r in roots if isinstance(saved, dict) and r in saved), None)
     if root is None:
         raise ValueError(

@@ -13,70 +13,21 @@ from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
 
-import jax
-
 from jstrategy._src import checkpoint as checkpoint_lib
 from jstrategy._src import context
+from jstrategy._src.cluster.join import is_chief
 from jstrategy._src.cluster.resolver import ClusterResolver
 from jstrategy._src.cluster.signals import PREEMPTION_EXIT_CODE
 from jstrategy._src.cluster.signals import PreemptionWatcher
 from jstrategy._src.strategy import Strategy
+from jstrategy._src.values import keys_as_data
+from jstrategy._src.values import keys_like
 
-__all__ = [
-    "PreemptionCheckpointHandler",
-    "from_savable",
-    "to_savable",
-]
-
-
-# Typed PRNG keys ---------------------------------------------------------------------
-def _is_key(x: Any) -> bool:
-    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def to_savable(tree: Any) -> Any:
-    """`tree` with each typed PRNG key array replaced by its raw key data (checkpoints hold
-    plain arrays only); `from_savable` undoes it.
-
-    Example:
-
-    >>> import jax
-    >>> saved = to_savable({"rng": jax.random.key(0)})
-    >>> saved["rng"].dtype, saved["rng"].shape
-    (dtype('uint32'), (2,))
-    """
-    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
-
-
-def from_savable(saved: Any, like: Any) -> Any:
-    """`saved` (restored from `to_savable(like)`) with typed keys where `like` has them.
-
-    Args:
-      saved: a pytree with the structure of ``to_savable(like)``.
-      like: the pytree whose typed PRNG keys (and their implementation) are restored.
-
-    Returns:
-      `saved`, with raw key data wrapped back into typed keys.
-    """
-
-    def back(s: Any, original: Any) -> Any:
-        if _is_key(original):
-            if isinstance(s, jax.Array) and isinstance(original, jax.Array):
-                # Laid out as the keys are: a key's data must be whole on each device, and
-                # a strategy that splits small arrays (FSDP) may have read it split.
-                s = jax.device_put(s, original.sharding)
-            return jax.random.wrap_key_data(s, impl=jax.random.key_impl(original))
-        return s
-
-    return jax.tree.map(back, saved, like)
-
-
-def _is_chief() -> bool:
-    return jax.process_index() == 0
+__all__ = ["PreemptionCheckpointHandler"]
 
 
 def _say(message: str) -> None:
-    if _is_chief():
+    if is_chief():
         print(message, flush=True)
 
 
@@ -209,9 +160,9 @@ class PreemptionCheckpointHandler:
         if step is None:
             self._total_run_calls = 0
             return target
-        saved = self._manager.restore(step, target=to_savable(target), strategy=self._strategy)
+        saved = self._manager.restore(step, target=keys_as_data(target), strategy=self._strategy)
         self._total_run_calls = int(step)
-        return from_savable(saved, target)
+        return keys_like(saved, target)
 
     def restore_metadata(self) -> dict[str, Any]:
         """The `metadata` saved with the latest checkpoint ({} if there is none)."""
@@ -272,7 +223,7 @@ class PreemptionCheckpointHandler:
         step = self._total_run_calls
         if step in self._manager.all_steps():
             return False
-        return self._manager.save(step, to_savable(state), metadata=metadata, force=True)
+        return self._manager.save(step, keys_as_data(state), metadata=metadata, force=True)
 
     # Lifetime ----------------------------------------------------------------------------
     def _check_open(self) -> None:

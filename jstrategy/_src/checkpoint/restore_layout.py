@@ -14,23 +14,27 @@ import jax
 import numpy as np
 
 from jstrategy._src import context
-from jstrategy._src.checkpoint.array_format import _SAVABLE
-from jstrategy._src.checkpoint.array_format import _dtype
-from jstrategy._src.checkpoint.array_format import _leaf_records
-from jstrategy._src.checkpoint.array_format import _read_record
-from jstrategy._src.checkpoint.errors import _READ_ERRORS
+from jstrategy._src.checkpoint.array_format import SAVABLE
+from jstrategy._src.checkpoint.array_format import leaf_records
+from jstrategy._src.checkpoint.array_format import read_record
+from jstrategy._src.checkpoint.array_format import saved_dtype
+from jstrategy._src.checkpoint.errors import READ_ERRORS
 from jstrategy._src.checkpoint.errors import CheckpointError
-from jstrategy._src.checkpoint.errors import _advice
-from jstrategy._src.checkpoint.errors import _show
-from jstrategy._src.checkpoint.errors import _wrap_read_error
-from jstrategy._src.checkpoint.fingerprint import _fingerprints
+from jstrategy._src.checkpoint.errors import advice
+from jstrategy._src.checkpoint.errors import show
+from jstrategy._src.checkpoint.errors import wrap_read_error
+from jstrategy._src.checkpoint.fingerprint import leaf_fingerprints
 from jstrategy._src.names import path_names
 from jstrategy._src.strategy import get_strategy
+from jstrategy._src.values import key_data
+from jstrategy._src.values import keys_from_data
 
 if TYPE_CHECKING:
     from jstrategy._src.strategy import Strategy
 
-__all__: list[str] = []
+__all__ = [
+    "restore_into",
+]
 
 
 # Where restored leaves live -----------------------------------------------------------------
@@ -90,7 +94,7 @@ class _Plan:
         self.dtype, self.sharding, self.target = dtype, sharding, target
         # The raw data read is wrapped into typed PRNG keys of this implementation.
         self.key_impl = key_impl
-        saved = _dtype(record["dtype"])
+        saved = saved_dtype(record["dtype"])
         shape = tuple(record["shape"])
         if kind == _JAX and jax.dtypes.canonicalize_dtype(saved) == saved:
             # Straight into the target layout: orbax reads each shard where it belongs.
@@ -117,14 +121,14 @@ def _plan_restore(
         for keypath, meta in flat:
             path = path_names(keypath)
             rec = _record_for(records, path, location)
-            dtype = jax.dtypes.canonicalize_dtype(_dtype(rec["dtype"]))
+            dtype = jax.dtypes.canonicalize_dtype(saved_dtype(rec["dtype"]))
             leaf = jax.ShapeDtypeStruct(tuple(rec["shape"]), dtype)
             sharding = _target_sharding(strategy_, leaf, path=path)
             plans.append(_Plan(path, rec, _JAX, dtype, sharding, meta, rec["key_impl"]))
         if len(plans) != len(records):
             raise CheckpointError(
                 f"The checkpoint in {location} has {len(plans)} arrays but its record lists "
-                f"{len(records)}; the directory is damaged. {_advice(location)}",
+                f"{len(records)}; the directory is damaged. {advice(location)}",
                 path=location,
             )
         return plans, treedef
@@ -144,18 +148,18 @@ def _plan_restore(
         ):
             # A typed key is restored from its raw data (what was saved), then wrapped.
             key_impl = _key_impl(leaf, rec, path)
-            data = jax.eval_shape(jax.random.key_data, leaf)
+            data = jax.eval_shape(key_data, leaf)
             # The key's sharding fits its data: the data's extra last axis is not split.
             own_sharding = getattr(leaf, "sharding", None)
             leaf = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=own_sharding)
-        if not isinstance(leaf, (*_SAVABLE, jax.ShapeDtypeStruct)) or isinstance(leaf, str):
+        if not isinstance(leaf, (*SAVABLE, jax.ShapeDtypeStruct)) or isinstance(leaf, str):
             raise TypeError(
-                f"`target` leaf {_show(path)} is a {type(leaf).__name__}; pass arrays, "
+                f"`target` leaf {show(path)} is a {type(leaf).__name__}; pass arrays, "
                 "jax.ShapeDtypeStruct (e.g. jax.eval_shape output) or Python numbers."
             )
         if tuple(np.shape(leaf)) != shape:
             raise ValueError(
-                f"`target` leaf {_show(path)} has shape {tuple(np.shape(leaf))} but the "
+                f"`target` leaf {show(path)} has shape {tuple(np.shape(leaf))} but the "
                 f"checkpoint in {location} holds shape {shape}. Pass a target built for the "
                 "same model as the checkpoint."
             )
@@ -204,7 +208,7 @@ def _key_impl(leaf: Any, record: dict, path: tuple[str, ...]) -> str:
         if jax.random.key(0, impl=name).dtype == leaf.dtype:
             return name
     raise TypeError(
-        f"`target` leaf {_show(path)} is an abstract key array of {leaf.dtype}, whose "
+        f"`target` leaf {show(path)} is an abstract key array of {leaf.dtype}, whose "
         "implementation cannot be told. Pass a concrete key array for this leaf."
     )
 
@@ -213,8 +217,8 @@ def _record_for(records, path, location):
     rec = records.get(path)
     if rec is None:
         raise CheckpointError(
-            f"The checkpoint in {location} has a leaf {_show(path)} that its record does not "
-            f"list; the directory is damaged or not a jstrategy checkpoint. {_advice(location)}",
+            f"The checkpoint in {location} has a leaf {show(path)} that its record does not "
+            f"list; the directory is damaged or not a jstrategy checkpoint. {advice(location)}",
             path=location,
         )
     return rec
@@ -224,8 +228,8 @@ def _check_same_leaves(records, paths, location) -> None:
     wanted, saved = set(paths), set(records)
     if wanted == saved:
         return
-    missing = sorted(_show(p) for p in wanted - saved)
-    extra = sorted(_show(p) for p in saved - wanted)
+    missing = sorted(show(p) for p in wanted - saved)
+    extra = sorted(show(p) for p in saved - wanted)
     raise ValueError(
         f"`target` does not match the checkpoint in {location}: leaves missing from the "
         f"checkpoint: {missing[:5]}{' ...' if len(missing) > 5 else ''}; leaves in the "
@@ -237,17 +241,17 @@ def _check_same_leaves(records, paths, location) -> None:
 
 def _finish(plans: list[_Plan], values: list[Any], location: str) -> list[Any]:
     """Verifies fingerprints, then converts each leaf to what its plan wants."""
-    fingerprints = _fingerprints(values)
+    fingerprints = leaf_fingerprints(values)
     bad = [
         p.path
         for p, fp in zip(plans, fingerprints, strict=True)
         if p.record["fingerprint"] is not None and fp != p.record["fingerprint"]
     ]
     if bad:
-        shown = ", ".join(_show(p) for p in bad[:5]) + (" ..." if len(bad) > 5 else "")
+        shown = ", ".join(show(p) for p in bad[:5]) + (" ..." if len(bad) > 5 else "")
         raise CheckpointError(
             f"The checkpoint in {location} is corrupt: the data read for {len(bad)} "
-            f"leaves ({shown}) differs from what was saved. {_advice(location)}",
+            f"leaves ({shown}) differs from what was saved. {advice(location)}",
             path=location,
         )
     out = []
@@ -259,7 +263,7 @@ def _finish(plans: list[_Plan], values: list[Any], location: str) -> list[Any]:
                 # Elementwise, so the cast keeps the layout the value was read into.
                 value = jax.device_put(value.astype(plan.dtype), plan.sharding)
             if plan.key_impl is not None:
-                value = jax.random.wrap_key_data(value, impl=plan.key_impl)
+                value = keys_from_data(value, plan.key_impl)
         elif plan.kind == _NUMPY:
             value = np.asarray(value).astype(plan.dtype, copy=False)
             if isinstance(plan.target, np.generic):
@@ -270,7 +274,7 @@ def _finish(plans: list[_Plan], values: list[Any], location: str) -> list[Any]:
     return out
 
 
-def _restore_into(
+def restore_into(
     read: Callable[..., Any],
     location: str,
     target: Any,
@@ -315,20 +319,20 @@ def _restore(
     """
     import orbax.checkpoint as ocp
 
-    record = _read_record(read, location)
-    records = _leaf_records(record, location)
+    record = read_record(read, location)
+    records = leaf_records(record, location)
 
     def abstract_from_orbax():
         try:
             metadata = read(None, metadata=True)
-        except _READ_ERRORS as e:
-            raise _wrap_read_error(e, location, "the state's structure") from e
+        except READ_ERRORS as e:
+            raise wrap_read_error(e, location, "the state's structure") from e
         tree = getattr(metadata, "tree", None)
         if tree is None:
             raise CheckpointError(
                 f"Cannot read the state's structure of the checkpoint in {location}: its "
                 "metadata (state/_METADATA) is missing or damaged. Pass `target=` (e.g. "
-                f"jax.eval_shape of the state's initializer) to restore without it. {_advice(location)}",
+                f"jax.eval_shape of the state's initializer) to restore without it. {advice(location)}",
                 path=location,
             )
         # Orbax's metadata leaves are objects with shape and dtype; containers are dicts
@@ -339,13 +343,13 @@ def _restore(
     specs = jax.tree.unflatten(treedef, [p.read for p in plans])
     try:
         restored = read(ocp.args.StandardRestore(specs))
-    except _READ_ERRORS as e:
-        raise _wrap_read_error(e, location, "the arrays") from e
+    except READ_ERRORS as e:
+        raise wrap_read_error(e, location, "the arrays") from e
     values = jax.tree.leaves(restored)
     if len(values) != len(plans):
         raise CheckpointError(
             f"The checkpoint in {location} returned {len(values)} leaves for {len(plans)} "
-            f"expected. {_advice(location)}",
+            f"expected. {advice(location)}",
             path=location,
         )
     return jax.tree.unflatten(treedef, _finish(plans, values, location)), record

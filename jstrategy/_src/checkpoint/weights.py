@@ -7,22 +7,27 @@ import shutil
 from typing import TYPE_CHECKING
 from typing import Any
 
-from jstrategy._src.checkpoint.array_format import _STATE_ITEM
-from jstrategy._src.checkpoint.array_format import _is_single_checkpoint
-from jstrategy._src.checkpoint.array_format import _prepare
-from jstrategy._src.checkpoint.array_format import _save_args
+from jstrategy._src.checkpoint.array_format import STATE_ITEM
+from jstrategy._src.checkpoint.array_format import is_single_checkpoint
+from jstrategy._src.checkpoint.array_format import prepare
+from jstrategy._src.checkpoint.array_format import save_args
 from jstrategy._src.checkpoint.errors import CheckpointError
-from jstrategy._src.checkpoint.errors import _write_error
-from jstrategy._src.checkpoint.orbax_compat import _weights_checkpointer
-from jstrategy._src.checkpoint.restore_layout import _restore_into
-from jstrategy._src.checkpoint.workers import _EVERY_WORKER
-from jstrategy._src.checkpoint.workers import _chief_directory
+from jstrategy._src.checkpoint.errors import write_error
+from jstrategy._src.checkpoint.orbax_compat import weights_checkpointer
+from jstrategy._src.checkpoint.restore_layout import restore_into
+from jstrategy._src.checkpoint.workers import EVERY_WORKER
+from jstrategy._src.checkpoint.workers import chief_directory
 from jstrategy._src.cluster import coordination
 
 if TYPE_CHECKING:
     from jstrategy._src.strategy import Strategy
 
-__all__ = ["load_arrays", "load_weights", "save_weights"]
+__all__ = [
+    "load_arrays",
+    "load_weights",
+    "read_weights",
+    "save_weights",
+]
 
 
 # Left by an interrupted `save_weights(..., overwrite=True)` next to the weights directory.
@@ -64,8 +69,8 @@ def save_weights(path: os.PathLike | str, variables: Any, *, overwrite: bool = T
         raise TypeError(f"`overwrite` must be a bool; got {overwrite!r}.")
     name = f"weights-{coordination.next_id()}" if coordination.active() else None
     if name is not None:
-        path = _chief_directory(name, path, f"save_weights({path!r})")
-    variables, flat, key_impls = _prepare(variables, "variables")
+        path = chief_directory(name, path, f"save_weights({path!r})")
+    variables, flat, key_impls = prepare(variables, "variables")
     exists = os.path.exists(path)
     if exists and not overwrite:
         raise FileExistsError(
@@ -77,11 +82,11 @@ def save_weights(path: os.PathLike | str, variables: Any, *, overwrite: bool = T
     new = path + _NEW_SUFFIX if exists else path
     if primary and os.path.exists(path + _NEW_SUFFIX):
         shutil.rmtree(path + _NEW_SUFFIX)  # from an earlier interrupted overwrite
-    checkpointer = _weights_checkpointer()
+    checkpointer = weights_checkpointer()
     try:
-        checkpointer.save(new, args=_save_args(flat, variables, None, None, key_impls))
+        checkpointer.save(new, args=save_args(flat, variables, None, None, key_impls))
     except OSError as e:
-        raise _write_error(e, path) from e
+        raise write_error(e, path) from e
     finally:
         checkpointer.close()
     if exists:
@@ -93,7 +98,7 @@ def save_weights(path: os.PathLike | str, variables: Any, *, overwrite: bool = T
             os.rename(new, path)
             shutil.rmtree(old)
         if name is not None:  # nobody reads `path` before the chief has swapped it
-            coordination.barrier(f"{name}/swap", what=f"save_weights({path!r})", fix=_EVERY_WORKER)
+            coordination.barrier(f"{name}/swap", what=f"save_weights({path!r})", fix=EVERY_WORKER)
 
 
 def load_weights(
@@ -129,16 +134,16 @@ def load_weights(
     >>> w.tolist(), w.sharding.num_devices
     ([0.0, 1.0, 2.0, 3.0], 2)
     """
-    return _load_weights(path, target, strategy, as_variables=True)
+    return read_weights(path, target, strategy, as_variables=True)
 
 
 def load_arrays(path: os.PathLike | str, *, target: Any, strategy: Strategy) -> Any:
     """`load_weights` for a `Model`'s train state: arrays placed by `strategy`'s
     `variable_sharding`, never its own variable containers (`restore_variables`)."""
-    return _load_weights(path, target, strategy, as_variables=False)
+    return read_weights(path, target, strategy, as_variables=False)
 
 
-def _load_weights(
+def read_weights(
     path: os.PathLike | str, target: Any, strategy: Strategy | None, *, as_variables: bool
 ) -> Any:
     import orbax.checkpoint as ocp
@@ -155,7 +160,7 @@ def _load_weights(
                 path=path,
             )
         raise FileNotFoundError(f"No weights at {path}. Check the path or save_weights first.")
-    if not _is_single_checkpoint(path):
+    if not is_single_checkpoint(path):
         steps = sorted(int(n) for n in os.listdir(path) if n.isdigit())
         if steps:
             latest = os.path.join(path, str(steps[-1]))
@@ -171,17 +176,17 @@ def _load_weights(
         coordination.barrier(
             f"weights-{coordination.next_id()}/load",
             what=f"load_weights({path!r})",
-            fix=_EVERY_WORKER,
+            fix=EVERY_WORKER,
         )
-    checkpointer = _weights_checkpointer()
+    checkpointer = weights_checkpointer()
 
-    def read(args, *, item=_STATE_ITEM, metadata=False):
+    def read(args, *, item=STATE_ITEM, metadata=False):
         if metadata:
-            return checkpointer.metadata(path).item_metadata[_STATE_ITEM]
+            return checkpointer.metadata(path).item_metadata[STATE_ITEM]
         return checkpointer.restore(path, args=ocp.args.Composite(**{item: args}))[item]
 
     try:
-        state = _restore_into(read, path, target, strategy, as_variables=as_variables)
+        state = restore_into(read, path, target, strategy, as_variables=as_variables)
     finally:
         checkpointer.close()
     return state

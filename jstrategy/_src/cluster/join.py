@@ -41,7 +41,7 @@ from jstrategy._src.cluster.layout import training_process_layout
 from jstrategy._src.cluster.resolver import ClusterResolver
 from jstrategy._src.cluster.tf_config import TFConfigClusterResolver
 
-__all__ = ["Cluster", "PeerFailureError", "join"]
+__all__ = ["Cluster", "PeerFailureError", "is_chief", "join"]
 
 
 class PeerFailureError(RuntimeError):
@@ -188,6 +188,24 @@ def join(
         dispatch.add_error_translator(cluster._translate_error)
         coordination.set_timeout_seconds(timeout_seconds)
     return _CLUSTERS.setdefault(cluster, cluster)
+
+
+def is_chief(cluster: Cluster | None = None) -> bool:
+    """Whether this process is the chief (or worker 0 without a chief): the one that writes
+    what is written once (summaries, messages, the checkpoints' shared files).
+
+    Read from `cluster`, by default the job this process joined (the last one `join`
+    connected it to); a process that joined none is its own job's chief when it is JAX's
+    process 0.
+
+    Example:
+
+    >>> is_chief()   # this process alone
+    True
+    """
+    if cluster is None:
+        cluster = next((c for c in reversed(_CLUSTERS) if c.connected), None)
+    return cluster.is_chief if cluster is not None else jax.process_index() == 0
 
 
 def _describe(layout: ProcessLayout, *, connected: bool) -> Cluster:

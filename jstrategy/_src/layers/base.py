@@ -33,10 +33,21 @@ from jstrategy._src import mixed_precision as mp
 from jstrategy._src.validation import check_bool
 from jstrategy._src.validation import check_row_shape
 
-__all__ = ["Layer", "LayerArgumentError", "call_layer", "keras_name", "train_keyword"]
+__all__ = [
+    "TRAIN_KEYWORDS",
+    "Layer",
+    "LayerArgumentError",
+    "call_layer",
+    "keras_name",
+    "train_keyword",
+    "train_kwargs",
+]
 
-# Keyword arguments by which Flax modules take the training mode, and their training value.
-_TRAIN_KEYWORDS = {"training": True, "train": True, "deterministic": False}
+#: The keywords by which modules take the training mode, and each one's value in training,
+#: in the order a module's ``__call__`` is searched for them: Flax's ``train``, Keras's
+#: ``training``, Flax's ``deterministic`` (negated). The one table: `Model`'s forward pass,
+#: `Sequential`'s layers and the layer plan all read it.
+TRAIN_KEYWORDS = {"train": True, "training": True, "deterministic": False}
 
 # Keras 3 (and tf.keras) layer arguments that jstrategy's layers do not take: what to do
 # instead. An argument a layer honours is one of its fields and never looked up here.
@@ -293,14 +304,30 @@ class Layer(nn.Module):
 
 
 def train_keyword(layer: Any) -> str | None:
-    """The keyword by which `layer` (a linen module) takes the training mode, or None."""
+    """The keyword by which `layer` (a linen module) takes the training mode, or None: the
+    first of `TRAIN_KEYWORDS` its ``__call__`` has (Keras's ``training`` for
+    `jstrategy.layers`)."""
     if isinstance(layer, Layer):
         return "training"
     try:
         params = inspect.signature(type(layer).__call__).parameters
     except (TypeError, ValueError):
         return None
-    return next((k for k in _TRAIN_KEYWORDS if k in params), None)
+    return next((k for k in TRAIN_KEYWORDS if k in params), None)
+
+
+def train_kwargs(keyword: str | None, training: bool) -> dict[str, bool]:
+    """The keyword arguments that put a module taking `keyword` in training mode
+    `training` (``{}`` for None).
+
+    Example:
+
+    >>> train_kwargs("deterministic", True), train_kwargs("train", False), train_kwargs(None, True)
+    ({'deterministic': False}, {'train': False}, {})
+    """
+    if keyword is None:
+        return {}
+    return {keyword: training if TRAIN_KEYWORDS[keyword] else not training}
 
 
 def call_layer(layer: Any, x: Any, training: bool) -> Any:
@@ -311,7 +338,4 @@ def call_layer(layer: Any, x: Any, training: bool) -> Any:
     """
     if not isinstance(layer, nn.Module):
         return layer(x)
-    keyword = train_keyword(layer)
-    if keyword is None:
-        return layer(x)
-    return layer(x, **{keyword: training if _TRAIN_KEYWORDS[keyword] else not training})
+    return layer(x, **train_kwargs(train_keyword(layer), training))

@@ -47,10 +47,10 @@ from jstrategy._src.pipeline.repeated import Tracing
 from jstrategy._src.pipeline.schedules import STACKED_KEY
 from jstrategy._src.pipeline.schedules import one_f_one_b
 
-__all__ = ["one_f_one_b_loss", "rows_of"]
+__all__ = ["microbatch", "one_f_one_b_loss"]
 
 
-def rows_of(tree: Any, rows: int, m: Any, size: int) -> Any:
+def microbatch(tree: Any, rows: int, m: Any, size: int) -> Any:
     """Microbatch `m` (rows ``m * size ..``) of every leaf with `rows` leading rows."""
 
     def take(v: Any) -> Any:
@@ -167,7 +167,7 @@ def one_f_one_b_loss(
     def after(
         p: Any, h: jax.Array, m: Any, inputs: Any = None
     ) -> tuple[jax.Array, tuple[Any, Any, Any, Any]]:
-        inputs = rows_of(x, rows, m, size) if inputs is None else inputs
+        inputs = microbatch(x, rows, m, size) if inputs is None else inputs
         record = Split(output=h)
         with tracing.splitting(record), nn.intercept_methods(_refusing_after(record)):
             y_pred, state, model_loss = forward(p, inputs)
@@ -177,7 +177,7 @@ def one_f_one_b_loss(
     # What the layers after the block read: their parameters (the rest are dead code
     # there), and never the inputs or, for state and sown losses, the block's output.
     h_like = jnp.zeros((size, *h0.shape[1:]), h0.dtype)
-    x_like = rows_of(x, rows, 0, size)
+    x_like = microbatch(x, rows, 0, size)
 
     def probe(vals: list[Any], h: jax.Array, xm: Any) -> Any:
         out = after(jax.tree.unflatten(treedef, vals), h, 0, xm)

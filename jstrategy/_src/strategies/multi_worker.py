@@ -87,7 +87,7 @@ class MultiWorkerMirroredStrategy(Strategy):
     def is_chief(self) -> bool:
         """Whether this worker is the chief (or worker 0 without a chief): it writes what is
         written once, such as checkpoints' metadata and summaries."""
-        return self._cluster.is_chief
+        return cluster_lib.is_chief(self._cluster)
 
     @property
     def num_workers(self) -> int:

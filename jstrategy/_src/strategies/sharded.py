@@ -92,9 +92,7 @@ class ShardedStrategy(Strategy):
     def is_chief(self) -> bool:
         """Whether this process is the chief (or worker 0 without a chief): it writes what
         is written once."""
-        if self._cluster is not None and self._cluster.num_workers > 1:
-            return self._cluster.is_chief
-        return jax.process_index() == 0
+        return cluster_lib.is_chief(self._cluster)
 
     def annotation_axis(self, name: str) -> str | None:
         """An axis of the mesh means itself; a data axis of another mesh (``"data"``,

@@ -45,13 +45,10 @@ from jstrategy._src.training.optimizers import learning_rate as learning_rate_li
 from jstrategy._src.training.optimizers.base import injected_state
 from jstrategy._src.training.step import body as step_lib
 from jstrategy._src.validation import check_positive_int
+from jstrategy._src.values import is_key
 from jstrategy._src.values import local_copy
 
 __all__ = ["CoordinatedFitRunner"]
-
-
-def _is_key(x: Any) -> bool:
-    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +61,7 @@ class _Mutable:
     @classmethod
     def of(cls, tree: Any) -> _Mutable:
         leaves, treedef = jax.tree.flatten(tree)
-        return cls(treedef, tuple((i, x) for i, x in enumerate(leaves) if _is_key(x)))
+        return cls(treedef, tuple((i, x) for i, x in enumerate(leaves) if is_key(x)))
 
     def values(self, tree: Any) -> list[Any]:
         """The leaves that live on the parameter servers."""

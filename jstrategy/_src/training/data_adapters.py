@@ -31,6 +31,7 @@ from jstrategy._src.input import DistributedDataset
 from jstrategy._src.input import full_mask
 from jstrategy._src.input import pad_rows
 from jstrategy._src.input import put_rows
+from jstrategy._src.numerics import row_count
 from jstrategy._src.numerics import static_rows
 from jstrategy._src.training import input_checks
 from jstrategy._src.validation import check_positive_int
@@ -48,7 +49,6 @@ __all__ = [
     "is_array",
     "is_array_tree",
     "as_arrays",
-    "batch_rows",
     "make_adapter",
     "ones_mask",
     "prefetch",
@@ -135,17 +135,6 @@ def as_arrays(value: Any) -> Any:
     return value if array.dtype == object else array
 
 
-def rows_of(tree: Any, arg: str) -> int:
-    """The one number of rows of every array in `tree`; `arg` names it in the error."""
-    counts = {int(np.shape(leaf)[0]) for leaf in jax.tree.leaves(tree) if np.ndim(leaf) > 0}
-    if len(counts) != 1:
-        raise ValueError(
-            f"`{arg}` must be arrays with one shared number of rows; got row counts "
-            f"{sorted(counts) or 'none'}."
-        )
-    return counts.pop()
-
-
 # Batches: what a step takes ---------------------------------------------------------
 def unpack_batch(batch: Any) -> tuple[Any, Any, Any]:
     """``(x, y, sample_weight)`` from a Keras-style batch ``(x,)``, ``(x, y)`` or ``(x, y, w)``."""
@@ -179,24 +168,15 @@ def split_batch(batch: Any, strategy: Strategy) -> tuple[Any, Any]:
             values.append(leaf.value)
         else:
             values.append(leaf)
-    rows = {int(np.shape(v)[0]) for v in values if np.ndim(v) > 0}
+    rows = row_count(values, "batch")
     n = strategy.num_replicas_in_sync
-    for r in rows:
-        if r % n:
-            raise ValueError(
-                f"The global batch has {r} rows, which does not divide among {n} replicas. "
-                "Distribute it with jstrategy's distribute_batch or a distributed dataset, "
-                "which pad it and set the row mask."
-            )
+    if rows % n:
+        raise ValueError(
+            f"The global batch has {rows} rows, which does not divide among {n} replicas. "
+            "Distribute it with jstrategy's distribute_batch or a distributed dataset, "
+            "which pad it and set the row mask."
+        )
     return jax.tree.unflatten(treedef, values), mask
-
-
-def batch_rows(x: Any) -> int:
-    """The number of rows of a batch's inputs `x`."""
-    leaves = [leaf for leaf in jax.tree.leaves(x) if np.ndim(leaf) > 0]
-    if not leaves:
-        raise ValueError("The batch's inputs `x` must contain at least one array.")
-    return int(np.shape(leaves[0])[0])
 
 
 class ArrayAdapter:
@@ -217,7 +197,7 @@ class ArrayAdapter:
     ):
         self.strategy = strategy
         self.data = jax.tree.map(np.asarray, (x, y, w))
-        rows = rows_of(self.data, "x, y and sample_weight")
+        rows = row_count(self.data, "x, y and sample_weight")
         self.rows = rows
         self.batch_size = batch_size
         self.shuffle = shuffle
@@ -395,7 +375,7 @@ class DatasetAdapter:
     def _with_mask(self, values: Any, mask: Any) -> tuple[Any, Any]:
         batch = unpack_batch(values)
         if mask is None:
-            rows = batch_rows(batch[0])
+            rows = row_count(batch[0], "x")
             mask = ones_mask(rows, self.strategy.batch_sharding())
         return batch, mask
 
@@ -496,7 +476,7 @@ def split_validation(
         )
     if not validation_split or validation_data is not None:
         return x, y, w, validation_data
-    rows = rows_of((x, y), "x and y")
+    rows = row_count((x, y), "x and y")
     split = math.floor(rows * (1.0 - float(validation_split)))
     if split in (0, rows):
         raise ValueError(

@@ -27,7 +27,6 @@ import jax
 
 from jstrategy._src import checkpoint as checkpoint_lib
 from jstrategy._src import dispatch
-from jstrategy._src.checkpoint import preemption
 from jstrategy._src.numerics import means
 from jstrategy._src.placement import place_state
 from jstrategy._src.strategy import Strategy
@@ -37,6 +36,8 @@ from jstrategy._src.training.data_adapters import DataAdapter
 from jstrategy._src.training.data_adapters import prefetch
 from jstrategy._src.training.step import check_numerics
 from jstrategy._src.training.step.spec import StepSpec
+from jstrategy._src.values import keys_as_data
+from jstrategy._src.values import keys_like
 
 __all__ = [
     "FitEpoch",
@@ -198,7 +199,7 @@ class FitState:
         trainer = self.trainer
         if weights_only:
             return {"weights": trainer.weights_tree()}
-        tree: dict[str, Any] = {"train_state": preemption.to_savable(trainer.state)}
+        tree: dict[str, Any] = {"train_state": keys_as_data(trainer.state)}
         if epoch_sums:
             tree["epoch_sums"] = self.sums if self.sums is not None else trainer.zero_sums()
         extra = trainer.fit_runner.backup_state(trainer.state)
@@ -222,7 +223,7 @@ class FitState:
         # on its parameter servers, where a Model keeps none).
         restored = manager.restore(target=target)
         metadata = manager.restore_metadata()
-        state = preemption.from_savable(restored["train_state"], trainer.state)
+        state = keys_like(restored["train_state"], trainer.state)
         trainer.state = place_state(state, trainer.strategy)
         if "strategy_state" in restored:
             trainer.fit_runner.restore_backup_state(trainer.state, restored["strategy_state"])

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jstrategy._src.numerics import row_count
 from jstrategy._src.training import losses as losses_lib
 from jstrategy._src.training import metrics as metrics_lib
 
@@ -39,7 +40,6 @@ def _names(arg: str) -> tuple[str, str, str]:
 
 def _leaf_rows(tree: Any, name: str) -> int:
     """The one number of rows of the arrays of `tree`, which must be numbers."""
-    rows: dict[int, str] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         where = f"{name}{jax.tree_util.keystr(path)}"
         dtype = np.asarray(leaf).dtype if not hasattr(leaf, "dtype") else leaf.dtype
@@ -53,13 +53,7 @@ def _leaf_rows(tree: Any, name: str) -> int:
                 f"`{where}` must have a leading axis of examples; got a scalar. Pass one "
                 "value per example, e.g. np.full((rows,), value)."
             )
-        rows.setdefault(int(np.shape(leaf)[0]), where)
-    if len(rows) > 1:
-        detail = ", ".join(f"`{w}` has {r}" for r, w in rows.items())
-        raise ValueError(
-            f"The arrays of `{name}` must have the same number of rows (examples); {detail}."
-        )
-    return next(iter(rows))
+    return row_count(tree, name)
 
 
 def array_rows(x: Any, y: Any, w: Any, *, arg: str) -> int:

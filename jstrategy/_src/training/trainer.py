@@ -22,7 +22,9 @@ import optax
 from jstrategy._src import checkpoint as checkpoint_lib
 from jstrategy._src import context
 from jstrategy._src import mixed_precision as mp
-from jstrategy._src.checkpoint import preemption
+from jstrategy._src.checkpoint.paths import latest_step_dir
+from jstrategy._src.checkpoint.paths import read_by_paths
+from jstrategy._src.checkpoint.weights import load_arrays
 from jstrategy._src.placement import create_placed
 from jstrategy._src.placement import place_state
 from jstrategy._src.strategy import get_strategy
@@ -37,6 +39,8 @@ from jstrategy._src.training.optimizers.base import ema_average
 from jstrategy._src.training.saving import config as saved_config
 from jstrategy._src.training.state import trainable
 from jstrategy._src.training.step import body as step_lib
+from jstrategy._src.values import keys_as_data
+from jstrategy._src.values import keys_like
 
 if TYPE_CHECKING:
     from jstrategy._src.strategy import Strategy
@@ -312,22 +316,22 @@ class Trainer:
 
     def weights_tree(self) -> dict[str, Any]:
         """The variables as checkpoints hold them (typed keys as raw data)."""
-        return preemption.to_savable(self.state.weights())
+        return keys_as_data(self.state.weights())
 
     def load_weights(self, filepath: os.PathLike | str) -> None:
         """`Model.load_weights`: from a `save_weights` directory or a checkpoint's latest step."""
         like = self.state.weights()
-        target = preemption.to_savable(like)
+        target = keys_as_data(like)
         path = os.path.abspath(os.fspath(filepath))
-        step_dir = checkpoint_lib.latest_step_dir(path)
+        step_dir = latest_step_dir(path)
         if step_dir is None and saved_config.is_saved_model(path):
             step_dir = os.path.join(path, saved_config.STATE_DIR)  # a model.save directory
         if step_dir is None:
-            saved = checkpoint_lib.load_arrays(path, target=target, strategy=self.strategy)
+            saved = load_arrays(path, target=target, strategy=self.strategy)
         else:
             roots = ("weights", "train_state")
-            saved = checkpoint_lib.read_by_paths(step_dir, target, roots, self.strategy)
-        saved = place_state(preemption.from_savable(saved, like), self.strategy)
+            saved = read_by_paths(step_dir, target, roots, self.strategy)
+        saved = place_state(keys_like(saved, like), self.strategy)
         self.state = self.state.with_weights(saved)
 
     def restore_checkpoint(self, directory: os.PathLike | str) -> None:
@@ -338,19 +342,19 @@ class Trainer:
         if saved_config.is_saved_model(path):
             self._restore_saved_state(os.path.join(path, saved_config.STATE_DIR))
             return
-        step_dir = checkpoint_lib.latest_step_dir(path)
+        step_dir = latest_step_dir(path)
         if step_dir is None:
             raise FileNotFoundError(
                 f"No checkpoint in {path}. Pass a directory written by ModelCheckpoint or "
                 "BackupAndRestore (for save_weights directories use load_weights)."
             )
-        target = preemption.to_savable(self.state)
+        target = keys_as_data(self.state)
         extra = self.fit_runner.backup_state(self.state)
         optional = {} if extra is None else {"strategy_state": extra}
-        saved, present = checkpoint_lib.read_by_paths(
+        saved, present = read_by_paths(
             step_dir, target, ("train_state",), self.strategy, optional=optional
         )
-        saved = preemption.from_savable(saved, self.state)
+        saved = keys_like(saved, self.state)
         self.state = place_state(saved, self.strategy)
         if "strategy_state" in present:
             self.fit_runner.restore_backup_state(self.state, present["strategy_state"])
@@ -358,15 +362,13 @@ class Trainer:
 
     def _restore_saved_state(self, state_dir: str) -> None:
         like = self.state
-        target: dict[str, Any] = {"train_state": preemption.to_savable(like)}
+        target: dict[str, Any] = {"train_state": keys_as_data(like)}
         extra = self.fit_runner.backup_state(like)
         if extra is not None:
             target["strategy_state"] = extra
         # Every leaf goes where the target's arrays are: where the model's strategy keeps them.
         saved = checkpoint_lib.load_weights(state_dir, target=target)
-        self.set_state(
-            place_state(preemption.from_savable(saved["train_state"], like), self.strategy)
-        )
+        self.set_state(place_state(keys_like(saved["train_state"], like), self.strategy))
         if extra is not None:
             self.fit_runner.restore_backup_state(self.state, saved["strategy_state"])
         self.stepped = True  # the optimizer state is the saved one

@@ -13,12 +13,12 @@ import sys
 import warnings
 from typing import Any
 
-import jax
 import numpy as np
 
 from jstrategy._src import checkpoint as checkpoint_lib
 from jstrategy._src.cluster import coordination
 from jstrategy._src.cluster import signals
+from jstrategy._src.cluster.join import is_chief
 from jstrategy._src.training.callbacks.base import Callback
 from jstrategy._src.training.callbacks.base import log_numbers
 from jstrategy._src.training.callbacks.monitor import Mode
@@ -65,10 +65,6 @@ def _check_save_freq(save_freq: Any) -> str | int:
             f"{save_freq!r}."
         )
     return int(save_freq)
-
-
-def _is_chief() -> bool:
-    return jax.process_index() == 0
 
 
 class _StepCounter:
@@ -253,17 +249,17 @@ class ModelCheckpoint(MonitorCallback):
                 current < self.best if self.lower_is_better() else current > self.best
             )
             if not better:
-                if self.verbose > 0 and _is_chief():
+                if self.verbose > 0 and is_chief():
                     print(f"\n{where}{self.monitor} did not improve from {self.best}", flush=True)
                 return
-            if self.verbose > 0 and _is_chief():
+            if self.verbose > 0 and is_chief():
                 print(
                     f"\n{where}{self.monitor} improved from {self.best} to {current}, saving "
                     f"the model to {self.filepath}/{step}",
                     flush=True,
                 )
             self.best = current
-        elif self.verbose > 0 and _is_chief():
+        elif self.verbose > 0 and is_chief():
             print(f"\n{where}saving the model to {self.filepath}/{step}", flush=True)
         latest = self._manager.latest_step()
         if latest is not None and step <= latest:
@@ -388,7 +384,7 @@ class BackupAndRestore(Callback):
         self._backups = 0 if latest is None else int(latest)
         if latest is not None:
             where = _fit_state(self.model, "BackupAndRestore").restore_backup(self._manager)
-            if _is_chief():
+            if is_chief():
                 print(
                     f"BackupAndRestore: resuming from the backup in {self.backup_dir} at "
                     f"epoch {where['epoch'] + 1}, step {where['step']}.",
@@ -426,7 +422,7 @@ class BackupAndRestore(Callback):
     def _preempted(self) -> None:
         where = self._save(epoch_end=False)
         self._manager.wait_until_finished()
-        if _is_chief():
+        if is_chief():
             print(
                 f"BackupAndRestore: preemption notice; backed up epoch {where['epoch'] + 1}, "
                 f"step {where['step']} in {self.backup_dir}; exiting with status "
@@ -446,7 +442,7 @@ class BackupAndRestore(Callback):
         fix = "Every worker runs fit with the same BackupAndRestore callback."
         if meeting is not None:
             coordination.barrier(f"backup-{meeting}/delete", what=what, fix=fix)
-        if _is_chief():
+        if is_chief():
             shutil.rmtree(self.backup_dir, ignore_errors=True)
         if meeting is not None:
             coordination.barrier(f"backup-{meeting}/deleted", what=what, fix=fix)

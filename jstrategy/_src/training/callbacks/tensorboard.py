@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jstrategy._src.cluster.join import is_chief
 from jstrategy._src.training.callbacks.base import Callback
 from jstrategy._src.training.callbacks.base import host_float
 from jstrategy._src.training.callbacks.base import log_numbers
@@ -213,10 +214,6 @@ class TensorBoard(Callback):
         self._epoch_start: tuple[float, int | None] = (0.0, None)
 
     # Writers ----------------------------------------------------------------------------
-    @staticmethod
-    def _is_chief() -> bool:
-        return jax.process_index() == 0
-
     def _writer(self, name: str) -> Any:
         writer = self._writers.get(name)
         if writer is None:
@@ -284,7 +281,7 @@ class TensorBoard(Callback):
 
     # Hooks ------------------------------------------------------------------------------
     def on_train_begin(self, logs=None):
-        if self._is_chief():
+        if is_chief():
             self._check_log_dir()
         self._in_fit = True
         self._fit_batches = 0
@@ -292,7 +289,7 @@ class TensorBoard(Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_base = None
-        if self.write_steps_per_second and self._is_chief():
+        if self.write_steps_per_second and is_chief():
             self._epoch_start = (time.perf_counter(), self._model_step())
 
     def on_train_batch_begin(self, batch, logs=None):
@@ -306,7 +303,7 @@ class TensorBoard(Callback):
             self._should_trace
             and not self._is_tracing
             and self._start_batch <= self._fit_batches <= self._stop_batch
-            and self._is_chief()
+            and is_chief()
         ):
             self._start_trace()
 
@@ -315,7 +312,7 @@ class TensorBoard(Callback):
             # The profiled batches' device work is done before the trace is stopped.
             jax.block_until_ready(list((logs or {}).values()))
             self._stop_trace()
-        if self.update_freq == "epoch" or not self._is_chief():
+        if self.update_freq == "epoch" or not is_chief():
             return
         assert self._epoch_base is not None and isinstance(self.update_freq, int)
         step = self._epoch_base + batch + 1
@@ -337,7 +334,7 @@ class TensorBoard(Callback):
             # Read on every process: variables split across processes (FSDP) are gathered
             # collectively; only the chief writes them.
             histograms = self._histogram_values()
-        if not self._is_chief():
+        if not is_chief():
             return
         numbers = log_numbers(logs)
         train = {k: v for k, v in numbers.items() if not k.startswith("val_")}
@@ -363,11 +360,11 @@ class TensorBoard(Callback):
         self._flush()
 
     def on_test_begin(self, logs=None):
-        if not self._in_fit and self._is_chief():  # Model.evaluate(callbacks=[...])
+        if not self._in_fit and is_chief():  # Model.evaluate(callbacks=[...])
             self._check_log_dir()
 
     def on_test_end(self, logs=None):
-        if not self._is_chief():
+        if not is_chief():
             return
         step = self._model_step()
         if step is not None:

@@ -35,13 +35,14 @@ import numpy as np
 from orbax.checkpoint import multihost
 
 from jstrategy._src import checkpoint as checkpoint_lib
-from jstrategy._src.checkpoint import preemption
+from jstrategy._src.checkpoint.paths import latest_step_dir
 from jstrategy._src.cluster import coordination
 from jstrategy._src.training.saving import config as saved_config
 from jstrategy._src.training.saving.config import CONFIG_FILE
 from jstrategy._src.training.saving.config import STATE_DIR
 from jstrategy._src.training.saving.config import CompiledModel
 from jstrategy._src.training.saving.config import is_saved_model
+from jstrategy._src.values import keys_as_data
 from jstrategy._src.values import to_host
 
 if TYPE_CHECKING:
@@ -123,7 +124,7 @@ def save_model(
         **model.get_config(),
         "compile": None,
     }
-    tree: dict[str, Any] = {"train_state": preemption.to_savable(state)}
+    tree: dict[str, Any] = {"train_state": keys_as_data(state)}
     if model.compiled:
         config["compile"] = saved_config.serialize_compile(model)  # before anything is written
         extra = trainer.fit_runner.backup_state(state)
@@ -152,7 +153,7 @@ def read_config(path: str) -> dict[str, Any]:
         )
     if not is_saved_model(path):
         hint = ""
-        if os.path.isdir(path) and checkpoint_lib.latest_step_dir(path) is not None:
+        if os.path.isdir(path) and latest_step_dir(path) is not None:
             hint = " It holds checkpoints: build the model and call model.load_weights(path)."
         elif os.path.isdir(path):
             hint = " For a save_weights directory, build the model and call load_weights."

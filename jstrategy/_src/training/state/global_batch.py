@@ -53,6 +53,7 @@ from flax import nnx
 from jstrategy._src import batch_region
 from jstrategy._src.batch_region import Region
 from jstrategy._src.batch_region import global_rows_bernoulli
+from jstrategy._src.numerics import row_count
 
 __all__ = [
     "BatchNormSync",
@@ -117,7 +118,7 @@ def as_batch_norm_sync(value: Any) -> BatchNormSync:
 def _region(
     x: Any, axis_name: str | None, sync: BatchNormSync, row_mask: Any = None
 ) -> Region | None:
-    rows = batch_region.leading_rows(x)
+    rows = row_count(x)
     if axis_name is None or rows is None:
         return None
     return Region(axis_name, rows, sync is BatchNormSync.GLOBAL, row_mask)

@@ -10,7 +10,6 @@ one it holds.
 
 from __future__ import annotations
 
-import inspect
 from typing import TYPE_CHECKING
 from typing import Any
 from typing import Protocol
@@ -25,6 +24,9 @@ from flax.training import train_state as flax_train_state
 
 from jstrategy._src import flax_annotations
 from jstrategy._src import mixed_precision as mp
+from jstrategy._src.layers.base import TRAIN_KEYWORDS
+from jstrategy._src.layers.base import train_keyword
+from jstrategy._src.layers.base import train_kwargs
 from jstrategy._src.layers.regularizers import LOSSES
 from jstrategy._src.loss_scale import DynamicLossScale
 from jstrategy._src.placement import create_placed
@@ -37,6 +39,7 @@ from jstrategy._src.training.state import global_batch
 from jstrategy._src.training.state import trainable
 from jstrategy._src.training.state import weight_order as weight_order_lib
 from jstrategy._src.training.state.global_batch import BatchNormSync
+from jstrategy._src.values import is_key
 
 if TYPE_CHECKING:
     from jstrategy._src.strategy import Strategy
@@ -54,7 +57,6 @@ _S = TypeVar("_S", bound="TrainStateProtocol")
 
 # Keyword arguments that tell a Flax module whether it is training, and the value each
 # takes in training mode (``deterministic`` is the negation).
-_TRAIN_ARGS = {"train": True, "training": True, "deterministic": False}
 
 
 class TrainStateProtocol(Protocol):
@@ -270,9 +272,7 @@ class TrainState(flax_train_state.TrainState):
         return self.batch_stats
 
     def _mode_kwargs(self, train: bool) -> dict[str, Any]:
-        if self.train_arg is None:
-            return {}
-        return {self.train_arg: train if self.train_arg != "deterministic" else not train}
+        return train_kwargs(self.train_arg, train)
 
     def forward(
         self,
@@ -433,23 +433,19 @@ def as_train_state(state: Any) -> TrainStateProtocol:
 
 def _resolve_train_arg(module: Any, train_arg: str | None) -> str | None:
     if train_arg != "auto":
-        if train_arg is not None and train_arg not in _TRAIN_ARGS:
+        if train_arg is not None and train_arg not in TRAIN_KEYWORDS:
             raise ValueError(
-                f"`train_arg` must be 'auto', None or one of {sorted(_TRAIN_ARGS)}; got "
+                f"`train_arg` must be 'auto', None or one of {sorted(TRAIN_KEYWORDS)}; got "
                 f"{train_arg!r}."
             )
         return train_arg
-    try:
-        params = inspect.signature(type(module).__call__).parameters
-    except (TypeError, ValueError):
-        return None
-    return next((name for name in _TRAIN_ARGS if name in params), None)
+    return train_keyword(module)
 
 
 def _rng_key(rng: Any) -> jax.Array:
     if isinstance(rng, (int, np.integer)):
         return jax.random.key(int(rng))
-    if isinstance(rng, jax.Array) and jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+    if is_key(rng):
         return rng
     if isinstance(rng, (jax.Array, np.ndarray)) and rng.shape == (2,):
         return jax.random.wrap_key_data(jnp.asarray(rng, jnp.uint32))
@@ -594,7 +590,7 @@ def _creation(
     resolved = _resolve_train_arg(module, train_arg)
     kwargs = dict(init_kwargs)
     if resolved is not None and resolved not in kwargs:
-        kwargs[resolved] = resolved == "deterministic"
+        kwargs.update(train_kwargs(resolved, False))
 
     def init(key: jax.Array, *sample_args: Any) -> TrainState:
         params_key, dropout_key = jax.random.split(key)

@@ -30,6 +30,7 @@ from flax import nnx
 from flax import traverse_util
 
 from jstrategy._src.layers.base import Layer
+from jstrategy._src.layers.base import train_kwargs
 from jstrategy._src.training.state import weight_order
 from jstrategy._src.training.state.weight_order import Path
 
@@ -237,9 +238,7 @@ def with_current_plan(
         frozen = tuple(p for p in plan.frozen if p) + (() if model_trainable else ((),))
         plan = LayerPlan(frozen, plan.constraints)
     else:
-        kwargs = (
-            {} if state.train_arg is None else {state.train_arg: state.train_arg == "deterministic"}
-        )
+        kwargs = train_kwargs(state.train_arg, False)
         plan = read_plan(
             module, sample, kwargs, everything_frozen=not model_trainable, layers=layers
         )

@@ -43,10 +43,11 @@ from jstrategy._src.numerics import COUNT
 from jstrategy._src.numerics import WEIGHT_SUM
 from jstrategy._src.numerics import means
 from jstrategy._src.numerics import per_example
+from jstrategy._src.numerics import row_count
 from jstrategy._src.numerics import weight_key
 from jstrategy._src.pipeline import repeated
+from jstrategy._src.pipeline.loss import microbatch
 from jstrategy._src.pipeline.loss import one_f_one_b_loss
-from jstrategy._src.pipeline.loss import rows_of
 from jstrategy._src.pipeline.schedules import PipelineSchedule
 from jstrategy._src.placement import abstract
 from jstrategy._src.placement import create_placed
@@ -57,7 +58,6 @@ from jstrategy._src.staging import replica_map
 from jstrategy._src.staging import row_spec
 from jstrategy._src.training import losses as losses_lib
 from jstrategy._src.training import metrics as metrics_lib
-from jstrategy._src.training.data_adapters import batch_rows
 from jstrategy._src.training.data_adapters import unpack_batch
 from jstrategy._src.training.per_example import samplewise
 from jstrategy._src.training.per_example import weighted_values
@@ -74,6 +74,7 @@ from jstrategy._src.training.step import replica_constraints
 from jstrategy._src.training.step.spec import Metric
 from jstrategy._src.training.step.spec import StepSpec
 from jstrategy._src.validation import check_positive_int
+from jstrategy._src.values import is_key
 from jstrategy._src.values import varying_axes
 
 if TYPE_CHECKING:
@@ -384,8 +385,8 @@ def _replica_loss(
     def microbatch_loss(y_pred: Any, m: Any) -> jax.Array:
         # Microbatch m's rows of the labels, weights and mask (`one_f_one_b_loss`).
         rows = maskf.shape[0]
-        size = batch_rows(y_pred)
-        y_m, maskf_m, w_m = rows_of((y, maskf, w), rows, m, size)
+        size = row_count(y_pred, "y_pred")
+        y_m, maskf_m, w_m = microbatch((y, maskf, w), rows, m, size)
         return _loss_sum(spec, y_m, y_pred, maskf_m, w_m)
 
     def penalty(model_loss: Any) -> jax.Array:
@@ -504,7 +505,7 @@ def _replica_mean(x: Any, axis: str, n: int) -> Any:
     """A replica's mutable-state leaf averaged over the vmapped replicas, as `replica_gradients`
     averages those that differ across replicas: a leaf the same on every replica (computed
     from synchronized statistics, or untouched) is kept exactly, and PRNG keys as they are."""
-    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+    if is_key(x):
         return x
     # Mutable state is not differentiated, but this runs inside the function that is:
     # without the stop, JAX would need pmax's derivative, which it does not define.

@@ -19,6 +19,7 @@ import jax
 
 from jstrategy._src import dispatch
 from jstrategy._src import mixed_precision as mp
+from jstrategy._src.numerics import row_count
 from jstrategy._src.placement import check_placed
 from jstrategy._src.strategy import get_strategy
 from jstrategy._src.training import data_adapters
@@ -71,7 +72,7 @@ class _Step:
         values, mask = data_adapters.split_batch(batch, strategy)
         if mask is None:
             x = data_adapters.unpack_batch(values)[0]
-            mask = data_adapters.ones_mask(data_adapters.batch_rows(x), strategy.batch_sharding())
+            mask = data_adapters.ones_mask(row_count(x, "x"), strategy.batch_sharding())
         return state, values, mask
 
 
