@@ -37,6 +37,7 @@ from jstrategy._src import dispatch
 from jstrategy._src.collective_util import CommunicationImplementation
 from jstrategy._src.context import _all_gather_invariant
 from jstrategy._src.reduce_util import ReduceOp
+from jstrategy._src.validation import check_number
 from jstrategy._src.values import PerReplica
 from jstrategy._src.values import is_per_replica
 from jstrategy._src.values import on_a_mesh
@@ -232,12 +233,13 @@ def _data_axis(mesh: jax.sharding.Mesh, axis_name: str | None) -> str:
 
 
 def _check_num_packs(num_packs: int) -> int:
-    if not isinstance(num_packs, int) or isinstance(num_packs, bool) or num_packs < 0:
-        raise ValueError(
-            f"`num_packs` must be a non-negative int; got {num_packs!r}. Use 1 to pack all "
-            "tensors into one buffer, or 0 to reduce each tensor on its own."
-        )
-    return num_packs
+    return check_number(
+        num_packs,
+        "num_packs",
+        integer=True,
+        low=0,
+        fix="Use 1 to pack all tensors into one buffer, or 0 to reduce each tensor on its own.",
+    )
 
 
 def _packed(
@@ -492,16 +494,13 @@ class CollectiveAllReduce(CrossDeviceOps):
     def __init__(self, implementation: Any = "AUTO", bytes_per_pack: int = 0):
         super().__init__()
         self.implementation = CommunicationImplementation.from_value(implementation)
-        if (
-            not isinstance(bytes_per_pack, int)
-            or isinstance(bytes_per_pack, bool)
-            or bytes_per_pack < 0
-        ):
-            raise ValueError(
-                f"`bytes_per_pack` must be a non-negative int; got {bytes_per_pack!r}. Use 0 "
-                "to let XLA pack, or e.g. 32 << 20 for 32 MiB buffers."
-            )
-        self.bytes_per_pack = bytes_per_pack
+        self.bytes_per_pack = check_number(
+            bytes_per_pack,
+            "bytes_per_pack",
+            integer=True,
+            low=0,
+            fix="Use 0 to let XLA pack, or e.g. 32 << 20 for 32 MiB buffers.",
+        )
 
     def _settings(self) -> dict[str, Any]:
         return {"implementation": self.implementation, "bytes_per_pack": self.bytes_per_pack}

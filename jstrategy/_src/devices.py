@@ -8,6 +8,8 @@ from typing import TypeAlias
 
 import jax
 
+from jstrategy._src.validation import is_int
+
 __all__ = ["DeviceSpec", "canonical_name", "resolve_device", "resolve_devices"]
 
 DeviceSpec: TypeAlias = str | jax.Device
@@ -135,7 +137,7 @@ def resolve_devices(specs: Sequence[DeviceSpec], *, argument: str = "devices") -
         specs = list(specs)
     except TypeError:
         hint = ""
-        if isinstance(specs, int) and not isinstance(specs, bool):
+        if is_int(specs):
             hint = f" To use {specs} devices, pass {argument}=jax.local_devices()[:{specs}]."
         raise TypeError(
             f"`{argument}` must be a list of devices (TF-style strings such as '/gpu:0', or "

@@ -37,6 +37,8 @@ import jax
 import numpy as np
 
 from jstrategy._src.numerics import round_up
+from jstrategy._src.validation import check_number
+from jstrategy._src.validation import is_int
 from jstrategy._src.values import PerReplica
 from jstrategy._src.values import local_replica_devices
 from jstrategy._src.values import replica_devices
@@ -126,12 +128,14 @@ class InputOptions:
             value = getattr(self, name)
             if not isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"`{name}` must be a bool; got {type(value).__name__} {value!r}.")
-        size = self.experimental_per_replica_buffer_size
-        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0:
-            raise ValueError(
-                f"`experimental_per_replica_buffer_size` must be an int >= 0; got {size!r}. "
-                "Pass 0 to turn prefetching off, or 1 or 2 to overlap transfers with steps."
-            )
+        size = check_number(
+            self.experimental_per_replica_buffer_size,
+            "experimental_per_replica_buffer_size",
+            integer=True,
+            low=0,
+            expected="an int >= 0",
+            fix="Pass 0 to turn prefetching off, or 1 or 2 to overlap transfers with steps.",
+        )
         mode = self.experimental_replication_mode
         if isinstance(mode, str) and mode.upper() in InputReplicationMode.__members__:
             mode = InputReplicationMode[mode.upper()]
@@ -188,17 +192,17 @@ class InputContext:
             ("num_input_pipelines", num_input_pipelines),
             ("num_replicas_in_sync", num_replicas_in_sync),
         ):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"`{name}` must be a positive int; got {value!r}.")
-        if (
-            isinstance(input_pipeline_id, bool)
-            or not isinstance(input_pipeline_id, (int, np.integer))
-            or not 0 <= input_pipeline_id < num_input_pipelines
-        ):
-            raise ValueError(
-                f"`input_pipeline_id` must be an int in [0, {num_input_pipelines}) "
-                f"(num_input_pipelines={num_input_pipelines}); got {input_pipeline_id!r}."
-            )
+            check_number(value, name, integer=True, low=1)
+        check_number(
+            input_pipeline_id,
+            "input_pipeline_id",
+            integer=True,
+            low=0,
+            high=num_input_pipelines,
+            high_open=True,
+            expected=f"an int in [0, {num_input_pipelines}) "
+            f"(num_input_pipelines={num_input_pipelines})",
+        )
         self._num_input_pipelines = int(num_input_pipelines)
         self._input_pipeline_id = int(input_pipeline_id)
         self._num_replicas_in_sync = int(num_replicas_in_sync)
@@ -231,14 +235,7 @@ class InputContext:
           ValueError: if `global_batch_size` does not divide by `num_replicas_in_sync`.
         """
         n = self._num_replicas_in_sync
-        if (
-            isinstance(global_batch_size, bool)
-            or not isinstance(global_batch_size, (int, np.integer))
-            or global_batch_size < 1
-        ):
-            raise ValueError(
-                f"`global_batch_size` must be a positive int; got {global_batch_size!r}."
-            )
+        check_number(global_batch_size, "global_batch_size", integer=True, low=1)
         if global_batch_size % n:
             raise ValueError(
                 f"`global_batch_size` must be divisible by num_replicas_in_sync={n}; got "
@@ -604,10 +601,7 @@ class _Placer:
         unit = strategy.batch_multiple  # n, times a pipeline's microbatches
         owners, pipeline_id, pipelines, local_replicas = _process_layout(strategy)
         if global_batch_size is not None and (
-            isinstance(global_batch_size, bool)
-            or not isinstance(global_batch_size, (int, np.integer))
-            or global_batch_size < 1
-            or global_batch_size % unit
+            not is_int(global_batch_size) or global_batch_size < 1 or global_batch_size % unit
         ):
             hint = round_up(global_batch_size, unit) if isinstance(global_batch_size, int) else unit
             what = f"num_replicas_in_sync={n}" if unit == n else f"batch_multiple={unit}"

@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
 
 from jstrategy._src import context
+from jstrategy._src.validation import check_number
 
 __all__ = ["compute_average_loss", "scale_regularization_loss"]
 
@@ -67,14 +67,14 @@ def compute_average_loss(
         if 0 < weight.ndim < loss.ndim:
             weight = weight.reshape(weight.shape + (1,) * (loss.ndim - weight.ndim))
         loss = loss * weight
-    if global_batch_size is not None and (
-        isinstance(global_batch_size, bool)
-        or not isinstance(global_batch_size, (int, np.integer))
-        or global_batch_size < 1
-    ):
-        raise ValueError(
-            f"`global_batch_size` must be a positive int or None; got {global_batch_size!r}. "
-            "Pass None to divide by the real rows across all replicas."
+    if global_batch_size is not None:
+        check_number(
+            global_batch_size,
+            "global_batch_size",
+            integer=True,
+            low=1,
+            expected="a positive int or None",
+            fix="Pass None to divide by the real rows across all replicas.",
         )
     ctx = context.get_replica_context()
     if ctx is None and global_batch_size is None:

@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jstrategy._src.validation import check_number
+
 __all__ = ["DynamicLossScale", "LossScaleFloorWarning", "all_finite", "select_if_finite"]
 
 _INITIAL_SCALE = 2.0**15
@@ -182,15 +184,20 @@ class DynamicLossScale(struct.PyTreeNode):
 
     def __post_init__(self) -> None:
         # Only the static settings: the array fields may be placeholders inside JAX.
-        steps = self.dynamic_growth_steps
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(
-                f"`dynamic_growth_steps` must be a positive int; got {steps!r}. Keras's "
-                f"default is {_GROWTH_STEPS}."
-            )
-        floor = self.min_loss_scale
-        if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not floor > 0:
-            raise ValueError(f"`min_loss_scale` must be a positive number; got {floor!r}.")
+        check_number(
+            self.dynamic_growth_steps,
+            "dynamic_growth_steps",
+            integer=True,
+            low=1,
+            fix=f"Keras's default is {_GROWTH_STEPS}.",
+        )
+        check_number(
+            self.min_loss_scale,
+            "min_loss_scale",
+            low=0,
+            low_open=True,
+            expected="a positive number",
+        )
 
     @classmethod
     def create(
@@ -219,15 +226,15 @@ class DynamicLossScale(struct.PyTreeNode):
         >>> float(DynamicLossScale.create(initial_scale=1024.0).loss_scale)
         1024.0
         """
-        if (
-            isinstance(initial_scale, bool)
-            or not isinstance(initial_scale, (int, float))
-            or not 0 < initial_scale < float("inf")
-        ):
-            raise ValueError(
-                f"`initial_scale` must be a positive finite number; got {initial_scale!r}. "
-                f"Keras's default is 2**15 = {_INITIAL_SCALE:g}."
-            )
+        check_number(
+            initial_scale,
+            "initial_scale",
+            low=0,
+            low_open=True,
+            finite=True,
+            expected="a positive finite number",
+            fix=f"Keras's default is 2**15 = {_INITIAL_SCALE:g}.",
+        )
         return cls(
             loss_scale=jnp.float32(initial_scale),
             counter=jnp.int32(0),

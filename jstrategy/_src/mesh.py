@@ -21,6 +21,7 @@ from jstrategy._src import devices as devices_lib
 from jstrategy._src import jax_compat
 from jstrategy._src.cluster.layout import training_process_layout
 from jstrategy._src.cluster.tf_config import TFConfigClusterResolver
+from jstrategy._src.validation import is_int
 
 __all__ = ["DeviceMesh", "auto_mesh", "devices_known"]
 
@@ -158,11 +159,7 @@ def _check_shape(shape: Any) -> tuple[int, ...]:
         dims = tuple(shape)
     except TypeError:
         dims = None
-    if (
-        not dims
-        or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) for d in dims)
-        or any(d < 1 for d in dims)
-    ):
+    if not dims or any(not is_int(d) or d < 1 for d in dims):
         raise ValueError(
             f"`shape` must be a non-empty sequence of positive ints, one per mesh axis, "
             f"e.g. (2, 4); got {shape!r}."

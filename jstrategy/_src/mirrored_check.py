@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jstrategy._src.validation import check_bool
 from jstrategy._src.values import key_data
 
 __all__ = ["disagreement", "enabled", "experimental_check_mirrored"]
@@ -54,8 +55,7 @@ def experimental_check_mirrored(enabled: bool = True) -> None:
     >>> jstrategy.config.experimental_check_mirrored(True)
     >>> jstrategy.config.experimental_check_mirrored(False)
     """
-    if not isinstance(enabled, bool):
-        raise TypeError(f"`enabled` must be a bool; got {type(enabled).__name__} {enabled!r}.")
+    check_bool(enabled, "enabled", error=TypeError)
     _GLOBAL["enabled"] = enabled
 
 

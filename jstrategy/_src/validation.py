@@ -13,10 +13,12 @@ import numpy as np
 __all__ = [
     "check_bool",
     "check_non_negative_int",
+    "check_number",
     "check_positive_float",
     "check_positive_int",
     "check_row_shape",
     "is_int",
+    "is_number",
     "named_object",
 ]
 
@@ -30,6 +32,93 @@ def is_int(value: Any) -> bool:
     (True, True, False, False)
     """
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """Whether `value` is a Python or NumPy real number (a bool is not).
+
+    Example:
+
+    >>> is_number(0.5), is_number(np.float32(2)), is_number(False), is_number("1")
+    (True, True, False, False)
+    """
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def _expected(
+    integer: bool,
+    low: float | None,
+    high: float | None,
+    low_open: bool,
+    high_open: bool,
+    finite: bool,
+) -> str:
+    """What `check_number` wanted, in the words the library's messages use."""
+    kind = "int" if integer else "float"
+    if low is not None and high is not None:
+        left, right = "(" if low_open else "[", ")" if high_open else "]"
+        return f"{'an int' if integer else 'a float'} in {left}{low}, {high}{right}"
+    if high is None and low == 0 and not low_open:
+        return f"a non-negative {kind}"
+    if high is None and ((low == 0 and low_open) or (integer and low == 1)):
+        return f"a positive {'finite ' if finite else ''}{kind}"
+    if finite:
+        return f"a finite {kind}"
+    return "an int" if integer else "a number"
+
+
+def check_number(
+    value: Any,
+    name: str,
+    *,
+    integer: bool = False,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    finite: bool = False,
+    expected: str | None = None,
+    fix: str = "",
+) -> Any:
+    """`value` if it is a number (an integer with `integer`; never a bool) in the range,
+    as an int or a float; else a `ValueError` naming `name`. The one numeric check.
+
+    Args:
+      value: what was given.
+      name: the argument's name.
+      integer: whether it must be an integer (Python or NumPy).
+      low: the lowest value allowed (None: no bound); `low_open` excludes it.
+      high: the highest value allowed (None: no bound); `high_open` excludes it.
+      finite: whether infinities and NaN are refused.
+      expected: what the message says was expected; by default from the other
+        arguments (``"a positive int"``, ``"a float in [0, 1)"``, ...).
+      fix: appended to the message.
+
+    Example:
+
+    >>> check_number(0.5, "rate", low=0, high=1, high_open=True)
+    0.5
+    >>> check_number(True, "momentum", low=0, high=1)
+    Traceback (most recent call last):
+    ...
+    ValueError: `momentum` must be a float in [0, 1]; got True.
+    >>> check_number(0, "steps", integer=True, low=1, fix="E.g. 100.")
+    Traceback (most recent call last):
+    ...
+    ValueError: `steps` must be a positive int; got 0. E.g. 100.
+    """
+    ok = is_int(value) if integer else is_number(value)
+    if ok and finite and not np.isfinite(value):
+        ok = False
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if not ok:
+        if expected is None:
+            expected = _expected(integer, low, high, low_open, high_open, finite)
+        raise _fail(name, expected, value, fix)
+    return int(value) if integer else float(value)
 
 
 def _fail(name: str, expected: str, value: Any, fix: str) -> ValueError:
@@ -51,9 +140,7 @@ def check_positive_int(value: Any, name: str, fix: str = "") -> int:
     ...
     ValueError: `batch_size` must be a positive int; got 0. E.g. 32.
     """
-    if not is_int(value) or value < 1:
-        raise _fail(name, "a positive int", value, fix)
-    return int(value)
+    return check_number(value, name, integer=True, low=1, fix=fix)
 
 
 def check_non_negative_int(value: Any, name: str, fix: str = "") -> int:
@@ -66,9 +153,7 @@ def check_non_negative_int(value: Any, name: str, fix: str = "") -> int:
     ...
     ValueError: `epochs` must be a non-negative int; got -1.
     """
-    if not is_int(value) or value < 0:
-        raise _fail(name, "a non-negative int", value, fix)
-    return int(value)
+    return check_number(value, name, integer=True, low=0, fix=fix)
 
 
 def check_positive_float(value: Any, name: str, fix: str = "") -> float:
@@ -79,14 +164,18 @@ def check_positive_float(value: Any, name: str, fix: str = "") -> float:
     >>> check_positive_float(2, "timeout")
     2.0
     """
-    number = isinstance(value, (int, float, np.integer, np.floating))
-    if isinstance(value, bool) or not number or not value > 0:
-        raise _fail(name, "a positive float", value, fix)
-    return float(value)
+    return check_number(value, name, low=0, low_open=True, fix=fix)
 
 
-def check_bool(value: Any, name: str, fix: str = "Pass True or False.") -> bool:
-    """`value` if it is a bool, else a `ValueError` naming `name`.
+def check_bool(
+    value: Any,
+    name: str,
+    fix: str = "Pass True or False.",
+    *,
+    expected: str = "a bool",
+    error: type[Exception] = ValueError,
+) -> bool:
+    """`value` if it is a bool, else an `error` (a `ValueError` by default) naming `name`.
 
     Example:
 
@@ -96,7 +185,7 @@ def check_bool(value: Any, name: str, fix: str = "Pass True or False.") -> bool:
     ValueError: `from_logits` must be a bool; got 'yes'. Pass True or False.
     """
     if not isinstance(value, bool):
-        raise _fail(name, "a bool", value, fix)
+        raise error(str(_fail(name, expected, value, fix)))
     return value
 
 

@@ -31,6 +31,9 @@ from jstrategy._src.checkpoint.restore_layout import restore_into
 from jstrategy._src.checkpoint.workers import EVERY_WORKER
 from jstrategy._src.checkpoint.workers import chief_directory
 from jstrategy._src.cluster import coordination
+from jstrategy._src.validation import check_bool
+from jstrategy._src.validation import check_number
+from jstrategy._src.validation import is_int
 
 if TYPE_CHECKING:
     from jstrategy._src.strategy import Strategy
@@ -150,11 +153,13 @@ class CheckpointManager:
             raise ValueError(
                 f"`directory` must be a directory; {directory} is a file. Pass another path."
             )
-        if max_to_keep is not None and (
-            not isinstance(max_to_keep, int) or isinstance(max_to_keep, bool) or max_to_keep < 1
-        ):
-            raise ValueError(
-                f"`max_to_keep` must be a positive int or None (keep all); got {max_to_keep!r}."
+        if max_to_keep is not None:
+            check_number(
+                max_to_keep,
+                "max_to_keep",
+                integer=True,
+                low=1,
+                expected="a positive int or None (keep all)",
             )
         if keep_best is not None and (not isinstance(keep_best, str) or not keep_best):
             raise ValueError(f"`keep_best` must be a metric name (str) or None; got {keep_best!r}.")
@@ -164,16 +169,8 @@ class CheckpointManager:
             raise ValueError(
                 f"`best_mode` must be 'min' or 'max' (or jstrategy BestMode); got {best_mode!r}."
             ) from None
-        if (
-            not isinstance(save_interval_steps, int)
-            or isinstance(save_interval_steps, bool)
-            or save_interval_steps < 1
-        ):
-            raise ValueError(
-                f"`save_interval_steps` must be a positive int; got {save_interval_steps!r}."
-            )
-        if not isinstance(async_save, bool):
-            raise TypeError(f"`async_save` must be a bool; got {async_save!r}.")
+        check_number(save_interval_steps, "save_interval_steps", integer=True, low=1)
+        check_bool(async_save, "async_save", error=TypeError)
         self._meeting: int | None = None
         self._restores = 0
         if coordination.active():
@@ -292,9 +289,7 @@ class CheckpointManager:
           OSError: if the directory cannot be written (the message names it).
         """
         self._check_open()
-        if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"`step` must be a non-negative int; got {step!r}.")
-        step = int(step)
+        step = check_number(step, "step", integer=True, low=0)
         metrics_ = _metrics_dict(metrics, self._keep_best)
         check_metadata(metadata)
         if not force and not self._manager.should_save(step):
@@ -374,7 +369,7 @@ class CheckpointManager:
                     f"No checkpoint in {self._directory}. Save one first, or check the path."
                 )
             return steps[-1]
-        if not isinstance(step, (int, np.integer)) or isinstance(step, bool):
+        if not is_int(step):
             raise TypeError(f"`step` must be an int or None; got {step!r}.")
         if int(step) not in steps:
             raise FileNotFoundError(

@@ -18,6 +18,7 @@ from jstrategy._src.checkpoint.restore_layout import restore_into
 from jstrategy._src.checkpoint.workers import EVERY_WORKER
 from jstrategy._src.checkpoint.workers import chief_directory
 from jstrategy._src.cluster import coordination
+from jstrategy._src.validation import check_bool
 
 if TYPE_CHECKING:
     from jstrategy._src.strategy import Strategy
@@ -65,8 +66,7 @@ def save_weights(path: os.PathLike | str, variables: Any, *, overwrite: bool = T
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise TypeError(f"`path` must be a non-empty path (str or os.PathLike); got {path!r}.")
     path = os.path.abspath(os.fspath(path))
-    if not isinstance(overwrite, bool):
-        raise TypeError(f"`overwrite` must be a bool; got {overwrite!r}.")
+    check_bool(overwrite, "overwrite", error=TypeError)
     name = f"weights-{coordination.next_id()}" if coordination.active() else None
     if name is not None:
         path = chief_directory(name, path, f"save_weights({path!r})")

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import IO
 
+from jstrategy._src.validation import check_number
 from jstrategy._src.validation import check_positive_float
 from jstrategy._src.validation import check_positive_int
 
@@ -314,15 +315,16 @@ def _restore_signal_handlers(previous: dict[int, object]) -> None:
         signal.signal(signum, handler)  # type: ignore[arg-type]
 
 
-def _positive(kind: type):
+def _positive_arg(kind: type):
+    """An argparse type: the text as a `kind` > 0 (`validation.check_number`'s check)."""
+
     def parse(text: str):
         try:
-            value = kind(text)
+            return check_number(kind(text), "value", integer=kind is int, low=0, low_open=True)
         except ValueError:
-            value = None
-        if value is None or value <= 0:
-            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}; got {text!r}")
-        return value
+            raise argparse.ArgumentTypeError(
+                f"must be a positive {kind.__name__}; got {text!r}"
+            ) from None
 
     return parse
 
@@ -339,14 +341,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--num_workers",
         "--num-workers",
-        type=_positive(int),
+        type=_positive_arg(int),
         required=True,
         help="number of worker tasks",
     )
     parser.add_argument(
         "--devices_per_worker",
         "--devices-per-worker",
-        type=_positive(int),
+        type=_positive_arg(int),
         default=None,
         help="run each worker on CPU with this many fake JAX devices",
     )
@@ -355,7 +357,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--timeout",
-        type=_positive(float),
+        type=_positive_arg(float),
         default=None,
         help="stop every worker after this many seconds and exit with 124",
     )

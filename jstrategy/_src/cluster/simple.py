@@ -8,6 +8,7 @@ from typing import Any
 from jstrategy._src.cluster.resolver import ClusterResolver
 from jstrategy._src.cluster.spec import ClusterSpec
 from jstrategy._src.cluster.spec import format_master_url
+from jstrategy._src.validation import is_int
 
 __all__ = ["SimpleClusterResolver"]
 
@@ -57,7 +58,7 @@ class SimpleClusterResolver(ClusterResolver):
             raise TypeError(f"`master` must be a string; got {master!r}. Pass '' for none.")
         if task_type is not None and not isinstance(task_type, str):
             raise TypeError(f"`task_type` must be a string or None; got {task_type!r}.")
-        if task_id is not None and (isinstance(task_id, bool) or not isinstance(task_id, int)):
+        if task_id is not None and not is_int(task_id):
             raise TypeError(f"`task_id` must be an int or None; got {task_id!r}.")
         if num_accelerators is not None and not isinstance(num_accelerators, Mapping):
             raise TypeError(

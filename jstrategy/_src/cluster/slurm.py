@@ -11,6 +11,7 @@ from typing import Any
 from jstrategy._src.cluster.resolver import ClusterResolver
 from jstrategy._src.cluster.spec import ClusterSpec
 from jstrategy._src.cluster.spec import format_master_url
+from jstrategy._src.validation import is_int
 
 __all__ = ["SlurmClusterResolver", "expand_hostlist", "expand_tasks_per_node"]
 
@@ -204,7 +205,7 @@ class SlurmClusterResolver(ClusterResolver):
             configuration = dict(zip(hosts, counts, strict=True))
         elif isinstance(tasks_per_node, Mapping):
             configuration = {str(host): int(n) for host, n in tasks_per_node.items()}
-        elif isinstance(tasks_per_node, int) and not isinstance(tasks_per_node, bool):
+        elif is_int(tasks_per_node):
             configuration = dict.fromkeys(hosts, tasks_per_node)
         else:
             raise TypeError(
@@ -225,9 +226,7 @@ class SlurmClusterResolver(ClusterResolver):
 
         if jobs is None:
             jobs = {"worker": num_tasks}
-        if not isinstance(jobs, Mapping) or not all(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in jobs.values()
-        ):
+        if not isinstance(jobs, Mapping) or not all(is_int(n) and n >= 0 for n in jobs.values()):
             raise TypeError(
                 f"`jobs` must be a dict {{job_name: num_tasks}} with non-negative int counts; "
                 f"got {jobs!r}."

@@ -12,6 +12,8 @@ from collections.abc import Iterable
 from collections.abc import Mapping
 from typing import Any
 
+from jstrategy._src.validation import is_int
+
 __all__ = [
     "CHIEF_TYPES",
     "EXAMPLE_TF_CONFIG",
@@ -68,7 +70,7 @@ def _check_index(index: Any, where: str) -> int:
     if isinstance(index, str) and index.isdigit():
         # JSON object keys are always strings, so a sparse job read from TF_CONFIG has them.
         return int(index)
-    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+    if not is_int(index) or index < 0:
         raise ValueError(
             f"{where} task indices must be non-negative ints; got {index!r}. "
             f'Key a sparse job by task index, e.g. {{"worker": {{0: "host0:2222"}}}}.'
@@ -291,7 +293,7 @@ def validate_cluster(spec: ClusterSpec, task_type: Any, task_id: Any, source: st
         raise ValueError(
             f'{source} task of type "{task_type}" has no index. {_fix_task(source, task_type)}'
         )
-    if isinstance(task_id, bool) or not isinstance(task_id, int):
+    if not is_int(task_id):
         # Suggest the int that was probably meant: "1" or 1.0.
         digits = isinstance(task_id, str) and task_id.strip().isdigit()
         whole = isinstance(task_id, float) and task_id.is_integer() and task_id >= 0

@@ -15,6 +15,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jstrategy._src.validation import check_number
+from jstrategy._src.validation import is_int
 from jstrategy._src.validation import named_object
 
 __all__ = ["Constraint", "MaxNorm", "MinMaxNorm", "NonNeg", "UnitNorm", "get"]
@@ -23,9 +25,9 @@ _EPSILON = 1e-7  # keras.backend.epsilon()
 
 
 def _axis(value: Any) -> Any:
-    if isinstance(value, int) and not isinstance(value, bool):
+    if is_int(value):
         return value
-    if isinstance(value, (tuple, list)) and value and all(isinstance(a, int) for a in value):
+    if isinstance(value, (tuple, list)) and value and all(is_int(a) for a in value):
         return tuple(value)
     raise ValueError(
         f"`axis` must be an int or a list of ints (the axes of each weight vector); got "
@@ -34,9 +36,7 @@ def _axis(value: Any) -> Any:
 
 
 def _number(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"`{name}` must be a non-negative number; got {value!r}.")
-    return float(value)
+    return check_number(value, name, low=0, expected="a non-negative number")
 
 
 def _norms(w: jax.Array, axis: Any) -> jax.Array:

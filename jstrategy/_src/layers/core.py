@@ -22,6 +22,7 @@ from jstrategy._src.layers import initializers
 from jstrategy._src.layers import regularizers
 from jstrategy._src.layers import weights
 from jstrategy._src.layers.base import Layer
+from jstrategy._src.validation import check_number
 from jstrategy._src.validation import check_positive_int
 from jstrategy._src.validation import check_row_shape
 from jstrategy._src.validation import is_int
@@ -310,10 +311,9 @@ class Dropout(Layer):
 
     @staticmethod
     def validate(self: Any) -> None:  # static: Flax does not wrap it (no bound scope yet)
-        if isinstance(self.rate, bool) or not isinstance(self.rate, (int, float)):
-            raise ValueError(f"`rate` must be a float in [0, 1); got {self.rate!r}. E.g. 0.5.")
-        if not 0 <= self.rate < 1:
-            raise ValueError(f"`rate` must be in [0, 1); got {self.rate!r}. E.g. 0.5.")
+        check_number(
+            self.rate, "rate", low=0, high=1, high_open=True, expected="in [0, 1)", fix="E.g. 0.5."
+        )
         if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"`seed` must be an int or None; got {self.seed!r}.")
 

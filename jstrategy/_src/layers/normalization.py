@@ -24,6 +24,8 @@ from jstrategy._src.layers import weights
 from jstrategy._src.layers.base import Layer
 from jstrategy._src.strategy import REPLICA_AXIS
 from jstrategy._src.validation import check_bool
+from jstrategy._src.validation import check_number
+from jstrategy._src.validation import is_int
 
 __all__ = ["BatchNormalization", "LayerNormalization"]
 
@@ -37,16 +39,13 @@ def _axes(axis: Any, ndim: int) -> tuple[int, ...]:
 
 
 def _check_axis(axis: Any) -> None:
-    ok = isinstance(axis, int) or (
-        isinstance(axis, (tuple, list)) and axis and all(isinstance(a, int) for a in axis)
-    )
-    if not ok or isinstance(axis, bool):
+    ok = is_int(axis) or (isinstance(axis, (tuple, list)) and axis and all(map(is_int, axis)))
+    if not ok:
         raise ValueError(f"`axis` must be an int or a tuple of ints; got {axis!r}. E.g. -1.")
 
 
 def _check_epsilon(epsilon: Any) -> None:
-    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or epsilon <= 0:
-        raise ValueError(f"`epsilon` must be a positive float; got {epsilon!r}. E.g. 1e-3.")
+    check_number(epsilon, "epsilon", low=0, low_open=True, fix="E.g. 1e-3.")
 
 
 def _float32(x: Any) -> Any:
@@ -141,9 +140,7 @@ class BatchNormalization(_Normalization):
     @staticmethod
     def validate(self: Any) -> None:  # static: Flax does not wrap it (no bound scope yet)
         _Normalization._check_common(self)
-        m = self.momentum
-        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m <= 1:
-            raise ValueError(f"`momentum` must be a float in [0, 1]; got {m!r}. E.g. 0.99.")
+        check_number(self.momentum, "momentum", low=0, high=1, fix="E.g. 0.99.")
         check_bool(self.synchronized, "synchronized")
         for name in ("moving_mean_initializer", "moving_variance_initializer"):
             initializers.get(getattr(self, name), name)

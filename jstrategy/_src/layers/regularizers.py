@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jstrategy._src.validation import check_number
 from jstrategy._src.validation import named_object
 
 __all__ = ["L1", "L1L2", "L2", "LOSSES", "Regularizer", "add_weight_loss", "get"]
@@ -24,12 +25,13 @@ LOSSES = "losses"
 
 
 def _factor(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(
-            f"`{name}` must be a non-negative number (the penalty's factor); got {value!r}. "
-            "E.g. 0.01."
-        )
-    return float(value)
+    return check_number(
+        value,
+        name,
+        low=0,
+        expected="a non-negative number (the penalty's factor)",
+        fix="E.g. 0.01.",
+    )
 
 
 class Regularizer:

@@ -26,6 +26,7 @@ from jstrategy._src.parameter_server import sharded_variable
 from jstrategy._src.parameter_server.partitioners import Partitioner
 from jstrategy._src.reduce_util import ReduceOp
 from jstrategy._src.strategy import Strategy
+from jstrategy._src.validation import check_number
 from jstrategy._src.values import is_per_replica
 
 __all__ = ["Backend", "ParameterServerStrategy", "local_cluster_resolver"]
@@ -69,8 +70,7 @@ def local_cluster_resolver(num_workers: int = 2, num_ps: int = 1) -> Any:
     """
 
     for name, value in (("num_workers", num_workers), ("num_ps", num_ps)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"`{name}` must be a positive int; got {value!r}.")
+        check_number(value, name, integer=True, low=1)
     ports = itertools.count(20000)
     cluster = {
         "chief": [f"localhost:{next(ports)}"],
@@ -228,17 +228,17 @@ class ParameterServerStrategy(Strategy):
         self._backend_kind = _resolve_backend(backend)
         if self._backend_kind is Backend.LOCAL:
             _refuse_other_hosts(spec)
-        if timeout_seconds is not None and (
-            isinstance(timeout_seconds, bool)
-            or not isinstance(timeout_seconds, (int, float))
-            or not timeout_seconds > 0
-        ):
-            raise ValueError(
-                f"`timeout_seconds` must be a positive number of seconds or None; got "
-                f"{timeout_seconds!r}. E.g. timeout_seconds=600 bounds each wait on a "
-                "worker or parameter server at 10 minutes."
+        if timeout_seconds is not None:
+            timeout_seconds = check_number(
+                timeout_seconds,
+                "timeout_seconds",
+                low=0,
+                low_open=True,
+                expected="a positive number of seconds or None",
+                fix="E.g. timeout_seconds=600 bounds each wait on a worker or parameter server "
+                "at 10 minutes.",
             )
-        self._timeout_seconds = None if timeout_seconds is None else float(timeout_seconds)
+        self._timeout_seconds = timeout_seconds
         self._cluster_resolver = resolver
         self._variable_partitioner = variable_partitioner
         self._num_workers = num_workers

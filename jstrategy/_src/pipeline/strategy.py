@@ -30,6 +30,7 @@ from jstrategy._src.strategies.fsdp import DEFAULT_MIN_SHARD_SIZE
 from jstrategy._src.strategies.fsdp import shard_dim
 from jstrategy._src.strategies.sharded import ShardedStrategy
 from jstrategy._src.strategy import REPLICA_AXIS
+from jstrategy._src.validation import check_bool
 from jstrategy._src.validation import check_positive_int
 
 if TYPE_CHECKING:
@@ -105,8 +106,7 @@ class PipelineStrategy(ShardedStrategy):
             num_microbatches, "num_microbatches", f"E.g. num_microbatches={2 * stages}."
         )
         schedule = PipelineSchedule.of(schedule)
-        if not isinstance(shard_over_replicas, bool):
-            raise TypeError(f"`shard_over_replicas` must be a bool; got {shard_over_replicas!r}.")
+        check_bool(shard_over_replicas, "shard_over_replicas", error=TypeError)
         min_shard_size = (
             check_positive_int(min_shard_size, "min_shard_size") if min_shard_size else 0
         )

@@ -26,6 +26,7 @@ from jstrategy._src import devices as devices_lib
 from jstrategy._src import flax_annotations
 from jstrategy._src.collective_util import CommunicationOptions
 from jstrategy._src.strategies.sharded import ShardedStrategy
+from jstrategy._src.validation import check_number
 
 if TYPE_CHECKING:
     from jstrategy._src.cluster.resolver import ClusterResolver
@@ -94,17 +95,15 @@ class FSDPStrategy(ShardedStrategy):
         cluster_resolver: ClusterResolver | None = None,
         communication_options: CommunicationOptions | None = None,
     ):
-        if (
-            isinstance(min_shard_size, bool)
-            or not isinstance(min_shard_size, int)
-            or min_shard_size < 0
-        ):
-            raise ValueError(
-                f"`min_shard_size` must be a non-negative int (the fewest elements a "
-                f"variable needs to be sharded); got {min_shard_size!r}. Pass e.g. "
-                f"min_shard_size={DEFAULT_MIN_SHARD_SIZE}, or 0 to shard every variable "
-                "that divides."
-            )
+        check_number(
+            min_shard_size,
+            "min_shard_size",
+            integer=True,
+            low=0,
+            expected="a non-negative int (the fewest elements a variable needs to be sharded)",
+            fix=f"Pass e.g. min_shard_size={DEFAULT_MIN_SHARD_SIZE}, or 0 to shard every "
+            "variable that divides.",
+        )
         cross_device_ops = None  # across processes, when it joins a job of several
         if devices is None or cluster_resolver is not None or communication_options is not None:
             cross_device_ops = self._join_job(cluster_resolver, communication_options)

@@ -35,6 +35,8 @@ from jstrategy._src.numerics import row_count
 from jstrategy._src.numerics import static_rows
 from jstrategy._src.training import input_checks
 from jstrategy._src.validation import check_positive_int
+from jstrategy._src.validation import is_int
+from jstrategy._src.validation import is_number
 from jstrategy._src.values import PerReplica
 from jstrategy._src.values import is_per_replica
 
@@ -510,14 +512,9 @@ def class_weight_to_sample_weight(x: Any, y: Any, w: Any, class_weight: Any) -> 
     >>> class_weight_to_sample_weight(np.ones((4, 1)), y, None, {1: 3.0}).tolist()
     [1.0, 3.0, 3.0, 1.0]
     """
-    ok = isinstance(class_weight, dict) and all(
-        isinstance(k, (int, np.integer)) and not isinstance(k, bool) for k in class_weight
-    )
+    ok = isinstance(class_weight, dict) and all(is_int(k) for k in class_weight)
     if ok:
-        ok = all(
-            isinstance(v, (int, float, np.number)) and not isinstance(v, bool)
-            for v in class_weight.values()
-        )
+        ok = all(is_number(v) for v in class_weight.values())
     if not ok:
         raise ValueError(
             f"`class_weight` must be a dict from class index (int) to weight (number); got "

@@ -20,7 +20,6 @@ would average one replica's rows only.
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +38,7 @@ from jstrategy._src.training.per_example import sparse_labels
 from jstrategy._src.training.per_example import squeeze_or_expand_to_same_rank
 from jstrategy._src.training.per_example import weighted_values
 from jstrategy._src.validation import check_bool
+from jstrategy._src.validation import check_number
 
 __all__ = [
     "BinaryCrossentropy",
@@ -58,16 +58,9 @@ EPSILON = 1e-7
 
 
 def _check_label_smoothing(value: Any) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not 0.0 <= float(value) <= 1.0
-    ):
-        raise ValueError(
-            f"`label_smoothing` must be a float in [0, 1]; got {value!r}. "
-            "Pass 0.0 for no smoothing, or e.g. 0.1."
-        )
-    return float(value)
+    return check_number(
+        value, "label_smoothing", low=0, high=1, fix="Pass 0.0 for no smoothing, or e.g. 0.1."
+    )
 
 
 class Reduction(enum.Enum):
@@ -511,13 +504,9 @@ class Huber(Loss):
         name: str = "huber_loss",
     ):
         super().__init__(reduction=reduction, name=name)
-        if (
-            isinstance(delta, bool)
-            or not isinstance(delta, (int, float))
-            or not (delta > 0 and math.isfinite(delta))
-        ):
-            raise ValueError(f"`delta` must be a positive finite float; got {delta!r}. E.g. 1.0.")
-        self.delta = float(delta)
+        self.delta = check_number(
+            delta, "delta", low=0, low_open=True, finite=True, fix="E.g. 1.0."
+        )
 
     def call(self, y_true, y_pred):
         y_true, y_pred = _feature_inputs(y_true, y_pred, "Huber")

@@ -41,6 +41,7 @@ from jstrategy._src.training.per_example import require_same_shape
 from jstrategy._src.training.per_example import samplewise
 from jstrategy._src.training.per_example import sparse_labels
 from jstrategy._src.validation import check_bool
+from jstrategy._src.validation import check_number
 from jstrategy._src.values import local_copy
 
 if TYPE_CHECKING:
@@ -348,12 +349,7 @@ class BinaryAccuracy(Metric):
         self, threshold: float = 0.5, *, from_logits: bool = False, name: str = "binary_accuracy"
     ):
         super().__init__(name=name)
-        if (
-            isinstance(threshold, bool)
-            or not isinstance(threshold, (int, float))
-            or not math.isfinite(threshold)
-        ):
-            raise ValueError(f"`threshold` must be a finite float; got {threshold!r}. E.g. 0.5.")
+        check_number(threshold, "threshold", finite=True, fix="E.g. 0.5.")
         self.from_logits = check_bool(from_logits, "from_logits")
         if self.from_logits and not 0.0 < threshold < 1.0:
             raise ValueError(

@@ -23,6 +23,7 @@ from jstrategy._src.training.callbacks.base import Callback
 from jstrategy._src.training.callbacks.base import log_numbers
 from jstrategy._src.training.callbacks.monitor import Mode
 from jstrategy._src.training.callbacks.monitor import MonitorCallback
+from jstrategy._src.validation import check_number
 from jstrategy._src.values import local_copy
 
 __all__ = ["BackupAndRestore", "ModelCheckpoint"]
@@ -59,12 +60,13 @@ def _steps_done(model: Any) -> int:
 def _check_save_freq(save_freq: Any) -> str | int:
     if save_freq == "epoch":
         return "epoch"
-    if isinstance(save_freq, bool) or not isinstance(save_freq, (int, np.integer)) or save_freq < 1:
-        raise ValueError(
-            f"`save_freq` must be 'epoch' or a positive int (a number of training steps); got "
-            f"{save_freq!r}."
-        )
-    return int(save_freq)
+    return check_number(
+        save_freq,
+        "save_freq",
+        integer=True,
+        low=1,
+        expected="'epoch' or a positive int (a number of training steps)",
+    )
 
 
 class _StepCounter:
@@ -168,19 +170,17 @@ class ModelCheckpoint(MonitorCallback):
                 "'/tmp/ckpt'."
             )
         super().__init__(monitor, mode)
-        if initial_value_threshold is not None and (
-            isinstance(initial_value_threshold, bool)
-            or not isinstance(initial_value_threshold, (int, float))
-        ):
-            raise ValueError(
-                f"`initial_value_threshold` must be a number or None; got "
-                f"{initial_value_threshold!r}."
+        if initial_value_threshold is not None:
+            check_number(
+                initial_value_threshold, "initial_value_threshold", expected="a number or None"
             )
-        if max_to_keep is not None and (
-            isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
-        ):
-            raise ValueError(
-                f"`max_to_keep` must be a positive int or None (keep all); got {max_to_keep!r}."
+        if max_to_keep is not None:
+            check_number(
+                max_to_keep,
+                "max_to_keep",
+                integer=True,
+                low=1,
+                expected="a positive int or None (keep all)",
             )
         self.filepath = os.path.abspath(os.fspath(filepath))
         self.verbose = verbose

@@ -7,6 +7,7 @@ from typing import Any
 from jstrategy._src.training.callbacks.monitor import Mode
 from jstrategy._src.training.callbacks.monitor import MonitorCallback
 from jstrategy._src.validation import check_non_negative_int
+from jstrategy._src.validation import check_number
 
 __all__ = ["EarlyStopping"]
 
@@ -66,14 +67,11 @@ class EarlyStopping(MonitorCallback):
         start_from_epoch: int = 0,
     ):
         super().__init__(monitor, mode)
-        if isinstance(min_delta, bool) or not isinstance(min_delta, (int, float)):
-            raise ValueError(f"`min_delta` must be a number; got {min_delta!r}. E.g. 1e-3.")
+        check_number(min_delta, "min_delta", fix="E.g. 1e-3.")
         patience = check_non_negative_int(patience, "patience")
         start_from_epoch = check_non_negative_int(start_from_epoch, "start_from_epoch")
-        if baseline is not None and (
-            isinstance(baseline, bool) or not isinstance(baseline, (int, float))
-        ):
-            raise ValueError(f"`baseline` must be a number or None; got {baseline!r}.")
+        if baseline is not None:
+            check_number(baseline, "baseline", expected="a number or None")
         self.min_delta = abs(float(min_delta))
         self.patience = patience
         self.verbose = verbose

@@ -16,6 +16,7 @@ from jstrategy._src.training.callbacks.base import host_float
 from jstrategy._src.training.callbacks.monitor import Mode
 from jstrategy._src.training.callbacks.monitor import MonitorCallback
 from jstrategy._src.validation import check_non_negative_int
+from jstrategy._src.validation import check_number
 
 __all__ = ["LearningRateScheduler", "ReduceLROnPlateau"]
 
@@ -183,14 +184,18 @@ class ReduceLROnPlateau(MonitorCallback):
         min_lr: float = 0.0,
     ):
         super().__init__(monitor, mode)
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < 1:
-            raise ValueError(
-                f"`factor` must be in (0, 1) (ReduceLROnPlateau reduces the rate); got "
-                f"{factor!r}. E.g. 0.1."
-            )
+        check_number(
+            factor,
+            "factor",
+            low=0,
+            high=1,
+            low_open=True,
+            high_open=True,
+            expected="in (0, 1) (ReduceLROnPlateau reduces the rate)",
+            fix="E.g. 0.1.",
+        )
         for name, value in (("min_delta", min_delta), ("min_lr", min_lr)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"`{name}` must be a non-negative number; got {value!r}.")
+            check_number(value, name, low=0, expected="a non-negative number")
         self.factor = float(factor)
         self.patience = check_non_negative_int(patience, "patience")
         self.verbose = verbose

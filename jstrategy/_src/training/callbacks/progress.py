@@ -19,6 +19,7 @@ from typing import TextIO
 import numpy as np
 
 from jstrategy._src.training.callbacks.base import Callback
+from jstrategy._src.validation import check_number
 
 __all__ = ["Progbar", "ProgbarLogger", "resolve_verbose"]
 
@@ -140,17 +141,17 @@ class Progbar:
         unit_name: str = "step",
         file: TextIO | None = None,
     ):
-        if target is not None and (
-            isinstance(target, bool) or not isinstance(target, (int, np.integer)) or target < 0
-        ):
-            raise ValueError(
-                f"`target` must be a non-negative int or None; got {target!r}. Pass the "
-                "number of steps, or None when it is unknown."
+        if target is not None:
+            check_number(
+                target,
+                "target",
+                integer=True,
+                low=0,
+                expected="a non-negative int or None",
+                fix="Pass the number of steps, or None when it is unknown.",
             )
-        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-            raise ValueError(f"`width` must be a positive int; got {width!r}. E.g. 30.")
-        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval < 0:
-            raise ValueError(f"`interval` must be a non-negative float; got {interval!r}.")
+        check_number(width, "width", integer=True, low=1, fix="E.g. 30.")
+        check_number(interval, "interval", low=0)
         self.target = None if target is None else int(target)
         self.width = width
         self.verbose = resolve_verbose(verbose, file)

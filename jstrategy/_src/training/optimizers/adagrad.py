@@ -9,9 +9,7 @@ import jax.numpy as jnp
 from jstrategy._src.training.optimizers import transform as keras_transform
 from jstrategy._src.training.optimizers.base import Optimizer
 from jstrategy._src.training.optimizers.base import cast_like
-from jstrategy._src.training.optimizers.base import in_range
-from jstrategy._src.training.optimizers.base import non_negative
-from jstrategy._src.training.optimizers.base import positive
+from jstrategy._src.validation import check_number
 
 __all__ = ["Adadelta", "Adagrad"]
 
@@ -41,10 +39,10 @@ class Adagrad(Optimizer):
         **kwargs: Any,
     ):
         super().__init__(learning_rate, **kwargs)
-        self.initial_accumulator_value = non_negative(
-            initial_accumulator_value, "initial_accumulator_value"
+        self.initial_accumulator_value = check_number(
+            initial_accumulator_value, "initial_accumulator_value", low=0
         )
-        self.epsilon = positive(epsilon, "epsilon")
+        self.epsilon = check_number(epsilon, "epsilon", low=0, low_open=True)
 
     def _rule(self) -> keras_transform.UpdateRule:
         eps = self.epsilon
@@ -78,8 +76,8 @@ class Adadelta(Optimizer):
         self, learning_rate: Any = 0.001, rho: float = 0.95, epsilon: float = 1e-7, **kwargs: Any
     ):
         super().__init__(learning_rate, **kwargs)
-        self.rho = in_range(rho, "rho", 0.0, 1.0, high_open=True)
-        self.epsilon = positive(epsilon, "epsilon")
+        self.rho = check_number(rho, "rho", low=0.0, high=1.0, high_open=True)
+        self.epsilon = check_number(epsilon, "epsilon", low=0, low_open=True)
 
     def _rule(self) -> keras_transform.UpdateRule:
         rho, eps = self.rho, self.epsilon

@@ -9,8 +9,7 @@ import jax.numpy as jnp
 from jstrategy._src.training.optimizers import transform as keras_transform
 from jstrategy._src.training.optimizers.base import Optimizer
 from jstrategy._src.training.optimizers.base import cast_like
-from jstrategy._src.training.optimizers.base import in_range
-from jstrategy._src.training.optimizers.base import positive
+from jstrategy._src.validation import check_number
 
 __all__ = ["Adam", "AdamW", "Adamax", "Nadam"]
 
@@ -29,9 +28,9 @@ class _AdamFamily(Optimizer):
         **kwargs: Any,
     ):
         super().__init__(learning_rate, **kwargs)
-        self.beta_1 = in_range(beta_1, "beta_1", 0.0, 1.0, high_open=True)
-        self.beta_2 = in_range(beta_2, "beta_2", 0.0, 1.0, high_open=True)
-        self.epsilon = positive(epsilon, "epsilon")
+        self.beta_1 = check_number(beta_1, "beta_1", low=0.0, high=1.0, high_open=True)
+        self.beta_2 = check_number(beta_2, "beta_2", low=0.0, high=1.0, high_open=True)
+        self.epsilon = check_number(epsilon, "epsilon", low=0, low_open=True)
 
 
 class Adam(_AdamFamily):

@@ -21,7 +21,6 @@ cross-replica error.
 
 from __future__ import annotations
 
-import math
 import warnings
 import weakref
 from collections.abc import Callable
@@ -42,6 +41,8 @@ from jstrategy._src.tracked import owner_of_trainable
 from jstrategy._src.training.optimizers import learning_rate as learning_rate_lib
 from jstrategy._src.training.optimizers import schedules as schedules_lib
 from jstrategy._src.training.optimizers import transform as keras_transform
+from jstrategy._src.validation import check_number
+from jstrategy._src.validation import is_number
 from jstrategy._src.values import local_copy
 from jstrategy._src.values import varying_axes
 
@@ -49,10 +50,7 @@ __all__ = [
     "Optimizer",
     "cast_like",
     "ema_average",
-    "in_range",
     "injected_state",
-    "non_negative",
-    "positive",
 ]
 
 _INJECTED = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
@@ -71,38 +69,14 @@ def injected_state(opt_state: Any) -> Any:
 def _rate(value: Any) -> Any:
     if schedules_lib.is_schedule(value):
         return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_number(value):
         raise ValueError(
             f"`learning_rate` must be a non-negative float or a schedule (a "
             f"jstrategy.optimizers.schedules object, or a callable step -> rate); got {value!r}."
         )
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"`learning_rate` must be a non-negative finite float; got {value!r}.")
-    return float(value)
-
-
-def in_range(value: Any, name: str, low: float, high: float, *, high_open: bool = False) -> float:
-    """`value` as a float in ``[low, high]`` (``[low, high)`` with `high_open`), else an error."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    ok = ok and low <= value and (value < high if high_open else value <= high)
-    if not ok:
-        bracket = ")" if high_open else "]"
-        raise ValueError(f"`{name}` must be a float in [{low}, {high}{bracket}; got {value!r}.")
-    return float(value)
-
-
-def positive(value: Any, name: str) -> float:
-    """`value` as a float > 0, else an error naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"`{name}` must be a positive float; got {value!r}.")
-    return float(value)
-
-
-def non_negative(value: Any, name: str) -> float:
-    """`value` as a float >= 0, else an error naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"`{name}` must be a non-negative float; got {value!r}.")
-    return float(value)
+    return check_number(
+        value, "learning_rate", low=0, finite=True, expected="a non-negative finite float"
+    )
 
 
 def _keras_options(
@@ -146,17 +120,27 @@ def _keras_options(
             f"global_clipnorm={global_clipnorm}"
         )
     return keras_transform.KerasOptions(
-        weight_decay=None if weight_decay is None else non_negative(weight_decay, "weight_decay"),
-        clipnorm=None if clipnorm is None else positive(clipnorm, "clipnorm"),
-        clipvalue=None if clipvalue is None else positive(clipvalue, "clipvalue"),
+        weight_decay=None
+        if weight_decay is None
+        else check_number(weight_decay, "weight_decay", low=0),
+        clipnorm=None
+        if clipnorm is None
+        else check_number(clipnorm, "clipnorm", low=0, low_open=True),
+        clipvalue=None
+        if clipvalue is None
+        else check_number(clipvalue, "clipvalue", low=0, low_open=True),
         global_clipnorm=(
-            None if global_clipnorm is None else positive(global_clipnorm, "global_clipnorm")
+            None
+            if global_clipnorm is None
+            else check_number(global_clipnorm, "global_clipnorm", low=0, low_open=True)
         ),
         use_ema=bool(use_ema),
         ema_momentum=float(ema_momentum),
         ema_overwrite_frequency=ema_overwrite_frequency if use_ema else None,
         loss_scale_factor=(
-            None if loss_scale_factor is None else positive(loss_scale_factor, "loss_scale_factor")
+            None
+            if loss_scale_factor is None
+            else check_number(loss_scale_factor, "loss_scale_factor", low=0, low_open=True)
         ),
         gradient_accumulation_steps=gradient_accumulation_steps or None,
     )

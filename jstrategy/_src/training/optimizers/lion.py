@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jstrategy._src.training.optimizers import transform as keras_transform
 from jstrategy._src.training.optimizers.base import Optimizer
 from jstrategy._src.training.optimizers.base import cast_like
-from jstrategy._src.training.optimizers.base import in_range
+from jstrategy._src.validation import check_number
 
 __all__ = ["Lion"]
 
@@ -35,8 +35,8 @@ class Lion(Optimizer):
         self, learning_rate: Any = 0.001, beta_1: float = 0.9, beta_2: float = 0.99, **kwargs: Any
     ):
         super().__init__(learning_rate, **kwargs)
-        self.beta_1 = in_range(beta_1, "beta_1", 0.0, 1.0)
-        self.beta_2 = in_range(beta_2, "beta_2", 0.0, 1.0)
+        self.beta_1 = check_number(beta_1, "beta_1", low=0.0, high=1.0)
+        self.beta_2 = check_number(beta_2, "beta_2", low=0.0, high=1.0)
         if self.beta_1 <= 0:
             raise ValueError(
                 "Argument `beta_1` must be in the [0, 1] range. Otherwise, the optimizer "

@@ -9,8 +9,7 @@ import jax.numpy as jnp
 from jstrategy._src.training.optimizers import transform as keras_transform
 from jstrategy._src.training.optimizers.base import Optimizer
 from jstrategy._src.training.optimizers.base import cast_like
-from jstrategy._src.training.optimizers.base import in_range
-from jstrategy._src.training.optimizers.base import positive
+from jstrategy._src.validation import check_number
 
 __all__ = ["RMSprop"]
 
@@ -45,9 +44,9 @@ class RMSprop(Optimizer):
         **kwargs: Any,
     ):
         super().__init__(learning_rate, **kwargs)
-        self.rho = in_range(rho, "rho", 0.0, 1.0, high_open=True)
-        self.momentum = in_range(momentum, "momentum", 0.0, 1.0)
-        self.epsilon = positive(epsilon, "epsilon")
+        self.rho = check_number(rho, "rho", low=0.0, high=1.0, high_open=True)
+        self.momentum = check_number(momentum, "momentum", low=0.0, high=1.0)
+        self.epsilon = check_number(epsilon, "epsilon", low=0, low_open=True)
         self.centered = bool(centered)
 
     def _rule(self) -> keras_transform.UpdateRule:

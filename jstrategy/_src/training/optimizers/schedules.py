@@ -7,12 +7,13 @@ have: a `get_config` that `Model.save` writes and `deserialize` reads back.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from jstrategy._src.validation import check_number
 
 __all__ = [
     "CosineDecay",
@@ -24,14 +25,6 @@ __all__ = [
     "is_schedule",
     "serialize",
 ]
-
-
-def _positive(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"`{name}` must be a positive number; got {value!r}.")
-    if not math.isfinite(value):
-        raise ValueError(f"`{name}` must be finite; got {value!r}.")
-    return float(value)
 
 
 class LearningRateSchedule:
@@ -73,9 +66,13 @@ class _TimeDecay(LearningRateSchedule):
         decay_rate: float,
         staircase: bool = False,
     ):
-        self.initial_learning_rate = _positive(initial_learning_rate, "initial_learning_rate")
-        self.decay_steps = _positive(decay_steps, "decay_steps")
-        self.decay_rate = _positive(decay_rate, "decay_rate")
+        self.initial_learning_rate = check_number(
+            initial_learning_rate, "initial_learning_rate", low=0, low_open=True, finite=True
+        )
+        self.decay_steps = check_number(
+            decay_steps, "decay_steps", low=0, low_open=True, finite=True
+        )
+        self.decay_rate = check_number(decay_rate, "decay_rate", low=0, low_open=True, finite=True)
         self.staircase = bool(staircase)
 
     def _periods(self, step: Any) -> Any:
@@ -186,8 +183,12 @@ class CosineDecay(LearningRateSchedule):
     """
 
     def __init__(self, initial_learning_rate: float, decay_steps: int, alpha: float = 0.0):
-        self.initial_learning_rate = _positive(initial_learning_rate, "initial_learning_rate")
-        self.decay_steps = _positive(decay_steps, "decay_steps")
+        self.initial_learning_rate = check_number(
+            initial_learning_rate, "initial_learning_rate", low=0, low_open=True, finite=True
+        )
+        self.decay_steps = check_number(
+            decay_steps, "decay_steps", low=0, low_open=True, finite=True
+        )
         if not 0.0 <= float(alpha) <= 1.0:
             raise ValueError(f"`alpha` must be in [0, 1]; got {alpha!r}.")
         self.alpha = float(alpha)

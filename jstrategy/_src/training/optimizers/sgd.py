@@ -7,7 +7,7 @@ from typing import Any
 from jstrategy._src.training.optimizers import transform as keras_transform
 from jstrategy._src.training.optimizers.base import Optimizer
 from jstrategy._src.training.optimizers.base import cast_like
-from jstrategy._src.training.optimizers.base import in_range
+from jstrategy._src.validation import check_number
 
 __all__ = ["SGD"]
 
@@ -48,7 +48,7 @@ class SGD(Optimizer):
         **kwargs: Any,
     ):
         super().__init__(learning_rate, **kwargs)
-        self.momentum = in_range(momentum, "momentum", 0.0, 1.0)
+        self.momentum = check_number(momentum, "momentum", low=0.0, high=1.0)
         self.nesterov = bool(nesterov)
 
     def _rule(self) -> keras_transform.UpdateRule:

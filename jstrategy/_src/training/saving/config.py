@@ -35,6 +35,7 @@ from jstrategy._src.training import metrics as metrics_lib
 from jstrategy._src.training.optimizers import serialization as optimizer_serialization
 from jstrategy._src.training.optimizers.base import Optimizer
 from jstrategy._src.training.step import remat as remat_lib
+from jstrategy._src.validation import check_bool
 from jstrategy._src.validation import is_int
 
 __all__ = [
@@ -568,8 +569,9 @@ def check_module(
     Raises:
       ValueError: if the classes differ and `allow_other_module` is False.
     """
-    if not isinstance(allow_other_module, bool):
-        raise TypeError(f"`allow_other_module` must be True or False; got {allow_other_module!r}.")
+    check_bool(
+        allow_other_module, "allow_other_module", "", expected="True or False", error=TypeError
+    )
     layers = _given_layers(module)
     if layers is not None:
         _check_layer_classes(config, layers, path, allow_other_module=allow_other_module)
