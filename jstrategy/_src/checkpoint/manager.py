@@ -38,7 +38,19 @@ from jstrategy._src.validation import is_int
 if TYPE_CHECKING:
     from jstrategy._src.strategy import Strategy
 
-__all__ = ["BestMode", "CheckpointManager"]
+__all__ = ["BestMode", "CheckpointManager", "check_max_to_keep"]
+
+
+def check_max_to_keep(max_to_keep: Any) -> None:
+    """Refuses a `max_to_keep` that is neither None (keep all) nor a positive int."""
+    if max_to_keep is not None:
+        check_number(
+            max_to_keep,
+            "max_to_keep",
+            integer=True,
+            low=1,
+            expected="a positive int or None (keep all)",
+        )
 
 
 class BestMode(enum.Enum):
@@ -153,14 +165,7 @@ class CheckpointManager:
             raise ValueError(
                 f"`directory` must be a directory; {directory} is a file. Pass another path."
             )
-        if max_to_keep is not None:
-            check_number(
-                max_to_keep,
-                "max_to_keep",
-                integer=True,
-                low=1,
-                expected="a positive int or None (keep all)",
-            )
+        check_max_to_keep(max_to_keep)
         if keep_best is not None and (not isinstance(keep_best, str) or not keep_best):
             raise ValueError(f"`keep_best` must be a metric name (str) or None; got {keep_best!r}.")
         try:

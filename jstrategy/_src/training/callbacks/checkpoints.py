@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from jstrategy._src import checkpoint as checkpoint_lib
+from jstrategy._src.checkpoint.manager import check_max_to_keep
 from jstrategy._src.cluster import coordination
 from jstrategy._src.cluster import signals
 from jstrategy._src.cluster.join import is_chief
@@ -174,14 +175,7 @@ class ModelCheckpoint(MonitorCallback):
             check_number(
                 initial_value_threshold, "initial_value_threshold", expected="a number or None"
             )
-        if max_to_keep is not None:
-            check_number(
-                max_to_keep,
-                "max_to_keep",
-                integer=True,
-                low=1,
-                expected="a positive int or None (keep all)",
-            )
+        check_max_to_keep(max_to_keep)
         self.filepath = os.path.abspath(os.fspath(filepath))
         self.verbose = verbose
         self.save_best_only = bool(save_best_only)
