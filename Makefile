@@ -19,7 +19,7 @@ OLDEST_LANE ?= tests/test_jax_compat.py tests/test_strategy.py tests/test_train_
 	tests/test_golden_trajectories.py tests/test_model.py tests/test_checkpoint.py \
 	tests/test_launch.py tests/test_multi_worker.py tests/test_central_storage.py \
 	tests/test_sharded.py tests/test_parameter_server.py tests/test_notebooks.py \
-	tests/test_pipeline.py
+	tests/test_pipeline.py tests/test_batch_region.py tests/test_flax_annotations.py
 
 .PHONY: demo test test-fast test-lane-a test-lane-b test-oldest lint bench format clean docs
 
@@ -63,7 +63,8 @@ LANE_B ?= tests/test_multi_worker.py tests/test_multi_worker_checkpoints.py \
 	tests/test_parameter_server.py tests/test_parameter_server_tutorial.py \
 	tests/test_ray_backend.py tests/test_launch.py tests/test_rendezvous.py \
 	tests/test_losses_metrics_keras.py \
-	tests/test_global_batch.py tests/test_remat.py
+	tests/test_global_batch.py tests/test_remat.py tests/test_parity_matrix.py \
+	tests/test_batch_region.py
 
 test-lane-a: $(VENV)/.dev
 	$(BIN)/python -m pytest -n $(WORKERS) -q $(PYTEST_ARGS) $(addprefix --ignore=,$(LANE_B))

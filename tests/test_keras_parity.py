@@ -230,6 +230,19 @@ def test_a_sequential_holding_a_flax_layer_loads_by_the_route_its_error_gives(tm
         jstrategy.models.load_model(tmp_path / "m", [L.Dense(4), L.Dense(2)])
 
 
+def test_a_model_of_flaxs_own_sequential_loads_with_its_module(tmp_path):
+    """Flax's ``nn.Sequential`` is a module, not a jstrategy.Sequential's list of layers
+    (it was taken for one: "load_model got a list of layers")."""
+    x, _ = _data(8)
+    model = jstrategy.Model(nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(2)]), (3,))
+    model.compile("sgd", "mse")
+    model.save(tmp_path / "m")
+    loaded = jstrategy.models.load_model(
+        tmp_path / "m", nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(2)])
+    )
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+
+
 def test_a_layer_given_a_function_is_named_in_the_load_error(tmp_path):
     model = jstrategy.Sequential([L.Dense(2, input_shape=(3,), activation=lambda v: v)])
     model.save(tmp_path / "m")

@@ -26,6 +26,7 @@ from typing import Any
 from typing import Protocol
 from typing import TypeVar
 
+import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
@@ -600,6 +601,8 @@ def _given_layers(module: Any) -> list[Any] | None:
     whose ``layers`` they are), or None for a module."""
     if isinstance(module, (list, tuple)):
         return list(module)
+    if isinstance(module, nn.Module):  # a Flax module, Flax's own nn.Sequential included
+        return None
     if type(module).__name__ == "Sequential" and isinstance(getattr(module, "layers", None), list):
         return list(module.layers)
     return None
