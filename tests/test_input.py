@@ -726,4 +726,4 @@ def test_rows_reach_the_mesh_by_one_route():
         for path in package.rglob("*.py")
         if any(b in path.read_text(encoding="utf-8") for b in builders)
     )
-    assert callers == ["_src/input.py"]
+    assert callers == ["_src/input/datasets.py"]
