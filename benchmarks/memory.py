@@ -35,7 +35,7 @@ import optax
 import jstrategy
 from jstrategy import training
 from jstrategy._src import dispatch
-from jstrategy._src.input import distribute_batch
+from jstrategy._src.input.placement import distribute_batch
 
 FEATURES, CLASSES, BATCH = 64, 10, 64
 HOST_KINDS = ("pinned_host", "unpinned_host")

@@ -61,7 +61,7 @@ from largest_model import _peak
 import jstrategy
 from jstrategy import training
 from jstrategy._src import dispatch
-from jstrategy._src.input import distribute_batch
+from jstrategy._src.input.placement import distribute_batch
 from jstrategy._src.pipeline import schedules
 from jstrategy.experimental import PipelineStrategy
 from jstrategy.experimental import Repeated

@@ -63,7 +63,7 @@ import transformer_lm
 import jstrategy
 from jstrategy import training
 from jstrategy._src.hlo import collective_counts
-from jstrategy._src.input import distribute_batch
+from jstrategy._src.input.placement import distribute_batch
 
 STRATEGIES: dict[str, Callable[[], jstrategy.Strategy]] = {
     "Mirrored": lambda: jstrategy.MirroredStrategy(),

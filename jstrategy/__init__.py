@@ -33,9 +33,9 @@ from jstrategy._src.cross_device_ops import CrossDeviceOps
 from jstrategy._src.cross_device_ops import HierarchicalCopyAllReduce
 from jstrategy._src.cross_device_ops import NcclAllReduce
 from jstrategy._src.cross_device_ops import ReductionToOneDevice
-from jstrategy._src.input import InputContext
-from jstrategy._src.input import InputOptions
-from jstrategy._src.input import InputReplicationMode
+from jstrategy._src.input.options import InputContext
+from jstrategy._src.input.options import InputOptions
+from jstrategy._src.input.options import InputReplicationMode
 from jstrategy._src.keras_names import missing_attribute
 from jstrategy._src.layers.core import Input
 from jstrategy._src.loss_reduction import compute_average_loss

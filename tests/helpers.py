@@ -135,7 +135,7 @@ def train_steps(strategy, make_state, loss, x, y, metrics=("accuracy",)):
     strategy's scope: the final state and each step's metrics, on the host."""
     from jstrategy import training
     from jstrategy._src import dispatch
-    from jstrategy._src.input import distribute_batch
+    from jstrategy._src.input.placement import distribute_batch
 
     with strategy.scope():
         state = make_state()

@@ -47,7 +47,7 @@ import jstrategy
 from jstrategy import layers as L
 from jstrategy import training
 from jstrategy._src import dispatch
-from jstrategy._src.input import distribute_batch
+from jstrategy._src.input.placement import distribute_batch
 
 ROWS = 64
 BATCH = 16  # 4 steps an epoch: one execution of steps_per_execution=4

@@ -15,7 +15,7 @@ from flax import nnx
 import jstrategy
 from jstrategy import training
 from jstrategy._src import dispatch
-from jstrategy._src.input import distribute_batch
+from jstrategy._src.input.placement import distribute_batch
 from jstrategy.callbacks import BackupAndRestore
 from jstrategy.callbacks import LambdaCallback
 

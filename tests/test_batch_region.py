@@ -24,7 +24,7 @@ from jstrategy import layers as L
 from jstrategy import training
 from jstrategy._src import batch_region
 from jstrategy._src import dispatch
-from jstrategy._src.input import distribute_batch
+from jstrategy._src.input.placement import distribute_batch
 
 FEATURES = 5
 ROWS = 16

@@ -24,7 +24,7 @@ from jax.sharding import SingleDeviceSharding
 import jstrategy
 from jstrategy import training
 from jstrategy._src import dispatch
-from jstrategy._src.input import distribute_batch
+from jstrategy._src.input.placement import distribute_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 FEATURES = 5

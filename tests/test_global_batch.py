@@ -25,7 +25,7 @@ import jstrategy
 from jstrategy import losses
 from jstrategy import training
 from jstrategy._src import dispatch
-from jstrategy._src.input import distribute_batch
+from jstrategy._src.input.placement import distribute_batch
 from jstrategy._src.training.state.global_batch import global_rows_bernoulli
 
 FEATURES = 5

@@ -54,7 +54,7 @@ import jstrategy
 from jstrategy import losses
 from jstrategy import training
 from jstrategy._src import dispatch
-from jstrategy._src.input import distribute_batch
+from jstrategy._src.input.placement import distribute_batch
 from jstrategy.coordinator import local_cluster_resolver
 
 DATA = pathlib.Path(__file__).parent / "data" / "golden_trajectories.npz"

@@ -13,11 +13,11 @@ import optax
 import pytest
 
 import jstrategy
-from jstrategy._src import input as input_lib
-from jstrategy._src.input import distribute_batch
-from jstrategy._src.input import process_local_batch
-from jstrategy._src.input import process_row_slices
-from jstrategy._src.input import replica_row_slices
+from jstrategy._src.input.datasets import distribute_dataset
+from jstrategy._src.input.placement import distribute_batch
+from jstrategy._src.input.rows import process_local_batch
+from jstrategy._src.input.rows import process_row_slices
+from jstrategy._src.input.rows import replica_row_slices
 
 
 def _rows(n, features=3, start=0):
@@ -188,7 +188,7 @@ def test_partial_and_uneven_batches_reuse_the_compiled_step(strategy):
 
 def test_given_global_batch_size_is_the_static_shape(strategy):
     n = strategy.num_replicas_in_sync
-    dist = input_lib.distribute_dataset(strategy, _batches([n, 2 * n]), global_batch_size=4 * n)
+    dist = distribute_dataset(strategy, _batches([n, 2 * n]), global_batch_size=4 * n)
     assert [e["x"].value.shape[0] for e in dist] == [4 * n, 4 * n]
 
 
@@ -524,7 +524,7 @@ def test_host_elements_stay_numpy_and_still_run(strategy):
 # Errors ----------------------------------------------------------------------------------
 def _first(dataset, **kwargs):
     strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
-    return list(input_lib.distribute_dataset(strategy, dataset, **kwargs))
+    return list(distribute_dataset(strategy, dataset, **kwargs))
 
 
 def test_ragged_batch_names_the_leaves():
@@ -576,7 +576,7 @@ def test_bad_dataset_and_global_batch_size_arguments():
     with pytest.raises(TypeError, match="`dataset` must be an iterable"):
         strategy.experimental_distribute_dataset(42)
     with pytest.raises(ValueError, match=r"multiple of num_replicas_in_sync=2.*got 3.*=4"):
-        input_lib.distribute_dataset(strategy, _batches([2]), global_batch_size=3)
+        distribute_dataset(strategy, _batches([2]), global_batch_size=3)
     with pytest.raises(ValueError, match=r"multiple of num_replicas_in_sync=2.*got 5"):
         distribute_batch(strategy, _rows(2), global_batch_size=5)
     with pytest.raises(TypeError, match="`dataset_fn` must be callable"):
@@ -639,7 +639,7 @@ jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv
 import jax.numpy as jnp
 import numpy as np
 import jstrategy
-from jstrategy._src import input as input_lib
+from jstrategy._src.input.placement import distribute_batch
 from jstrategy._src.strategy import Strategy
 
 devices = jax.devices()
@@ -660,7 +660,7 @@ def check(element, rows):
     mean = float(strategy.reduce("SUM", loss).addressable_data(0))
     assert abs(mean - x[:rows, 0].mean()) < 1e-6, mean
 
-check(input_lib.distribute_batch(strategy, x), 6)
+check(distribute_batch(strategy, x), 6)
 for element, rows in zip(strategy.experimental_distribute_dataset([x, x[:3]]), [6, 3]):
     check(element, rows)
 contexts = []
@@ -717,8 +717,8 @@ def test_two_processes_each_feed_their_own_rows(layout):
 
 def test_rows_reach_the_mesh_by_one_route():
     # Datasets, per-replica pipelines, distribute_batch, per-replica values and fit's
-    # arrays all place host rows with `input.put_rows`: no other module builds a global
-    # array from per-process or per-device pieces.
+    # arrays all place host rows with `input/placement.py`'s `put_rows`: no other module
+    # builds a global array from per-process or per-device pieces.
     package = pathlib.Path(jstrategy.__file__).parent
     builders = ("make_array_from_process_local_data(", "make_array_from_single_device_arrays(")
     callers = sorted(
@@ -726,4 +726,4 @@ def test_rows_reach_the_mesh_by_one_route():
         for path in package.rglob("*.py")
         if any(b in path.read_text(encoding="utf-8") for b in builders)
     )
-    assert callers == ["_src/input/datasets.py"]
+    assert callers == ["_src/input/placement.py"]

@@ -15,7 +15,7 @@ import jstrategy
 from jstrategy import mixed_precision as mp
 from jstrategy import training
 from jstrategy._src import dispatch
-from jstrategy._src.input import distribute_batch
+from jstrategy._src.input.placement import distribute_batch
 from jstrategy.coordinator import local_cluster_resolver
 
 STEPS = 8

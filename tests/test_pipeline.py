@@ -21,7 +21,7 @@ import pytest
 
 import jstrategy
 from jstrategy import training
-from jstrategy._src.input import distribute_batch
+from jstrategy._src.input.placement import distribute_batch
 from jstrategy._src.names import path_names
 from jstrategy.experimental import PipelineSchedule
 from jstrategy.experimental import PipelineStrategy

@@ -16,7 +16,7 @@ import pytest
 
 import jstrategy
 from jstrategy import training
-from jstrategy._src.input import distribute_batch
+from jstrategy._src.input.placement import distribute_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 WIDTH, BLOCKS, ROWS = 64, 4, 32

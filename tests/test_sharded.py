@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 import jstrategy
 import jstrategy.training
 from jstrategy._src.hlo import collective_counts
-from jstrategy._src.input import distribute_batch
+from jstrategy._src.input.placement import distribute_batch
 from jstrategy._src.training.step import body as step_lib
 from jstrategy.experimental import DeviceMesh
 from jstrategy.experimental import FSDPStrategy
@@ -118,7 +118,7 @@ def test_batch_norm_synchronizes_over_the_data_axis():
         _, updates = bn.apply(variables, batch, mutable=["batch_stats"])
         return updates["batch_stats"]
 
-    stats = strategy.run(fn, (jstrategy._src.input.distribute_batch(strategy, x),))
+    stats = strategy.run(fn, (distribute_batch(strategy, x),))
     np.testing.assert_allclose(stats["mean"], x.mean(0), rtol=1e-5)  # the global batch's
     np.testing.assert_allclose(stats["var"], x.var(0), rtol=1e-4)
 
@@ -129,7 +129,7 @@ def test_run_keeps_model_split_arguments_split_and_dropout_differs_per_replica()
         {"params": {"Dense_0": {"kernel": jnp.ones((3, 8))}}}, strategy
     )["params"]["Dense_0"]["kernel"]
     assert kernel.sharding.spec == P(None, "model")
-    x = jstrategy._src.input.distribute_batch(strategy, np.ones((4, 3), np.float32))
+    x = distribute_batch(strategy, np.ones((4, 3), np.float32))
 
     def fn(kernel, x):
         ctx = jstrategy.get_replica_context()

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import jstrategy
 from jstrategy import training
-from jstrategy._src.input import distribute_batch
+from jstrategy._src.input.placement import distribute_batch
 from jstrategy._src.placement import variable_shardings
 
 WIDTH, BLOCKS, ROWS = 128, 4, 64

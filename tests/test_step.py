@@ -14,7 +14,7 @@ from flax import nnx
 import jstrategy
 from jstrategy import training
 from jstrategy._src import dispatch
-from jstrategy._src.input import distribute_batch
+from jstrategy._src.input.placement import distribute_batch
 from jstrategy._src.training.fit_runner import FitRunner
 from jstrategy.coordinator import local_cluster_resolver
 

@@ -13,7 +13,7 @@ from flax import nnx
 
 import jstrategy
 from jstrategy import training
-from jstrategy._src.input import distribute_batch
+from jstrategy._src.input.placement import distribute_batch
 from jstrategy._src.names import path_names
 from jstrategy.experimental import FSDPStrategy
 from jstrategy.experimental import ModelParallelStrategy

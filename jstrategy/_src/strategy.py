@@ -25,7 +25,6 @@ from jax.sharding import PartitionSpec as P
 
 from jstrategy._src import context
 from jstrategy._src import dispatch
-from jstrategy._src import input as input_lib
 from jstrategy._src import mirrored_check
 from jstrategy._src import staging
 from jstrategy._src import tracked
@@ -33,9 +32,13 @@ from jstrategy._src.cross_device_ops import CrossDeviceOps
 from jstrategy._src.cross_device_ops import NcclAllReduce
 from jstrategy._src.devices import canonical_name
 from jstrategy._src.extended import StrategyExtended
+from jstrategy._src.input.datasets import distribute_dataset
+from jstrategy._src.input.datasets import distribute_datasets_from_function
+from jstrategy._src.input.placement import put_rows
 from jstrategy._src.mesh import DeviceMesh
 from jstrategy._src.mesh import auto_mesh
 from jstrategy._src.reduce_util import ReduceOp
+from jstrategy._src.validation import short_repr
 from jstrategy._src.values import PerReplica
 from jstrategy._src.values import is_per_replica
 from jstrategy._src.values import local_replica_devices
@@ -367,7 +370,7 @@ class Strategy:
         if kwargs is not None and not isinstance(kwargs, collections.abc.Mapping):
             raise TypeError(
                 f"`kwargs` must be a dict of keyword arguments for `fn`; got "
-                f"{type(kwargs).__name__} {_short(kwargs)}. Pass kwargs={{'name': value}}, "
+                f"{type(kwargs).__name__} {short_repr(kwargs)}. Pass kwargs={{'name': value}}, "
                 f"or positional arguments as args=(...)."
             )
         kwargs = {} if kwargs is None else dict(kwargs)
@@ -723,7 +726,7 @@ class Strategy:
                     f"{[(a.shape, str(a.dtype)) for a in arrays]}."
                 )
             # This process's rows: its replicas' values, stacked in replica order.
-            [stacked] = input_lib.put_rows(sharding, [np.stack(arrays)], [(n, *arrays[0].shape)])
+            [stacked] = put_rows(sharding, [np.stack(arrays)], [(n, *arrays[0].shape)])
             out.append(PerReplica(stacked, stacked=True))
         return jax.tree.unflatten(structures[0], out)
 
@@ -780,9 +783,7 @@ class Strategy:
         [[4.0, 5.0], [0.0, 0.0]]
         """
 
-        return input_lib.distribute_dataset(
-            self, dataset, options, global_batch_size=global_batch_size
-        )
+        return distribute_dataset(self, dataset, options, global_batch_size=global_batch_size)
 
     def distribute_datasets_from_function(
         self,
@@ -841,7 +842,7 @@ class Strategy:
         [[0.0, 0.0, 1.0, 1.0], [2.0, 2.0, 3.0, 3.0]]
         """
 
-        return input_lib.distribute_datasets_from_function(
+        return distribute_datasets_from_function(
             self, dataset_fn, options, global_batch_size=global_batch_size
         )
 
@@ -959,11 +960,6 @@ def _per_replica_copy(value: Any, axis_name: str) -> jax.Array:
     if axis_name in varying_axes(value):
         return value
     return jax.lax.pcast(value, axis_name, to="varying")
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _gather_fn(n: int, stacked: bool, axis: int) -> Callable[[jax.Array], jax.Array]:

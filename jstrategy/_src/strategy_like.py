@@ -1,6 +1,6 @@
 """`StrategyLike`: what the core's lower modules use of a `Strategy`.
 
-`strategy.py` builds on `context.py`, `extended.py`, `input.py`, `placement.py`,
+`strategy.py` builds on `context.py`, `extended.py`, `input/`, `placement.py`,
 `staging.py` and `tracked.py`; they take strategies as arguments but must not import
 `strategy.py` back, not even for a type, or the import graph has a cycle. They name this
 protocol instead, which `Strategy` satisfies structurally (mypy checks it wherever a

@@ -20,6 +20,7 @@ __all__ = [
     "is_int",
     "is_number",
     "named_object",
+    "short_repr",
 ]
 
 
@@ -43,6 +44,18 @@ def is_number(value: Any) -> bool:
     (True, True, False, False)
     """
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def short_repr(value: Any) -> str:
+    """`value`'s repr cut to 40 characters, for naming a bad value in a message.
+
+    Example:
+
+    >>> short_repr((1, 2)), short_repr(list(range(20)))
+    ('(1, 2)', '[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11...')
+    """
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _expected(

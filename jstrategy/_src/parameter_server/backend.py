@@ -36,7 +36,7 @@ import optax
 
 from jstrategy._src import context
 from jstrategy._src import dispatch
-from jstrategy._src.input import InputContext
+from jstrategy._src.input.options import InputContext
 
 __all__ = [
     "ArrayStore",

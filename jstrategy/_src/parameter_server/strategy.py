@@ -19,7 +19,7 @@ from jstrategy._src.cluster.layout import tasks_on_other_hosts
 from jstrategy._src.cluster.resolver import ClusterResolver
 from jstrategy._src.cluster.simple import SimpleClusterResolver
 from jstrategy._src.cluster.tf_config import TFConfigClusterResolver
-from jstrategy._src.input import InputContext
+from jstrategy._src.input.options import InputContext
 from jstrategy._src.parameter_server import backend as backend_lib
 from jstrategy._src.parameter_server import run_capture
 from jstrategy._src.parameter_server import sharded_variable

@@ -2,8 +2,8 @@
 
 As Keras 3's data adapters, they separate the data from the trainer loop. An adapter turns
 its input into *executions*: one or more steps' batches laid out on the strategy's devices,
-padded to one static shape with a row mask (by `input.pad_rows`, the one pad-and-mask of
-jstrategy's input), ahead of use.
+padded to one static shape with a row mask (by `input/rows.py`'s `pad_rows`, the one
+pad-and-mask of jstrategy's input), ahead of use.
 
 * `ArrayAdapter`: in-memory arrays, shuffled each epoch by a seed, cut into global batches;
   ``steps_per_execution`` full batches are stacked into one execution.
@@ -27,10 +27,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jstrategy._src.input import DistributedDataset
-from jstrategy._src.input import full_mask
-from jstrategy._src.input import pad_rows
-from jstrategy._src.input import put_rows
+from jstrategy._src.input.datasets import DistributedDataset
+from jstrategy._src.input.placement import full_mask
+from jstrategy._src.input.placement import put_rows
+from jstrategy._src.input.rows import pad_rows
 from jstrategy._src.numerics import row_count
 from jstrategy._src.numerics import static_rows
 from jstrategy._src.training import input_checks
@@ -81,7 +81,8 @@ class Execution:
 
 
 def ones_mask(rows: int, sharding: NamedSharding, lead: tuple[int, ...] = ()) -> jax.Array:
-    """A cached all-true row mask (a full batch has no padding): `input.full_mask`."""
+    """A cached all-true row mask (a full batch has no padding): `input/placement.py`'s
+    `full_mask`."""
     return full_mask(sharding, (*lead, rows))
 
 
