@@ -1,5 +1,5 @@
-"""The mirrored-values check (`jstrategy.config.experimental_check_mirrored`, mirrored_check.py):
-replicas that disagree on values that must be mirrored."""
+"""The mirrored-values check (`jstrategy.config.experimental_check_mirrored`,
+run/mirrored_check.py): replicas that disagree on values that must be mirrored."""
 
 import helpers
 import jax

@@ -6,8 +6,6 @@ import collections
 import collections.abc
 import contextlib
 import dataclasses
-import functools
-import threading
 from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Sequence
@@ -25,9 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from jstrategy._src import context
 from jstrategy._src import dispatch
-from jstrategy._src import mirrored_check
 from jstrategy._src import staging
-from jstrategy._src import tracked
 from jstrategy._src.cross_device_ops import CrossDeviceOps
 from jstrategy._src.cross_device_ops import NcclAllReduce
 from jstrategy._src.devices import canonical_name
@@ -38,13 +34,13 @@ from jstrategy._src.input.placement import put_rows
 from jstrategy._src.mesh import DeviceMesh
 from jstrategy._src.mesh import auto_mesh
 from jstrategy._src.reduce_util import ReduceOp
+from jstrategy._src.run.program import RunPrograms
 from jstrategy._src.validation import short_repr
 from jstrategy._src.values import PerReplica
 from jstrategy._src.values import is_per_replica
 from jstrategy._src.values import local_replica_devices
 from jstrategy._src.values import local_results
 from jstrategy._src.values import on_a_mesh
-from jstrategy._src.values import varying_axes
 
 __all__ = ["REPLICA_AXIS", "Strategy", "ValueContext", "get_strategy"]
 
@@ -53,19 +49,6 @@ __all__ = ["REPLICA_AXIS", "Strategy", "ValueContext", "get_strategy"]
 #: ``nn.BatchNorm(axis_name=jstrategy.REPLICA_AXIS)``; `Strategy.axis_name` is the same
 #: name for any strategy (``batch_dim_name`` for `ModelParallelStrategy`).
 REPLICA_AXIS = "replica"
-
-_RUN_CACHE_SIZE = 256
-
-# How each leaf of `run`'s arguments reaches the replicas.
-_STACKED = "stacked"  # PerReplica with a replica axis: replica i gets value[i].
-# A stacked PerReplica that `experimental_check_mirrored` found the same on every replica
-# (an output of `run` that must be mirrored), passed back: checked again as mirrored.
-_STACKED_MIRRORED = "stacked_mirrored"
-_SPLIT = "split"  # PerReplica of rows: replica i gets the i-th contiguous slice.
-_WHOLE = "whole"  # an array or number: every replica gets all of it.
-_STATIC = "static"  # any other Python object: passed as is, part of the cache key.
-
-_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, int, float, complex, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,21 +71,6 @@ class ValueContext:
 
     replica_id_in_sync_group: int = 0
     num_replicas_in_sync: int = 1
-
-
-@dataclasses.dataclass
-class _RunProgram:
-    compiled: Callable[..., Any]
-    out_tree: Any
-    varying: list[bool]
-    # Stateful objects' holders the function touched (`tracked.py`): those it wrote are
-    # donated inputs and outputs of the program, the others inputs only.
-    written: list[tracked.TrackedState] = dataclasses.field(default_factory=list)
-    read_only: list[tracked.Holder] = dataclasses.field(default_factory=list)
-    # The updates it pushed (holder, how), in order: outputs applied after each call.
-    pushes: list[tuple[tracked.Holder, Any]] = dataclasses.field(default_factory=list)
-    # With `experimental_check_mirrored`: the output leaves that must be mirrored.
-    checked: list[int] = dataclasses.field(default_factory=list)
 
 
 class Strategy:
@@ -165,8 +133,7 @@ class Strategy:
         self._data_axis = data_axis
         self._devices = tuple(self._mesh.devices.flat)
         self._cross_device_ops = cross_device_ops or NcclAllReduce(num_packs=0)
-        self._run_cache: collections.OrderedDict[Any, _RunProgram] = collections.OrderedDict()
-        self._lock = threading.Lock()
+        self._run_programs = RunPrograms(self)
         self._gather_programs: dict[Any, Callable[..., Any]] = {}
 
     # Properties -------------------------------------------------------------------------
@@ -374,232 +341,8 @@ class Strategy:
                 f"or positional arguments as args=(...)."
             )
         kwargs = {} if kwargs is None else dict(kwargs)
-        leaves, treedef = jax.tree.flatten((tuple(args), kwargs), is_leaf=is_per_replica)
-        kinds: list[str] = []
-        dynamic: list[Any] = []
-        statics: list[Any] = []
-        mask = None
-        check = mirrored_check.enabled()
-        for leaf in leaves:
-            if isinstance(leaf, PerReplica):
-                self._check_per_replica(leaf)
-                if not leaf.stacked:
-                    kinds.append(_SPLIT)
-                else:
-                    kinds.append(_STACKED_MIRRORED if check and leaf.mirrored else _STACKED)
-                dynamic.append(leaf.value)
-                if mask is None:
-                    mask = leaf.mask
-            elif isinstance(leaf, _ARRAY_TYPES):
-                kinds.append(_WHOLE)
-                dynamic.append(leaf)
-            else:
-                kinds.append(_STATIC)
-                statics.append(leaf)
-        has_mask = mask is not None
-        if has_mask:
-            dynamic.append(mask)
-        key = (fn, treedef, tuple(kinds), tuple(statics), has_mask, check)
-        try:
-            program = self._run_cache.get(key)
-        except TypeError:
-            raise TypeError(
-                "`run` passes arguments that are not arrays as Python objects and compiles "
-                f"one program per value, so they must be hashable; got unhashable "
-                f"{[type(s).__name__ for s in statics]}. Pass arrays instead."
-            ) from None
-        if program is None:
-            program = self._build_run(fn, treedef, kinds, statics, has_mask, dynamic)
-            with self._lock:
-                self._run_cache[key] = program
-                if len(self._run_cache) > _RUN_CACHE_SIZE:
-                    self._run_cache.popitem(last=False)
-        if (program.written or program.read_only or program.pushes) and any(
-            isinstance(x, jax.core.Tracer) for x in dynamic
-        ):
-            self._refuse_outer_trace(program)
-        outs, written, pushed, flags = program.compiled(*dynamic, *self._held_values(program))
-        if program.written or program.pushes:
-            self._store_written(program, written, pushed)
-        dispatch.track(flags)
-        if program.checked:
-            self._raise_if_disagree(program, flags)
-        wrapped = [
-            PerReplica(o, stacked=True, mirrored=i in program.checked) if v else o
-            for i, (o, v) in enumerate(zip(outs, program.varying, strict=True))
-        ]
-        return jax.tree.unflatten(program.out_tree, wrapped)
-
-    def _held_values(self, program: _RunProgram) -> tuple[list[Any], list[Any]]:
-        """The current values of the holders a `run` program takes, as the replicas read them."""
-        written = [h.value_on(self) for h in program.written]
-        read_only = [h.value_on(self) for h in program.read_only]
-        return self.read_on_replicas(written), self.read_on_replicas(read_only)
-
-    def _refuse_outer_trace(self, program: _RunProgram) -> None:
-        holders = (*program.written, *program.read_only, *(h for h, _ in program.pushes))
-        names = list(dict.fromkeys(h.name for h in holders))
-        raise RuntimeError(
-            f"strategy.run was called inside a function that JAX compiles (jax.jit, ...) "
-            f"and uses {names}: their values would be frozen into that program when it is "
-            "traced and their updates never applied. run compiles its function itself "
-            "(TF's @tf.function is not needed): call it outside jax.jit."
-        )
-
-    def _store_written(self, program: _RunProgram, values: list[Any], pushed: list[Any]) -> None:
-        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((values, pushed))):
-            self._refuse_outer_trace(program)
-        for holder, value in zip(program.written, values, strict=True):
-            holder.store(value, self)
-        for (sink, how), value in zip(program.pushes, pushed, strict=True):
-            sink.apply(value, how)
-
-    def _raise_if_disagree(self, program: _RunProgram, flags: Any) -> None:
-        disagree = np.asarray(jax.device_get(flags))
-        if disagree.any():
-            paths = jax.tree_util.tree_unflatten(
-                program.out_tree, [f"leaf {i}" for i in range(len(program.varying))]
-            )
-            flat = jax.tree_util.tree_flatten_with_path(paths)[0]
-            names = [
-                jax.tree_util.keystr(flat[i][0]) or "the output"
-                for i, bad in zip(program.checked, disagree, strict=True)
-                if bad
-            ]
-            raise ValueError(
-                f"The replicas disagree on {names}, outputs of the function given to "
-                "strategy.run that are computed only from replicated arguments, constants "
-                "and collectives, and so must be the same on every replica (e.g. parameters "
-                "updated from gradients). Were the gradients combined across replicas? Use "
-                "get_replica_context().all_reduce('SUM', grads), or a "
-                "jstrategy.optimizers optimizer's apply_gradients, which does it. "
-                "(jstrategy.config.experimental_check_mirrored is on.)"
-            )
-
-    def _check_per_replica(self, value: PerReplica) -> None:
-        sharding = getattr(value.value, "sharding", None)
-        mesh = getattr(sharding, "mesh", None)
-        if mesh is not None and mesh.shape_tuple != self._mesh.shape_tuple:
-            raise ValueError(
-                f"A PerReplica argument has {value.num_replicas} replicas but this strategy has "
-                f"{self.num_replicas_in_sync}. Pass values made by this strategy (its run, "
-                "datasets or experimental_distribute_values_from_function)."
-            )
-
-    def _build_run(self, fn, treedef, kinds, statics, has_mask, example) -> _RunProgram:
-        data = self._data_axis
-        per_replica_kinds = (_STACKED, _STACKED_MIRRORED, _SPLIT)
-        user_specs = tuple(
-            P(data) if k in per_replica_kinds else P() for k in kinds if k != _STATIC
-        ) + ((P(data),) if has_mask else ())
-        # Manual over the data axis only: a mesh's other axes stay automatic, so variables
-        # split over them keep their layout inside `fn` and XLA partitions the math.
-        shard_map = functools.partial(jax.shard_map, mesh=self._mesh, axis_names=frozenset({data}))
-
-        def call(values, frame, *, shared=False):
-            row_mask = values[-1] if has_mask else None
-            replica_context = context.ReplicaContext(self, row_mask=row_mask)
-            value_iter, static_iter = iter(values), iter(statics)
-            leaves = []
-            for kind in kinds:
-                if kind == _STATIC:
-                    leaves.append(next(static_iter))
-                else:
-                    value = next(value_iter)
-                    if kind == _STACKED or (kind == _STACKED_MIRRORED and not shared):
-                        value = value[0]
-                    elif kind == _WHOLE and not shared:
-                        value = _per_replica_copy(value, data)
-                    leaves.append(value)
-            args, kwargs = jax.tree.unflatten(treedef, leaves)
-            with context.replica_scope(self, replica_context), tracked.run_frame(frame):
-                return jax.tree.flatten(fn(*args, **kwargs))
-
-        # First trace (shapes only): the outputs' structure, which of them are per-replica,
-        # and the holders of stateful objects the function touches.
-        info: list[Any] = []
-
-        def probe(*values, shared=False):
-            frame = tracked.RunFrame(self, (), None)
-            flat, out_tree = call(values, frame, shared=shared)
-            flat = [jnp.asarray(x) for x in flat]
-            info.append((out_tree, [data in varying_axes(x) for x in flat], frame))
-            return [x[None] for x in flat]
-
-        jax.eval_shape(shard_map(probe, in_specs=user_specs, out_specs=P(data)), *example)
-        out_tree, varying, frame = info[0]
-        written = list(frame.written.values())
-        read_only = [h for h in frame.touched if id(h) not in frame.written]
-        pushes = [(h, how) for h, _, how in frame.pushes]
-        checked: list[int] = []
-        if mirrored_check.enabled():
-            # With replicated (and checked-mirrored) arguments typed as one shared value,
-            # which outputs come out the same on every replica?
-            shared_specs, shared_example = [], []
-            dynamic_kinds = [k for k in kinds if k != _STATIC] + ([_SPLIT] if has_mask else [])
-            for kind, spec, value in zip(dynamic_kinds, user_specs, example, strict=True):
-                if kind == _STACKED_MIRRORED:
-                    spec, value = P(), jax.ShapeDtypeStruct(value.shape[1:], value.dtype)
-                shared_specs.append(spec)
-                shared_example.append(value)
-            jax.eval_shape(
-                shard_map(
-                    functools.partial(probe, shared=True),
-                    in_specs=tuple(shared_specs),
-                    out_specs=P(data),
-                ),
-                *shared_example,
-            )
-            shared_varying = info[1][1]
-            checked = [
-                i
-                for i, (v, s) in enumerate(zip(varying, shared_varying, strict=True))
-                if v and not s
-            ]
-        planned = written + read_only
-
-        def body(*inputs):
-            *values, written_values, read_values = inputs
-            frame = tracked.RunFrame(self, planned, [*written_values, *read_values])
-            try:
-                flat, _ = call(values, frame)
-                if [(id(h), how) for h, _, how in frame.pushes] != [
-                    (id(h), how) for h, how in pushes
-                ]:
-                    raise tracked.Replan()
-            except tracked.Replan:
-                raise RuntimeError(
-                    "The function given to strategy.run used other metrics, optimizers, "
-                    "models or parameter-server variables when it was traced again (for new "
-                    "argument shapes) than the first time. Use the same stateful objects on "
-                    "every call."
-                ) from None
-            outs = [jnp.asarray(x)[None] if v else x for x, v in zip(flat, varying, strict=True)]
-            new_values = [frame.final(h) for h in written]
-            pushed = [value for _, value, _ in frame.pushes]
-            # A small output of every call that is never donated: what `run` waits on to
-            # bound the calls in flight, also when `fn` returns nothing and only writes
-            # state (whose arrays the next call consumes).
-            flags = jnp.zeros((), jnp.bool_)
-            if checked:
-                flags = mirrored_check.disagreement([flat[i] for i in checked], data)
-            return outs, new_values, pushed, flags
-
-        def holder_specs(holders: Sequence[tracked.Holder]) -> list[P]:
-            return [P(data) if h.per_replica else P() for h in holders]
-
-        out_specs = (
-            [P(data) if v else P() for v in varying],
-            holder_specs(written),
-            [P() for _ in pushes],
-            P(),
-        )
-        in_specs = (*user_specs, holder_specs(written), holder_specs(read_only))
-        compiled = jax.jit(
-            shard_map(body, in_specs=in_specs, out_specs=out_specs),
-            donate_argnums=(len(user_specs),) if written else (),
-        )
-        return _RunProgram(compiled, out_tree, varying, written, read_only, pushes, checked)
+        # One compiled program per function and kinds of arguments: `run/program.py`.
+        return self._run_programs.run(fn, args, kwargs)
 
     # Cross-replica reductions -----------------------------------------------------------
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
@@ -946,20 +689,6 @@ class Strategy:
         names = [canonical_name(d) for d in self._devices]
         shown = names if len(names) <= 4 else [*names[:2], "...", names[-1]]
         return f"{type(self).__name__}(devices=[{', '.join(shown)}])"
-
-
-def _per_replica_copy(value: Any, axis_name: str) -> jax.Array:
-    """Types a replicated argument as this replica's own copy, as TF's mirrored components.
-
-    JAX would otherwise treat it as one value shared by all replicas, and the gradient with
-    respect to it would already be summed over the replicas; as a per-replica copy its
-    gradient is this replica's, and `ReplicaContext.all_reduce` combines them, as in TF.
-    The cast is free: it changes the type, not the data.
-    """
-    value = jnp.asarray(value)
-    if axis_name in varying_axes(value):
-        return value
-    return jax.lax.pcast(value, axis_name, to="varying")
 
 
 def _gather_fn(n: int, stacked: bool, axis: int) -> Callable[[jax.Array], jax.Array]:

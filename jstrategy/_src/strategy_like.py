@@ -1,6 +1,6 @@
 """`StrategyLike`: what the core's lower modules use of a `Strategy`.
 
-`strategy.py` builds on `context.py`, `extended.py`, `input/`, `placement.py`,
+`strategy.py` builds on `context.py`, `extended.py`, `input/`, `placement.py`, `run/`,
 `staging.py` and `tracked.py`; they take strategies as arguments but must not import
 `strategy.py` back, not even for a type, or the import graph has a cycle. They name this
 protocol instead, which `Strategy` satisfies structurally (mypy checks it wherever a
@@ -65,6 +65,8 @@ class StrategyLike(Protocol):
     ) -> jax.sharding.Sharding: ...
 
     def annotation_axis(self, name: str) -> str | None: ...
+
+    def read_on_replicas(self, tree: Any) -> Any: ...
 
     def scope(self) -> contextlib.AbstractContextManager[Any]: ...
 
