@@ -7,16 +7,16 @@ Example:
 'bfloat16'
 """
 
-from jstrategy._src.loss_scale import DynamicLossScale
-from jstrategy._src.loss_scale import LossScaleFloorWarning
-from jstrategy._src.loss_scale import all_finite
-from jstrategy._src.loss_scale import select_if_finite
-from jstrategy._src.mixed_precision import Policy
-from jstrategy._src.mixed_precision import cast_to_compute
-from jstrategy._src.mixed_precision import cast_to_float32
-from jstrategy._src.mixed_precision import cast_to_variable
-from jstrategy._src.mixed_precision import global_policy
-from jstrategy._src.mixed_precision import set_global_policy
+from jstrategy._src.precision.loss_scale import DynamicLossScale
+from jstrategy._src.precision.loss_scale import LossScaleFloorWarning
+from jstrategy._src.precision.loss_scale import all_finite
+from jstrategy._src.precision.loss_scale import select_if_finite
+from jstrategy._src.precision.policy import Policy
+from jstrategy._src.precision.policy import cast_to_compute
+from jstrategy._src.precision.policy import cast_to_float32
+from jstrategy._src.precision.policy import cast_to_variable
+from jstrategy._src.precision.policy import global_policy
+from jstrategy._src.precision.policy import set_global_policy
 
 __all__ = [
     "DynamicLossScale",

@@ -29,7 +29,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from jstrategy._src import mixed_precision as mp
+from jstrategy._src.precision import policy as mp
 from jstrategy._src.validation import check_bool
 from jstrategy._src.validation import check_row_shape
 

@@ -20,7 +20,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jstrategy._src import mixed_precision as mp
+from jstrategy._src.precision import policy as mp
 from jstrategy._src.random_seed import default_seed
 from jstrategy._src.strategy import Strategy
 from jstrategy._src.strategy import get_strategy

@@ -24,12 +24,12 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from jstrategy._src import mixed_precision as mp
 from jstrategy._src.layers import serialization
 from jstrategy._src.layers.base import Layer
 from jstrategy._src.layers.base import call_layer
 from jstrategy._src.layers.base import keras_name
 from jstrategy._src.layers.core import InputLayer
+from jstrategy._src.precision import policy as mp
 from jstrategy._src.training.model import Model
 from jstrategy._src.training.saving import config as saved_config
 from jstrategy._src.training.saving import model_dir as saving

@@ -21,12 +21,12 @@ import optax
 
 from jstrategy._src import checkpoint as checkpoint_lib
 from jstrategy._src import context
-from jstrategy._src import mixed_precision as mp
 from jstrategy._src.checkpoint.paths import latest_step_dir
 from jstrategy._src.checkpoint.paths import read_by_paths
 from jstrategy._src.checkpoint.weights import load_arrays
 from jstrategy._src.placement import create_placed
 from jstrategy._src.placement import place_state
+from jstrategy._src.precision import policy as mp
 from jstrategy._src.strategy import get_strategy
 from jstrategy._src.training.coordinated_fit import CoordinatedFitRunner
 from jstrategy._src.training.fit_runner import FitRunner

@@ -28,10 +28,10 @@ from flax import nnx
 from flax import struct
 
 from jstrategy._src import flax_annotations
-from jstrategy._src import mixed_precision as mp
 from jstrategy._src.placement import create_placed
 from jstrategy._src.placement import in_device_memory
 from jstrategy._src.placement import place_state
+from jstrategy._src.precision import policy as mp
 from jstrategy._src.strategy import get_strategy
 from jstrategy._src.training import summary as summary_lib
 from jstrategy._src.training.optimizers.base import Optimizer

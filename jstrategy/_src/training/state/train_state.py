@@ -23,15 +23,15 @@ from flax import struct
 from flax.training import train_state as flax_train_state
 
 from jstrategy._src import flax_annotations
-from jstrategy._src import mixed_precision as mp
 from jstrategy._src.layers.base import TRAIN_KEYWORDS
 from jstrategy._src.layers.base import train_keyword
 from jstrategy._src.layers.base import train_kwargs
 from jstrategy._src.layers.regularizers import LOSSES
-from jstrategy._src.loss_scale import DynamicLossScale
 from jstrategy._src.placement import create_placed
 from jstrategy._src.placement import in_device_memory
 from jstrategy._src.placement import lower_creation
+from jstrategy._src.precision import policy as mp
+from jstrategy._src.precision.loss_scale import DynamicLossScale
 from jstrategy._src.strategy import get_strategy
 from jstrategy._src.training import summary as summary_lib
 from jstrategy._src.training.optimizers.base import Optimizer

@@ -36,9 +36,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jstrategy._src import mixed_precision as mp
-from jstrategy._src.loss_scale import all_finite
-from jstrategy._src.loss_scale import select_if_finite
 from jstrategy._src.numerics import COUNT
 from jstrategy._src.numerics import WEIGHT_SUM
 from jstrategy._src.numerics import means
@@ -51,6 +48,9 @@ from jstrategy._src.pipeline.loss import one_f_one_b_loss
 from jstrategy._src.pipeline.schedules import PipelineSchedule
 from jstrategy._src.placement import abstract
 from jstrategy._src.placement import create_placed
+from jstrategy._src.precision import policy as mp
+from jstrategy._src.precision.loss_scale import all_finite
+from jstrategy._src.precision.loss_scale import select_if_finite
 from jstrategy._src.reduce_util import ReduceOp
 from jstrategy._src.staging import StepFunctions
 from jstrategy._src.staging import TrainProgram

@@ -26,9 +26,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jstrategy._src.loss_scale import DynamicLossScale
-from jstrategy._src.loss_scale import LossScaleFloorWarning
-from jstrategy._src.loss_scale import all_finite
+from jstrategy._src.precision.loss_scale import DynamicLossScale
+from jstrategy._src.precision.loss_scale import LossScaleFloorWarning
+from jstrategy._src.precision.loss_scale import all_finite
 from jstrategy._src.training.input_checks import class_label_functions
 from jstrategy._src.training.state import train_state
 from jstrategy._src.training.step import probability_check

@@ -18,9 +18,9 @@ from typing import Any
 import jax
 
 from jstrategy._src import dispatch
-from jstrategy._src import mixed_precision as mp
 from jstrategy._src.numerics import row_count
 from jstrategy._src.placement import check_placed
+from jstrategy._src.precision import policy as mp
 from jstrategy._src.strategy import get_strategy
 from jstrategy._src.training import data_adapters
 from jstrategy._src.training.state.global_batch import BatchNormSync

@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from jstrategy._src import mixed_precision as mp
 from jstrategy._src.numerics import COUNT
 from jstrategy._src.numerics import weight_key
 from jstrategy._src.pipeline.schedules import PipelineConfig
+from jstrategy._src.precision import policy as mp
 from jstrategy._src.training.state.global_batch import BatchNormSync
 from jstrategy._src.training.state.train_state import uses_loss_scale
 
