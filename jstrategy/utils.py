@@ -10,10 +10,10 @@ Example:
 from typing import TYPE_CHECKING
 
 from jstrategy._src.keras_names import missing_attribute
-from jstrategy._src.numerical_utils import normalize
-from jstrategy._src.numerical_utils import to_categorical
-from jstrategy._src.random_seed import get_random_seed
-from jstrategy._src.random_seed import set_random_seed
+from jstrategy._src.utils.numerical_utils import normalize
+from jstrategy._src.utils.numerical_utils import to_categorical
+from jstrategy._src.utils.random_seed import get_random_seed
+from jstrategy._src.utils.random_seed import set_random_seed
 
 __all__ = [
     "get_random_seed",

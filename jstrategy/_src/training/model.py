@@ -21,7 +21,6 @@ import optax
 from flax import nnx
 
 from jstrategy._src.precision import policy as mp
-from jstrategy._src.random_seed import default_seed
 from jstrategy._src.strategy import Strategy
 from jstrategy._src.strategy import get_strategy
 from jstrategy._src.training import data_adapters
@@ -40,6 +39,7 @@ from jstrategy._src.training.state.nnx import create_nnx_train_state
 from jstrategy._src.training.state.train_state import create_train_state
 from jstrategy._src.training.step import body as step_lib
 from jstrategy._src.training.trainer import Trainer
+from jstrategy._src.utils.random_seed import default_seed
 from jstrategy._src.validation import check_bool
 from jstrategy._src.validation import check_non_negative_int
 from jstrategy._src.validation import check_positive_int
