@@ -29,6 +29,9 @@ import numpy as np
 
 from jstrategy._src import context
 from jstrategy._src.reduce_util import ReduceOp
+from jstrategy._src.registry import register_kind
+from jstrategy._src.registry import register_saveable
+from jstrategy._src.registry import saveable_classes
 from jstrategy._src.strategy import get_strategy
 from jstrategy._src.tracked import SummedOnRead
 from jstrategy._src.training import losses as losses_lib
@@ -292,6 +295,10 @@ class Mean(Metric):
         )
 
 
+register_kind("metric", Metric)
+
+
+@register_saveable(kind="metric")
 class Accuracy(Metric):
     """How often predictions equal labels exactly (Keras's `Accuracy`).
 
@@ -324,6 +331,7 @@ def _logit(p: float) -> float:
     return math.log(p / (1.0 - p))
 
 
+@register_saveable(kind="metric")
 class BinaryAccuracy(Metric):
     """How often thresholded predictions match 0/1 labels.
 
@@ -373,6 +381,7 @@ class BinaryAccuracy(Metric):
         }
 
 
+@register_saveable(kind="metric")
 class CategoricalAccuracy(Metric):
     """How often the arg-max of the predictions matches the arg-max of one-hot labels.
 
@@ -402,6 +411,7 @@ class CategoricalAccuracy(Metric):
         return (jnp.argmax(y_true, axis=-1) == jnp.argmax(y_pred, axis=-1)).astype(jnp.float32)
 
 
+@register_saveable(kind="metric")
 class SparseCategoricalAccuracy(Metric):
     """How often the arg-max of the predictions equals integer labels ``(b,)`` or ``(b, 1)``.
 
@@ -427,6 +437,7 @@ class SparseCategoricalAccuracy(Metric):
         return (jnp.argmax(y_pred, axis=-1) == labels).astype(jnp.float32)
 
 
+@register_saveable(kind="metric")
 class MeanSquaredError(Metric):
     """Mean squared error per example.
 
@@ -450,6 +461,7 @@ class MeanSquaredError(Metric):
         return self._loss.call(y_true, y_pred)
 
 
+@register_saveable(kind="metric")
 class MeanAbsoluteError(Metric):
     """Mean absolute error per example.
 
@@ -555,7 +567,8 @@ def _accuracy_for(loss: Any, name: str) -> Metric:
     return _ShapeResolvedAccuracy(name=name)
 
 
-_REGISTRY: dict[str, type[Metric]] = {
+# Keras's string names, which name the metric; a registered class name is taken too.
+_ALIASES: dict[str, type[Metric]] = {
     "binary_accuracy": BinaryAccuracy,
     "categorical_accuracy": CategoricalAccuracy,
     "sparse_categorical_accuracy": SparseCategoricalAccuracy,
@@ -564,14 +577,6 @@ _REGISTRY: dict[str, type[Metric]] = {
     "mean_squared_error": MeanSquaredError,
     "mse": MeanSquaredError,
 }
-_CLASSES: tuple[type[Metric], ...] = (
-    Accuracy,
-    BinaryAccuracy,
-    CategoricalAccuracy,
-    SparseCategoricalAccuracy,
-    MeanAbsoluteError,
-    MeanSquaredError,
-)
 
 
 def get(identifier: Metric | str | Callable[[Any, Any], Any], *, loss: Any = None) -> Metric:
@@ -619,12 +624,12 @@ def get(identifier: Metric | str | Callable[[Any, Any], Any], *, loss: Any = Non
     if isinstance(identifier, str):
         if identifier in ("accuracy", "acc"):
             return _accuracy_for(loss, identifier)
-        if identifier in _REGISTRY:
-            return _REGISTRY[identifier](name=identifier)
-        by_class = {cls.__name__: cls for cls in _CLASSES}
+        if identifier in _ALIASES:
+            return _ALIASES[identifier](name=identifier)
+        by_class = saveable_classes("metric")
         if identifier in by_class:
             return by_class[identifier]()
-        valid = sorted({"accuracy", "acc", *_REGISTRY, *by_class})
+        valid = sorted({"accuracy", "acc", *_ALIASES, *by_class})
         raise ValueError(
             f"Unknown metric {identifier!r}. Valid names: {valid}; or pass a "
             "jstrategy.metrics.Metric, or a function fn(y_true, y_pred) -> per-example values."

@@ -22,6 +22,8 @@ from flax import nnx
 
 from jstrategy._src import mixed_precision as mp
 from jstrategy._src.random_seed import default_seed
+from jstrategy._src.registry import register_kind
+from jstrategy._src.registry import register_saveable
 from jstrategy._src.strategy import Strategy
 from jstrategy._src.strategy import get_strategy
 from jstrategy._src.training import data_adapters
@@ -49,6 +51,7 @@ from jstrategy._src.validation import is_int
 __all__ = ["Model"]
 
 
+@register_saveable(kind="model")
 class Model(SavingMixin, CustomLoopMixin):
     """A Keras-like model around a Flax module (linen or NNX), trained by a strategy.
 
@@ -133,6 +136,26 @@ class Model(SavingMixin, CustomLoopMixin):
             self._build(jnp.zeros((1, *self._input_shape), input_dtype))
 
     # Properties ---------------------------------------------------------------------------
+    @classmethod
+    def _from_saved(cls, config: dict[str, Any], module: Any, path: str) -> Model:
+        """The model a saved config describes, around `module` (how `load_model` builds a
+        saved ``"Model"``; `Sequential` builds its own)."""
+        if module is None:
+            raise ValueError(
+                f"The model saved in {path} is a jstrategy.Model of a {config.get('module')} "
+                "module, whose code is not saved. Pass the module: load_model(path, module)."
+            )
+        input_shape = config["input_shape"]
+        return Model(
+            module,
+            None if input_shape is None else tuple(input_shape),
+            input_dtype=np.dtype(config["input_dtype"]),
+            seed=int(config["seed"]),
+            name=config["name"],
+            train_arg=config["train_arg"],
+            dtype_policy=config.get("dtype_policy", "float32"),
+        )
+
     @property
     def strategy(self) -> Strategy:
         """The strategy captured when the model was created."""
@@ -819,3 +842,7 @@ def _validation_epochs(validation_freq: Any) -> Callable[[int], bool]:
         f"`validation_freq` must be a positive int (validate every N-th epoch) or a list "
         f"of epochs counted from 1 (e.g. [1, 5, 10]); got {validation_freq!r}."
     )
+
+
+# Every model class a saved config names derives from Model (checked as it registers).
+register_kind("model", Model)
