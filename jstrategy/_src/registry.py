@@ -31,6 +31,7 @@ __all__ = [
     "register_saveable",
     "saveable_class",
     "saveable_classes",
+    "saved_class",
     "saveable_name",
 ]
 
@@ -113,3 +114,15 @@ def saveable_name(obj: Any, kind: str) -> str | None:
 def saveable_classes(kind: str) -> dict[str, type]:
     """Every class registered for `kind`, by saved name (a copy)."""
     return dict(_REGISTRY.get(kind, {}))
+
+
+def saved_class(kind: str, name: Any, unknown: Callable[[list[str]], str]) -> type:
+    """The class of `kind` a saved ``class_name`` names.
+
+    Raises:
+      ValueError: ``unknown(known names)`` if `name` names none.
+    """
+    cls = saveable_class(kind, name) if isinstance(name, str) else None
+    if cls is None:
+        raise ValueError(unknown(sorted(saveable_classes(kind))))
+    return cls

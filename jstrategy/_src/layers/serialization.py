@@ -21,8 +21,8 @@ from jstrategy._src.layers import regularizers  # noqa: F401
 from jstrategy._src.layers import reshaping  # noqa: F401
 from jstrategy._src.layers.base import Layer
 from jstrategy._src.registry import saveable_class
-from jstrategy._src.registry import saveable_classes
 from jstrategy._src.registry import saveable_name
+from jstrategy._src.registry import saved_class
 
 __all__ = ["class_name", "deserialize", "serialize"]
 
@@ -117,10 +117,9 @@ def deserialize(config: dict[str, Any]) -> Layer:
       ValueError: for a class name that is not a registered layer.
     """
     name = config.get("class_name")
-    cls = saveable_class("layer", name) if isinstance(name, str) else None
-    if cls is None:
-        raise ValueError(
-            f"The saved layer class {name!r} is not one of jstrategy.layers "
-            f"({sorted(saveable_classes('layer'))})."
-        )
+    cls = saved_class(
+        "layer",
+        name,
+        lambda known: f"The saved layer class {name!r} is not one of jstrategy.layers ({known}).",
+    )
     return cls(**{k: _restore(v) for k, v in config["config"].items()})

@@ -42,6 +42,7 @@ from jstrategy._src.training.per_example import squeeze_or_expand_to_same_rank
 from jstrategy._src.training.per_example import weighted_values
 from jstrategy._src.validation import check_bool
 from jstrategy._src.validation import check_number
+from jstrategy._src.validation import keras_object
 
 __all__ = [
     "BinaryCrossentropy",
@@ -610,21 +611,15 @@ def get(identifier: Loss | str | Callable[[Any, Any], Any]) -> Loss:
     >>> get(BinaryCrossentropy(from_logits=True)).from_logits
     True
     """
-    if isinstance(identifier, Loss):
-        return identifier
-    if isinstance(identifier, str):
-        known: dict[str, Callable[[], Loss]] = {**saveable_classes("loss"), **_ALIASES}
-        if identifier in known:
-            return known[identifier]()
-        raise ValueError(
-            f"Unknown loss {identifier!r}. Valid names: {sorted(known)}; or pass a "
-            "jstrategy.losses.Loss, or a function fn(y_true, y_pred) -> per-example loss."
-        )
-    if isinstance(identifier, type) and issubclass(identifier, Loss):
-        return identifier()
-    if callable(identifier):
-        return LossFunctionWrapper(identifier)
-    raise ValueError(
-        f"`loss` must be a jstrategy.losses.Loss, a loss name or a function "
-        f"fn(y_true, y_pred); got {identifier!r}. E.g. loss='sparse_categorical_crossentropy'."
+    return keras_object(
+        identifier,
+        {**saveable_classes("loss"), **_ALIASES},
+        Loss,
+        LossFunctionWrapper,
+        unknown=lambda known: (
+            f"Unknown loss {identifier!r}. Valid names: {known}; or pass "
+            "a jstrategy.losses.Loss, or a function fn(y_true, y_pred) -> per-example loss."
+        ),
+        bad=f"`loss` must be a jstrategy.losses.Loss, a loss name or a function "
+        f"fn(y_true, y_pred); got {identifier!r}. E.g. loss='sparse_categorical_crossentropy'.",
     )

@@ -18,6 +18,7 @@ they are parameter-server variables that every worker adds to.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -45,6 +46,7 @@ from jstrategy._src.training.per_example import samplewise
 from jstrategy._src.training.per_example import sparse_labels
 from jstrategy._src.validation import check_bool
 from jstrategy._src.validation import check_number
+from jstrategy._src.validation import keras_object
 from jstrategy._src.values import local_copy
 
 if TYPE_CHECKING:
@@ -619,26 +621,19 @@ def get(identifier: Metric | str | Callable[[Any, Any], Any], *, loss: Any = Non
             "compiled metric is a function of (y_true, y_pred). Wrap one in "
             "MeanMetricWrapper, e.g. MeanMetricWrapper(fn, name='...')."
         )
-    if isinstance(identifier, Metric):
-        return identifier
-    if isinstance(identifier, str):
-        if identifier in ("accuracy", "acc"):
-            return _accuracy_for(loss, identifier)
-        if identifier in _ALIASES:
-            return _ALIASES[identifier](name=identifier)
-        by_class = saveable_classes("metric")
-        if identifier in by_class:
-            return by_class[identifier]()
-        valid = sorted({"accuracy", "acc", *_ALIASES, *by_class})
-        raise ValueError(
-            f"Unknown metric {identifier!r}. Valid names: {valid}; or pass a "
-            "jstrategy.metrics.Metric, or a function fn(y_true, y_pred) -> per-example values."
-        )
-    if isinstance(identifier, type) and issubclass(identifier, Metric):
-        return identifier()
-    if callable(identifier):
-        return MeanMetricWrapper(identifier)
-    raise ValueError(
-        f"A metric must be a jstrategy.metrics.Metric, a metric name or a function "
-        f"fn(y_true, y_pred); got {identifier!r}. E.g. metrics=['accuracy']."
+    if isinstance(identifier, str) and identifier in ("accuracy", "acc"):
+        return _accuracy_for(loss, identifier)  # resolved here; listed below as valid names
+    named = {key: functools.partial(cls, name=key) for key, cls in _ALIASES.items()}
+    return keras_object(
+        identifier,
+        {"accuracy": Accuracy, "acc": Accuracy, **saveable_classes("metric"), **named},
+        Metric,
+        MeanMetricWrapper,
+        unknown=lambda known: (
+            f"Unknown metric {identifier!r}. Valid names: {known}; or pass "
+            "a jstrategy.metrics.Metric, or a function fn(y_true, y_pred) -> per-example "
+            "values."
+        ),
+        bad=f"A metric must be a jstrategy.metrics.Metric, a metric name or a function "
+        f"fn(y_true, y_pred); got {identifier!r}. E.g. metrics=['accuracy'].",
     )

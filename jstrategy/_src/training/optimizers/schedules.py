@@ -15,9 +15,9 @@ import jax.numpy as jnp
 
 from jstrategy._src.registry import register_kind
 from jstrategy._src.registry import register_saveable
-from jstrategy._src.registry import saveable_class
 from jstrategy._src.registry import saveable_classes
 from jstrategy._src.registry import saveable_name
+from jstrategy._src.registry import saved_class
 from jstrategy._src.validation import check_number
 
 __all__ = [
@@ -250,12 +250,9 @@ def deserialize(config: dict[str, Any]) -> LearningRateSchedule:
     100.0
     """
     name = config.get("class_name")
-    cls = saveable_class("schedule", name) if isinstance(name, str) else None
-    if cls is None:
-        raise ValueError(
-            f"Unknown learning-rate schedule {name!r}; known: "
-            f"{sorted(saveable_classes('schedule'))}."
-        )
+    cls = saved_class(
+        "schedule", name, lambda known: f"Unknown learning-rate schedule {name!r}; known: {known}."
+    )
     return cls(**config.get("config", {}))
 
 

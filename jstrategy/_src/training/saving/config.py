@@ -30,9 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jstrategy._src.layers import serialization
-from jstrategy._src.registry import saveable_class
-from jstrategy._src.registry import saveable_classes
 from jstrategy._src.registry import saveable_name
+from jstrategy._src.registry import saved_class
 from jstrategy._src.training import losses as losses_lib
 from jstrategy._src.training import metrics as metrics_lib
 from jstrategy._src.training.optimizers import serialization as optimizer_serialization
@@ -564,14 +563,15 @@ def _custom(
 
 
 def _registered(entry: dict[str, Any], kind: str, field: str, file: str) -> Any:
-    cls = saveable_class(kind, entry["class_name"])
-    if cls is None:
-        known = sorted(saveable_classes(kind))
-        raise ValueError(
-            f"{file}: `{field}.class_name` must name a {kind} class jstrategy saves, one "
-            f"of {known}, or be {CUSTOM!r} (with custom_objects); got "
+    cls = saved_class(
+        kind,
+        entry["class_name"],
+        lambda known: (
+            f"{file}: `{field}.class_name` must name a {kind} class jstrategy "
+            f"saves, one of {known}, or be {CUSTOM!r} (with custom_objects); got "
             f"{entry['class_name']!r}. {_FIX}"
-        )
+        ),
+    )
     try:
         return cls(**entry["config"])
     except (TypeError, ValueError) as e:
