@@ -365,8 +365,10 @@ def test_errors_name_the_problem_and_the_fix():
     with pytest.raises(ValueError, match="`steps_per_execution` must be a positive int"):
         model.compile("sgd", loss="mse", steps_per_execution=0)
     model.compile("sgd", loss="mse")
-    with pytest.raises(ValueError, match="`y` is required"):
+    with pytest.raises(ValueError, match=r"`y` is required .*; pass fit\(x, y, \.\.\.\)"):
         model.fit(x, verbose=0)
+    with pytest.raises(ValueError, match=r"`y` is required .*; pass evaluate\(x, y\)"):
+        model.evaluate(x, verbose=0)
     with pytest.raises(ValueError, match="`y` must be None when `x` is a dataset"):
         model.fit([(x, y)], y, verbose=0)
     with pytest.raises(ValueError, match="validation_split"):

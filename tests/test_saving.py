@@ -21,7 +21,7 @@ import optax
 import pytest
 
 import jstrategy
-from jstrategy._src.training.saving import config as saved_config
+from jstrategy._src import registry
 
 CONFIG = "jstrategy_model.json"
 
@@ -205,10 +205,10 @@ def test_a_registered_class_is_saved_by_config_and_needs_no_custom_objects(tmp_p
     with pytest.raises(
         TypeError, match=r"`cls` must be a subclass of Loss to register as a 'loss'"
     ):
-        saved_config.register_saveable(ReluNet, kind="loss")
+        registry.register_saveable(ReluNet, kind="loss")
     with pytest.raises(ValueError, match=r"'MeanSquaredError' is already registered for .*losses"):
-        saved_config.register_saveable(_Scaled, kind="loss", name="MeanSquaredError")
-    assert saved_config.register_saveable(kind="loss", name="tests._Scaled")(_Scaled) is _Scaled
+        registry.register_saveable(_Scaled, kind="loss", name="MeanSquaredError")
+    assert registry.register_saveable(kind="loss", name="tests._Scaled")(_Scaled) is _Scaled
     x, y = _xy()
     model = _model(loss=_Scaled(3.0))
     model.save(tmp_path / "model")

@@ -6,6 +6,8 @@ fix, e.g. "`batch_size` must be a positive int; got 0. E.g. 32."
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -254,16 +256,58 @@ def named_object(
     """
     if identifier is None:
         return None
+    return keras_object(
+        identifier,
+        by_name,
+        None,
+        lambda fn: fn,
+        unknown=lambda known: (
+            f"`{argument}` must be a {kind} name ({known}), a {namespace} "
+            f"object or None; got {identifier!r}."
+        ),
+        bad=f"`{argument}` must be a {kind} name, a {namespace} object (e.g. {example}) or "
+        f"None; got {type(identifier).__name__} {identifier!r}.",
+    )
+
+
+def keras_object(
+    identifier: Any,
+    by_name: Mapping[str, Callable[[], Any]],
+    base: type | None,
+    wrap: Callable[[Any], Any],
+    *,
+    unknown: Callable[[list[str]], str],
+    bad: str,
+) -> Any:
+    """Keras's ``get`` of an object: an instance of `base` as it is, a name (from
+    `by_name`), a subclass of `base` (built with its defaults), or a function (`wrap`-ped).
+
+    Args:
+      identifier: what the user gave.
+      by_name: the names known, each to what builds the object.
+      base: the class of the objects, or None where any callable is one.
+      wrap: makes an object of a function (a loss of ``fn(y_true, y_pred)``).
+      unknown: the message for an unknown name, given the known names (sorted).
+      bad: the message for an identifier of another type.
+
+    Raises:
+      ValueError: for an unknown name or an identifier of another type.
+
+    Example:
+
+    >>> keras_object("one", {"one": lambda: 1}, int, str, unknown=str, bad="")
+    1
+    >>> keras_object(len, {}, int, lambda fn: fn.__name__, unknown=str, bad="")
+    'len'
+    """
+    if base is not None and isinstance(identifier, base):
+        return identifier
     if isinstance(identifier, str):
         if identifier in by_name:
             return by_name[identifier]()
-        raise ValueError(
-            f"`{argument}` must be a {kind} name ({sorted(by_name)}), a {namespace} object or "
-            f"None; got {identifier!r}."
-        )
+        raise ValueError(unknown(sorted(by_name)))
+    if base is not None and isinstance(identifier, type) and issubclass(identifier, base):
+        return identifier()
     if callable(identifier):
-        return identifier
-    raise ValueError(
-        f"`{argument}` must be a {kind} name, a {namespace} object (e.g. {example}) or None; "
-        f"got {type(identifier).__name__} {identifier!r}."
-    )
+        return wrap(identifier)
+    raise ValueError(bad)

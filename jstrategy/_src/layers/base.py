@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jstrategy._src.precision import policy as mp
+from jstrategy._src.registry import register_kind
 from jstrategy._src.validation import check_bool
 from jstrategy._src.validation import check_row_shape
 
@@ -339,3 +340,7 @@ def call_layer(layer: Any, x: Any, training: bool) -> Any:
     if not isinstance(layer, nn.Module):
         return layer(x)
     return layer(x, **train_kwargs(train_keyword(layer), training))
+
+
+# Every layer a saved config names derives from Layer (checked as it registers).
+register_kind("layer", Layer)

@@ -15,6 +15,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jstrategy._src.registry import register_kind
+from jstrategy._src.registry import register_saveable
+from jstrategy._src.registry import saveable_classes
 from jstrategy._src.validation import check_number
 from jstrategy._src.validation import is_int
 from jstrategy._src.validation import named_object
@@ -70,6 +73,10 @@ class Constraint:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()}
 
 
+register_kind("constraint", Constraint)
+
+
+@register_saveable(kind="constraint")
 @dataclasses.dataclass(frozen=True)
 class MaxNorm(Constraint):
     """Keras's ``MaxNorm``: each weight vector's norm along `axis` at most `max_value`.
@@ -94,6 +101,7 @@ class MaxNorm(Constraint):
         return w * (desired / (_EPSILON + norms))
 
 
+@register_saveable(kind="constraint")
 @dataclasses.dataclass(frozen=True)
 class MinMaxNorm(Constraint):
     """Keras's ``MinMaxNorm``: norms moved (at `rate`) into ``[min_value, max_value]``.
@@ -123,6 +131,7 @@ class MinMaxNorm(Constraint):
         return w * (desired / (_EPSILON + norms))
 
 
+@register_saveable(kind="constraint")
 @dataclasses.dataclass(frozen=True)
 class NonNeg(Constraint):
     """Keras's ``NonNeg``: negative entries set to 0.
@@ -138,6 +147,7 @@ class NonNeg(Constraint):
         return jnp.maximum(w, 0)
 
 
+@register_saveable(kind="constraint")
 @dataclasses.dataclass(frozen=True)
 class UnitNorm(Constraint):
     """Keras's ``UnitNorm``: each weight vector along `axis` scaled to norm 1.
@@ -158,13 +168,9 @@ class UnitNorm(Constraint):
         return w / (_EPSILON + _norms(w, self.axis))
 
 
-#: The classes a saved layer config may name.
-CLASSES: dict[str, type[Constraint]] = {
-    cls.__name__: cls for cls in (MaxNorm, MinMaxNorm, NonNeg, UnitNorm)
-}
-# Keras's names: a class name, or its snake-case alias (built with the class's defaults).
+# Keras's names: a registered class name, or its snake-case alias (the class's defaults).
 _BY_NAME: dict[str, type[Constraint]] = {
-    **CLASSES,
+    **saveable_classes("constraint"),
     "max_norm": MaxNorm,
     "min_max_norm": MinMaxNorm,
     "non_neg": NonNeg,

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jstrategy._src.layers import activations
 from jstrategy._src.layers import weights
 from jstrategy._src.layers.base import Layer
+from jstrategy._src.registry import register_saveable
 from jstrategy._src.validation import check_positive_int
 
 __all__ = ["Conv2D", "check_data_format", "check_image_inputs", "check_padding", "pair"]
@@ -87,6 +88,7 @@ def pair(value: Any, name: str) -> tuple[int, int]:
     return (size, size)
 
 
+@register_saveable(kind="layer")
 class Conv2D(Layer):
     """Keras's ``Conv2D``: a 2-D convolution, kernel ``(kh, kw, in // groups, filters)``.
 

@@ -22,6 +22,7 @@ from jstrategy._src.layers import initializers
 from jstrategy._src.layers import regularizers
 from jstrategy._src.layers import weights
 from jstrategy._src.layers.base import Layer
+from jstrategy._src.registry import register_saveable
 from jstrategy._src.validation import check_number
 from jstrategy._src.validation import check_positive_int
 from jstrategy._src.validation import check_row_shape
@@ -30,6 +31,7 @@ from jstrategy._src.validation import is_int
 __all__ = ["Activation", "Dense", "Dropout", "Embedding", "Input", "InputLayer"]
 
 
+@register_saveable(kind="layer")
 class InputLayer(Layer):
     """The input of a `jstrategy.Sequential`: the shape and dtype of one row (identity).
 
@@ -137,6 +139,7 @@ def Input(
     )
 
 
+@register_saveable(kind="layer")
 class Dense(Layer):
     """Keras's ``Dense``: ``activation(inputs @ kernel + bias)`` on the last axis.
 
@@ -194,6 +197,7 @@ class Dense(Layer):
         return activations.get(self.activation)(y)
 
 
+@register_saveable(kind="layer")
 class Embedding(Layer):
     """Keras's ``Embedding``: integer indices to rows of ``embeddings``.
 
@@ -254,6 +258,7 @@ class Embedding(Layer):
         return jnp.take(table, jnp.asarray(inputs).astype(jnp.int32), axis=0)
 
 
+@register_saveable(kind="layer")
 class Activation(Layer):
     """Keras's ``Activation``: applies `activation` (a Keras name or a callable).
 
@@ -276,6 +281,7 @@ class Activation(Layer):
         return activations.get(self.activation)(self.cast_inputs(inputs))
 
 
+@register_saveable(kind="layer")
 class Dropout(Layer):
     """Keras's ``Dropout``: in training, zeroes a `rate` fraction and scales the rest by
     ``1 / (1 - rate)``; the identity otherwise.

@@ -22,6 +22,7 @@ from jstrategy._src.layers import initializers
 from jstrategy._src.layers import regularizers
 from jstrategy._src.layers import weights
 from jstrategy._src.layers.base import Layer
+from jstrategy._src.registry import register_saveable
 from jstrategy._src.strategy import REPLICA_AXIS
 from jstrategy._src.validation import check_bool
 from jstrategy._src.validation import check_number
@@ -98,6 +99,7 @@ def _normalize(x: Any, mean: Any, var: Any, gamma: Any, beta: Any, epsilon: floa
     return out + beta if beta is not None else out
 
 
+@register_saveable(kind="layer")
 class BatchNormalization(_Normalization):
     """Keras's ``BatchNormalization``: batch statistics in training, moving ones otherwise.
 
@@ -203,6 +205,7 @@ class BatchNormalization(_Normalization):
         return REPLICA_AXIS if batch_region.axis_bound(REPLICA_AXIS) else None
 
 
+@register_saveable(kind="layer")
 class LayerNormalization(_Normalization):
     """Keras's ``LayerNormalization``: each row normalized over `axis` (epsilon 1e-3).
 

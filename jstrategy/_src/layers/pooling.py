@@ -14,6 +14,7 @@ from jstrategy._src.layers.conv import check_data_format
 from jstrategy._src.layers.conv import check_image_inputs
 from jstrategy._src.layers.conv import check_padding
 from jstrategy._src.layers.conv import pair
+from jstrategy._src.registry import register_saveable
 
 __all__ = ["AveragePooling2D", "GlobalAveragePooling2D", "MaxPooling2D"]
 
@@ -47,6 +48,7 @@ class _Pooling2D(Layer):
         )
 
 
+@register_saveable(kind="layer")
 class MaxPooling2D(_Pooling2D):
     """Keras's ``MaxPooling2D`` (``pool_size=(2, 2)``, ``strides`` = ``pool_size``).
 
@@ -68,6 +70,7 @@ class MaxPooling2D(_Pooling2D):
         return self._pool(self.cast_inputs(inputs), -jnp.inf, jax.lax.max)
 
 
+@register_saveable(kind="layer")
 class AveragePooling2D(_Pooling2D):
     """Keras's ``AveragePooling2D``; with ``padding="same"`` a window's mean is over its
     positions inside the input, as Keras's.
@@ -95,6 +98,7 @@ class AveragePooling2D(_Pooling2D):
         return sums / counts
 
 
+@register_saveable(kind="layer")
 class GlobalAveragePooling2D(Layer):
     """Keras's ``GlobalAveragePooling2D``: the mean over the spatial axes.
 

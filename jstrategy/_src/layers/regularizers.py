@@ -15,6 +15,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jstrategy._src.registry import register_kind
+from jstrategy._src.registry import register_saveable
+from jstrategy._src.registry import saveable_classes
 from jstrategy._src.validation import check_number
 from jstrategy._src.validation import named_object
 
@@ -53,6 +56,10 @@ class Regularizer:
         return dataclasses.asdict(self)  # type: ignore[call-overload]
 
 
+register_kind("regularizer", Regularizer)
+
+
+@register_saveable(kind="regularizer")
 @dataclasses.dataclass(frozen=True)
 class L1L2(Regularizer):
     """``l1 * sum(|x|) + l2 * sum(x ** 2)``, Keras's ``L1L2`` (both factors default to 0).
@@ -80,6 +87,7 @@ class L1L2(Regularizer):
         return penalty
 
 
+@register_saveable(kind="regularizer")
 @dataclasses.dataclass(frozen=True)
 class L1(Regularizer):
     """``l1 * sum(|x|)``, Keras's ``L1`` (default 0.01).
@@ -100,6 +108,7 @@ class L1(Regularizer):
         return self.l1 * jnp.sum(jnp.abs(x))
 
 
+@register_saveable(kind="regularizer")
 @dataclasses.dataclass(frozen=True)
 class L2(Regularizer):
     """``l2 * sum(x ** 2)``, Keras's ``L2`` (default 0.01; no factor 1/2).
@@ -120,11 +129,9 @@ class L2(Regularizer):
         return self.l2 * jnp.sum(jnp.square(x))
 
 
-# Keras's names: a class name, or its snake-case form (built with the class's defaults).
+# Keras's names: a registered class name, or its snake-case form (built with the class's defaults).
 _BY_NAME: dict[str, type[Regularizer]] = {
-    "L1": L1,
-    "L2": L2,
-    "L1L2": L1L2,
+    **saveable_classes("regularizer"),
     "l1": L1,
     "l2": L2,
     "l1_l2": L1L2,

@@ -9,10 +9,12 @@ import jax.numpy as jnp
 
 from jstrategy._src.layers.base import Layer
 from jstrategy._src.layers.conv import check_data_format
+from jstrategy._src.registry import register_saveable
 
 __all__ = ["Flatten", "Reshape"]
 
 
+@register_saveable(kind="layer")
 class Flatten(Layer):
     """Keras's ``Flatten``: each row to one axis (channels moved last first, for
     ``data_format="channels_first"``, as Keras does).
@@ -39,6 +41,7 @@ class Flatten(Layer):
         return jnp.reshape(inputs, (inputs.shape[0], -1))
 
 
+@register_saveable(kind="layer")
 class Reshape(Layer):
     """Keras's ``Reshape``: each row to `target_shape` (one entry may be -1).
 

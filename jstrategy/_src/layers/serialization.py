@@ -2,7 +2,7 @@
 
 A layer's config is its class name and its constructor's arguments (Keras's
 ``{"class_name": ..., "config": ...}``); regularizers and constraints are nested configs. Only the classes
-registered here are rebuilt, so loading never imports or calls anything a file names.
+registered (`jstrategy._src.registry`) are rebuilt, so loading never imports or calls anything a file names.
 """
 
 from __future__ import annotations
@@ -10,41 +10,40 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jstrategy._src.layers import constraints
-from jstrategy._src.layers import conv
-from jstrategy._src.layers import core
-from jstrategy._src.layers import normalization
-from jstrategy._src.layers import pooling
-from jstrategy._src.layers import regularizers
-from jstrategy._src.layers import reshaping
+# Each module registers its layers, regularizers and constraints as it is imported: these
+# imports make every saveable class of `jstrategy.layers` known before a config is read.
+from jstrategy._src.layers import constraints  # noqa: F401
+from jstrategy._src.layers import conv  # noqa: F401
+from jstrategy._src.layers import core  # noqa: F401
+from jstrategy._src.layers import normalization  # noqa: F401
+from jstrategy._src.layers import pooling  # noqa: F401
+from jstrategy._src.layers import regularizers  # noqa: F401
+from jstrategy._src.layers import reshaping  # noqa: F401
 from jstrategy._src.layers.base import Layer
+from jstrategy._src.registry import saveable_class
+from jstrategy._src.registry import saveable_name
+from jstrategy._src.registry import saved_class
 
-__all__ = ["LAYER_CLASSES", "class_name", "deserialize", "serialize"]
+__all__ = ["class_name", "deserialize", "serialize"]
 
-#: The layer classes a saved config may name.
-LAYER_CLASSES: dict[str, type[Layer]] = {
-    cls.__name__: cls
-    for cls in (
-        core.InputLayer,
-        core.Dense,
-        core.Embedding,
-        core.Activation,
-        core.Dropout,
-        reshaping.Flatten,
-        reshaping.Reshape,
-        conv.Conv2D,
-        pooling.MaxPooling2D,
-        pooling.AveragePooling2D,
-        pooling.GlobalAveragePooling2D,
-        normalization.BatchNormalization,
-        normalization.LayerNormalization,
-    )
-}
-# The objects a layer's config nests (regularizers, constraints), by class name.
-_NESTED: dict[str, type[Any]] = {
-    **{cls.__name__: cls for cls in (regularizers.L1, regularizers.L2, regularizers.L1L2)},
-    **constraints.CLASSES,
-}
+# The kinds of object a layer's config nests (their names do not clash).
+_NESTED_KINDS = ("regularizer", "constraint")
+
+
+def _nested_name(value: Any) -> str | None:
+    for kind in _NESTED_KINDS:
+        name = saveable_name(value, kind)
+        if name is not None:
+            return name
+    return None
+
+
+def _nested_class(name: Any) -> type | None:
+    for kind in _NESTED_KINDS:
+        cls = saveable_class(kind, name) if isinstance(name, str) else None
+        if cls is not None:
+            return cls
+    return None
 
 
 class NotSerializable(ValueError):
@@ -56,8 +55,9 @@ def _value(value: Any, where: str) -> Any:
         return value
     if isinstance(value, (tuple, list)):
         return [_value(v, where) for v in value]
-    if _NESTED.get(type(value).__name__) is type(value):
-        return {"class_name": type(value).__name__, "config": value.get_config()}
+    name = _nested_name(value)
+    if name is not None:
+        return {"class_name": name, "config": value.get_config()}
     raise NotSerializable(
         f"{where} is {type(value).__name__} {value!r}, which has no JSON config; give it by "
         "name (e.g. activation='relu') to save the layer's config"
@@ -68,8 +68,9 @@ def class_name(layer: Any) -> str:
     """How a saved `Sequential` records `layer`'s class: ``"jstrategy.layers.Dense"`` for
     jstrategy's layers, the class's qualified name for others (``"Dense"`` for Flax's)."""
     cls = type(layer)
-    if LAYER_CLASSES.get(cls.__name__) is cls:
-        return f"jstrategy.layers.{cls.__name__}"
+    name = saveable_name(layer, "layer")
+    if name is not None:
+        return f"jstrategy.layers.{name}"
     return cls.__qualname__
 
 
@@ -82,11 +83,13 @@ def serialize(layer: Any) -> dict[str, Any]:
 
     Example:
 
-    >>> serialize(core.Dense(4, activation="relu", name="dense"))["config"]["units"]
+    >>> from jstrategy._src.layers.core import Dense
+    >>> serialize(Dense(4, activation="relu", name="dense"))["config"]["units"]
     4
     """
     cls = type(layer)
-    if LAYER_CLASSES.get(cls.__name__) is not cls:
+    name = saveable_name(layer, "layer")
+    if name is None:
         raise NotSerializable(
             f"{cls.__module__}.{cls.__qualname__} is not a jstrategy.layers layer"
         )
@@ -95,12 +98,13 @@ def serialize(layer: Any) -> dict[str, Any]:
         if field.name == "parent":
             continue
         config[field.name] = _value(getattr(layer, field.name), f"{cls.__name__}.{field.name}")
-    return {"class_name": cls.__name__, "config": config}
+    return {"class_name": name, "config": config}
 
 
 def _restore(value: Any) -> Any:
-    if isinstance(value, dict) and value.get("class_name") in _NESTED:
-        return _NESTED[value["class_name"]](**value["config"])
+    cls = _nested_class(value.get("class_name")) if isinstance(value, dict) else None
+    if cls is not None:
+        return cls(**value["config"])
     if isinstance(value, list):
         return tuple(_restore(v) for v in value)
     return value
@@ -113,9 +117,9 @@ def deserialize(config: dict[str, Any]) -> Layer:
       ValueError: for a class name that is not a registered layer.
     """
     name = config.get("class_name")
-    if name not in LAYER_CLASSES:
-        raise ValueError(
-            f"The saved layer class {name!r} is not one of jstrategy.layers "
-            f"({sorted(LAYER_CLASSES)})."
-        )
-    return LAYER_CLASSES[name](**{k: _restore(v) for k, v in config["config"].items()})
+    cls = saved_class(
+        "layer",
+        name,
+        lambda known: f"The saved layer class {name!r} is not one of jstrategy.layers ({known}).",
+    )
+    return cls(**{k: _restore(v) for k, v in config["config"].items()})

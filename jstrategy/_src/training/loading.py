@@ -9,35 +9,11 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from jstrategy._src.training.model import Model
 from jstrategy._src.training.saving import config as saved_config
 from jstrategy._src.training.saving import model_dir as saving
 
 __all__ = ["load_model"]
-
-
-def _load_model(config: dict[str, Any], module: Any, path: str) -> Model:
-    """A `Model` of `module` from a saved config (the registered loader of ``"Model"``)."""
-    if module is None:
-        raise ValueError(
-            f"The model saved in {path} is a jstrategy.Model of a {config.get('module')} "
-            "module, whose code is not saved. Pass the module: load_model(path, module)."
-        )
-    input_shape = config["input_shape"]
-    return Model(
-        module,
-        None if input_shape is None else tuple(input_shape),
-        input_dtype=np.dtype(config["input_dtype"]),
-        seed=int(config["seed"]),
-        name=config["name"],
-        train_arg=config["train_arg"],
-        dtype_policy=config.get("dtype_policy", "float32"),
-    )
-
-
-saving.register_model_class("Model", _load_model)
 
 
 def load_model(
@@ -98,7 +74,7 @@ def load_model(
     config = saving.read_config(path)
     if module is not None:
         saved_config.check_module(config, module, path, allow_other_module=allow_other_module)
-    model = saving.model_loader(config)(config, module, path)
+    model = saving.model_class(config)._from_saved(config, module, path)
     if not model.built:
         how = (
             "start it with jstrategy.Input(shape=...)"

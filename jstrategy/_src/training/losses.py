@@ -28,6 +28,9 @@ import jax.numpy as jnp
 import optax
 
 from jstrategy._src import context
+from jstrategy._src.registry import register_kind
+from jstrategy._src.registry import register_saveable
+from jstrategy._src.registry import saveable_classes
 from jstrategy._src.training.per_example import PerExampleFunction
 from jstrategy._src.training.per_example import align_ranks
 from jstrategy._src.training.per_example import callable_name
@@ -39,6 +42,7 @@ from jstrategy._src.training.per_example import squeeze_or_expand_to_same_rank
 from jstrategy._src.training.per_example import weighted_values
 from jstrategy._src.validation import check_bool
 from jstrategy._src.validation import check_number
+from jstrategy._src.validation import keras_object
 
 __all__ = [
     "BinaryCrossentropy",
@@ -265,6 +269,10 @@ class _SmoothedCrossentropy(Loss):
         }
 
 
+register_kind("loss", Loss)
+
+
+@register_saveable(kind="loss")
 class BinaryCrossentropy(_SmoothedCrossentropy):
     """Binary cross-entropy, for 0/1 labels and one probability (or logit) per output.
 
@@ -319,6 +327,7 @@ def _class_log_probs(y_pred: jax.Array, from_logits: bool) -> jax.Array:
     return jnp.log(jnp.clip(y_pred / total, EPSILON, 1.0 - EPSILON))
 
 
+@register_saveable(kind="loss")
 class CategoricalCrossentropy(_SmoothedCrossentropy):
     """Cross-entropy with one-hot (or soft) labels over the last (class) axis: ``(b,)``
     for ``(b, k)``, ``(b, t)`` for sequence outputs ``(b, t, k)``.
@@ -371,6 +380,7 @@ class CategoricalCrossentropy(_SmoothedCrossentropy):
         return -jnp.sum(y_true * _class_log_probs(y_pred, from_logits=False), axis=-1)
 
 
+@register_saveable(kind="loss")
 class SparseCategoricalCrossentropy(Loss):
     """Cross-entropy with integer class labels, ``(b,)`` or ``(b, 1)`` (``(b, t)`` for
     sequence outputs ``(b, t, k)``, giving one value per time step).
@@ -429,6 +439,7 @@ def _feature_inputs(y_true, y_pred, what):
     return y_true.astype(dtype), y_pred.astype(dtype)
 
 
+@register_saveable(kind="loss")
 class MeanSquaredError(Loss):
     """Mean of squared errors over the last axis: ``(b,)`` for ``(b, k)``, ``(b, t)`` for
     ``(b, t, k)`` (Keras's).
@@ -453,6 +464,7 @@ class MeanSquaredError(Loss):
         return jnp.mean(optax.squared_error(y_pred, y_true), axis=-1)
 
 
+@register_saveable(kind="loss")
 class MeanAbsoluteError(Loss):
     """Mean of absolute errors over the last axis: ``(b,)`` for ``(b, k)``, ``(b, t)`` for
     ``(b, t, k)`` (Keras's).
@@ -479,6 +491,7 @@ class MeanAbsoluteError(Loss):
         return jnp.mean(jnp.abs(y_pred - y_true), axis=-1)
 
 
+@register_saveable(kind="loss")
 class Huber(Loss):
     """Huber loss: quadratic for errors up to `delta`, linear beyond (`optax.huber_loss`),
     averaged over the last axis as in Keras.
@@ -559,7 +572,8 @@ class LossFunctionWrapper(Loss):
         return {"fn": self.fn, **super().get_config()}
 
 
-_REGISTRY: dict[str, Callable[[], Loss]] = {
+# Keras's string names; a registered class name (``"BinaryCrossentropy"``) is taken too.
+_ALIASES: dict[str, Callable[[], Loss]] = {
     "binary_crossentropy": BinaryCrossentropy,
     "bce": BinaryCrossentropy,
     "categorical_crossentropy": CategoricalCrossentropy,
@@ -571,15 +585,6 @@ _REGISTRY: dict[str, Callable[[], Loss]] = {
     "huber": Huber,
     "huber_loss": Huber,
 }
-_CLASSES = (
-    BinaryCrossentropy,
-    CategoricalCrossentropy,
-    SparseCategoricalCrossentropy,
-    MeanSquaredError,
-    MeanAbsoluteError,
-    Huber,
-)
-_REGISTRY.update({cls.__name__: cls for cls in _CLASSES})
 
 
 def get(identifier: Loss | str | Callable[[Any, Any], Any]) -> Loss:
@@ -606,20 +611,15 @@ def get(identifier: Loss | str | Callable[[Any, Any], Any]) -> Loss:
     >>> get(BinaryCrossentropy(from_logits=True)).from_logits
     True
     """
-    if isinstance(identifier, Loss):
-        return identifier
-    if isinstance(identifier, str):
-        if identifier in _REGISTRY:
-            return _REGISTRY[identifier]()
-        raise ValueError(
-            f"Unknown loss {identifier!r}. Valid names: {sorted(_REGISTRY)}; or pass a "
-            "jstrategy.losses.Loss, or a function fn(y_true, y_pred) -> per-example loss."
-        )
-    if isinstance(identifier, type) and issubclass(identifier, Loss):
-        return identifier()
-    if callable(identifier):
-        return LossFunctionWrapper(identifier)
-    raise ValueError(
-        f"`loss` must be a jstrategy.losses.Loss, a loss name or a function "
-        f"fn(y_true, y_pred); got {identifier!r}. E.g. loss='sparse_categorical_crossentropy'."
+    return keras_object(
+        identifier,
+        {**saveable_classes("loss"), **_ALIASES},
+        Loss,
+        LossFunctionWrapper,
+        unknown=lambda known: (
+            f"Unknown loss {identifier!r}. Valid names: {known}; or pass "
+            "a jstrategy.losses.Loss, or a function fn(y_true, y_pred) -> per-example loss."
+        ),
+        bad=f"`loss` must be a jstrategy.losses.Loss, a loss name or a function "
+        f"fn(y_true, y_pred); got {identifier!r}. E.g. loss='sparse_categorical_crossentropy'.",
     )

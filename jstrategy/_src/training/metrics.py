@@ -18,6 +18,7 @@ they are parameter-server variables that every worker adds to.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -29,6 +30,9 @@ import numpy as np
 
 from jstrategy._src import context
 from jstrategy._src.reduce_util import ReduceOp
+from jstrategy._src.registry import register_kind
+from jstrategy._src.registry import register_saveable
+from jstrategy._src.registry import saveable_classes
 from jstrategy._src.strategy import get_strategy
 from jstrategy._src.tracked import SummedOnRead
 from jstrategy._src.training import losses as losses_lib
@@ -42,6 +46,7 @@ from jstrategy._src.training.per_example import samplewise
 from jstrategy._src.training.per_example import sparse_labels
 from jstrategy._src.validation import check_bool
 from jstrategy._src.validation import check_number
+from jstrategy._src.validation import keras_object
 from jstrategy._src.values import local_copy
 
 if TYPE_CHECKING:
@@ -292,6 +297,10 @@ class Mean(Metric):
         )
 
 
+register_kind("metric", Metric)
+
+
+@register_saveable(kind="metric")
 class Accuracy(Metric):
     """How often predictions equal labels exactly (Keras's `Accuracy`).
 
@@ -324,6 +333,7 @@ def _logit(p: float) -> float:
     return math.log(p / (1.0 - p))
 
 
+@register_saveable(kind="metric")
 class BinaryAccuracy(Metric):
     """How often thresholded predictions match 0/1 labels.
 
@@ -373,6 +383,7 @@ class BinaryAccuracy(Metric):
         }
 
 
+@register_saveable(kind="metric")
 class CategoricalAccuracy(Metric):
     """How often the arg-max of the predictions matches the arg-max of one-hot labels.
 
@@ -402,6 +413,7 @@ class CategoricalAccuracy(Metric):
         return (jnp.argmax(y_true, axis=-1) == jnp.argmax(y_pred, axis=-1)).astype(jnp.float32)
 
 
+@register_saveable(kind="metric")
 class SparseCategoricalAccuracy(Metric):
     """How often the arg-max of the predictions equals integer labels ``(b,)`` or ``(b, 1)``.
 
@@ -427,6 +439,7 @@ class SparseCategoricalAccuracy(Metric):
         return (jnp.argmax(y_pred, axis=-1) == labels).astype(jnp.float32)
 
 
+@register_saveable(kind="metric")
 class MeanSquaredError(Metric):
     """Mean squared error per example.
 
@@ -450,6 +463,7 @@ class MeanSquaredError(Metric):
         return self._loss.call(y_true, y_pred)
 
 
+@register_saveable(kind="metric")
 class MeanAbsoluteError(Metric):
     """Mean absolute error per example.
 
@@ -555,7 +569,8 @@ def _accuracy_for(loss: Any, name: str) -> Metric:
     return _ShapeResolvedAccuracy(name=name)
 
 
-_REGISTRY: dict[str, type[Metric]] = {
+# Keras's string names, which name the metric; a registered class name is taken too.
+_ALIASES: dict[str, type[Metric]] = {
     "binary_accuracy": BinaryAccuracy,
     "categorical_accuracy": CategoricalAccuracy,
     "sparse_categorical_accuracy": SparseCategoricalAccuracy,
@@ -564,14 +579,6 @@ _REGISTRY: dict[str, type[Metric]] = {
     "mean_squared_error": MeanSquaredError,
     "mse": MeanSquaredError,
 }
-_CLASSES: tuple[type[Metric], ...] = (
-    Accuracy,
-    BinaryAccuracy,
-    CategoricalAccuracy,
-    SparseCategoricalAccuracy,
-    MeanAbsoluteError,
-    MeanSquaredError,
-)
 
 
 def get(identifier: Metric | str | Callable[[Any, Any], Any], *, loss: Any = None) -> Metric:
@@ -614,26 +621,19 @@ def get(identifier: Metric | str | Callable[[Any, Any], Any], *, loss: Any = Non
             "compiled metric is a function of (y_true, y_pred). Wrap one in "
             "MeanMetricWrapper, e.g. MeanMetricWrapper(fn, name='...')."
         )
-    if isinstance(identifier, Metric):
-        return identifier
-    if isinstance(identifier, str):
-        if identifier in ("accuracy", "acc"):
-            return _accuracy_for(loss, identifier)
-        if identifier in _REGISTRY:
-            return _REGISTRY[identifier](name=identifier)
-        by_class = {cls.__name__: cls for cls in _CLASSES}
-        if identifier in by_class:
-            return by_class[identifier]()
-        valid = sorted({"accuracy", "acc", *_REGISTRY, *by_class})
-        raise ValueError(
-            f"Unknown metric {identifier!r}. Valid names: {valid}; or pass a "
-            "jstrategy.metrics.Metric, or a function fn(y_true, y_pred) -> per-example values."
-        )
-    if isinstance(identifier, type) and issubclass(identifier, Metric):
-        return identifier()
-    if callable(identifier):
-        return MeanMetricWrapper(identifier)
-    raise ValueError(
-        f"A metric must be a jstrategy.metrics.Metric, a metric name or a function "
-        f"fn(y_true, y_pred); got {identifier!r}. E.g. metrics=['accuracy']."
+    if isinstance(identifier, str) and identifier in ("accuracy", "acc"):
+        return _accuracy_for(loss, identifier)  # resolved here; listed below as valid names
+    named = {key: functools.partial(cls, name=key) for key, cls in _ALIASES.items()}
+    return keras_object(
+        identifier,
+        {"accuracy": Accuracy, "acc": Accuracy, **saveable_classes("metric"), **named},
+        Metric,
+        MeanMetricWrapper,
+        unknown=lambda known: (
+            f"Unknown metric {identifier!r}. Valid names: {known}; or pass "
+            "a jstrategy.metrics.Metric, or a function fn(y_true, y_pred) -> per-example "
+            "values."
+        ),
+        bad=f"A metric must be a jstrategy.metrics.Metric, a metric name or a function "
+        f"fn(y_true, y_pred); got {identifier!r}. E.g. metrics=['accuracy'].",
     )

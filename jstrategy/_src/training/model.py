@@ -21,6 +21,8 @@ import optax
 from flax import nnx
 
 from jstrategy._src.precision import policy as mp
+from jstrategy._src.registry import register_kind
+from jstrategy._src.registry import register_saveable
 from jstrategy._src.strategy import Strategy
 from jstrategy._src.strategy import get_strategy
 from jstrategy._src.training import data_adapters
@@ -49,6 +51,7 @@ from jstrategy._src.validation import is_int
 __all__ = ["Model"]
 
 
+@register_saveable(kind="model")
 class Model(SavingMixin, CustomLoopMixin):
     """A Keras-like model around a Flax module (linen or NNX), trained by a strategy.
 
@@ -133,6 +136,26 @@ class Model(SavingMixin, CustomLoopMixin):
             self._build(jnp.zeros((1, *self._input_shape), input_dtype))
 
     # Properties ---------------------------------------------------------------------------
+    @classmethod
+    def _from_saved(cls, config: dict[str, Any], module: Any, path: str) -> Model:
+        """The model a saved config describes, around `module` (how `load_model` builds a
+        saved ``"Model"``; `Sequential` builds its own)."""
+        if module is None:
+            raise ValueError(
+                f"The model saved in {path} is a jstrategy.Model of a {config.get('module')} "
+                "module, whose code is not saved. Pass the module: load_model(path, module)."
+            )
+        input_shape = config["input_shape"]
+        return Model(
+            module,
+            None if input_shape is None else tuple(input_shape),
+            input_dtype=np.dtype(config["input_dtype"]),
+            seed=int(config["seed"]),
+            name=config["name"],
+            train_arg=config["train_arg"],
+            dtype_policy=config.get("dtype_policy", "float32"),
+        )
+
     @property
     def strategy(self) -> Strategy:
         """The strategy captured when the model was created."""
@@ -220,35 +243,35 @@ class Model(SavingMixin, CustomLoopMixin):
         `compile`, as in Keras), or the optax transformation `compile` got."""
         return self._trainer.optimizer
 
+    def _compiled(self, field: str, default: Any) -> Any:
+        """`field` of the compiled step's `StepSpec`, or `default` before `compile`."""
+        spec = self._trainer.spec
+        return default if spec is None else getattr(spec, field)
+
     @property
     def loss(self) -> Any:
         """The compiled `jstrategy.losses.Loss`."""
-        spec = self._trainer.spec
-        return None if spec is None else spec.loss
+        return self._compiled("loss", None)
 
     @property
     def metrics(self) -> list[Any]:
         """The compiled metrics (`jstrategy.metrics.Metric` objects)."""
-        spec = self._trainer.spec
-        return [] if spec is None else [m for _, m in spec.metrics]
+        return [m for _, m in self._compiled("metrics", ())]
 
     @property
     def weighted_metrics(self) -> list[Any]:
         """The compiled weighted metrics (`compile`'s ``weighted_metrics``)."""
-        spec = self._trainer.spec
-        return [] if spec is None else [m for _, m in spec.weighted_metrics]
+        return [m for _, m in self._compiled("weighted_metrics", ())]
 
     @property
     def remat(self) -> Any:
         """The checkpoint policy `compile`'s ``remat`` resolved to, or None."""
-        spec = self._trainer.spec
-        return None if spec is None else spec.remat
+        return self._compiled("remat", None)
 
     @property
     def metrics_names(self) -> list[str]:
         """The keys of the logs: ``"loss"`` then each metric's name."""
-        spec = self._trainer.spec
-        return [] if spec is None else list(spec.names)
+        return list(self._compiled("names", ()))
 
     @property
     def steps_per_execution(self) -> int:
@@ -507,7 +530,13 @@ class Model(SavingMixin, CustomLoopMixin):
         return None if shape is None else jax.ShapeDtypeStruct((1, *shape), self._input_dtype)
 
     # Data ---------------------------------------------------------------------------------
-    def _adapter(self, x: Any, y: Any, w: Any, **kwargs: Any) -> data_adapters.DataAdapter:
+    def _adapter(
+        self, x: Any, y: Any, w: Any, *, labels_for: str | None = None, **kwargs: Any
+    ) -> data_adapters.DataAdapter:
+        """The adapter of the data `x`, `y`, `w` (building the model from its first `x`); a
+        call that needs labels (`labels_for`, how to pass them) refuses arrays without."""
+        if labels_for is not None and data_adapters.is_array_tree(x) and y is None:
+            raise ValueError(f"`y` is required when `x` holds arrays; pass {labels_for}.")
         adapter = data_adapters.make_adapter(
             self.strategy, x, y, w, seed=self._trainer.seed, **kwargs
         )
@@ -617,12 +646,11 @@ class Model(SavingMixin, CustomLoopMixin):
             sample_weight = data_adapters.class_weight_to_sample_weight(
                 x, y, sample_weight, class_weight
             )
-        if data_adapters.is_array_tree(x) and y is None:
-            raise ValueError("`y` is required when `x` holds arrays; pass fit(x, y, ...).")
         data = self._adapter(
             x,
             y,
             sample_weight,
+            labels_for="fit(x, y, ...)",
             batch_size=batch_size,
             shuffle=shuffle,
             steps=steps_per_epoch,
@@ -707,12 +735,11 @@ class Model(SavingMixin, CustomLoopMixin):
           dict with `return_dict`.
         """
         self._trainer.check_scope("evaluate")
-        if data_adapters.is_array_tree(x) and y is None:
-            raise ValueError("`y` is required when `x` holds arrays; pass evaluate(x, y).")
         data = self._adapter(
             x,
             y,
             sample_weight,
+            labels_for="evaluate(x, y)",
             batch_size=batch_size,
             shuffle=False,
             steps=steps,
@@ -819,3 +846,7 @@ def _validation_epochs(validation_freq: Any) -> Callable[[int], bool]:
         f"`validation_freq` must be a positive int (validate every N-th epoch) or a list "
         f"of epochs counted from 1 (e.g. [1, 5, 10]); got {validation_freq!r}."
     )
+
+
+# Every model class a saved config names derives from Model (checked as it registers).
+register_kind("model", Model)

@@ -30,9 +30,9 @@ from jstrategy._src.layers.base import call_layer
 from jstrategy._src.layers.base import keras_name
 from jstrategy._src.layers.core import InputLayer
 from jstrategy._src.precision import policy as mp
+from jstrategy._src.registry import register_saveable
 from jstrategy._src.training.model import Model
 from jstrategy._src.training.saving import config as saved_config
-from jstrategy._src.training.saving import model_dir as saving
 from jstrategy._src.validation import check_bool
 from jstrategy._src.validation import check_row_shape
 
@@ -60,6 +60,7 @@ class SequentialModule(nn.Module):
         return x
 
 
+@register_saveable(kind="model")
 class Sequential(Model):
     """Keras's ``Sequential``: a stack of layers, built, compiled and trained as a `Model`.
 
@@ -279,6 +280,36 @@ class Sequential(Model):
         self._maybe_build()
         return super().built
 
+    @classmethod
+    def _from_saved(cls, config: dict[str, Any], module: Any, path: str) -> Sequential:
+        """A `Sequential` from a saved config (`module`: its layers, if the config lacks them)."""
+        if isinstance(module, Sequential):
+            layers: list[Any] = module.layers
+        elif isinstance(module, (list, tuple)):
+            layers = list(module)
+        elif module is None and config.get("layers") is not None:
+            layers = _rebuilt_layers(config, path)
+        else:
+            why = config.get("layers_not_saved") or "some are not jstrategy.layers"
+            classes = config.get("layer_classes")
+            order = f" ({', '.join(classes)})" if classes else ""
+            raise ValueError(
+                f"The Sequential saved in {path} has layers whose config was not saved ({why}), "
+                f"so they cannot be rebuilt from the file. Pass them: load_model(path, "
+                f"[layer, ...]), new layers of the saved classes in the saved order{order}."
+            )
+        model = Sequential(
+            name=config["name"],
+            seed=int(config["seed"]),
+            dtype_policy=config.get("dtype_policy", "float32"),
+        )
+        shape = config["input_shape"]
+        if shape is not None and not any(isinstance(layer, InputLayer) for layer in layers):
+            model.add(InputLayer(shape=tuple(shape), dtype=config["input_dtype"]))
+        for layer in layers:
+            model.add(layer)
+        return model
+
     def get_config(self) -> dict[str, Any]:
         """`Model.get_config` plus ``layers``: each layer's config (None when a layer has
         none, e.g. a Flax module or a function given as an activation: pass the layers to
@@ -306,36 +337,3 @@ def _rebuilt_layers(config: dict[str, Any], path: str) -> list[Any]:
                 path, f"layers[{i}]", f"does not build a jstrategy layer: {e}"
             ) from e
     return layers
-
-
-def _load_sequential(config: dict[str, Any], module: Any, path: str) -> Sequential:
-    """A `Sequential` from a saved config (`module`: its layers, if the config lacks them)."""
-    if isinstance(module, Sequential):
-        layers: list[Any] = module.layers
-    elif isinstance(module, (list, tuple)):
-        layers = list(module)
-    elif module is None and config.get("layers") is not None:
-        layers = _rebuilt_layers(config, path)
-    else:
-        why = config.get("layers_not_saved") or "some are not jstrategy.layers"
-        classes = config.get("layer_classes")
-        order = f" ({', '.join(classes)})" if classes else ""
-        raise ValueError(
-            f"The Sequential saved in {path} has layers whose config was not saved ({why}), "
-            f"so they cannot be rebuilt from the file. Pass them: load_model(path, "
-            f"[layer, ...]), new layers of the saved classes in the saved order{order}."
-        )
-    model = Sequential(
-        name=config["name"],
-        seed=int(config["seed"]),
-        dtype_policy=config.get("dtype_policy", "float32"),
-    )
-    shape = config["input_shape"]
-    if shape is not None and not any(isinstance(layer, InputLayer) for layer in layers):
-        model.add(InputLayer(shape=tuple(shape), dtype=config["input_dtype"]))
-    for layer in layers:
-        model.add(layer)
-    return model
-
-
-saving.register_model_class("Sequential", _load_sequential)

@@ -6,6 +6,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jstrategy._src.registry import register_saveable
 from jstrategy._src.training.optimizers import transform as keras_transform
 from jstrategy._src.training.optimizers.base import Optimizer
 from jstrategy._src.training.optimizers.base import cast_like
@@ -14,6 +15,7 @@ from jstrategy._src.validation import check_number
 __all__ = ["Adadelta", "Adagrad"]
 
 
+@register_saveable(kind="optimizer")
 class Adagrad(Optimizer):
     """Adagrad: Keras 3's ``Adagrad``.
 
@@ -55,6 +57,7 @@ class Adagrad(Optimizer):
         return keras_transform.UpdateRule((("accumulator", self.initial_accumulator_value),), leaf)
 
 
+@register_saveable(kind="optimizer")
 class Adadelta(Optimizer):
     """Adadelta: Keras 3's ``Adadelta``.
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jstrategy._src.registry import register_saveable
 from jstrategy._src.training.optimizers import transform as keras_transform
 from jstrategy._src.training.optimizers.base import Optimizer
 from jstrategy._src.training.optimizers.base import cast_like
@@ -33,6 +34,7 @@ class _AdamFamily(Optimizer):
         self.epsilon = check_number(epsilon, "epsilon", low=0, low_open=True)
 
 
+@register_saveable(kind="optimizer")
 class Adam(_AdamFamily):
     """Adam: Keras 3's ``Adam`` (epsilon added to the root of the uncorrected second
     moment, the step size ``lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)``).
@@ -92,6 +94,7 @@ class Adam(_AdamFamily):
         )
 
 
+@register_saveable(kind="optimizer")
 class AdamW(Adam):
     """Adam with decoupled weight decay: Keras 3's ``AdamW`` (default decay 0.004).
 
@@ -131,6 +134,7 @@ class AdamW(Adam):
         )
 
 
+@register_saveable(kind="optimizer")
 class Adamax(_AdamFamily):
     """Adamax (Adam with the infinity norm): Keras 3's ``Adamax``.
 
@@ -161,6 +165,7 @@ class Adamax(_AdamFamily):
         return keras_transform.UpdateRule((("momentum", 0.0), ("norm", 0.0)), leaf)
 
 
+@register_saveable(kind="optimizer")
 class Nadam(_AdamFamily):
     """Adam with Nesterov momentum: Keras 3's ``Nadam`` (Dozat's momentum schedule
     ``beta_1 * (1 - 0.5 * 0.96^t)`` and its running product).

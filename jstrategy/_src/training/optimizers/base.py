@@ -35,6 +35,7 @@ from jstrategy._src import context
 from jstrategy._src.names import snake_case
 from jstrategy._src.placement import in_device_memory
 from jstrategy._src.reduce_util import ReduceOp
+from jstrategy._src.registry import register_kind
 from jstrategy._src.tracked import TrackedState
 from jstrategy._src.tracked import TrainableHolder
 from jstrategy._src.tracked import owner_of_trainable
@@ -596,3 +597,7 @@ def _combine_across_replicas(grads: list[Any]) -> list[Any]:
 def cast_like(x: Any, like: jax.Array) -> jax.Array:
     """`x` (a hyperparameter) in `like`'s dtype: an update step computes in the variable's."""
     return jnp.asarray(x).astype(like.dtype)
+
+
+# Every optimizer a saved config names derives from Optimizer (checked as it registers).
+register_kind("optimizer", Optimizer)

@@ -6,6 +6,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jstrategy._src.registry import register_saveable
 from jstrategy._src.training.optimizers import transform as keras_transform
 from jstrategy._src.training.optimizers.base import Optimizer
 from jstrategy._src.training.optimizers.base import cast_like
@@ -14,6 +15,7 @@ from jstrategy._src.validation import check_number
 __all__ = ["Lion"]
 
 
+@register_saveable(kind="optimizer")
 class Lion(Optimizer):
     """Lion (sign of an interpolated momentum): Keras 3's ``Lion``.
 

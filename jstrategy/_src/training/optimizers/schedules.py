@@ -13,6 +13,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jstrategy._src.registry import register_kind
+from jstrategy._src.registry import register_saveable
+from jstrategy._src.registry import saveable_classes
+from jstrategy._src.registry import saveable_name
+from jstrategy._src.registry import saved_class
 from jstrategy._src.validation import check_number
 
 __all__ = [
@@ -88,6 +93,10 @@ class _TimeDecay(LearningRateSchedule):
         }
 
 
+register_kind("schedule", LearningRateSchedule)
+
+
+@register_saveable(kind="schedule")
 class ExponentialDecay(_TimeDecay):
     """``initial_learning_rate * decay_rate ** (step / decay_steps)`` (Keras's formula).
 
@@ -108,6 +117,7 @@ class ExponentialDecay(_TimeDecay):
         return self.initial_learning_rate * jnp.power(self.decay_rate, self._periods(step))
 
 
+@register_saveable(kind="schedule")
 class InverseTimeDecay(_TimeDecay):
     """``initial_learning_rate / (1 + decay_rate * step / decay_steps)`` (Keras's formula).
 
@@ -127,6 +137,7 @@ class InverseTimeDecay(_TimeDecay):
         return self.initial_learning_rate / (1.0 + self.decay_rate * self._periods(step))
 
 
+@register_saveable(kind="schedule")
 class PiecewiseConstantDecay(LearningRateSchedule):
     """``values[i]`` between ``boundaries[i - 1]`` (exclusive) and ``boundaries[i]`` (Keras).
 
@@ -166,6 +177,7 @@ class PiecewiseConstantDecay(LearningRateSchedule):
         return {"boundaries": self.boundaries, "values": self.values}
 
 
+@register_saveable(kind="schedule")
 class CosineDecay(LearningRateSchedule):
     """Cosine decay from `initial_learning_rate` to ``alpha * initial_learning_rate`` over
     `decay_steps` (Keras's ``CosineDecay`` without warmup).
@@ -206,12 +218,6 @@ class CosineDecay(LearningRateSchedule):
         }
 
 
-_CLASSES: dict[str, type[LearningRateSchedule]] = {
-    cls.__name__: cls
-    for cls in (ExponentialDecay, InverseTimeDecay, PiecewiseConstantDecay, CosineDecay)
-}
-
-
 def serialize(schedule: LearningRateSchedule) -> dict[str, Any]:
     """``{"class_name": ..., "config": ...}``, Keras's form, for a schedule defined here.
 
@@ -223,11 +229,11 @@ def serialize(schedule: LearningRateSchedule) -> dict[str, Any]:
     >>> serialize(CosineDecay(0.1, 100))["class_name"]
     'CosineDecay'
     """
-    name = type(schedule).__name__
-    if _CLASSES.get(name) is not type(schedule):
+    name = saveable_name(schedule, "schedule")
+    if name is None:
         raise TypeError(
             f"Only jstrategy.optimizers.schedules objects can be saved; got {schedule!r}. "
-            f"Use one of {sorted(_CLASSES)}, or save the weights only."
+            f"Use one of {sorted(saveable_classes('schedule'))}, or save the weights only."
         )
     return {"class_name": name, "config": schedule.get_config()}
 
@@ -244,9 +250,10 @@ def deserialize(config: dict[str, Any]) -> LearningRateSchedule:
     100.0
     """
     name = config.get("class_name")
-    if name not in _CLASSES:
-        raise ValueError(f"Unknown learning-rate schedule {name!r}; known: {sorted(_CLASSES)}.")
-    return _CLASSES[name](**config.get("config", {}))
+    cls = saved_class(
+        "schedule", name, lambda known: f"Unknown learning-rate schedule {name!r}; known: {known}."
+    )
+    return cls(**config.get("config", {}))
 
 
 def is_schedule(value: Any) -> bool:

@@ -14,24 +14,23 @@ from typing import Any
 
 import optax
 
-from jstrategy._src.training.optimizers.adagrad import Adadelta
-from jstrategy._src.training.optimizers.adagrad import Adagrad
-from jstrategy._src.training.optimizers.adam import Adam
-from jstrategy._src.training.optimizers.adam import Adamax
-from jstrategy._src.training.optimizers.adam import AdamW
-from jstrategy._src.training.optimizers.adam import Nadam
+from jstrategy._src.registry import saveable_classes
+
+# Each optimizer's module registers it as it is imported: these imports make every
+# optimizer a name or a saved config may give known here.
+from jstrategy._src.training.optimizers import adagrad  # noqa: F401
+from jstrategy._src.training.optimizers import adam  # noqa: F401
+from jstrategy._src.training.optimizers import lion  # noqa: F401
+from jstrategy._src.training.optimizers import rmsprop  # noqa: F401
+from jstrategy._src.training.optimizers import sgd  # noqa: F401
 from jstrategy._src.training.optimizers.base import Optimizer
-from jstrategy._src.training.optimizers.lion import Lion
-from jstrategy._src.training.optimizers.rmsprop import RMSprop
-from jstrategy._src.training.optimizers.sgd import SGD
 
 __all__ = ["deserialize", "get", "resolve_optimizer", "serialize"]
 
 
-_CLASSES: dict[str, Any] = {  # name -> class (each has Keras's default learning rate)
-    cls.__name__.lower(): cls
-    for cls in (SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, Nadam, Lion)
-}
+def _by_key() -> dict[str, Any]:
+    """The registered optimizers by lower-case name (each has Keras's default learning rate)."""
+    return {name.lower(): cls for name, cls in saveable_classes("optimizer").items()}
 
 
 def serialize(optimizer: Optimizer) -> dict[str, Any]:
@@ -39,6 +38,7 @@ def serialize(optimizer: Optimizer) -> dict[str, Any]:
 
     Example:
 
+    >>> from jstrategy._src.training.optimizers.sgd import SGD
     >>> serialize(SGD(0.1))["class_name"]
     'SGD'
     """
@@ -60,12 +60,13 @@ def deserialize(config: dict[str, Any]) -> Optimizer:
     ('SGD', 0.1)
     """
     name = str(config.get("class_name", "")).lower()
-    if name not in _CLASSES:
+    classes = _by_key()
+    if name not in classes:
         raise ValueError(
             f"Unknown optimizer {config.get('class_name')!r}; known: "
-            f"{sorted(c.__name__ for c in _CLASSES.values())}."
+            f"{sorted(saveable_classes('optimizer'))}."
         )
-    return _CLASSES[name].from_config(config.get("config", {}))
+    return classes[name].from_config(config.get("config", {}))
 
 
 def get(identifier: Any) -> Optimizer:
@@ -94,13 +95,14 @@ def get(identifier: Any) -> Optimizer:
         return deserialize(identifier)
     if isinstance(identifier, str):
         key = identifier.lower()
-        if key not in _CLASSES:
+        classes = _by_key()
+        if key not in classes:
             raise ValueError(
-                f"Unknown optimizer {identifier!r}. Valid names: {sorted(_CLASSES)}; or pass "
+                f"Unknown optimizer {identifier!r}. Valid names: {sorted(classes)}; or pass "
                 "a jstrategy.optimizers object such as Adam(learning_rate=1e-3), or an "
                 "optax.GradientTransformation."
             )
-        return _CLASSES[key]()
+        return classes[key]()
     raise TypeError(
         f"An optimizer must be a jstrategy.optimizers.Optimizer, a name or a config dict; "
         f"got {type(identifier).__name__} {identifier!r}."

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from jstrategy._src.registry import register_saveable
 from jstrategy._src.training.optimizers import transform as keras_transform
 from jstrategy._src.training.optimizers.base import Optimizer
 from jstrategy._src.training.optimizers.base import cast_like
@@ -12,6 +13,7 @@ from jstrategy._src.validation import check_number
 __all__ = ["SGD"]
 
 
+@register_saveable(kind="optimizer")
 class SGD(Optimizer):
     """Gradient descent with optional (Nesterov) momentum: Keras 3's ``SGD``.
 

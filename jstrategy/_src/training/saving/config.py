@@ -3,10 +3,10 @@
 `saving.py` writes the directory and `loading.py` builds the model again; this module
 holds what both must agree on:
 
-* the registry of saveable classes (`register_saveable`): a class is saved by its
-  registered name and config, and a saved ``class_name`` is resolved only through the
-  registry, never as any attribute of a module. jstrategy's losses and metrics are
-  registered here; other modules register their own kinds (``"layer"``, ...);
+* how a loss, metric or optimizer is written and read: by its class's name in the one
+  registry of saveable classes (`jstrategy._src.registry`), never as any attribute of a
+  module, or by name for one that jstrategy does not define (given back in
+  ``custom_objects``);
 * the compile configuration (`serialize_compile`), which refuses two different custom
   functions under one name: ``custom_objects`` maps a name to one object, so one of
   them would come back as the other;
@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import types
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
@@ -31,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jstrategy._src.layers import serialization
+from jstrategy._src.registry import saveable_name
+from jstrategy._src.registry import saved_class
 from jstrategy._src.training import losses as losses_lib
 from jstrategy._src.training import metrics as metrics_lib
 from jstrategy._src.training.optimizers import serialization as optimizer_serialization
@@ -51,9 +52,6 @@ __all__ = [
     "field_error",
     "is_saved_model",
     "read_config",
-    "register_saveable",
-    "saveable_class",
-    "saveable_name",
     "serialize_compile",
 ]
 
@@ -72,90 +70,6 @@ _FIX = (
 )
 
 _T = TypeVar("_T", bound=type)
-
-
-# The registry of saveable classes --------------------------------------------------------
-#: For each kind, its registered classes by saved name.
-_REGISTRY: dict[str, dict[str, type]] = {}
-#: What a class of a kind must derive from; a kind not listed takes any class.
-_BASES: dict[str, type] = {"loss": losses_lib.Loss, "metric": metrics_lib.Metric}
-
-
-def register_saveable(cls: _T | None = None, *, kind: str, name: str | None = None) -> Any:
-    """Registers `cls` as saved by name and ``get_config()``, rebuilt as ``cls(**config)``.
-
-    A saved ``class_name`` is resolved only through this registry. Use it as a function
-    or as a decorator (``@register_saveable(kind="layer")``).
-
-    Args:
-      cls: the class; its ``get_config()`` returns JSON types that its constructor takes.
-      kind: what it is: ``"loss"`` (a `jstrategy.losses.Loss`), ``"metric"`` (a
-        `jstrategy.metrics.Metric`) or another module's kind.
-      name: the name saved; defaults to ``cls.__name__``.
-
-    Returns:
-      `cls` (or, without `cls`, a decorator that registers its class).
-
-    Raises:
-      TypeError: if `cls` is not a class of the kind.
-      ValueError: if another class is registered under the name.
-
-    Example:
-
-    >>> from jstrategy._src.training import losses
-    >>> saveable_class("loss", "MeanSquaredError") is losses.MeanSquaredError
-    True
-    >>> saveable_class("loss", "get") is None  # an attribute of the module, not a class
-    True
-    """
-
-    def register(cls: _T) -> _T:
-        base = _BASES.get(kind)
-        if not isinstance(cls, type) or (base is not None and not issubclass(cls, base)):
-            expected = "a class" if base is None else f"a subclass of {base.__qualname__}"
-            raise TypeError(f"`cls` must be {expected} to register as a {kind!r}; got {cls!r}.")
-        key = cls.__name__ if name is None else name
-        classes = _REGISTRY.setdefault(kind, {})
-        other = classes.get(key)
-        if other is not None and other is not cls:
-            raise ValueError(
-                f"{kind.capitalize()} name {key!r} is already registered for "
-                f"{other.__module__}.{other.__qualname__}; register "
-                f"{cls.__module__}.{cls.__qualname__} with another name=."
-            )
-        classes[key] = cls
-        return cls
-
-    return register if cls is None else register(cls)
-
-
-def saveable_class(kind: str, name: str) -> type | None:
-    """The class registered under `name` for `kind`, or None."""
-    return _REGISTRY.get(kind, {}).get(name)
-
-
-def saveable_name(obj: Any, kind: str) -> str | None:
-    """The name `obj`'s class (exactly, not a subclass) is registered under, or None."""
-    for key, cls in _REGISTRY.get(kind, {}).items():
-        if type(obj) is cls:
-            return key
-    return None
-
-
-def _register_public(module: types.ModuleType, kind: str, special: tuple[type, ...]) -> None:
-    """Registers `module`'s public classes of `kind`, but for base and wrapper classes
-    (`special`), whose configs hold functions."""
-    base = _BASES[kind]
-    for attr in module.__all__:
-        cls = getattr(module, attr)
-        if isinstance(cls, type) and issubclass(cls, base) and cls not in special:
-            register_saveable(cls, kind=kind)
-
-
-_register_public(losses_lib, "loss", (losses_lib.Loss, losses_lib.LossFunctionWrapper))
-_register_public(
-    metrics_lib, "metric", (metrics_lib.Metric, metrics_lib.Mean, metrics_lib.MeanMetricWrapper)
-)
 
 
 # Writing ---------------------------------------------------------------------------------
@@ -649,14 +563,15 @@ def _custom(
 
 
 def _registered(entry: dict[str, Any], kind: str, field: str, file: str) -> Any:
-    cls = saveable_class(kind, entry["class_name"])
-    if cls is None:
-        known = sorted(_REGISTRY.get(kind, {}))
-        raise ValueError(
-            f"{file}: `{field}.class_name` must name a {kind} class jstrategy saves, one "
-            f"of {known}, or be {CUSTOM!r} (with custom_objects); got "
+    cls = saved_class(
+        kind,
+        entry["class_name"],
+        lambda known: (
+            f"{file}: `{field}.class_name` must name a {kind} class jstrategy "
+            f"saves, one of {known}, or be {CUSTOM!r} (with custom_objects); got "
             f"{entry['class_name']!r}. {_FIX}"
-        )
+        ),
+    )
     try:
         return cls(**entry["config"])
     except (TypeError, ValueError) as e:

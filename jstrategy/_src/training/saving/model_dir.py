@@ -14,7 +14,7 @@ The module's code is not saved (a Flax module is Python code): `load_model(path,
 takes a module of the same architecture, builds the model, compiles it from the config and
 restores the state; it refuses a module of another class than the saved one. Losses and
 metrics are saved by class name and config when their class is registered
-(`saved_config.register_saveable`); those that jstrategy does not define (a function, an
+(`jstrategy._src.registry.register_saveable`); those that jstrategy does not define (a function, an
 optax transformation) are saved by name, and two different ones under one name are
 refused; pass them to `load_model` in ``custom_objects``. What the file holds is written,
 read and checked by `saved_config`.
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
@@ -37,6 +36,7 @@ from orbax.checkpoint import multihost
 from jstrategy._src import checkpoint as checkpoint_lib
 from jstrategy._src.checkpoint.paths import latest_step_dir
 from jstrategy._src.cluster import coordination
+from jstrategy._src.registry import saveable_class
 from jstrategy._src.training.saving import config as saved_config
 from jstrategy._src.training.saving.config import CONFIG_FILE
 from jstrategy._src.training.saving.config import STATE_DIR
@@ -54,9 +54,8 @@ __all__ = [
     "SavableModel",
     "SavingMixin",
     "is_saved_model",
-    "model_loader",
+    "model_class",
     "read_config",
-    "register_model_class",
     "save_model",
 ]
 
@@ -64,24 +63,14 @@ _EVERY_WORKER = "In a multi-worker job every worker calls model.save with the sa
 
 
 # Model classes -------------------------------------------------------------------------
-# How `load_model` builds each saved class (``class_name`` in the config): a function
-# ``(config, module, path) -> Model``. Only registered names are built; a config without
-# one (written before classes were recorded) or naming a subclass of `Model` that is not
-# registered is built as a `Model` around the given module.
-_MODEL_LOADERS: dict[str, Callable[[dict[str, Any], Any, str], Any]] = {}
-
-
-def register_model_class(
-    class_name: str, loader: Callable[[dict[str, Any], Any, str], Any]
-) -> None:
-    """Registers how `load_model` builds a saved model of class `class_name`."""
-    _MODEL_LOADERS[class_name] = loader
-
-
-def model_loader(config: dict[str, Any]) -> Callable[[dict[str, Any], Any, str], Any]:
-    """The registered builder for a saved config's ``class_name`` (``"Model"`` if none)."""
+def model_class(config: dict[str, Any]) -> Any:
+    """The registered model class (kind ``"model"``) a saved config's ``class_name`` names:
+    `load_model` builds the model with its ``_from_saved``. A config without a class name
+    (written before classes were recorded), or naming a subclass of `Model` that is not
+    registered, is built as a `Model` around the given module."""
     name = config.get("class_name", "Model")
-    return _MODEL_LOADERS.get(name, _MODEL_LOADERS["Model"])
+    found = saveable_class("model", name) if isinstance(name, str) else None
+    return found if found is not None else saveable_class("model", "Model")
 
 
 # Saving --------------------------------------------------------------------------------
