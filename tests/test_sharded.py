@@ -449,7 +449,8 @@ def test_fsdp_step_gathers_parameters_and_reduce_scatters_gradients():
     # gradient where backpropagation produces it; XLA:CPU writes a reduce-scatter as an
     # all-reduce sliced to the replica's part (GPUs' ReduceScatterCreator turns it back
     # into a reduce-scatter) and its all-reduce combiner merges the small ones with the
-    # biases', the loss and the count into one.
+    # biases' and the loss into one. The count of real rows is reduced on its own, before
+    # the backward pass that it scales (so no update waits for the step's last all-reduce).
     fsdp = FSDPStrategy(min_shard_size=256)
     counts, specs = _compiled_collectives(fsdp)
     assert [specs[f"Dense_{i}"]["kernel"] for i in range(3)] == [
@@ -457,7 +458,7 @@ def test_fsdp_step_gathers_parameters_and_reduce_scatters_gradients():
         P("replica", None),
         P("replica", None),
     ]
-    assert counts == {"all-gather[replica]": 3, "all-reduce[replica]": 1}
+    assert counts == {"all-gather[replica]": 3, "all-reduce[replica]": 2}
     # Several steps per execution: the same per step, inside the scan's loop body.
     assert _compiled_collectives(fsdp, steps_per_execution=3)[0] == counts
     # Mirrored: one all-reduce and nothing else.
@@ -469,9 +470,9 @@ def test_megatron_step_communicates_over_model_inside_and_batch_between_replicas
     counts, specs = _compiled_collectives(_megatron())
     assert specs["Dense_0"]["kernel"] == P(None, "model")
     # Megatron's forward all-reduce of the row-split matmul's partial sums, over "model";
-    # the gradients' one all-reduce over "batch"; no reduce-scatter (nothing is split
-    # over the data axis).
-    assert counts["all-reduce[model]"] >= 1 and counts["all-reduce[batch]"] == 1
+    # over "batch", the count of real rows (before the backward pass it scales) and the
+    # gradients' one all-reduce; no reduce-scatter (nothing is split over the data axis).
+    assert counts["all-reduce[model]"] >= 1 and counts["all-reduce[batch]"] == 2
     assert not any(k.startswith("reduce-scatter") for k in counts)
     assert all(k.endswith(("[model]", "[batch]")) for k in counts)
 
@@ -532,13 +533,16 @@ def test_sharded_step_benchmark_smoke(capsys):
     # (or, XLA's choice at this size, the activations it meets) and all-reduces the rest.
     assert fsdp.collectives["all-gather[replica]"] >= 1
     assert fsdp.per_device < 1.0
-    # One block: Megatron's two forward and two backward all-reduces over "model".
-    assert megatron.collectives == {"all-reduce[batch]": 1, "all-reduce[model]": 4}
+    # One block: Megatron's two forward and two backward all-reduces over "model"; the
+    # row count's and the gradients' over "batch".
+    assert megatron.collectives == {"all-reduce[batch]": 2, "all-reduce[model]": 4}
     # Each peer holds the same layouts (the jstrategy state's shardings) and, written as
-    # the same global-view step, XLA gives it the same communication.
+    # the same global-view step, XLA gives it the same communication, but for the one
+    # scalar all-reduce of the count of real rows (the peer divides by its static batch;
+    # jstrategy's batches may be padded and masked).
     assert fsdp_peer.per_device == fsdp.per_device
     assert megatron_peer.per_device == megatron.per_device
-    assert megatron_peer.collectives == megatron.collectives
+    assert {**megatron_peer.collectives, "all-reduce[batch]": 2} == megatron.collectives
     assert all(row.step_s > 0 and len(row.samples) == 1 for row in rows)
     assert (
         "| FSDP | replica 8 |" in out and "| ModelParallel (Megatron) | batch 2 x model 4 |" in out

@@ -37,6 +37,33 @@ class _Unrolled(nn.Module):
         return nn.Dense(8)(x)
 
 
+class Block(nn.Module):
+    """Issue 37's block: no biases. Named by Flax (``Block_0``...), the blocks' variables
+    sort before the head's (``Dense_1``), so the program meets them in another order."""
+
+    width: int
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(4 * self.width, use_bias=False)(nn.LayerNorm()(x))
+        return x + nn.Dense(self.width, use_bias=False)(nn.gelu(h))
+
+
+class _FlaxNamed(nn.Module):
+    # Wider than the others: at d 128 and 4 blocks the old step's excess (every gradient
+    # shard kept to the end) was within 3% of the hand-written step; at d 256 and 8
+    # blocks it was 8.3% (the issue's d 512, 16 blocks: 17%).
+    width: int = 256
+    blocks: int = 8
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(self.width, use_bias=False)(x)  # an input projection
+        for _ in range(self.blocks):
+            x = Block(self.width)(x)
+        return nn.Dense(8, use_bias=False)(x)
+
+
 class _Scanned(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -76,10 +103,11 @@ def _peaks(module):
     """``(jstrategy's step peak, the hand-written step's peak, one parameter copy)``."""
     strategy = jstrategy.experimental.FSDPStrategy()
     tx = optax.adamw(1e-3)
-    x = np.ones((ROWS, WIDTH), np.float32)
+    width = getattr(module, "width", WIDTH)
+    x = np.ones((ROWS, width), np.float32)
     y = np.zeros((ROWS,), np.int32)
     with strategy.scope():
-        state = training.create_train_state(module, tx, jnp.ones((1, WIDTH)))
+        state = training.create_train_state(module, tx, jnp.ones((1, width)))
         step = training.make_train_step(_loss)
     one_copy = sum(leaf.nbytes for leaf in jax.tree.leaves(state.params))
     compiled = step.lower(state, distribute_batch(strategy, (x, y))).compile()
@@ -108,17 +136,23 @@ def _peaks(module):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("module", [_Unrolled(), _Scanned()], ids=["unrolled", "scanned"])
+@pytest.mark.parametrize(
+    "module",
+    [_Unrolled(), _FlaxNamed(), _Scanned()],
+    ids=["unrolled", "unrolled-flax-names", "scanned"],
+)
 def test_fsdp_step_peak_is_the_hand_written_global_view_steps(module):
     peak, reference, one_copy, hlo = _peaks(module)
     # Before: the whole model gathered at the step's start, whole gradients to its end
     # (above one parameter copy per device, 2.5x to 5x the hand-written step's peak).
+    # Flax's names: the gradients divided by the row count after the backward pass kept
+    # every gradient shard alive until the last (issue 37: 1.17x the hand-written step).
     assert peak <= 1.05 * reference, (peak / one_copy, reference / one_copy)
-    assert peak < (0.8 if isinstance(module, _Unrolled) else SCANNED_BOUND) * one_copy
+    assert peak < (SCANNED_BOUND if isinstance(module, _Scanned) else 0.8) * one_copy
     # Per-layer gathers: one all-gather per kernel where it is read (unrolled), or one
     # inside the scan's loop per iteration (the loop body's, counted once).
     gathers = hlo.count(" all-gather(") + hlo.count(" all-gather-start(")
-    assert gathers >= (2 * BLOCKS if isinstance(module, _Unrolled) else 2)
+    assert gathers >= (2 if isinstance(module, _Scanned) else 2 * getattr(module, "blocks", BLOCKS))
 
 
 def _trajectory(strategy, steps=5):
