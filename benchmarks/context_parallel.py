@@ -16,7 +16,7 @@ run on this machine (``--time-limit-mib``, default 600 MiB) and the sequence at 
 so the times show the work per step (ring attention skips the blocks a causal mask
 hides), not a speed-up.
 
-    python benchmarks/context_parallel.py     # about 3-5 minutes on 2 shared cores
+    python benchmarks/context_parallel.py     # 8 minutes on 2 cores shared with other jobs
 """
 
 from __future__ import annotations

@@ -200,3 +200,24 @@ def test_attention_without_a_context_axis_is_flax():
     )
     with pytest.raises(ValueError, match=r"query's length must equal the key's; got 8 and 4"):
         jstrategy.experimental.dot_product_attention(q, k[:, :4], v[:, :4], causal=True)
+
+
+def _fit(strategy, x, y):
+    with strategy.scope():
+        model = jstrategy.Model(
+            _decoder(), input_shape=(x.shape[1],), input_dtype=jnp.int32, seed=0
+        )
+        model.compile(optax.adam(0.01), loss=bench.token_loss)
+    history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    return history.history["loss"], model.evaluate(x, y, verbose=0)
+
+
+@pytest.mark.slow
+def test_model_fit_and_evaluate_follow_one_device():
+    """`Model.fit` trains through the same step (evaluation runs Flax's attention on whole
+    sequences): both follow one device."""
+    x, y = _data(8, 32)
+    want_fit, want_eval = _fit(jstrategy.OneDeviceStrategy("cpu:0"), x, y)
+    got_fit, got_eval = _fit(jstrategy.experimental.FSDPStrategy(context=4), x, y)
+    np.testing.assert_allclose(got_fit, want_fit, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got_eval, want_eval, atol=1e-5, rtol=0)
