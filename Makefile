@@ -93,6 +93,7 @@ bench: $(VENV)/.dev
 	$(FAKE_DEVICES) $(BIN)/python benchmarks/sharded_step.py
 	$(FAKE_DEVICES) $(BIN)/python benchmarks/parameter_server.py
 	$(FAKE_DEVICES) $(BIN)/python benchmarks/tf_custom_loop.py
+	$(FAKE_DEVICES) $(BIN)/python benchmarks/context_parallel.py
 	$(BIN)/python benchmarks/multi_worker.py
 
 $(VENV)/.docs: pyproject.toml | $(BIN)/python

@@ -6,6 +6,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -75,3 +76,15 @@ def print_step_table(medians: dict[str, float], args: argparse.Namespace, replic
     width = max(len(name) for name in medians) + 2
     for name, seconds in medians.items():
         print(f"  {name:<{width}} {seconds * 1e3:8.3f} ms/step   ratio {seconds / base:5.3f}")
+
+
+def compiled_peak(compiled: Any) -> int:
+    """A compiled program's peak per device, from XLA's memory analysis: arguments +
+    temporaries + outputs - aliased (donated) bytes."""
+    m = compiled.memory_analysis()
+    return int(
+        m.argument_size_in_bytes
+        + m.temp_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+    )

@@ -50,6 +50,7 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import transformer_lm
+from _common import compiled_peak
 
 import jstrategy
 from jstrategy import mixed_precision
@@ -90,14 +91,7 @@ class Config:
         )
 
 
-def _peak(compiled: Any) -> int:
-    m = compiled.memory_analysis()
-    return int(
-        m.argument_size_in_bytes
-        + m.temp_size_in_bytes
-        + m.output_size_in_bytes
-        - m.alias_size_in_bytes
-    )
+_peak = compiled_peak
 
 
 def _abstract(tree: Any, shardings: Any) -> Any:

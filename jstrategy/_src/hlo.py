@@ -13,7 +13,7 @@ import re
 import numpy as np
 from jax.sharding import Mesh
 
-__all__ = ["COLLECTIVES", "collective_counts"]
+__all__ = ["COLLECTIVES", "collective_counts", "permute_pairs"]
 
 #: The collective instructions of XLA's HLO.
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
@@ -106,3 +106,29 @@ def _axes_of(line: str, mesh: Mesh) -> str:
         str(name) for k, name in enumerate(mesh.axis_names) if len({int(c[k]) for c in coords}) > 1
     ]
     return ",".join(varying) or "-"
+
+
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+
+
+def permute_pairs(hlo_text: str) -> list[list[tuple[int, int]]]:
+    """The ``(source, target)`` device pairs of each collective-permute in compiled HLO text.
+
+    Device ids are positions in the program's device assignment (the mesh's devices in
+    order, ``mesh.devices.flat``); an asynchronous pair (``-start`` / ``-done``) counts once.
+
+    Example:
+
+    >>> text = "%p = f32[4] collective-permute(f32[4] %k), source_target_pairs={{0,1},{1,0}}"
+    >>> permute_pairs(text)
+    [[(0, 1), (1, 0)]]
+    """
+    found = []
+    for line in hlo_text.splitlines():
+        if _OPS["collective-permute"].search(line) is None:
+            continue
+        match = _PAIRS.search(line)
+        if match is not None:
+            pairs = re.findall(r"\{(\d+),(\d+)\}", match.group(1))
+            found.append([(int(a), int(b)) for a, b in pairs])
+    return found

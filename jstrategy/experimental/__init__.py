@@ -2,7 +2,8 @@
 
 `DeviceMesh`, `LayoutMap`, `ModelParallelStrategy` (Keras 3's `keras.distribution` names)
 and `FSDPStrategy` go beyond tf.distribute: variables split over the devices;
-`PipelineStrategy` splits a `Repeated` block's layers over pipeline stages.
+`PipelineStrategy` splits a `Repeated` block's layers over pipeline stages;
+`dot_product_attention` is ring attention over a sharded strategy's ``"context"`` axis.
 """
 
 from jstrategy._src.checkpoint.preemption import PreemptionCheckpointHandler
@@ -10,6 +11,7 @@ from jstrategy._src.cluster.signals import PREEMPTION_EXIT_CODE
 from jstrategy._src.collective_util import CollectiveCommunication
 from jstrategy._src.collective_util import CommunicationImplementation
 from jstrategy._src.collective_util import CommunicationOptions
+from jstrategy._src.context_parallel.attention import dot_product_attention
 from jstrategy._src.layout_map import LayoutMap
 from jstrategy._src.mesh import DeviceMesh
 from jstrategy._src.parameter_server.strategy import ParameterServerStrategy
@@ -44,5 +46,6 @@ __all__ = [
     "Repeated",
     "TPUStrategy",
     "ValueContext",
+    "dot_product_attention",
     "partitioners",
 ]

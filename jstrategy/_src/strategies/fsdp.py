@@ -19,13 +19,18 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import jax
+import numpy as np
+from jax.sharding import AxisType
+from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jstrategy._src import devices as devices_lib
 from jstrategy._src import flax_annotations
 from jstrategy._src.collective_util import CommunicationOptions
+from jstrategy._src.context_parallel.axis import CONTEXT_AXIS
 from jstrategy._src.strategies.sharded import ShardedStrategy
+from jstrategy._src.strategy import REPLICA_AXIS
 from jstrategy._src.validation import check_number
 
 if TYPE_CHECKING:
@@ -67,9 +72,17 @@ class FSDPStrategy(ShardedStrategy):
       communication_options: `jstrategy.experimental.CommunicationOptions` for the
         collectives across workers (implementation, packing, ``timeout_seconds``), as for
         `MultiWorkerMirroredStrategy`.
+      context: the context-parallel degree: how many devices split each sequence. The
+        mesh is then ``(replicas, context)`` with axes ``("replica", "context")`` (each
+        replica ``context`` neighbouring devices), `num_replicas_in_sync` is the devices
+        over ``context``, variables are split over all the devices, and a train step
+        splits every batch array of two or more dimensions along dimension 1 (its
+        sequence) over the ``"context"`` axis, with
+        `jstrategy.experimental.dot_product_attention` running ring attention over it.
 
     Raises:
-      ValueError: if `devices` is invalid or `min_shard_size` is not a non-negative int.
+      ValueError: if `devices` is invalid, `min_shard_size` is not a non-negative int, or
+        `context` is not a positive int dividing the number of devices.
       RuntimeError: if it must start the distributed runtime after JAX's backends started.
 
     Example:
@@ -94,7 +107,16 @@ class FSDPStrategy(ShardedStrategy):
         min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
         cluster_resolver: ClusterResolver | None = None,
         communication_options: CommunicationOptions | None = None,
+        context: int = 1,
     ):
+        check_number(
+            context,
+            "context",
+            integer=True,
+            low=1,
+            expected="a positive int (how many devices split each sequence)",
+            fix="Pass e.g. context=2, or 1 (the default) to keep sequences whole.",
+        )
         check_number(
             min_shard_size,
             "min_shard_size",
@@ -109,8 +131,24 @@ class FSDPStrategy(ShardedStrategy):
             cross_device_ops = self._join_job(cluster_resolver, communication_options)
         # After joining, JAX's devices are every worker's.
         resolved = jax.devices() if devices is None else devices_lib.resolve_devices(devices)
-        super().__init__(resolved, cross_device_ops=cross_device_ops)
+        if len(resolved) % context:
+            raise ValueError(
+                f"`context` must divide the number of devices, {len(resolved)} (each replica "
+                f"is `context` devices splitting its sequences); got context={context}. Pass "
+                f"a divisor of {len(resolved)}, e.g. context="
+                f"{max(d for d in range(1, context) if len(resolved) % d == 0)}."
+            )
+        mesh: Sequence[jax.Device] | Mesh = resolved
+        if context > 1:
+            mesh = Mesh(
+                np.array(tuple(resolved), dtype=object).reshape(-1, context),
+                (REPLICA_AXIS, CONTEXT_AXIS),
+                axis_types=(AxisType.Auto, AxisType.Auto),
+            )
+        super().__init__(mesh, cross_device_ops=cross_device_ops)
         self._min_shard_size = min_shard_size
+        # Variables split over every device: over the context axis too, as MaxText's FSDP.
+        self._split_axes = (REPLICA_AXIS, CONTEXT_AXIS) if context > 1 else REPLICA_AXIS
 
     @property
     def min_shard_size(self) -> int:
@@ -136,20 +174,23 @@ class FSDPStrategy(ShardedStrategy):
           ``NamedSharding(mesh, P(..., "replica", ...))`` with the data axis at the
           chosen dimension, or `replicated_sharding`.
         """
-        n = self.num_replicas_in_sync
+        n = self.mesh.size
         shape = tuple(leaf.shape)
         annotated = flax_annotations.data_dim(self, path, shape, (*_DATA_AXES, self.axis_name))
-        if annotated is not None and n > 1:
-            return NamedSharding(self.mesh, P(*([None] * annotated), self.axis_name))
+        if annotated is not None and self.num_replicas_in_sync > 1:
+            axes = self._split_axes if shape[annotated] % n == 0 else self.axis_name
+            return NamedSharding(self.mesh, P(*([None] * annotated), axes))
         best = shard_dim(shape, n, self._min_shard_size)
         if best is None:
             return self.replicated_sharding()
-        spec: list[str | None] = [None] * len(shape)
-        spec[best] = self.axis_name
+        spec: list[str | tuple[str, ...] | None] = [None] * len(shape)
+        spec[best] = self._split_axes
         return NamedSharding(self.mesh, P(*spec))
 
     def __repr__(self) -> str:
-        return f"{super().__repr__()[:-1]}, min_shard_size={self._min_shard_size})"
+        context = self.context_parallelism
+        extra = f", context={context}" if context > 1 else ""
+        return f"{super().__repr__()[:-1]}, min_shard_size={self._min_shard_size}{extra})"
 
 
 def shard_dim(

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from jstrategy._src import flax_annotations
 from jstrategy._src import mesh as mesh_lib
+from jstrategy._src.context_parallel.axis import CONTEXT_AXIS
 from jstrategy._src.cross_device_ops import CrossDeviceOps
 from jstrategy._src.layout_map import LayoutMap
 from jstrategy._src.mesh import DeviceMesh
@@ -50,6 +51,10 @@ class ModelParallelStrategy(ShardedStrategy):
       Adafactor's factored moments, ...) it is replicated. So optimizer state is split
       like its parameter and adds no memory per device beyond it.
 
+    A mesh axis named ``"context"`` splits sequences (context parallelism): a train step
+    splits every batch array of two or more dimensions along dimension 1 over it, and
+    `jstrategy.experimental.dot_product_attention` runs ring attention over it.
+
     Inside `run` a replica is one entry of `batch_dim_name`: the replica context's
     collectives run over that axis, while the mesh's other axes are automatic (XLA
     partitions the computation over them; collectives naming them are not available).
@@ -69,7 +74,7 @@ class ModelParallelStrategy(ShardedStrategy):
 
     Raises:
       TypeError: if `layout_map` is not a `LayoutMap`.
-      ValueError: if `batch_dim_name` is not an axis of the mesh.
+      ValueError: if `batch_dim_name` is not an axis of the mesh, or is ``"context"``.
 
     Example:
 
@@ -111,6 +116,13 @@ class ModelParallelStrategy(ShardedStrategy):
                 f"`batch_dim_name` must be an axis of the layout map's mesh, whose axes are "
                 f"{mesh.axis_names}; got {batch_dim_name!r}. Pass the axis to split the "
                 f"batch over, e.g. batch_dim_name={mesh.axis_names[0]!r}."
+            )
+        if batch_dim_name == CONTEXT_AXIS:
+            raise ValueError(
+                f"`batch_dim_name` must not be {CONTEXT_AXIS!r}: a mesh axis of that name "
+                "splits every sequence (context parallelism), not the batch; got "
+                f"batch_dim_name={batch_dim_name!r} on a mesh with axes {mesh.axis_names}. "
+                "Name the batch axis otherwise, e.g. DeviceMesh(shape, ('batch', 'context'))."
             )
         self._rules = _check_rules(logical_axis_rules, mesh)
         if (

@@ -12,6 +12,8 @@ under: JAX's mesh (`jax.set_mesh`) and the logical axis rules read on their mesh
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from collections.abc import Callable
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 from typing import Any
@@ -24,6 +26,7 @@ from jstrategy._src import staging
 from jstrategy._src.cluster import join as cluster_lib
 from jstrategy._src.cluster.tf_config import TFConfigClusterResolver
 from jstrategy._src.collective_util import check_communication_options
+from jstrategy._src.context_parallel import axis as context_axis_lib
 from jstrategy._src.cross_device_ops import CollectiveAllReduce
 from jstrategy._src.strategy import Strategy
 
@@ -94,6 +97,20 @@ class ShardedStrategy(Strategy):
         is written once."""
         return cluster_lib.is_chief(self._cluster)
 
+    @property
+    def context_parallelism(self) -> int:
+        """How many shards a train step splits the sequence into: the size of the mesh's
+        ``"context"`` axis (1 without one). See `jstrategy.experimental.dot_product_attention`.
+
+        Example:
+
+        >>> import jstrategy
+        >>> jstrategy.experimental.FSDPStrategy(context=4).context_parallelism
+        4
+        """
+        axis = context_axis_lib.of_mesh(self.mesh, self.axis_name)
+        return 1 if axis is None else axis.size
+
     def annotation_axis(self, name: str) -> str | None:
         """An axis of the mesh means itself; a data axis of another mesh (``"data"``,
         ``"fsdp"``, ``"batch"``) means this one's (`axis_name`); any other axis None.
@@ -124,9 +141,28 @@ class ShardedStrategy(Strategy):
     ) -> staging.TrainProgram:
         """One program per call: see `staging.sharded_train_program`; traced and run under
         `mesh_context`."""
+        axis = context_axis_lib.of_mesh(self.mesh, self.axis_name)
+        if axis is not None and fns.global_gradients is not None:
+            fns = dataclasses.replace(
+                fns, global_gradients=_split_sequence(fns.global_gradients, axis)
+            )
         return _UnderMesh(
             self, staging.sharded_train_program(self, fns, steps=steps, stacked=stacked)
         )
+
+
+def _split_sequence(
+    global_gradients: Callable[..., Any], axis: context_axis_lib.ContextAxis
+) -> Callable[..., Any]:
+    """`global_gradients` on a batch whose sequences are split over the context axis, its
+    forward pass traced with that axis current (the attention reads it)."""
+
+    def gradients(params: Any, rest: Any, batch: Any, mask: Any) -> Any:
+        batch = context_axis_lib.split_sequence(batch, axis)
+        with context_axis_lib.applying(axis):
+            return global_gradients(params, rest, batch, mask)
+
+    return gradients
 
 
 class _UnderMesh:

@@ -1,0 +1,1 @@
+"""Context (sequence) parallelism: the step's context axis and the attention that reads it."""
