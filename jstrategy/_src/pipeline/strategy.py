@@ -26,6 +26,7 @@ from jstrategy._src.pipeline.schedules import STAGE_AXIS
 from jstrategy._src.pipeline.schedules import PipelineConfig
 from jstrategy._src.pipeline.schedules import PipelineSchedule
 from jstrategy._src.pipeline.schedules import is_stacked
+from jstrategy._src.pipeline.schedules import layers_error
 from jstrategy._src.strategies.fsdp import DEFAULT_MIN_SHARD_SIZE
 from jstrategy._src.strategies.fsdp import shard_dim
 from jstrategy._src.strategies.sharded import ShardedStrategy
@@ -96,6 +97,7 @@ class PipelineStrategy(ShardedStrategy):
         num_stages: int,
         num_microbatches: int,
         schedule: PipelineSchedule | str = PipelineSchedule.GPIPE,
+        num_repeats: int = 1,
         shard_over_replicas: bool = False,
         min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
         cluster_resolver: ClusterResolver | None = None,
@@ -106,6 +108,16 @@ class PipelineStrategy(ShardedStrategy):
             num_microbatches, "num_microbatches", f"E.g. num_microbatches={2 * stages}."
         )
         schedule = PipelineSchedule.of(schedule)
+        repeats = check_positive_int(
+            num_repeats, "num_repeats", "E.g. num_repeats=2 (1: no virtual stages)."
+        )
+        if repeats > 1 and micro % stages:
+            raise ValueError(
+                f"With num_repeats={repeats}, `num_microbatches` must be a multiple of "
+                f"num_stages={stages} (the circular schedule sends the microbatches round "
+                f"the stages in groups of num_stages); got num_microbatches={micro}. Pass "
+                f"e.g. num_microbatches={stages * max(1, -(-micro // stages))}."
+            )
         check_bool(shard_over_replicas, "shard_over_replicas", error=TypeError)
         min_shard_size = (
             check_positive_int(min_shard_size, "min_shard_size") if min_shard_size else 0
@@ -123,7 +135,7 @@ class PipelineStrategy(ShardedStrategy):
         grid = np.asarray(resolved, dtype=object).reshape(stages, len(resolved) // stages)
         mesh = DeviceMesh(grid.shape, (STAGE_AXIS, REPLICA_AXIS), devices=grid)
         super().__init__(mesh, cross_device_ops=cross_device_ops, data_axis=REPLICA_AXIS)
-        self._config = PipelineConfig(stages, micro, schedule, self.mesh)
+        self._config = PipelineConfig(stages, micro, schedule, self.mesh, repeats)
         self._shard_over_replicas = shard_over_replicas
         self._min_shard_size = min_shard_size
 
@@ -150,6 +162,11 @@ class PipelineStrategy(ShardedStrategy):
         return self._config.num_microbatches
 
     @property
+    def num_repeats(self) -> int:
+        """The virtual stages each stage holds (1: none; see `num_repeats` above)."""
+        return self._config.num_repeats
+
+    @property
     def schedule(self) -> PipelineSchedule:
         """The pipeline schedule."""
         return self._config.schedule
@@ -167,15 +184,11 @@ class PipelineStrategy(ShardedStrategy):
         shape = tuple(leaf.shape)
         spec: list[str | None] = [None] * len(shape)
         stacked = is_stacked(names) and len(shape) >= 1
-        if stacked and shape[0] % self.num_stages:
+        if stacked and shape[0] % (self.num_stages * self.num_repeats):
             is_parameter, candidates = flax_annotations.candidate_paths(names)
             if is_parameter:
-                raise ValueError(
-                    f"The repeated block's variable {candidates[0]!r} stacks {shape[0]} "
-                    f"layers, which cannot be split over num_stages={self.num_stages} "
-                    "pipeline stages. Make Repeated's num_layers a multiple of num_stages, "
-                    "or pick num_stages among its divisors."
-                )
+                what = f"The repeated block's variable {candidates[0]!r} stacks {shape[0]} layers, which"
+                raise ValueError(layers_error(what, shape[0], self._config))
             stacked = False  # an optimizer leaf shaped otherwise: replicated
         if stacked:
             spec[0] = STAGE_AXIS
@@ -196,5 +209,6 @@ class PipelineStrategy(ShardedStrategy):
         return (
             f"PipelineStrategy(num_stages={self.num_stages}, num_replicas_in_sync="
             f"{self.num_replicas_in_sync}, num_microbatches={self.num_microbatches}, "
-            f"schedule={self.schedule.value!r})"
+            f"schedule={self.schedule.value!r}"
+            + (f", num_repeats={self.num_repeats})" if self.num_repeats > 1 else ")")
         )
