@@ -26,6 +26,7 @@ from test_pipeline import _state
 
 import jstrategy
 from jstrategy import training
+from jstrategy._src.input.placement import distribute_batch
 from jstrategy._src.pipeline import circular
 from jstrategy.experimental import PipelineStrategy
 
@@ -157,6 +158,22 @@ def test_model_fit_follows_one_device(schedule, stages, repeats, micro):
     got, want = outcome(model, history), outcome(expected, expected_history)
     for g, w in zip(got, want, strict=True):
         assert _max_difference(g, w) <= 1e-5 * max(1.0, _scale(w))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_each_stage_receives_its_virtual_stages_and_never_the_whole_variable(schedule):
+    strategy = _circular(schedule, 4, 2, 8)
+    x, y = _data(1)
+    with strategy.scope():
+        state = _state()
+        step = training.make_train_step(_loss)
+    hlo = step.lower(state, distribute_batch(strategy, (x[0], y[0]))).compile().as_text()
+    # The stacked variables (6 of them) reach their virtual stages, and their gradients
+    # come back, by rounds of collective-permutes of one chunk per stage: nothing gathers
+    # a whole variable (which would undo the split over the stages).
+    assert "all-gather" not in hlo
+    assert hlo.count("collective-permute") >= 2 * 6 * 2, hlo.count("collective-permute")
 
 
 # Checkpoints ----------------------------------------------------------------------------------

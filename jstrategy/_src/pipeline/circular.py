@@ -27,7 +27,11 @@ picks its repeat's layers, ``r = ((t - s) // S) % R``, from its ``(R, K, ...)`` 
 
 `stage_layout` arranges a stacked variable ``(L, ...)`` in layer order as the schedules
 take it, ``(S, R, K, ...)`` (split over the stages), and `layer_layout` back; with
-``R = 1`` they are the non-circular schedules' ``(S, L / S, ...)`` reshape.
+``R = 1`` they are the non-circular schedules' ``(S, L / S, ...)`` reshape. The variables
+are held in layer order, split over the stages contiguously (a `NamedSharding` cannot give
+a device non-contiguous layers), so that a checkpoint is the same under every strategy;
+inside the step ``R`` rounds of ``ppermute`` (one chunk per stage each) hand every stage
+its virtual stages, and the gradients go back the same way.
 """
 
 from __future__ import annotations
@@ -53,6 +57,78 @@ __all__ = [
 ]
 
 
+def _rounds(stages: int, repeats: int) -> list[list[tuple[int, int, int, int]]]:
+    """The moves from the contiguous layout to the circular one, as `repeats` rounds.
+
+    Stage ``s`` holds virtual stages ``s * R + c`` (``c < R``) contiguously; virtual stage
+    ``v`` belongs on stage ``v % S`` as its repeat ``v // S``. Every stage sends `R`
+    chunks and receives `R`: a regular bipartite multigraph, which splits into `R` perfect
+    matchings (Konig), each one ``ppermute`` of one chunk per stage. Each move is
+    ``(source stage, its chunk, target stage, its repeat)``.
+    """
+    moves = [
+        (s, c, (s * repeats + c) % stages, (s * repeats + c) // stages)
+        for s in range(stages)
+        for c in range(repeats)
+    ]
+    rounds = []
+    for _ in range(repeats):
+        matched = _matching(moves, stages)
+        rounds.append(sorted(matched))
+        for move in matched:
+            moves.remove(move)
+    return rounds
+
+
+def _matching(
+    moves: list[tuple[int, int, int, int]], stages: int
+) -> list[tuple[int, int, int, int]]:
+    """One move from every source stage, one into every target stage (augmenting paths)."""
+    matched: dict[int, tuple[int, int, int, int]] = {}  # target -> move
+
+    def assign(source: int, seen: set[int]) -> bool:
+        for move in moves:
+            if move[0] != source or move[2] in seen:
+                continue
+            seen.add(move[2])
+            other = matched.get(move[2])
+            if other is None or assign(other[0], seen):
+                matched[move[2]] = move
+                return True
+        return False
+
+    for source in range(stages):
+        assign(source, set())
+    return list(matched.values())
+
+
+def _move_chunks(x: Any, config: PipelineConfig, *, inverse: bool) -> Any:
+    """``(S, R, K, ...)`` from the contiguous layout (stage ``s``'s ``c``-th chunk:
+    virtual stage ``s * R + c``) to the circular one (stage ``s``'s repeat ``r``: virtual
+    stage ``r * S + s``), or back: `R` ``ppermute`` rounds of one chunk per stage, so
+    each stage sends and receives its own share only (no stage gathers the variable)."""
+    stages, repeats = config.num_stages, config.num_repeats
+    rounds = _rounds(stages, repeats)
+    if inverse:  # the same moves, backwards
+        rounds = [sorted((d, r, s, c) for s, c, d, r in moves) for moves in rounds]
+
+    def move(v: jax.Array) -> jax.Array:
+        me = jax.lax.axis_index(STAGE_AXIS)
+        out = jnp.zeros_like(v)
+        for moves in rounds:
+            send = jnp.asarray([c for _, c, _, _ in moves])[me]  # sorted by source
+            into = jnp.asarray([r for _, _, _, r in sorted(moves, key=lambda m: m[2])])[me]
+            chunk = jax.lax.dynamic_index_in_dim(v, send, axis=1)
+            chunk = jax.lax.ppermute(chunk, STAGE_AXIS, [(s, d) for s, _, d, _ in moves])
+            out = jax.lax.dynamic_update_index_in_dim(out, chunk, into, axis=1)
+        return out
+
+    # Manual over every axis, as `schedules._shift`.
+    spec = P(STAGE_AXIS)
+    relayout = jax.shard_map(move, mesh=config.mesh, in_specs=spec, out_specs=spec)
+    return jax.tree.map(relayout, x)
+
+
 def stage_layout(v: jax.Array, config: PipelineConfig) -> jax.Array:
     """A stacked variable ``(L, ...)`` in layer order as the schedules take it: stage
     ``s``'s layers first, ``(S, L / S, ...)``; with ``R > 1`` ``(S, R, K, ...)``, stage
@@ -68,15 +144,17 @@ def stage_layout(v: jax.Array, config: PipelineConfig) -> jax.Array:
     stages, repeats = config.num_stages, config.num_repeats
     if repeats == 1:
         return v.reshape(stages, v.shape[0] // stages, *v.shape[1:])
+    # Held split over the stages in layer order, contiguously: each stage's chunks are
+    # moved to the stages whose virtual stages they are, one chunk per stage per round.
     per = v.shape[0] // (stages * repeats)
-    return jnp.swapaxes(v.reshape(repeats, stages, per, *v.shape[1:]), 0, 1)
+    return _move_chunks(v.reshape(stages, repeats, per, *v.shape[1:]), config, inverse=False)
 
 
 def layer_layout(v: jax.Array, config: PipelineConfig) -> jax.Array:
     """`stage_layout`'s inverse: ``(S, ...)`` per stage back to ``(L, ...)`` in layer order."""
     if config.num_repeats == 1:
         return v.reshape(-1, *v.shape[2:])
-    return jnp.swapaxes(v, 0, 1).reshape(-1, *v.shape[3:])
+    return _move_chunks(v, config, inverse=True).reshape(-1, *v.shape[3:])
 
 
 def _items(config: PipelineConfig) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:

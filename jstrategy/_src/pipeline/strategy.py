@@ -67,6 +67,14 @@ class PipelineStrategy(ShardedStrategy):
         microbatch's backward pass as soon as its forward pass ends: activation memory
         bounded by the stages, not the microbatches; one `Repeated` block per model,
         whose following layers treat rows independently).
+      num_repeats: the virtual stages each stage holds (1, the default: none). With
+        ``R > 1`` the block's layers are cut into ``R * num_stages`` chunks, chunk
+        ``r * S + s`` on stage ``s``, and each microbatch goes round the stages `R` times
+        (circular GPipe, or interleaved 1F1B): the bubble falls to
+        ``(S - 1) / (R * M + S - 1)``. `num_microbatches` must then be a multiple of
+        `num_stages`, and the layers of ``R * num_stages``. The variables stay in layer
+        order, split over the stages (checkpoints cross to every strategy); the step lays
+        them out per stage (``pipeline/circular.py``).
       shard_over_replicas: also split variables over the replicas (ZeRO-3, as FSDP).
       min_shard_size: with `shard_over_replicas`, the fewest elements a variable needs to
         be split over the replicas.
@@ -74,8 +82,9 @@ class PipelineStrategy(ShardedStrategy):
       communication_options: `jstrategy.experimental.CommunicationOptions` for the job.
 
     Raises:
-      ValueError: if `num_stages` or `num_microbatches` is not a positive int, the devices
-        do not divide by `num_stages`, or `schedule` names no schedule.
+      ValueError: if `num_stages`, `num_microbatches` or `num_repeats` is not a positive
+        int, the devices do not divide by `num_stages`, `schedule` names no schedule, or
+        with ``num_repeats > 1`` the microbatches are not a multiple of the stages.
 
     Example:
 
@@ -87,6 +96,12 @@ class PipelineStrategy(ShardedStrategy):
     >>> stacked = jax.ShapeDtypeStruct((8, 16, 16), jnp.float32)
     >>> path = ("params", "Repeated_0", "stacked_layers", "Dense_0", "kernel")
     >>> strategy.variable_sharding(stacked, path).spec
+    P('stage', None, None)
+    >>> PipelineStrategy = jstrategy.experimental.PipelineStrategy
+    >>> circular = PipelineStrategy(num_stages=4, num_microbatches=8, num_repeats=2)
+    >>> circular
+    PipelineStrategy(num_stages=4, num_replicas_in_sync=2, num_microbatches=8, schedule='gpipe', num_repeats=2)
+    >>> circular.variable_sharding(stacked, path).spec  # layer order, as without repeats
     P('stage', None, None)
     """
 
@@ -178,7 +193,8 @@ class PipelineStrategy(ShardedStrategy):
         (or, with ``shard_over_replicas``, split over the replicas as by FSDP).
 
         Raises:
-          ValueError: if a stacked parameter's layers do not divide by `num_stages`.
+          ValueError: if a stacked parameter's layers do not divide by `num_stages` (times
+            `num_repeats`).
         """
         names = tuple(str(k) for k in path)
         shape = tuple(leaf.shape)
@@ -187,7 +203,10 @@ class PipelineStrategy(ShardedStrategy):
         if stacked and shape[0] % (self.num_stages * self.num_repeats):
             is_parameter, candidates = flax_annotations.candidate_paths(names)
             if is_parameter:
-                what = f"The repeated block's variable {candidates[0]!r} stacks {shape[0]} layers, which"
+                what = (
+                    f"The repeated block's variable {candidates[0]!r} stacks {shape[0]} "
+                    "layers, which"
+                )
                 raise ValueError(layers_error(what, shape[0], self._config))
             stacked = False  # an optimizer leaf shaped otherwise: replicated
         if stacked:
