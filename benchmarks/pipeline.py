@@ -13,7 +13,10 @@ Three measurements on 8 fake CPU devices, side by side in one process:
    drain, the same work per tick (the no-bubble limit). Printed beside the formula
    ``(S - 1) / (M + S - 1)``, both schedules'. The two programs differ by ``S - 1`` ticks
    only, and 8 fake devices share the host's cores: one run's figure moves by about 0.04
-   from run to run, so compare the formula with the median of a few runs.
+   from run to run, so compare the formula with the median of a few runs. Circular rows
+   (``num_repeats=R``, R = 2 at S = 4, M = 8: `circular.circular_gpipe` and
+   `circular.interleaved_one_f_one_b`) run ``R * M + S - 1`` ticks of ``1 / R`` of a
+   stage's layers against ``R * M`` such ticks: ``(S - 1) / (R * M + S - 1)``, 0.158.
 2. **Step time.** The whole train step (`make_train_step`, Adam) of one model, a residual
    MLP block repeated 8 times between a Dense embedding and head, under PipelineStrategy
    (stages x replicas), FSDPStrategy (8) and MirroredStrategy (8), same global batch,
@@ -62,6 +65,7 @@ import jstrategy
 from jstrategy import training
 from jstrategy._src import dispatch
 from jstrategy._src.input.placement import distribute_batch
+from jstrategy._src.pipeline import circular
 from jstrategy._src.pipeline import schedules
 from jstrategy.experimental import PipelineStrategy
 from jstrategy.experimental import Repeated
@@ -94,16 +98,16 @@ def _loss(y: Any, logits: Any) -> Any:
 def _block_program(strategy: PipelineStrategy, width: int, rows: int, bubble: bool):
     """The jitted forward and backward of 8 pipelined layers, each replica's rows vmapped
     (`bubble` False: without the fill and drain)."""
-    stages = strategy.num_stages
+    repeats = strategy.num_repeats
     config = strategy.pipeline
     mesh = strategy.mesh
     on_stages = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("stage"))
     rows_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("replica"))
-    per_stage = 8 // stages
     key = jax.random.key(0)
-    w = jax.device_put(
-        jax.random.normal(key, (stages, per_stage, width, width)) / np.sqrt(width), on_stages
-    )
+    # The 8 layers as the schedules take them (`circular.stage_layout`): (S, 8 / S, ...),
+    # with virtual stages (S, R, 8 / (R * S), ...).
+    layers = jax.random.normal(key, (8, width, width)) / np.sqrt(width)
+    w = jax.device_put(circular.stage_layout(layers, config), on_stages)
     replicas = strategy.num_replicas_in_sync
     x = jax.device_put(jax.random.normal(key, (replicas, rows // replicas, width)), rows_sharding)
 
@@ -111,10 +115,11 @@ def _block_program(strategy: PipelineStrategy, width: int, rows: int, bubble: bo
         return jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), h, w)[0]
 
     if strategy.schedule is schedules.PipelineSchedule.GPIPE:
-        ticks = None if bubble else strategy.num_microbatches
+        ticks = None if bubble else repeats * strategy.num_microbatches
+        gpipe = schedules.gpipe if repeats == 1 else circular.circular_gpipe
 
         def loss(w: Any, x: Any) -> Any:
-            one = lambda xr: schedules.gpipe(stage, w, xr, config, ticks=ticks)  # noqa: E731
+            one = lambda xr: gpipe(stage, w, xr, config, ticks=ticks)  # noqa: E731
             return jnp.sum(jax.vmap(one, spmd_axis_name="replica")(x) ** 2)
 
         program = jax.jit(jax.grad(loss))
@@ -123,9 +128,11 @@ def _block_program(strategy: PipelineStrategy, width: int, rows: int, bubble: bo
         def head(_: Any, h: Any, m: Any) -> Any:
             return jnp.sum(h**2), None
 
+        one_f_one_b = schedules.one_f_one_b if repeats == 1 else circular.interleaved_one_f_one_b
+
         def grads(w: Any, x: Any) -> Any:
             def one(xr: Any) -> Any:
-                out = schedules.one_f_one_b(stage, w, xr, head, [], config, fill_and_drain=bubble)
+                out = one_f_one_b(stage, w, xr, head, [], config, fill_and_drain=bubble)
                 return out[3]
 
             return jnp.sum(jax.vmap(one, spmd_axis_name="replica")(x), axis=0)
@@ -136,9 +143,12 @@ def _block_program(strategy: PipelineStrategy, width: int, rows: int, bubble: bo
 
 def bubble(width: int, rows: int, repeats: int, steps: int) -> list[tuple[Any, ...]]:
     results = []
-    for schedule, stages, factor in itertools.product(SCHEDULES, (2, 4), (2, 4)):
-        micro = factor * stages
-        strategy = PipelineStrategy(num_stages=stages, num_microbatches=micro, schedule=schedule)
+    shapes = [(stages, factor * stages, 1) for stages, factor in itertools.product((2, 4), (2, 4))]
+    shapes.append((4, 8, 2))  # circular: two virtual stages per stage
+    for schedule, (stages, micro, virtual) in itertools.product(SCHEDULES, shapes):
+        strategy = PipelineStrategy(
+            num_stages=stages, num_microbatches=micro, schedule=schedule, num_repeats=virtual
+        )
         samples = interleaved_samples(
             {
                 "pipeline": _block_program(strategy, width, rows, True),
@@ -149,8 +159,8 @@ def bubble(width: int, rows: int, repeats: int, steps: int) -> list[tuple[Any, .
         )
         ratios = [a / b for a, b in zip(samples["no bubble"], samples["pipeline"], strict=True)]
         measured = 1 - statistics.median(ratios)
-        formula = (stages - 1) / (micro + stages - 1)
-        results.append((schedule, stages, micro, measured, formula))
+        formula = (stages - 1) / (virtual * micro + stages - 1)
+        results.append((schedule, stages, micro, virtual, measured, formula))
     return results
 
 
@@ -183,13 +193,19 @@ def step_times(width: int, rows: int, repeats: int, steps: int) -> dict[str, tup
         "Pipeline 4x2 (M=8)": PipelineStrategy(num_stages=4, num_microbatches=8),
         "1F1B 2x4 (M=4)": PipelineStrategy(num_stages=2, num_microbatches=4, schedule="1f1b"),
         "1F1B 4x2 (M=8)": PipelineStrategy(num_stages=4, num_microbatches=8, schedule="1f1b"),
+        "Circular 4x2 (M=8, R=2)": PipelineStrategy(
+            num_stages=4, num_microbatches=8, num_repeats=2
+        ),
+        "Interleaved 1F1B 4x2 (M=8, R=2)": PipelineStrategy(
+            num_stages=4, num_microbatches=8, schedule="1f1b", num_repeats=2
+        ),
         "FSDP 8": jstrategy.experimental.FSDPStrategy(),
         "Mirrored 8": jstrategy.MirroredStrategy(),
     }
     steps_by_name = {name: _train_step(s, width, rows)[0] for name, s in candidates.items()}
     samples = interleaved_samples(steps_by_name, steps=steps, repeats=repeats)
     out = {}
-    for name in list(candidates)[:4]:
+    for name in list(candidates)[:-2]:
         out[name] = (
             statistics.median(samples[name]),
             paired_ratio(samples[name], samples["FSDP 8"]),
@@ -358,18 +374,18 @@ def main(argv: list[str] | None = None) -> None:
 def _print_bubble(args: argparse.Namespace) -> None:
     print(
         "\n1. The bubble: measured 1 - T(M ticks) / T(all ticks) (median of paired rounds), "
-        "and (S-1)/(M+S-1)"
+        "and (S-1)/(R*M+S-1) (R: num_repeats, the virtual stages per stage)"
     )
     print(
-        f"{'schedule':>8} {'stages':>6} {'M':>4} {'measured':>9} {'(S-1)/(M+S-1)':>14} "
-        f"{'measured/formula':>17}"
+        f"{'schedule':>8} {'stages':>6} {'M':>4} {'R':>2} {'measured':>9} "
+        f"{'(S-1)/(R*M+S-1)':>16} {'measured/formula':>17}"
     )
-    for schedule, stages, micro, measured, formula in bubble(
+    for schedule, stages, micro, virtual, measured, formula in bubble(
         args.width, args.bubble_rows, args.repeats, args.bubble_steps
     ):
         print(
-            f"{schedule:>8} {stages:>6} {micro:>4} {measured:>9.3f} {formula:>14.3f} "
-            f"{measured / formula:>17.2f}"
+            f"{schedule:>8} {stages:>6} {micro:>4} {virtual:>2} {measured:>9.3f} "
+            f"{formula:>16.3f} {measured / formula:>17.2f}"
         )
 
 

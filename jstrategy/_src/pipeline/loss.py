@@ -41,6 +41,9 @@ import jax.numpy as jnp
 from jax.extend.core import Literal
 
 from jstrategy._src.names import path_names
+from jstrategy._src.pipeline.circular import interleaved_one_f_one_b
+from jstrategy._src.pipeline.circular import layer_layout
+from jstrategy._src.pipeline.circular import stage_layout
 from jstrategy._src.pipeline.repeated import Captured
 from jstrategy._src.pipeline.repeated import Split
 from jstrategy._src.pipeline.repeated import Tracing
@@ -137,7 +140,7 @@ def one_f_one_b_loss(
       them: `value`'s gradient with respect to `params` is the scaled loss sum's.
     """
     config = tracing.config
-    stages, micro = config.num_stages, config.num_microbatches
+    micro = config.num_microbatches
     frozen = jax.lax.stop_gradient(params)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(frozen)
     paths = [path_names(p) for p, _ in leaves]
@@ -212,17 +215,15 @@ def one_f_one_b_loss(
         value, (total, y_pred, _, _) = after(jax.tree.unflatten(treedef, vals), h, m)
         return value, (total, y_pred)
 
-    block_params = jax.tree.map(
-        lambda v: v.reshape(stages, v.shape[0] // stages, *v.shape[1:]),
-        [values[i] for i in stacked],
-    )
+    block_params = [stage_layout(values[i], config) for i in stacked]
 
     block_tree = jax.tree.structure(_subtree(frozen, prefix))
 
     def stage(p: list[Any], h: jax.Array) -> jax.Array:
         return block.stage(jax.tree.unflatten(block_tree, [cast(v) for v in p]), h)
 
-    value, (totals, y_preds), d_head, d_block, d_h0 = one_f_one_b(
+    schedule = one_f_one_b if config.num_repeats == 1 else interleaved_one_f_one_b
+    value, (totals, y_preds), d_head, d_block, d_h0 = schedule(
         stage, block_params, h0, head, [values[i] for i in live], config
     )
     (d_before,) = pull_before((d_h0, jnp.ones_like(pen_scaled)))
@@ -230,7 +231,7 @@ def one_f_one_b_loss(
     for i, g in zip(live, d_head, strict=True):
         grads[i] = grads[i] + g
     for i, g in zip(stacked, d_block, strict=True):
-        grads[i] = grads[i] + g.reshape(values[i].shape).astype(grads[i].dtype)
+        grads[i] = grads[i] + layer_layout(g, config).astype(grads[i].dtype)
     grads = [jax.lax.stop_gradient(g) for g in grads]
     # The derivative of sum(params * grads) is grads: the caller's autodiff reads them.
     linear = sum(

@@ -24,9 +24,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jstrategy._src.pipeline.circular import circular_gpipe
+from jstrategy._src.pipeline.circular import stage_layout
 from jstrategy._src.pipeline.schedules import STACKED_KEY
 from jstrategy._src.pipeline.schedules import PipelineConfig
 from jstrategy._src.pipeline.schedules import gpipe
+from jstrategy._src.pipeline.schedules import layers_error
 from jstrategy._src.validation import check_positive_int
 
 __all__ = ["Captured", "Repeated", "Split", "Tracing", "applying"]
@@ -191,11 +194,9 @@ class Repeated(nn.Module):
             stage = self._stage(template, args, kwargs)
             record.captured.append(Captured(tuple(self.scope.path), stage, x))
             return x
-        stages = config.num_stages
-        stage_params = jax.tree.map(
-            lambda v: v.reshape(stages, layers // stages, *v.shape[1:]), stacked
-        )
-        return gpipe(self._stage(template, args, kwargs), stage_params, x, config)
+        stage_params = jax.tree.map(lambda v: stage_layout(v, config), stacked)
+        run = gpipe if config.num_repeats == 1 else circular_gpipe
+        return run(self._stage(template, args, kwargs), stage_params, x, config)
 
     def _apply(self, template: nn.Module, params: Any, h: jax.Array, args, kwargs, rngs=None):
         out = template.apply({"params": params}, h, *args, rngs=rngs, **kwargs)
@@ -216,13 +217,9 @@ class Repeated(nn.Module):
 
     def _check_pipelined(self, x, args, kwargs, layers, config) -> None:
         """The refusals of a pipelined block, before it is traced as stages."""
-        stages, micro = config.num_stages, config.num_microbatches
-        if layers % stages:
-            raise ValueError(
-                f"Repeated(num_layers={layers}) cannot be split over num_stages={stages} "
-                f"pipeline stages: {layers} does not divide by {stages}. Make num_layers a "
-                "multiple of num_stages, or pick num_stages among its divisors."
-            )
+        micro = config.num_microbatches
+        if layers % (config.num_stages * config.num_repeats):
+            raise ValueError(layers_error(f"Repeated(num_layers={layers})", layers, config))
         if x.shape[0] % micro:
             raise ValueError(
                 f"num_microbatches={micro} must divide the rows each replica's pipeline "

@@ -47,6 +47,7 @@ __all__ = [
     "PipelineSchedule",
     "gpipe",
     "is_stacked",
+    "layers_error",
     "one_f_one_b",
 ]
 
@@ -95,12 +96,14 @@ class PipelineConfig:
       num_microbatches: how many microbatches each replica's rows are cut into.
       schedule: the `PipelineSchedule`.
       mesh: the strategy's mesh, with the axis `STAGE_AXIS`.
+      num_repeats: the virtual stages each stage holds (``circular.py``); 1 for none.
     """
 
     num_stages: int
     num_microbatches: int
     schedule: PipelineSchedule
     mesh: Mesh
+    num_repeats: int = 1
 
     @property
     def num_replicas(self) -> int:
@@ -134,6 +137,21 @@ class PipelineConfig:
                 "distributed dataset or Model.fit pad them (they pad to that multiple "
                 "and mask the padding), or pick another num_microbatches."
             )
+
+
+def layers_error(what: str, layers: int, config: PipelineConfig) -> str:
+    """The refusal of `what`, a repeated block's `layers` that `config`'s (virtual)
+    stages do not divide."""
+    stages, repeats = config.num_stages, config.num_repeats
+    parts = stages * repeats
+    over = f"num_stages={stages} pipeline stages"
+    if repeats > 1:
+        over += f" x num_repeats={repeats} virtual stages each"
+    return (
+        f"{what} cannot be split over {over}: {layers} does not divide by {parts}. Make "
+        f"Repeated's num_layers a multiple of {parts}, or pick num_stages"
+        f"{' and num_repeats' if repeats > 1 else ''} among its divisors."
+    )
 
 
 def is_stacked(path: tuple[str, ...]) -> bool:

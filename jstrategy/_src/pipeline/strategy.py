@@ -26,6 +26,7 @@ from jstrategy._src.pipeline.schedules import STAGE_AXIS
 from jstrategy._src.pipeline.schedules import PipelineConfig
 from jstrategy._src.pipeline.schedules import PipelineSchedule
 from jstrategy._src.pipeline.schedules import is_stacked
+from jstrategy._src.pipeline.schedules import layers_error
 from jstrategy._src.strategies.fsdp import DEFAULT_MIN_SHARD_SIZE
 from jstrategy._src.strategies.fsdp import shard_dim
 from jstrategy._src.strategies.sharded import ShardedStrategy
@@ -66,6 +67,14 @@ class PipelineStrategy(ShardedStrategy):
         microbatch's backward pass as soon as its forward pass ends: activation memory
         bounded by the stages, not the microbatches; one `Repeated` block per model,
         whose following layers treat rows independently).
+      num_repeats: the virtual stages each stage holds (1, the default: none). With
+        ``R > 1`` the block's layers are cut into ``R * num_stages`` chunks, chunk
+        ``r * S + s`` on stage ``s``, and each microbatch goes round the stages `R` times
+        (circular GPipe, or interleaved 1F1B): the bubble falls to
+        ``(S - 1) / (R * M + S - 1)``. `num_microbatches` must then be a multiple of
+        `num_stages`, and the layers of ``R * num_stages``. The variables stay in layer
+        order, split over the stages (checkpoints cross to every strategy); the step lays
+        them out per stage (``pipeline/circular.py``).
       shard_over_replicas: also split variables over the replicas (ZeRO-3, as FSDP).
       min_shard_size: with `shard_over_replicas`, the fewest elements a variable needs to
         be split over the replicas.
@@ -73,8 +82,9 @@ class PipelineStrategy(ShardedStrategy):
       communication_options: `jstrategy.experimental.CommunicationOptions` for the job.
 
     Raises:
-      ValueError: if `num_stages` or `num_microbatches` is not a positive int, the devices
-        do not divide by `num_stages`, or `schedule` names no schedule.
+      ValueError: if `num_stages`, `num_microbatches` or `num_repeats` is not a positive
+        int, the devices do not divide by `num_stages`, `schedule` names no schedule, or
+        with ``num_repeats > 1`` the microbatches are not a multiple of the stages.
 
     Example:
 
@@ -87,6 +97,12 @@ class PipelineStrategy(ShardedStrategy):
     >>> path = ("params", "Repeated_0", "stacked_layers", "Dense_0", "kernel")
     >>> strategy.variable_sharding(stacked, path).spec
     P('stage', None, None)
+    >>> PipelineStrategy = jstrategy.experimental.PipelineStrategy
+    >>> circular = PipelineStrategy(num_stages=4, num_microbatches=8, num_repeats=2)
+    >>> circular
+    PipelineStrategy(num_stages=4, num_replicas_in_sync=2, num_microbatches=8, schedule='gpipe', num_repeats=2)
+    >>> circular.variable_sharding(stacked, path).spec  # layer order, as without repeats
+    P('stage', None, None)
     """
 
     def __init__(
@@ -96,6 +112,7 @@ class PipelineStrategy(ShardedStrategy):
         num_stages: int,
         num_microbatches: int,
         schedule: PipelineSchedule | str = PipelineSchedule.GPIPE,
+        num_repeats: int = 1,
         shard_over_replicas: bool = False,
         min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
         cluster_resolver: ClusterResolver | None = None,
@@ -106,6 +123,16 @@ class PipelineStrategy(ShardedStrategy):
             num_microbatches, "num_microbatches", f"E.g. num_microbatches={2 * stages}."
         )
         schedule = PipelineSchedule.of(schedule)
+        repeats = check_positive_int(
+            num_repeats, "num_repeats", "E.g. num_repeats=2 (1: no virtual stages)."
+        )
+        if repeats > 1 and micro % stages:
+            raise ValueError(
+                f"With num_repeats={repeats}, `num_microbatches` must be a multiple of "
+                f"num_stages={stages} (the circular schedule sends the microbatches round "
+                f"the stages in groups of num_stages); got num_microbatches={micro}. Pass "
+                f"e.g. num_microbatches={stages * max(1, -(-micro // stages))}."
+            )
         check_bool(shard_over_replicas, "shard_over_replicas", error=TypeError)
         min_shard_size = (
             check_positive_int(min_shard_size, "min_shard_size") if min_shard_size else 0
@@ -123,7 +150,7 @@ class PipelineStrategy(ShardedStrategy):
         grid = np.asarray(resolved, dtype=object).reshape(stages, len(resolved) // stages)
         mesh = DeviceMesh(grid.shape, (STAGE_AXIS, REPLICA_AXIS), devices=grid)
         super().__init__(mesh, cross_device_ops=cross_device_ops, data_axis=REPLICA_AXIS)
-        self._config = PipelineConfig(stages, micro, schedule, self.mesh)
+        self._config = PipelineConfig(stages, micro, schedule, self.mesh, repeats)
         self._shard_over_replicas = shard_over_replicas
         self._min_shard_size = min_shard_size
 
@@ -150,6 +177,11 @@ class PipelineStrategy(ShardedStrategy):
         return self._config.num_microbatches
 
     @property
+    def num_repeats(self) -> int:
+        """The virtual stages each stage holds (1: none; see `num_repeats` above)."""
+        return self._config.num_repeats
+
+    @property
     def schedule(self) -> PipelineSchedule:
         """The pipeline schedule."""
         return self._config.schedule
@@ -161,21 +193,21 @@ class PipelineStrategy(ShardedStrategy):
         (or, with ``shard_over_replicas``, split over the replicas as by FSDP).
 
         Raises:
-          ValueError: if a stacked parameter's layers do not divide by `num_stages`.
+          ValueError: if a stacked parameter's layers do not divide by `num_stages` (times
+            `num_repeats`).
         """
         names = tuple(str(k) for k in path)
         shape = tuple(leaf.shape)
         spec: list[str | None] = [None] * len(shape)
         stacked = is_stacked(names) and len(shape) >= 1
-        if stacked and shape[0] % self.num_stages:
+        if stacked and shape[0] % (self.num_stages * self.num_repeats):
             is_parameter, candidates = flax_annotations.candidate_paths(names)
             if is_parameter:
-                raise ValueError(
+                what = (
                     f"The repeated block's variable {candidates[0]!r} stacks {shape[0]} "
-                    f"layers, which cannot be split over num_stages={self.num_stages} "
-                    "pipeline stages. Make Repeated's num_layers a multiple of num_stages, "
-                    "or pick num_stages among its divisors."
+                    "layers, which"
                 )
+                raise ValueError(layers_error(what, shape[0], self._config))
             stacked = False  # an optimizer leaf shaped otherwise: replicated
         if stacked:
             spec[0] = STAGE_AXIS
@@ -196,5 +228,6 @@ class PipelineStrategy(ShardedStrategy):
         return (
             f"PipelineStrategy(num_stages={self.num_stages}, num_replicas_in_sync="
             f"{self.num_replicas_in_sync}, num_microbatches={self.num_microbatches}, "
-            f"schedule={self.schedule.value!r})"
+            f"schedule={self.schedule.value!r}"
+            + (f", num_repeats={self.num_repeats})" if self.num_repeats > 1 else ")")
         )

@@ -1,0 +1,242 @@
+"""PipelineStrategy(num_repeats=R): circular GPipe and interleaved 1F1B.
+
+The schedules themselves against plain JAX (the virtual stages applied in order, and
+``jax.grad`` of them), then the train step and `Model.fit` against OneDeviceStrategy within
+1e-5, checkpoints crossing to every other strategy and back exactly, and the mistakes
+refused by name. The model is test_pipeline's (BatchNorm and dropout before a Repeated
+block of 8 layers, a head after it).
+"""
+
+import helpers
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from test_pipeline import FEATURES
+from test_pipeline import ROWS
+from test_pipeline import Net
+from test_pipeline import _data
+from test_pipeline import _fit
+from test_pipeline import _leaves
+from test_pipeline import _loss
+from test_pipeline import _max_difference
+from test_pipeline import _scale
+from test_pipeline import _state
+
+import jstrategy
+from jstrategy import training
+from jstrategy._src.input.placement import distribute_batch
+from jstrategy._src.pipeline import circular
+from jstrategy.experimental import PipelineStrategy
+
+SCHEDULES = ["gpipe", "1f1b"]
+# (stages, repeats, microbatches): two and four stages, two virtual stages each.
+SHAPES = [(2, 2, 4), (4, 2, 8)]
+
+
+def _circular(schedule, stages, repeats, micro):
+    return PipelineStrategy(
+        num_stages=stages, num_microbatches=micro, schedule=schedule, num_repeats=repeats
+    )
+
+
+# The schedules against plain JAX --------------------------------------------------------------
+def _layer(w, h):
+    return jnp.tanh(h @ w) + h
+
+
+def _stage(w, h):  # one virtual stage: its K layers in order
+    return jax.lax.scan(lambda h, wl: (_layer(wl, h), None), h, w)[0]
+
+
+@pytest.mark.parametrize(
+    ("stages", "repeats", "micro"),
+    [
+        (2, 3, 2),
+        pytest.param(2, 2, 4, marks=pytest.mark.slow),
+        pytest.param(4, 2, 8, marks=pytest.mark.slow),
+    ],
+)
+def test_the_schedules_apply_the_virtual_stages_in_layer_order(stages, repeats, micro):
+    strategy = _circular("gpipe", stages, repeats, micro)
+    config = strategy.pipeline
+    per = 2 if stages == 2 else 1  # layers per virtual stage
+    layers, width, rows = per * stages * repeats, 3, 2 * micro
+    w = jax.random.normal(jax.random.key(0), (layers, width, width)) / 2
+    x = jax.random.normal(jax.random.key(1), (rows, width))
+    target = jax.random.normal(jax.random.key(2), (rows, width))
+
+    def in_order(w, x):
+        return _stage(w, x)  # every layer, one after the other
+
+    def loss(out, t):
+        return jnp.sum((out - t) ** 2)
+
+    def piped(w, x):
+        return circular.circular_gpipe(_stage, circular.stage_layout(w, config), x, config)
+
+    np.testing.assert_allclose(jax.jit(piped)(w, x), in_order(w, x), atol=1e-6)
+    want_w, want_x = jax.grad(lambda w, x: loss(in_order(w, x), target), argnums=(0, 1))(w, x)
+    got_w, got_x = jax.jit(jax.grad(lambda w, x: loss(piped(w, x), target), argnums=(0, 1)))(w, x)
+    np.testing.assert_allclose(got_w, want_w, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_x, want_x, rtol=1e-5, atol=1e-5)
+
+    # Interleaved 1F1B: the loss of each microbatch at the last repeat, gradients by hand.
+    size = rows // micro
+
+    def head(p, h, m):
+        t = jax.lax.dynamic_slice_in_dim(target, m * size, size)
+        return loss(h * p, t), jnp.sum(h)
+
+    scale = jnp.asarray(1.5)
+
+    def run(w, x, p):
+        return circular.interleaved_one_f_one_b(
+            _stage, circular.stage_layout(w, config), x, head, p, config
+        )
+
+    value, aux, d_head, d_stages, d_x = jax.jit(run)(w, x, scale)
+    ref = lambda w, x, p: loss(in_order(w, x) * p, target)  # noqa: E731
+    want = jax.grad(ref, argnums=(0, 1, 2))(w, x, scale)
+    np.testing.assert_allclose(value, ref(w, x, scale), rtol=1e-5)
+    np.testing.assert_allclose(aux, jnp.sum(in_order(w, x).reshape(micro, -1), 1), rtol=1e-5)
+    np.testing.assert_allclose(
+        circular.layer_layout(d_stages, config), want[0], rtol=1e-5, atol=1e-5
+    )
+    np.testing.assert_allclose(d_x, want[1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(d_head, want[2], rtol=1e-5)
+
+
+# The train step and Model.fit against one device ----------------------------------------------
+STEPS = 3
+_ONE_DEVICE = {}
+
+
+def _one_device_steps():
+    if not _ONE_DEVICE:
+        one = jstrategy.OneDeviceStrategy("cpu:0")
+        _ONE_DEVICE["steps"] = helpers.train_steps(one, _state, _loss, *_data(STEPS))
+    return _ONE_DEVICE["steps"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("stages", "repeats", "micro"), SHAPES)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_the_train_step_follows_one_device(schedule, stages, repeats, micro):
+    x, y = _data(STEPS)
+    one, want_history = _one_device_steps()
+    strategy = _circular(schedule, stages, repeats, micro)
+    state, history = helpers.train_steps(strategy, _state, _loss, x, y)
+    got, want = _leaves(state), _leaves(one)
+    assert sorted(got) == sorted(want)
+    for path, value in got.items():
+        np.testing.assert_allclose(value, want[path], atol=1e-5, rtol=0, err_msg=str(path))
+    for m, e in zip(history, want_history, strict=True):
+        np.testing.assert_allclose(m["loss"], e["loss"], atol=1e-5)
+    # The stacked layers stay split over the stages in layer order: a checkpoint's layout.
+    kernel = state.params["Repeated_0"]["stacked_layers"]["Dense_0"]["kernel"]
+    assert kernel.sharding.spec[0] == "stage"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("stages", "repeats", "micro"), SHAPES)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_model_fit_follows_one_device(schedule, stages, repeats, micro):
+    expected, expected_history = _fit(jstrategy.OneDeviceStrategy("cpu:0"), epochs=1)
+    model, history = _fit(_circular(schedule, stages, repeats, micro), epochs=1)
+    x, y = helpers.classification_data(64, FEATURES)
+
+    def outcome(model, history):
+        return [
+            model.get_weights(),
+            [np.asarray(history["loss"])],
+            [np.asarray(model.evaluate(x, y, batch_size=ROWS, verbose=0))],
+            [model.predict(x, batch_size=ROWS, verbose=0)],
+        ]
+
+    got, want = outcome(model, history), outcome(expected, expected_history)
+    for g, w in zip(got, want, strict=True):
+        assert _max_difference(g, w) <= 1e-5 * max(1.0, _scale(w))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_each_stage_receives_its_virtual_stages_and_never_the_whole_variable(schedule):
+    strategy = _circular(schedule, 4, 2, 8)
+    x, y = _data(1)
+    with strategy.scope():
+        state = _state()
+        step = training.make_train_step(_loss)
+    hlo = step.lower(state, distribute_batch(strategy, (x[0], y[0]))).compile().as_text()
+    # The stacked variables (6 of them) reach their virtual stages, and their gradients
+    # come back, by rounds of collective-permutes of one chunk per stage: nothing gathers
+    # a whole variable (which would undo the split over the stages).
+    assert "all-gather" not in hlo
+    assert hlo.count("collective-permute") >= 2 * 6 * 2, hlo.count("collective-permute")
+
+
+# Checkpoints ----------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "other",
+    [
+        lambda: jstrategy.OneDeviceStrategy("cpu:0"),
+        lambda: jstrategy.MirroredStrategy(),
+        lambda: jstrategy.experimental.FSDPStrategy(min_shard_size=0),
+        lambda: PipelineStrategy(num_stages=4, num_microbatches=4, schedule="1f1b"),
+    ],
+    ids=["one_device", "mirrored", "fsdp", "pipeline"],
+)
+def test_circular_checkpoints_cross_to_every_strategy_and_back(tmp_path, other):
+    pipelined = _circular("1f1b", 2, 2, 4)
+    model, _ = _fit(pipelined, epochs=1)
+    with jstrategy.CheckpointManager(tmp_path / "circular", async_save=False) as manager:
+        assert manager.save(1, model.state)
+    saved = _leaves(model.state)
+    # Layer order: the stacked kernel's layer l is what one device applies l-th.
+    target_strategy = other()
+    target, _ = _fit(target_strategy, epochs=0)
+    with jstrategy.CheckpointManager(tmp_path / "circular") as manager:
+        restored = manager.restore(target=target.state, strategy=target_strategy)
+    got = _leaves(restored)
+    assert sorted(got) == sorted(saved)
+    for path, value in got.items():
+        np.testing.assert_array_equal(value, saved[path], err_msg=str(path))
+    # ... and back into another circular pipeline, which trains on from it as the model
+    # restored elsewhere does.
+    with jstrategy.CheckpointManager(tmp_path / "other", async_save=False) as manager:
+        assert manager.save(1, restored)
+    again_strategy = _circular("gpipe", 4, 2, 8)
+    again, _ = _fit(again_strategy, epochs=0)
+    with jstrategy.CheckpointManager(tmp_path / "other") as manager:
+        back = manager.restore(target=again.state, strategy=again_strategy)
+    for path, value in _leaves(back).items():
+        np.testing.assert_array_equal(value, saved[path], err_msg=str(path))
+
+
+# Mistakes, refused before any work ------------------------------------------------------------
+def test_bad_repeats_are_refused_by_name():
+    with pytest.raises(ValueError, match="`num_repeats` must be a positive int; got 0"):
+        PipelineStrategy(num_stages=2, num_microbatches=4, num_repeats=0)
+    with pytest.raises(ValueError, match="`num_repeats` must be a positive int; got 1.5"):
+        PipelineStrategy(num_stages=2, num_microbatches=4, num_repeats=1.5)
+    with pytest.raises(
+        ValueError,
+        match=r"With num_repeats=2, `num_microbatches` must be a multiple of num_stages=4 .*"
+        r"got num_microbatches=6. Pass e.g. num_microbatches=8",
+    ):
+        PipelineStrategy(num_stages=4, num_microbatches=6, num_repeats=2)
+    # num_repeats=1 is the non-circular pipeline, whatever the microbatches.
+    plain = PipelineStrategy(num_stages=4, num_microbatches=6)
+    assert plain.num_repeats == 1 and plain.pipeline.num_repeats == 1
+    strategy = PipelineStrategy(num_stages=4, num_microbatches=4, num_repeats=2)
+    with (
+        strategy.scope(),
+        pytest.raises(
+            ValueError,
+            match=r"stacks 4 layers, which cannot be split over num_stages=4 pipeline stages "
+            r"x num_repeats=2 virtual stages each: 4 does not divide by 8",
+        ),
+    ):
+        training.create_train_state(Net(layers=4), optax.adam(0.01), jnp.ones((1, FEATURES)), rng=0)
