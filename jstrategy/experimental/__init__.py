@@ -2,7 +2,8 @@
 
 `DeviceMesh`, `LayoutMap`, `ModelParallelStrategy` (Keras 3's `keras.distribution` names)
 and `FSDPStrategy` go beyond tf.distribute: variables split over the devices;
-`PipelineStrategy` splits a `Repeated` block's layers over pipeline stages.
+`PipelineStrategy` splits a `Repeated` block's layers (`NNXRepeated` for Flax NNX) over
+pipeline stages.
 """
 
 from jstrategy._src.checkpoint.preemption import PreemptionCheckpointHandler
@@ -13,6 +14,7 @@ from jstrategy._src.collective_util import CommunicationOptions
 from jstrategy._src.layout_map import LayoutMap
 from jstrategy._src.mesh import DeviceMesh
 from jstrategy._src.parameter_server.strategy import ParameterServerStrategy
+from jstrategy._src.pipeline.nnx_repeated import NNXRepeated
 from jstrategy._src.pipeline.repeated import Repeated
 from jstrategy._src.pipeline.schedules import PipelineSchedule
 from jstrategy._src.pipeline.strategy import PipelineStrategy
@@ -37,6 +39,7 @@ __all__ = [
     "LayoutMap",
     "ModelParallelStrategy",
     "MultiWorkerMirroredStrategy",
+    "NNXRepeated",
     "ParameterServerStrategy",
     "PipelineSchedule",
     "PipelineStrategy",
