@@ -257,6 +257,24 @@ def test_nnx_1f1b_refuses_layers_after_the_block_that_would_see_a_microbatch(aft
         _first_step(strategy, after=after)
 
 
+def test_nnx_1f1b_refuses_a_block_trained_in_part():
+    # 1F1B differentiates the block's stacked parameters as a whole (GPipe's schedule is
+    # differentiated by the step, which holds the untrained ones constant).
+    x, y = _data(1)
+    strategy = PipelineStrategy(num_stages=2, num_microbatches=2, schedule="1f1b")
+    with strategy.scope():
+        state = training.create_nnx_train_state(
+            Net(nnx.Rngs(0)),
+            optax.sgd(0.1),
+            wrt=nnx.All(nnx.Param, nnx.Not(nnx.PathContains("up"))),
+        )
+        step = training.make_train_step(_loss)
+    with pytest.raises(
+        ValueError, match=r"the train state trains only some of them \(its `wrt` filter\)"
+    ):
+        step(state, distribute_batch(strategy, (x[0], y[0])))
+
+
 def test_nnx_repeated_checks_its_arguments_and_block():
     with pytest.raises(ValueError, match="`num_layers` must be a positive int; got 0"):
         NNXRepeated(Block, num_layers=0, rngs=nnx.Rngs(0))

@@ -51,7 +51,9 @@ class NNXRepeated(nnx.Module):
     but parameters (dropout's random streams, BatchNorm's statistics) trains without a
     pipeline (``nnx.scan`` carries its streams and statistics layer by layer) and is
     refused by a pipelined step, whose microbatches would see other masks and batch
-    statistics than the whole batch.
+    statistics than the whole batch. Under ``schedule="1f1b"`` the block's parameters
+    train as a whole: a train state's ``wrt`` that trains part of them is refused there
+    (GPipe takes it).
 
     Args:
       block: a function of an ``nnx.Rngs`` that creates one layer, an ``nnx.Module``
