@@ -130,6 +130,37 @@ def count_compiles():
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
+def checkpoint_leaves(state):
+    """A state's leaves by path, on the host (PRNG keys, which have no NumPy form, left out)."""
+    from jstrategy._src.names import path_names
+
+    return {
+        path_names(k): np.asarray(v)
+        for k, v in jax.tree_util.tree_flatten_with_path(state)[0]
+        if not jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key)
+    }
+
+
+def restore_across(directory, state, targets):
+    """Saves `state` under `directory` and restores it as each ``(target state,
+    strategy)`` of `targets` in turn, each restored state saved again for the next.
+
+    Returns the restored states, each asserted equal to `state`, leaf by leaf."""
+    saved = checkpoint_leaves(state)
+    restored = []
+    for i, (target, strategy) in enumerate(targets):
+        with jstrategy.CheckpointManager(directory / str(i), async_save=False) as manager:
+            assert manager.save(1, state)
+        with jstrategy.CheckpointManager(directory / str(i)) as manager:
+            state = manager.restore(target=target, strategy=strategy)
+        got = checkpoint_leaves(state)
+        assert sorted(got) == sorted(saved)
+        for path, value in got.items():
+            np.testing.assert_array_equal(value, saved[path], err_msg=str(path))
+        restored.append(state)
+    return restored
+
+
 def train_steps(strategy, make_state, loss, x, y, metrics=("accuracy",)):
     """`make_train_step` over the batches ``(x[i], y[i])`` from `make_state()` in the
     strategy's scope: the final state and each step's metrics, on the host."""

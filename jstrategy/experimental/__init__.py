@@ -2,8 +2,9 @@
 
 `DeviceMesh`, `LayoutMap`, `ModelParallelStrategy` (Keras 3's `keras.distribution` names)
 and `FSDPStrategy` go beyond tf.distribute: variables split over the devices;
-`PipelineStrategy` splits a `Repeated` block's layers over pipeline stages;
-`dot_product_attention` is ring attention over a sharded strategy's ``"context"`` axis.
+`PipelineStrategy` splits a `Repeated` block's layers (`NNXRepeated` for Flax NNX) over
+pipeline stages; `dot_product_attention` is ring attention over a sharded strategy's
+``"context"`` axis.
 """
 
 from jstrategy._src.checkpoint.preemption import PreemptionCheckpointHandler
@@ -15,6 +16,7 @@ from jstrategy._src.context_parallel.attention import dot_product_attention
 from jstrategy._src.layout_map import LayoutMap
 from jstrategy._src.mesh import DeviceMesh
 from jstrategy._src.parameter_server.strategy import ParameterServerStrategy
+from jstrategy._src.pipeline.nnx_repeated import NNXRepeated
 from jstrategy._src.pipeline.repeated import Repeated
 from jstrategy._src.pipeline.schedules import PipelineSchedule
 from jstrategy._src.pipeline.strategy import PipelineStrategy
@@ -39,6 +41,7 @@ __all__ = [
     "LayoutMap",
     "ModelParallelStrategy",
     "MultiWorkerMirroredStrategy",
+    "NNXRepeated",
     "ParameterServerStrategy",
     "PipelineSchedule",
     "PipelineStrategy",

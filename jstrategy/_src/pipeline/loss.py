@@ -50,7 +50,7 @@ from jstrategy._src.pipeline.repeated import Tracing
 from jstrategy._src.pipeline.schedules import STACKED_KEY
 from jstrategy._src.pipeline.schedules import one_f_one_b
 
-__all__ = ["microbatch", "one_f_one_b_loss"]
+__all__ = ["after_block_refused", "microbatch", "one_f_one_b_loss"]
 
 
 def microbatch(tree: Any, rows: int, m: Any, size: int) -> Any:
@@ -98,17 +98,22 @@ def _refusing_after(record: Split) -> Any:
                 if not nn.merge_param("use_running_average", module.use_running_average, given):
                     what = "BatchNorm with batch statistics"
             if what is not None:
-                raise ValueError(
-                    f"schedule='1f1b' computes the layers after the repeated block one "
-                    f"microbatch at a time, and {type(module).__name__} "
-                    f"({'/'.join(module.scope.path)}) there applies {what}, which would "
-                    "see a microbatch instead of the batch (the trajectory would not be "
-                    "OneDeviceStrategy's). Move it before the repeated block, or use "
-                    "schedule='gpipe'."
-                )
+                layer = f"{type(module).__name__} ({'/'.join(module.scope.path)})"
+                raise after_block_refused(layer, what)
         return next_fun(*args, **kwargs)
 
     return intercept
+
+
+def after_block_refused(layer: str, what: str) -> ValueError:
+    """The error for a `layer` that applies `what` (dropout, batch statistics) after the
+    repeated block, where a 1F1B step runs it on one microbatch."""
+    return ValueError(
+        f"schedule='1f1b' computes the layers after the repeated block one microbatch at "
+        f"a time, and {layer} there applies {what}, which would see a microbatch instead "
+        "of the batch (the trajectory would not be OneDeviceStrategy's). Move it before "
+        "the repeated block, or use schedule='gpipe'."
+    )
 
 
 def one_f_one_b_loss(
@@ -155,7 +160,7 @@ def one_f_one_b_loss(
             raise ValueError(
                 f"schedule='1f1b' pipelines exactly one jstrategy.experimental.Repeated "
                 f"block; this model runs {len(found)} "
-                f"({[('/'.join(c.path) or 'the model') for c in found]}). Pass "
+                f"({[_where(c) for c in found]}). Pass "
                 "schedule='gpipe', which pipelines each block, or merge them into one."
             )
         pen = penalty(model_loss)
@@ -164,7 +169,7 @@ def one_f_one_b_loss(
     (h0, pen_scaled), pull_before, (model_state, pen) = jax.vjp(before, frozen, has_aux=True)
     block = found[0]
     rows, size = h0.shape[0], h0.shape[0] // micro
-    prefix = (*block.path, STACKED_KEY)
+    prefix = _stacked_prefix(block, paths)
     stacked = [i for i, p in enumerate(paths) if p[: len(prefix)] == prefix]
 
     def after(
@@ -241,6 +246,27 @@ def one_f_one_b_loss(
     value = jax.lax.stop_gradient(value + pen_scaled) + (linear - jax.lax.stop_gradient(linear))
     y_pred = jax.tree.map(lambda v: v.reshape(rows, *v.shape[2:]), y_preds)
     return value, (jnp.sum(totals) + pen, y_pred, model_state)
+
+
+def _where(block: Captured) -> str:
+    if block.path is None:
+        return "an NNXRepeated block"
+    return "/".join(block.path) or "the model"
+
+
+def _stacked_prefix(block: Captured, paths: list[tuple[str, ...]]) -> tuple[str, ...]:
+    """The path of `block`'s stacked parameters. An NNX block does not know its own
+    path (`Captured.path` None): then the model's one path ending at `STACKED_KEY`."""
+    if block.path is not None:
+        return (*block.path, STACKED_KEY)
+    prefixes = sorted({p[: p.index(STACKED_KEY) + 1] for p in paths if STACKED_KEY in p})
+    if len(prefixes) != 1:
+        raise ValueError(
+            "schedule='1f1b' pipelines exactly one repeated block, but this model holds "
+            f"{len(prefixes)} ({['/'.join(p) for p in prefixes]}) and runs one of them. "
+            "Pass schedule='gpipe', which pipelines each block, or merge them into one."
+        )
+    return prefixes[0]
 
 
 def _subtree(tree: Any, path: tuple[str, ...]) -> Any:

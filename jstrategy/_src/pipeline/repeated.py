@@ -32,7 +32,18 @@ from jstrategy._src.pipeline.schedules import gpipe
 from jstrategy._src.pipeline.schedules import layers_error
 from jstrategy._src.validation import check_positive_int
 
-__all__ = ["Captured", "Repeated", "Split", "Tracing", "applying"]
+__all__ = [
+    "Captured",
+    "Repeated",
+    "Split",
+    "Tracing",
+    "after_block",
+    "applying",
+    "check_output",
+    "check_pipelined",
+    "current",
+    "dropout_refused",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,13 +52,14 @@ class Captured:
 
     Attributes:
       path: the block's module path; its stacked variables are the parameters at
-        ``path + (STACKED_KEY,)``.
+        ``path + (STACKED_KEY,)``. None for an `NNXRepeated` block, which does not know
+        its path: the step finds it from the model's one stacked block.
       stage: ``(one stage's stacked variables, microbatch) -> microbatch``: the block's
         layers of one stage, in order.
       inputs: what the block was given (the first stage's input rows).
     """
 
-    path: tuple[str, ...]
+    path: tuple[str, ...] | None
     stage: Callable[[Any, jax.Array], jax.Array]
     inputs: jax.Array
 
@@ -111,6 +123,55 @@ def applying(config: PipelineConfig | None, params: Any, rows: int) -> Iterator[
         yield tracing
     finally:
         _CURRENT.reset(token)
+
+
+def current() -> Tracing | None:
+    """The `Tracing` in effect (`applying`'s), or None outside a pipelined train step."""
+    return _CURRENT.get()
+
+
+def after_block() -> bool:
+    """Whether a 1F1B step is now tracing the layers after a repeated block (the block
+    has returned a microbatch's output): layers there see one microbatch."""
+    tracing = _CURRENT.get()
+    return tracing is not None and tracing.split is not None and tracing.split.returned
+
+
+def check_pipelined(
+    owner: str, x: jax.Array, args: Any, kwargs: Any, layers: int, config: PipelineConfig
+) -> None:
+    """The refusals of a pipelined block (`owner`: the repeating module's name), before it
+    is traced as stages."""
+    stages, micro = config.num_stages, config.num_microbatches
+    if layers % (stages * config.num_repeats):
+        raise ValueError(layers_error(f"{owner}(num_layers={layers})", layers, config))
+    if x.shape[0] % micro:
+        raise ValueError(
+            f"num_microbatches={micro} must divide the rows each replica's pipeline "
+            f"receives, but it receives {x.shape[0]} (the global batch divided by the "
+            "replicas). Pick a batch size that is a multiple of num_microbatches x "
+            "num_replicas_in_sync, or another num_microbatches."
+        )
+    arrays = [a for a in jax.tree.leaves((args, kwargs)) if isinstance(a, jax.Array)]
+    if arrays:
+        raise ValueError(
+            f"Under PipelineStrategy, {owner} passes its block only its input "
+            "microbatch: the other arguments must not be arrays (got arrays of shapes "
+            f"{[a.shape for a in arrays]}). Fold them into the input, or pass static "
+            "values (flags such as deterministic=)."
+        )
+
+
+def dropout_refused(owner: str, name: str) -> ValueError:
+    """The error for a pipelined block (class `name`, repeated by `owner`) that draws
+    random numbers in training."""
+    return ValueError(
+        f"The block repeated by {owner} ({name}) draws random numbers "
+        "(dropout) in training, which PipelineStrategy refuses: each "
+        "microbatch would get other masks than the whole batch gets, so the "
+        "trajectory would not be OneDeviceStrategy's. Keep dropout outside "
+        "the repeated block, or make it deterministic there."
+    )
 
 
 class Repeated(nn.Module):
@@ -185,10 +246,10 @@ class Repeated(nn.Module):
         record, config = tracing.split, tracing.config
         if record is not None and record.output is not None:
             # The layers after the block, on one microbatch: the last stage's output.
-            _check_output(type(self.block).__name__, x, record.output)
+            check_output(type(self.block).__name__, x, record.output)
             record.returned = True
             return record.output
-        self._check_pipelined(x, args, kwargs, layers, config)
+        check_pipelined("Repeated", x, args, kwargs, layers, config)
         if record is not None:  # the layers before the block: record it, return its input
             assert self.scope is not None  # bound: it is being applied
             stage = self._stage(template, args, kwargs)
@@ -200,7 +261,7 @@ class Repeated(nn.Module):
 
     def _apply(self, template: nn.Module, params: Any, h: jax.Array, args, kwargs, rngs=None):
         out = template.apply({"params": params}, h, *args, rngs=rngs, **kwargs)
-        _check_output(type(self.block).__name__, h, out)
+        check_output(type(self.block).__name__, h, out)
         return out
 
     def _in_order(self, template, stacked, x, args, kwargs, layers):
@@ -215,27 +276,6 @@ class Repeated(nn.Module):
         out, _ = jax.lax.scan(layer, x, (stacked, jnp.arange(layers)))
         return out
 
-    def _check_pipelined(self, x, args, kwargs, layers, config) -> None:
-        """The refusals of a pipelined block, before it is traced as stages."""
-        micro = config.num_microbatches
-        if layers % (config.num_stages * config.num_repeats):
-            raise ValueError(layers_error(f"Repeated(num_layers={layers})", layers, config))
-        if x.shape[0] % micro:
-            raise ValueError(
-                f"num_microbatches={micro} must divide the rows each replica's pipeline "
-                f"receives, but it receives {x.shape[0]} (the global batch divided by the "
-                "replicas). Pick a batch size that is a multiple of num_microbatches x "
-                "num_replicas_in_sync, or another num_microbatches."
-            )
-        arrays = [a for a in jax.tree.leaves((args, kwargs)) if isinstance(a, jax.Array)]
-        if arrays:
-            raise ValueError(
-                "Under PipelineStrategy, Repeated passes its block only its input "
-                "microbatch: the other arguments must not be arrays (got arrays of shapes "
-                f"{[a.shape for a in arrays]}). Fold them into the input, or pass static "
-                "values (flags such as deterministic=)."
-            )
-
     def _stage(self, template, args, kwargs):
         """``(one stage's stacked params, microbatch) -> microbatch``: its layers in order.
 
@@ -248,14 +288,8 @@ class Repeated(nn.Module):
                 try:
                     out = template.apply({"params": p}, h, *args, **kwargs)
                 except flax.errors.InvalidRngError as e:
-                    raise ValueError(
-                        f"The block repeated by Repeated ({name}) draws random numbers "
-                        "(dropout) in training, which PipelineStrategy refuses: each "
-                        "microbatch would get other masks than the whole batch gets, so the "
-                        "trajectory would not be OneDeviceStrategy's. Keep dropout outside "
-                        "the repeated block, or make it deterministic there."
-                    ) from e
-                _check_output(name, h, out)
+                    raise dropout_refused("Repeated", name) from e
+                check_output(name, h, out)
                 return out, None
 
             return jax.lax.scan(layer, h, params)[0]
@@ -263,11 +297,14 @@ class Repeated(nn.Module):
         return stage
 
 
-def _check_output(name: str, h: jax.Array, out: Any) -> None:
+def check_output(name: str, h: jax.Array, out: Any, owner: str = "Repeated") -> None:
+    """Refuses a repeated block's output `out` unless shaped and typed as its input `h`.
+
+    `name` is the block's class name, `owner` the repeating module's."""
     if not isinstance(out, jax.Array) or out.shape != h.shape or out.dtype != h.dtype:
         got = f"{out.shape} {out.dtype}" if isinstance(out, jax.Array) else type(out).__name__
         raise ValueError(
-            f"The block repeated by Repeated ({name}) must return an array of its input's "
+            f"The block repeated by {owner} ({name}) must return an array of its input's "
             f"shape and dtype, {h.shape} {h.dtype}; it returned {got}. Repeat only the part "
             "of the model whose output feeds the next layer."
         )

@@ -54,6 +54,8 @@ from jstrategy._src import batch_region
 from jstrategy._src.batch_region import Region
 from jstrategy._src.batch_region import global_rows_bernoulli
 from jstrategy._src.numerics import row_count
+from jstrategy._src.pipeline import repeated
+from jstrategy._src.pipeline.loss import after_block_refused
 
 __all__ = [
     "BatchNormSync",
@@ -203,6 +205,8 @@ class _GlobalRowsDropout(nnx.Dropout):
     ) -> jax.Array:
         region = batch_region.current()
         deterministic = deterministic if deterministic is not None else self.deterministic
+        if not deterministic and self.rate > 0 and repeated.after_block():
+            raise after_block_refused("an nnx.Dropout", "dropout")
         if region is None or deterministic is None or self.rate in (0.0, 1.0) or deterministic:
             return super().__call__(inputs, deterministic=deterministic, rngs=rngs)
         # nnx.Dropout.__call__'s choice of key, then the mask of the global rows.

@@ -255,7 +255,11 @@ def _fold_keys(model_state: nnx.State) -> nnx.State:
     # one-replica trajectories as they always were.)
     def fold(v: Any) -> Any:
         if isinstance(v, nnx.RngKey):
-            return v.replace(value=jax.random.fold_in(v[...], 0))
+            key = v[...]
+            fold_in = lambda k: jax.random.fold_in(k, 0)  # noqa: E731
+            for _ in range(jnp.ndim(key)):  # stacked layers' keys (NNXRepeated): each one
+                fold_in = jax.vmap(fold_in)
+            return v.replace(value=fold_in(key))
         return v
 
     return jax.tree.map(fold, model_state, is_leaf=_is_variable)
