@@ -114,11 +114,21 @@ def _oracle(x, y):
     return _ORACLES["one_device"]
 
 
-@pytest.mark.parametrize("schedule", [pytest.param("gpipe", marks=pytest.mark.slow), "1f1b"])
-def test_nnx_pipelined_train_steps_match_one_device(schedule):
+@pytest.mark.parametrize(
+    ("schedule", "repeats"),
+    [
+        pytest.param("gpipe", 1, marks=pytest.mark.slow),
+        ("1f1b", 1),
+        pytest.param("gpipe", 2, marks=pytest.mark.slow),  # circular
+        pytest.param("1f1b", 2, marks=pytest.mark.slow),  # interleaved
+    ],
+)
+def test_nnx_pipelined_train_steps_match_one_device(schedule, repeats):
     x, y = _data(3)
     want, want_history = _oracle(x, y)
-    strategy = PipelineStrategy(num_stages=2, num_microbatches=2, schedule=schedule)
+    strategy = PipelineStrategy(
+        num_stages=2, num_microbatches=2, schedule=schedule, num_repeats=repeats
+    )
     got, history = helpers.train_steps(strategy, _state, _loss, x, y)
     _assert_stages_hold_their_layers(got, strategy)
     _assert_close(_floats(got.variables), _floats(want.variables))

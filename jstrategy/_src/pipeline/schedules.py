@@ -123,9 +123,10 @@ class PipelineConfig:
             raise ValueError(
                 "PipelineStrategy splits a model's repeated block over its stages, but "
                 "this model has none: no variable is stacked by "
-                "jstrategy.experimental.Repeated. Write the repeated layers as "
-                "Repeated(block, num_layers=...), or train this model with FSDPStrategy "
-                "or MirroredStrategy."
+                "jstrategy.experimental.Repeated (NNX: NNXRepeated). Write the repeated "
+                "layers as Repeated(block, num_layers=...) (NNX: NNXRepeated(block, "
+                "num_layers=..., rngs=...)), or train this model with FSDPStrategy or "
+                "MirroredStrategy."
             )
         if rows % self.num_microbatches:
             replicas = self.num_replicas

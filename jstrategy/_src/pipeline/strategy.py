@@ -44,7 +44,8 @@ __all__ = ["PipelineStrategy"]
 class PipelineStrategy(ShardedStrategy):
     """Pipeline parallelism over a ``"stage"`` axis, data parallelism over ``"replica"``.
 
-    The model marks its repeated block with `jstrategy.experimental.Repeated`, whose
+    The model marks its repeated block with `jstrategy.experimental.Repeated` (NNX:
+    `jstrategy.experimental.NNXRepeated`), whose
     layers' variables are stacked: those variables (and their optimizer moments) are split
     over the `num_stages` stages along the layers dimension; every other variable is
     replicated, or with ``shard_over_replicas=True`` split over the replicas as by
