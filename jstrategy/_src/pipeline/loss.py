@@ -97,9 +97,9 @@ class ReplicaSlices:
         leaves = jax.tree_util.tree_flatten_with_path(params)[0]
         dims: list[int | None] = []
         for (path, leaf), spec in zip(leaves, specs, strict=True):
-            found = [d for d, entry in enumerate(spec) if entry == axis]
-            ok = found and found[0] >= 1 and leaf.shape[found[0]] % replicas == 0
-            dims.append(found[0] if ok and is_stacked(path_names(path)) else None)
+            d = next((d for d, entry in enumerate(spec) if entry == axis), None)
+            split = d is not None and d >= 1 and leaf.shape[d] % replicas == 0
+            dims.append(d if split and is_stacked(path_names(path)) else None)
         if replicas == 1 or all(d is None for d in dims):
             return None
         return cls(axis, replicas, tuple(dims))

@@ -527,10 +527,11 @@ def _replica_mean(x: Any, axis: str, n: int) -> Any:
 
 
 def _replica_slices(spec: StepSpec, params: Any) -> ReplicaSlices | None:
-    """Under a 1F1B pipeline whose repeated block has leaves split over the data axis (by
-    the strategy's `variable_sharding`), which: the schedule reduce-scatters their weight
-    gradients layer by layer, as GPipe's transposed loop does, rather than summing them in
-    full on each replica until the step's reduction. None otherwise."""
+    """Under a 1F1B pipeline, the repeated block's leaves the strategy's `variable_sharding`
+    splits over the data axis: each replica gets its slices of them, so that their weight
+    gradients are reduced over the replicas layer by layer, as GPipe's transposed loop
+    reduces them, not summed in full on each replica until the step's reduction. None
+    without such leaves."""
     pipeline = spec.pipeline
     if pipeline is None or pipeline.schedule is not PipelineSchedule.ONE_F_ONE_B:
         return None
@@ -577,7 +578,7 @@ def global_gradients(
 
     # A model's constraints naming the data axis on its batch (``P("data", "model")``, as
     # written for a global jit) mean the replicas' axis here: taken out, the map adds it back.
-    flags = (False, False, True, True)
+    flags = (False, True, True, True)  # the slices are mapped, as the batch is
     one_replica = replica_constraints.drop_data_axis(one_replica, axis, flags)
     replicas = jax.vmap(one_replica, in_axes=(None, 0, 0, 0), axis_name=axis, spmd_axis_name=axis)
 
