@@ -34,6 +34,10 @@ Three measurements on 8 fake CPU devices, side by side in one process:
    ``NamedSharding`` on the stacked layers, no jstrategy), timed interleaved with
    jstrategy's GPipe and 1F1B steps, and each compiled step's peak, at a batch whose
    activations outweigh the state (2 stages x 4 replicas, M = 8, ``--peer-rows``).
+5. **Variables split over the replicas too.** Both schedules' compiled peaks with
+   ``shard_over_replicas=True`` (2 stages x 4 replicas, M = 8) at ``--rows``, where the
+   state outweighs the activations, and at ``--peer-rows``: 1F1B's weight gradients are
+   reduced over the replicas layer by layer, as GPipe's transposed loop reduces them.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/pipeline.py
 """
@@ -339,6 +343,19 @@ def against_handwritten(width: int, rows: int, repeats: int, steps: int) -> dict
     return {"peaks": results, "times": times}
 
 
+# 5. Variables split over the replicas too ----------------------------------------------
+def split_peaks(width: int, rows: int) -> dict[str, float]:
+    """Each schedule's compiled peak (MiB per device) with ``shard_over_replicas=True``."""
+    peaks = {}
+    for schedule in SCHEDULES:
+        strategy = PipelineStrategy(
+            num_stages=2, num_microbatches=8, schedule=schedule, shard_over_replicas=True
+        )
+        _, step, state, batch = _train_step(strategy, width, rows)
+        peaks[schedule] = _peak(step.lower(state, batch).compile()) / 2**20
+    return peaks
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=256)
@@ -349,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--peer-rows", type=int, default=4096, help="global batch against the hand-written step"
     )
-    parser.add_argument("--parts", default="1234", help="which measurements, e.g. 13")
+    parser.add_argument("--parts", default="12345", help="which measurements, e.g. 13")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument(
@@ -369,6 +386,8 @@ def main(argv: list[str] | None = None) -> None:
         _print_peaks(args)
     if "4" in args.parts:
         _print_handwritten(args)
+    if "5" in args.parts:
+        _print_split(args)
 
 
 def _print_bubble(args: argparse.Namespace) -> None:
@@ -429,6 +448,19 @@ def _print_handwritten(args: argparse.Namespace) -> None:
         print(
             f"{name:<20} {seconds * 1e3:8.2f} ms  x{ratio[0]:.3f} [{ratio[1]:.3f}, "
             f"{ratio[2]:.3f}]   peak {peak / 2**20:7.2f} MiB  x{peak / base:.3f}"
+        )
+
+
+def _print_split(args: argparse.Namespace) -> None:
+    print(
+        "\n5. With shard_over_replicas=True (2 stages x 4 replicas, M = 8): compiled peak "
+        "per device"
+    )
+    for rows in (args.rows, args.peer_rows):
+        peaks = split_peaks(args.width, rows)
+        print(
+            f"batch {rows:>5}: gpipe {peaks['gpipe']:7.2f} MiB   1f1b {peaks['1f1b']:7.2f} MiB"
+            f"  (x{peaks['1f1b'] / peaks['gpipe']:.2f})"
         )
 
 

@@ -32,7 +32,9 @@ does not, and would see a microbatch: keep such layers before the block, or use 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -48,9 +50,10 @@ from jstrategy._src.pipeline.repeated import Captured
 from jstrategy._src.pipeline.repeated import Split
 from jstrategy._src.pipeline.repeated import Tracing
 from jstrategy._src.pipeline.schedules import STACKED_KEY
+from jstrategy._src.pipeline.schedules import is_stacked
 from jstrategy._src.pipeline.schedules import one_f_one_b
 
-__all__ = ["after_block_refused", "microbatch", "one_f_one_b_loss"]
+__all__ = ["ReplicaSlices", "after_block_refused", "microbatch", "one_f_one_b_loss"]
 
 
 def microbatch(tree: Any, rows: int, m: Any, size: int) -> Any:
@@ -62,6 +65,64 @@ def microbatch(tree: Any, rows: int, m: Any, size: int) -> Any:
         return jax.lax.dynamic_slice_in_dim(v, m * size, size, axis=0)
 
     return jax.tree.map(take, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaSlices:
+    """The stacked parameters a sharded step splits over its replicas, and along which
+    dimension, as a 1F1B step in the global view hands them to each replica.
+
+    There the replicas are a ``vmap`` differentiated from outside: a parameter's gradient
+    is the sum of the replicas', so a schedule that summed each replica's weight gradients
+    over the ticks would hold its stage's in full until the step's reduction. Each replica
+    is instead given its slice of each split leaf (`of`: a reshape, no data moved) and
+    gathers a layer's where it reads it (`gather`); the transposed gather reduce-scatters
+    that layer's gradient over the replicas as it is produced, as GPipe's transposed loop
+    does, and the slice's gradient leaves the map already reduced.
+
+    Attributes:
+      axis: the replicas' axis name (the map's).
+      replicas: how many replicas.
+      dims: per parameter leaf (``jax.tree.leaves`` order), the dimension split over the
+        replicas, or None (a leaf not stacked or not split: its gradient as before).
+    """
+
+    axis: str
+    replicas: int
+    dims: tuple[int | None, ...]
+
+    @classmethod
+    def find(
+        cls, params: Any, specs: Sequence[Any], axis: str, replicas: int
+    ) -> ReplicaSlices | None:
+        """The stacked leaves of `params` whose `specs` (their layouts' partition specs)
+        split a dimension other than the layers over `axis` alone; None when none does."""
+        leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+        dims: list[int | None] = []
+        for (path, leaf), spec in zip(leaves, specs, strict=True):
+            d = next((d for d, entry in enumerate(spec) if entry == axis), None)
+            split = d is not None and d >= 1 and leaf.shape[d] % replicas == 0
+            dims.append(d if split and is_stacked(path_names(path)) else None)
+        if replicas == 1 or all(d is None for d in dims):
+            return None
+        return cls(axis, replicas, tuple(dims))
+
+    def of(self, params: Any) -> list[jax.Array | None]:
+        """Outside the replicas' map: each split leaf ``(..., D, ...)`` as ``(replicas,
+        ..., D / replicas, ...)``, replica ``r``'s slice at ``r`` (None for the others)."""
+        out: list[jax.Array | None] = []
+        for v, d in zip(jax.tree.leaves(params), self.dims, strict=True):
+            if d is None:
+                out.append(None)
+                continue
+            shape = (*v.shape[:d], self.replicas, v.shape[d] // self.replicas, *v.shape[d + 1 :])
+            out.append(jnp.moveaxis(v.reshape(shape), d, 0))
+        return out
+
+    def gather(self, layer: jax.Array, dim: int) -> jax.Array:
+        """Inside the map: one layer of a split leaf (its dimension `dim` of the stacked
+        leaf, the layers taken off) whole, from every replica's slice."""
+        return jax.lax.all_gather(layer, self.axis, axis=dim - 1, tiled=True)
 
 
 def _sources(fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[list[frozenset[int]], Any]:
@@ -126,6 +187,7 @@ def one_f_one_b_loss(
     loss_sum: Callable[[Any, Any], jax.Array],
     penalty: Callable[[Any], jax.Array],
     scaled: Callable[[jax.Array], jax.Array],
+    slices: tuple[ReplicaSlices, list[Any]] | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, Any, Any]]:
     """One replica's differentiated loss under a 1F1B pipeline (the module docstring).
 
@@ -139,6 +201,10 @@ def one_f_one_b_loss(
       loss_sum: ``(microbatch m's y_pred, m) -> its loss sum``.
       penalty: the model's own losses -> what they add to the loss sum.
       scaled: a loss sum -> what is differentiated (loss scaling).
+      slices: in the global view, the `ReplicaSlices` and this replica's slices (their
+        `of`, mapped; differentiated by the caller too): the gradients of those leaves
+        come back through the slices, reduced over the replicas, and those through
+        `params` are zero.
 
     Returns:
       ``(value, (loss sum, y_pred, model_state))`` as the step's ``local_loss`` returns
@@ -171,6 +237,13 @@ def one_f_one_b_loss(
     rows, size = h0.shape[0], h0.shape[0] // micro
     prefix = _stacked_prefix(block, paths)
     stacked = [i for i, p in enumerate(paths) if p[: len(prefix)] == prefix]
+    split, mine = (None, []) if slices is None else slices
+    dims = [None if split is None else split.dims[i] for i in stacked]
+    # A split leaf's slice: the schedule differentiates the stage with respect to it.
+    block_values = [
+        values[i] if d is None else jax.lax.stop_gradient(mine[i])
+        for i, d in zip(stacked, dims, strict=True)
+    ]
 
     def after(
         p: Any, h: jax.Array, m: Any, inputs: Any = None
@@ -220,12 +293,29 @@ def one_f_one_b_loss(
         value, (total, y_pred, _, _) = after(jax.tree.unflatten(treedef, vals), h, m)
         return value, (total, y_pred)
 
-    block_params = [stage_layout(values[i], config) for i in stacked]
+    block_params = [stage_layout(v, config) for v in block_values]
 
     block_tree = jax.tree.structure(_subtree(frozen, prefix))
 
     def stage(p: list[Any], h: jax.Array) -> jax.Array:
-        return block.stage(jax.tree.unflatten(block_tree, [cast(v) for v in p]), h)
+        if split is None:
+            return block.stage(jax.tree.unflatten(block_tree, [cast(v) for v in p]), h)
+        return block.stage(jax.tree.unflatten(block_tree, p), h, wrap=gathering)
+
+    def gathering(layer: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        # Each split leaf's layer gathered from the replicas' slices where it is read, so
+        # its gradient is reduce-scattered there, layer by layer. Recomputed in the
+        # backward pass, not kept per layer (the layer's dots are): the stage's gathered
+        # layers would outweigh its slices.
+        def gathered(h: jax.Array, p: Any) -> Any:
+            assert split is not None
+            leaves = [
+                v if d is None else split.gather(v, d)
+                for v, d in zip(jax.tree.leaves(p), dims, strict=True)
+            ]
+            return layer(h, jax.tree.unflatten(block_tree, [cast(v) for v in leaves]))
+
+        return jax.checkpoint(gathered, policy=jax.checkpoint_policies.dots_saveable)
 
     schedule = one_f_one_b if config.num_repeats == 1 else interleaved_one_f_one_b
     value, (totals, y_preds), d_head, d_block, d_h0 = schedule(
@@ -235,13 +325,17 @@ def one_f_one_b_loss(
     grads = jax.tree.leaves(d_before)
     for i, g in zip(live, d_head, strict=True):
         grads[i] = grads[i] + g
-    for i, g in zip(stacked, d_block, strict=True):
-        grads[i] = grads[i] + layer_layout(g, config).astype(grads[i].dtype)
-    grads = [jax.lax.stop_gradient(g) for g in grads]
+    pairs = list(zip(jax.tree.leaves(params), grads, strict=True))
+    for i, g, d in zip(stacked, d_block, dims, strict=True):
+        g = layer_layout(g, config)  # the stages' layout back to layer order
+        if d is None:
+            pairs[i] = (pairs[i][0], grads[i] + g.reshape(values[i].shape).astype(grads[i].dtype))
+        else:  # summed over the replicas already: through the slice, not the parameter
+            pairs.append((mine[i], g.reshape(mine[i].shape).astype(grads[i].dtype)))
     # The derivative of sum(params * grads) is grads: the caller's autodiff reads them.
     linear = sum(
-        jnp.sum(p.astype(jnp.float32) * g.astype(jnp.float32))
-        for p, g in zip(jax.tree.leaves(params), grads, strict=True)
+        jnp.sum(p.astype(jnp.float32) * jax.lax.stop_gradient(g).astype(jnp.float32))
+        for p, g in pairs
     )
     value = jax.lax.stop_gradient(value + pen_scaled) + (linear - jax.lax.stop_gradient(linear))
     y_pred = jax.tree.map(lambda v: v.reshape(rows, *v.shape[2:]), y_preds)

@@ -55,12 +55,12 @@ class Captured:
         ``path + (STACKED_KEY,)``. None for an `NNXRepeated` block, which does not know
         its path: the step finds it from the model's one stacked block.
       stage: ``(one stage's stacked variables, microbatch) -> microbatch``: the block's
-        layers of one stage, in order.
+        layers of one stage, in order (see `Repeated._stage` for its keyword).
       inputs: what the block was given (the first stage's input rows).
     """
 
     path: tuple[str, ...] | None
-    stage: Callable[[Any, jax.Array], jax.Array]
+    stage: Callable[..., jax.Array]
     inputs: jax.Array
 
 
@@ -280,10 +280,14 @@ class Repeated(nn.Module):
         """``(one stage's stacked params, microbatch) -> microbatch``: its layers in order.
 
         A pure function of its arguments (the block's fields and static call arguments
-        only), so a 1F1B step may trace it outside the model's ``apply``."""
+        only), so a 1F1B step may trace it outside the model's ``apply``. Its keyword
+        `wrap` maps the loop's body, ``(h, one layer's params) -> (h, None)``: a 1F1B step
+        gathers there each layer split over the replicas where it is read."""
         name = type(self.block).__name__
 
-        def stage(params: Any, h: jax.Array) -> jax.Array:
+        def stage(
+            params: Any, h: jax.Array, *, wrap: Callable[[Any], Any] | None = None
+        ) -> jax.Array:
             def layer(h: jax.Array, p: Any) -> tuple[jax.Array, None]:
                 try:
                     out = template.apply({"params": p}, h, *args, **kwargs)
@@ -292,7 +296,7 @@ class Repeated(nn.Module):
                 check_output(name, h, out)
                 return out, None
 
-            return jax.lax.scan(layer, h, params)[0]
+            return jax.lax.scan(layer if wrap is None else wrap(layer), h, params)[0]
 
         return stage
 

@@ -43,11 +43,13 @@ from jstrategy._src.numerics import per_example
 from jstrategy._src.numerics import row_count
 from jstrategy._src.numerics import weight_key
 from jstrategy._src.pipeline import repeated
+from jstrategy._src.pipeline.loss import ReplicaSlices
 from jstrategy._src.pipeline.loss import microbatch
 from jstrategy._src.pipeline.loss import one_f_one_b_loss
 from jstrategy._src.pipeline.schedules import PipelineSchedule
 from jstrategy._src.placement import abstract
 from jstrategy._src.placement import create_placed
+from jstrategy._src.placement import variable_shardings
 from jstrategy._src.precision import policy as mp
 from jstrategy._src.precision.loss_scale import all_finite
 from jstrategy._src.precision.loss_scale import select_if_finite
@@ -346,7 +348,12 @@ def _sums(
 
 
 def _replica_loss(
-    spec: StepSpec, rest: TrainStateProtocol, batch: Any, mask: jax.Array, scale: Any
+    spec: StepSpec,
+    rest: TrainStateProtocol,
+    batch: Any,
+    mask: jax.Array,
+    scale: Any,
+    slices: tuple[ReplicaSlices, list[Any]] | None = None,
 ) -> tuple[Callable[[Any], tuple[jax.Array, tuple[Any, Any, Any]]], Any, jax.Array]:
     """One replica's differentiated function, its labels and its float row mask.
 
@@ -356,7 +363,9 @@ def _replica_loss(
     The forward pass is traced inside the step's remat policy and its pipeline
     (`StepSpec.remat`, `StepSpec.pipeline`); under a 1F1B pipeline the same pieces
     (forward pass, per-microbatch loss sums, scaling) are run by
-    `pipeline.loss.one_f_one_b_loss`, which computes the gradients itself.
+    `pipeline.loss.one_f_one_b_loss`, which computes the gradients itself (in the global
+    view, `slices`: the repeated block's leaves split over the replicas, and this
+    replica's slices of them, through which their gradients come reduce-scattered).
     """
     axis = spec.strategy.axis_name
     x, y, w = unpack_batch(batch)
@@ -414,6 +423,7 @@ def _replica_loss(
                     loss_sum=microbatch_loss,
                     penalty=penalty,
                     scaled=scaled_loss,
+                    slices=slices,
                 )
             else:
                 y_pred, model_state, model_loss = forward(params, x)
@@ -513,6 +523,20 @@ def _replica_mean(x: Any, axis: str, n: int) -> Any:
     return jnp.where(jax.lax.pmax(x, axis) == jax.lax.pmin(x, axis), x, mean)
 
 
+def _replica_slices(spec: StepSpec, params: Any) -> ReplicaSlices | None:
+    """Under a 1F1B pipeline, the repeated block's leaves the strategy's `variable_sharding`
+    splits over the data axis: each replica gets its slices of them, so that their weight
+    gradients are reduced over the replicas layer by layer, as GPipe's transposed loop
+    reduces them, not summed in full on each replica until the step's reduction. None
+    without such leaves."""
+    pipeline = spec.pipeline
+    if pipeline is None or pipeline.schedule is not PipelineSchedule.ONE_F_ONE_B:
+        return None
+    strategy = spec.strategy
+    specs = [s.spec for s in jax.tree.leaves(variable_shardings(params, strategy))]
+    return ReplicaSlices.find(params, specs, strategy.axis_name, strategy.num_replicas_in_sync)
+
+
 def global_gradients(
     spec: StepSpec, params: Any, rest: TrainStateProtocol, batch: Any, mask: jax.Array
 ) -> tuple[Any, Any, dict[str, jax.Array]]:
@@ -537,9 +561,11 @@ def global_gradients(
         return v.reshape(n, v.shape[0] // n, *v.shape[1:])
 
     batch, mask = jax.tree.map(per_replica, (batch, mask))
+    split = _replica_slices(spec, params)
 
-    def one_replica(params: Any, batch: Any, mask: Any) -> tuple[jax.Array, Any]:
-        local_loss, y, maskf = _replica_loss(spec, rest, batch, mask, scale)
+    def one_replica(params: Any, slices: Any, batch: Any, mask: Any) -> tuple[jax.Array, Any]:
+        mine = None if split is None else (split, slices)
+        local_loss, y, maskf = _replica_loss(spec, rest, batch, mask, scale, mine)
         scaled, (loss_sum, y_pred, model_state) = local_loss(params)
         sums = _sums(spec, y, y_pred, maskf, loss_sum, unpack_batch(batch)[2])
         if spec.check_numerics:
@@ -549,8 +575,9 @@ def global_gradients(
 
     # A model's constraints naming the data axis on its batch (``P("data", "model")``, as
     # written for a global jit) mean the replicas' axis here: taken out, the map adds it back.
-    one_replica = replica_constraints.drop_data_axis(one_replica, axis, (False, True, True))
-    replicas = jax.vmap(one_replica, in_axes=(None, 0, 0), axis_name=axis, spmd_axis_name=axis)
+    flags = (False, True, True, True)  # the slices are mapped, as the batch is
+    one_replica = replica_constraints.drop_data_axis(one_replica, axis, flags)
+    replicas = jax.vmap(one_replica, in_axes=(None, 0, 0, 0), axis_name=axis, spmd_axis_name=axis)
 
     # The mean over the global batch's real rows is differentiated, not the sum divided
     # afterwards: the count depends on the mask alone, and a factor applied to every
@@ -562,7 +589,10 @@ def global_gradients(
     factor = 1.0 / jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
 
     def total(params: Any) -> tuple[jax.Array, Any]:
-        scaled, aux = replicas(params, batch, mask)
+        # A reshape of the split leaves, no data moved: their gradients come back through
+        # it already reduced over the replicas, where the rest sum over the map.
+        slices = None if split is None else split.of(params)
+        scaled, aux = replicas(params, slices, batch, mask)
         return (jnp.sum(scaled) * factor if of_mean else jnp.sum(scaled)), aux
 
     (_, (sums, model_state)), grads = jax.value_and_grad(total, has_aux=True)(params)
