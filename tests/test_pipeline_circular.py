@@ -18,7 +18,6 @@ from test_pipeline import ROWS
 from test_pipeline import Net
 from test_pipeline import _data
 from test_pipeline import _fit
-from test_pipeline import _leaves
 from test_pipeline import _loss
 from test_pipeline import _max_difference
 from test_pipeline import _scale
@@ -35,9 +34,13 @@ SCHEDULES = ["gpipe", "1f1b"]
 SHAPES = [(2, 2, 4), (4, 2, 8)]
 
 
-def _circular(schedule, stages, repeats, micro):
+def _circular(schedule, stages, repeats, micro, **options):
     return PipelineStrategy(
-        num_stages=stages, num_microbatches=micro, schedule=schedule, num_repeats=repeats
+        num_stages=stages,
+        num_microbatches=micro,
+        schedule=schedule,
+        num_repeats=repeats,
+        **options,
     )
 
 
@@ -120,15 +123,24 @@ def _one_device_steps():
     return _ONE_DEVICE["steps"]
 
 
+# The variables also split over the replicas (2 stages x 4 replicas): the 1F1B step then
+# gathers each layer from the replicas' slices, in the circular layout.
+SPLIT = {"shard_over_replicas": True, "min_shard_size": 0}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("stages", "repeats", "micro"), SHAPES)
+@pytest.mark.parametrize(
+    ("stages", "repeats", "micro", "options"),
+    [(*shape, {}) for shape in SHAPES] + [(2, 2, 4, SPLIT)],
+    ids=[*(f"{s}x{r}-m{m}" for s, r, m in SHAPES), "2x2-m4-split"],
+)
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_the_train_step_follows_one_device(schedule, stages, repeats, micro):
+def test_the_train_step_follows_one_device(schedule, stages, repeats, micro, options):
     x, y = _data(STEPS)
     one, want_history = _one_device_steps()
-    strategy = _circular(schedule, stages, repeats, micro)
+    strategy = _circular(schedule, stages, repeats, micro, **options)
     state, history = helpers.train_steps(strategy, _state, _loss, x, y)
-    got, want = _leaves(state), _leaves(one)
+    got, want = helpers.checkpoint_leaves(state), helpers.checkpoint_leaves(one)
     assert sorted(got) == sorted(want)
     for path, value in got.items():
         np.testing.assert_allclose(value, want[path], atol=1e-5, rtol=0, err_msg=str(path))
@@ -191,28 +203,15 @@ def test_each_stage_receives_its_virtual_stages_and_never_the_whole_variable(sch
 def test_circular_checkpoints_cross_to_every_strategy_and_back(tmp_path, other):
     pipelined = _circular("1f1b", 2, 2, 4)
     model, _ = _fit(pipelined, epochs=1)
-    with jstrategy.CheckpointManager(tmp_path / "circular", async_save=False) as manager:
-        assert manager.save(1, model.state)
-    saved = _leaves(model.state)
-    # Layer order: the stacked kernel's layer l is what one device applies l-th.
+    # Layer order: the stacked kernel's layer l is what one device applies l-th. Restored
+    # under the other strategy, then back into another circular pipeline, leaf by leaf.
     target_strategy = other()
     target, _ = _fit(target_strategy, epochs=0)
-    with jstrategy.CheckpointManager(tmp_path / "circular") as manager:
-        restored = manager.restore(target=target.state, strategy=target_strategy)
-    got = _leaves(restored)
-    assert sorted(got) == sorted(saved)
-    for path, value in got.items():
-        np.testing.assert_array_equal(value, saved[path], err_msg=str(path))
-    # ... and back into another circular pipeline, which trains on from it as the model
-    # restored elsewhere does.
-    with jstrategy.CheckpointManager(tmp_path / "other", async_save=False) as manager:
-        assert manager.save(1, restored)
     again_strategy = _circular("gpipe", 4, 2, 8)
     again, _ = _fit(again_strategy, epochs=0)
-    with jstrategy.CheckpointManager(tmp_path / "other") as manager:
-        back = manager.restore(target=again.state, strategy=again_strategy)
-    for path, value in _leaves(back).items():
-        np.testing.assert_array_equal(value, saved[path], err_msg=str(path))
+    helpers.restore_across(
+        tmp_path, model.state, [(target.state, target_strategy), (again.state, again_strategy)]
+    )
 
 
 # Mistakes, refused before any work ------------------------------------------------------------
