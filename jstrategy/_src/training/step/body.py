@@ -585,7 +585,10 @@ def global_gradients(
     # was produced (FSDP peaked at 0.50x one parameter copy where the hand-written step
     # needs 0.43x, for models whose blocks' names sort before their head's), where the
     # factor seeding the backward pass lets each update run as its gradient is ready.
-    of_mean = spec.accumulation_steps == 1
+    # Not under a loss scale: its overflows must be those of the scaled loss *sum* that
+    # every other staging differentiates (and its all-finite check waits for every
+    # gradient anyway), nor when accumulating (the cycle adds sums).
+    of_mean = spec.accumulation_steps == 1 and scale is None
     factor = 1.0 / jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
 
     def total(params: Any) -> tuple[jax.Array, Any]:
