@@ -215,6 +215,11 @@ def test_circular_checkpoints_cross_to_every_strategy_and_back(tmp_path, other):
 
 
 # Mistakes, refused before any work ------------------------------------------------------------
+def test_an_interleaved_schedule_name_points_to_num_repeats():
+    with pytest.raises(ValueError, match=r"got 'interleaved'.*schedule='1f1b', num_repeats=2"):
+        PipelineStrategy(num_stages=2, num_microbatches=4, schedule="interleaved")
+
+
 def test_bad_repeats_are_refused_by_name():
     with pytest.raises(ValueError, match="`num_repeats` must be a positive int; got 0"):
         PipelineStrategy(num_stages=2, num_microbatches=4, num_repeats=0)

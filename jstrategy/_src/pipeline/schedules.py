@@ -81,9 +81,16 @@ class PipelineSchedule(enum.Enum):
         names = [m.value for m in cls]
         if isinstance(value, str) and value.lower() in names:
             return cls(value.lower())
+        fix = "Pass e.g. schedule='gpipe'."
+        if isinstance(value, str) and value.lower() in ("interleaved", "circular"):
+            # Megatron's and MaxText's names: a number of virtual stages, not a schedule.
+            fix = (
+                "A circular (interleaved) schedule is one of these with several virtual "
+                "stages per stage: pass e.g. schedule='1f1b', num_repeats=2."
+            )
         raise ValueError(
             f"`schedule` must be one of {names} (or a jstrategy.experimental."
-            f"PipelineSchedule); got {value!r}. Pass e.g. schedule='gpipe'."
+            f"PipelineSchedule); got {value!r}. {fix}"
         )
 
 
