@@ -46,6 +46,8 @@ from jax.sharding import PartitionSpec as P
 from jstrategy._src.pipeline.schedules import STAGE_AXIS
 from jstrategy._src.pipeline.schedules import PipelineConfig
 from jstrategy._src.pipeline.schedules import _at
+from jstrategy._src.pipeline.schedules import _initial_carry
+from jstrategy._src.pipeline.schedules import _on_stage_axis
 from jstrategy._src.pipeline.schedules import _put
 from jstrategy._src.pipeline.schedules import _shift
 
@@ -276,15 +278,6 @@ def interleaved_one_f_one_b(
     slots = 2 * repeats * stages - 1  # the microbatch inputs a stage keeps
     on_stages = jax.sharding.NamedSharding(config.mesh, P(STAGE_AXIS))
 
-    def on_stage_axis(tree: Any) -> Any:
-        def constrain(v: jax.Array) -> jax.Array:
-            spec = P(STAGE_AXIS, *([P.UNCONSTRAINED] * (v.ndim - 1)))
-            return jax.lax.with_sharding_constraint(
-                v, jax.sharding.NamedSharding(config.mesh, spec)
-            )
-
-        return jax.tree.map(constrain, tree)
-
     forward_shift = _shift(config.mesh, stages)
     backward_shift = _shift(config.mesh, stages, step=-1)
     run_stages = _one_repeat(stage)
@@ -342,7 +335,9 @@ def interleaved_one_f_one_b(
             keep = to.reshape(to.shape + (1,) * (g.ndim - 1))
             return acc + jnp.where(keep, g[:, None], jnp.zeros((), g.dtype))
 
-        d_stages = on_stage_axis(jax.tree.map(masked_add, carry["d_stages"], d_params))
+        d_stages = _on_stage_axis(
+            config.mesh, jax.tree.map(masked_add, carry["d_stages"], d_params)
+        )
         # Stage 0's input gradient is the block's at repeat 0; else it goes round the ring.
         first = microbatch(j[0])  # written once more, correctly, when valid
         d_x = jnp.where(
@@ -367,20 +362,7 @@ def interleaved_one_f_one_b(
     def cooldown(carry: dict[str, Any], t: jax.Array) -> tuple[dict[str, Any], None]:
         return backward_slot(carry, t), None
 
-    microbatch_zeros = jnp.zeros((stages, *xs.shape[1:]), x.dtype)
-    value_shape, aux_shape = jax.eval_shape(
-        lambda p, h: head(p, h, jnp.zeros((), jnp.int32)), head_params, xs[0]
-    )
-    carry = {
-        "inputs": microbatch_zeros,
-        "kept": jnp.zeros((stages, slots, *xs.shape[1:]), x.dtype),
-        "grads": microbatch_zeros,
-        "value": jnp.zeros(value_shape.shape, value_shape.dtype),
-        "aux": jax.tree.map(lambda a: jnp.zeros((micro, *a.shape), a.dtype), aux_shape),
-        "d_head": jax.tree.map(jnp.zeros_like, head_params),
-        "d_stages": on_stage_axis(jax.tree.map(jnp.zeros_like, stage_params)),
-        "d_x": jnp.zeros_like(xs),
-    }
+    carry = _initial_carry(xs, slots, head, head_params, stage_params, config)
     last_forward = items + stages - 1  # one past the last stage's last forward tick
     if fill_and_drain:
         carry, _ = jax.lax.scan(warmup, carry, jnp.arange(first_backward))

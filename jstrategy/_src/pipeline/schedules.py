@@ -294,15 +294,6 @@ def one_f_one_b(
     slots = 2 * stages - 1  # the microbatch inputs a stage keeps for its backward slots
     on_stages = jax.sharding.NamedSharding(config.mesh, P(STAGE_AXIS))
 
-    def on_stage_axis(tree: Any) -> Any:
-        def constrain(v: jax.Array) -> jax.Array:
-            spec = P(STAGE_AXIS, *([P.UNCONSTRAINED] * (v.ndim - 1)))
-            return jax.lax.with_sharding_constraint(
-                v, jax.sharding.NamedSharding(config.mesh, spec)
-            )
-
-        return jax.tree.map(constrain, tree)
-
     forward_shift = _shift(config.mesh, stages)
     backward_shift = _shift(config.mesh, stages, step=-1)
     run_stages = jax.vmap(stage)
@@ -345,7 +336,9 @@ def one_f_one_b(
             keep = valid.reshape(valid.shape + (1,) * (g.ndim - 1))
             return acc + jnp.where(keep, g, jnp.zeros_like(g))
 
-        d_stages = on_stage_axis(jax.tree.map(masked_add, carry["d_stages"], d_params))
+        d_stages = _on_stage_axis(
+            config.mesh, jax.tree.map(masked_add, carry["d_stages"], d_params)
+        )
         first = jnp.clip(b[0], 0, micro - 1)  # written once more, correctly, when valid
         d_x = jnp.where(
             valid[0], d_inputs[0], jax.lax.dynamic_index_in_dim(carry["d_x"], first, keepdims=False)
@@ -367,20 +360,7 @@ def one_f_one_b(
     def cooldown(carry: dict[str, Any], t: jax.Array) -> tuple[dict[str, Any], None]:
         return backward_slot(carry, t), None
 
-    microbatch = jnp.zeros((stages, *xs.shape[1:]), x.dtype)
-    value_shape, aux_shape = jax.eval_shape(
-        lambda p, h: head(p, h, jnp.zeros((), jnp.int32)), head_params, xs[0]
-    )
-    carry = {
-        "inputs": microbatch,
-        "kept": jnp.zeros((stages, slots, *xs.shape[1:]), x.dtype),
-        "grads": microbatch,
-        "value": jnp.zeros(value_shape.shape, value_shape.dtype),
-        "aux": jax.tree.map(lambda a: jnp.zeros((micro, *a.shape), a.dtype), aux_shape),
-        "d_head": jax.tree.map(jnp.zeros_like, head_params),
-        "d_stages": on_stage_axis(jax.tree.map(jnp.zeros_like, stage_params)),
-        "d_x": jnp.zeros_like(xs),
-    }
+    carry = _initial_carry(xs, slots, head, head_params, stage_params, config)
     if fill_and_drain:
         carry, _ = jax.lax.scan(warmup, carry, jnp.arange(stages - 1))
     carry, _ = jax.lax.scan(steady, carry, jnp.arange(stages - 1, micro + stages - 1))
@@ -389,3 +369,39 @@ def one_f_one_b(
         carry, _ = jax.lax.scan(cooldown, carry, drain)
     d_x = carry["d_x"].reshape(x.shape)
     return carry["value"], carry["aux"], carry["d_head"], carry["d_stages"], d_x
+
+
+def _on_stage_axis(mesh: Mesh, tree: Any) -> Any:
+    """Every leaf's leading dimension constrained to `STAGE_AXIS`, the rest left to XLA."""
+
+    def constrain(v: jax.Array) -> jax.Array:
+        spec = P(STAGE_AXIS, *([P.UNCONSTRAINED] * (v.ndim - 1)))
+        return jax.lax.with_sharding_constraint(v, jax.sharding.NamedSharding(mesh, spec))
+
+    return jax.tree.map(constrain, tree)
+
+
+def _initial_carry(
+    xs: jax.Array,
+    slots: int,
+    head: Callable[..., Any],
+    head_params: Any,
+    stage_params: Any,
+    config: PipelineConfig,
+) -> dict[str, Any]:
+    """A 1F1B loop's carry before its first tick (plain or interleaved): `slots` kept
+    microbatch inputs per stage, and zero sums and gradients."""
+    microbatch = jnp.zeros((config.num_stages, *xs.shape[1:]), xs.dtype)
+    value_shape, aux_shape = jax.eval_shape(
+        lambda p, h: head(p, h, jnp.zeros((), jnp.int32)), head_params, xs[0]
+    )
+    return {
+        "inputs": microbatch,
+        "kept": jnp.zeros((config.num_stages, slots, *xs.shape[1:]), xs.dtype),
+        "grads": microbatch,
+        "value": jnp.zeros(value_shape.shape, value_shape.dtype),
+        "aux": jax.tree.map(lambda a: jnp.zeros((xs.shape[0], *a.shape), a.dtype), aux_shape),
+        "d_head": jax.tree.map(jnp.zeros_like, head_params),
+        "d_stages": _on_stage_axis(config.mesh, jax.tree.map(jnp.zeros_like, stage_params)),
+        "d_x": jnp.zeros_like(xs),
+    }
