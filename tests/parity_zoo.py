@@ -195,6 +195,10 @@ STRATEGIES: dict[str, Callable[[], jstrategy.Strategy]] = {
     "central_storage_8": lambda: jstrategy.CentralStorageStrategy(),
     "fsdp_8": lambda: jstrategy.experimental.FSDPStrategy(min_shard_size=0),
     "model_parallel_2x4": _model_parallel,
+    # Two "hosts" of four devices (one replica each): FSDP and tensor within a host.
+    "hybrid_2x2x2": lambda: jstrategy.experimental.HybridStrategy(
+        replicas=2, fsdp=2, tensor=2, dcn_replicas=2, min_shard_size=0
+    ),
     "pipeline_2": lambda: jstrategy.experimental.PipelineStrategy(num_stages=2, num_microbatches=2),
 }
 

@@ -10,6 +10,7 @@ key matches is replicated; a path that two keys match is an error naming both.
 from __future__ import annotations
 
 import collections.abc
+import math
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from jstrategy._src.mesh import DeviceMesh
 
-__all__ = ["NNX_VALUE", "LayoutMap", "matches_path"]
+__all__ = ["NNX_VALUE", "LayoutMap", "matches_path", "misfit"]
 
 #: The last key of an NNX variable's path in its state (the variable's ``value``).
 NNX_VALUE = "value"
@@ -184,3 +185,29 @@ def _to_spec(key: str, layout: Any, mesh: DeviceMesh) -> P:
             used.append(name)
         entries.append(names[0] if len(names) == 1 else tuple(names))
     return P(*entries)
+
+
+def misfit(
+    layout: P, shape: tuple[int, ...], mesh_shape: collections.abc.Mapping[str, int]
+) -> str | None:
+    """Why `layout` cannot lay out an array of `shape` on a mesh of `mesh_shape` (axis
+    sizes by name); None when it can.
+
+    Example:
+
+    >>> print(misfit(P(None, "model"), (4, 6), {"model": 4}))
+    dimension 1 (6) does not divide by 4, the size of mesh axis 'model'
+    >>> misfit(P("model"), (8, 6), {"model": 4}) is None
+    True
+    """
+    if len(layout) > len(shape):
+        return f"the layout has {len(layout)} entries but the variable {len(shape)} dimensions"
+    for dim, entry in enumerate(layout):
+        if entry is None:
+            continue
+        axes = (entry,) if isinstance(entry, str) else tuple(entry)
+        size = math.prod(mesh_shape[a] for a in axes)
+        if shape[dim] % size:
+            which = f"mesh axis {axes[0]!r}" if len(axes) == 1 else f"mesh axes {axes}"
+            return f"dimension {dim} ({shape[dim]}) does not divide by {size}, the size of {which}"
+    return None

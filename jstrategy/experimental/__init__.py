@@ -1,7 +1,8 @@
 """`jstrategy.experimental`: mirrors `tf.distribute.experimental`, plus sharded variables.
 
 `DeviceMesh`, `LayoutMap`, `ModelParallelStrategy` (Keras 3's `keras.distribution` names)
-and `FSDPStrategy` go beyond tf.distribute: variables split over the devices;
+and `FSDPStrategy` go beyond tf.distribute: variables split over the devices
+(`HybridStrategy`: replicas x FSDP x tensor on one mesh, split across hosts);
 `PipelineStrategy` splits a `Repeated` block's layers (`NNXRepeated` for Flax NNX) over
 pipeline stages; `dot_product_attention` is ring attention over a sharded strategy's
 ``"context"`` axis.
@@ -22,6 +23,7 @@ from jstrategy._src.pipeline.schedules import PipelineSchedule
 from jstrategy._src.pipeline.strategy import PipelineStrategy
 from jstrategy._src.strategies.central_storage import CentralStorageStrategy
 from jstrategy._src.strategies.fsdp import FSDPStrategy
+from jstrategy._src.strategies.hybrid import HybridStrategy
 from jstrategy._src.strategies.model_parallel import ModelParallelStrategy
 from jstrategy._src.strategies.multi_worker import (
     _DeprecatedMultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
@@ -38,6 +40,7 @@ __all__ = [
     "CommunicationOptions",
     "DeviceMesh",
     "FSDPStrategy",
+    "HybridStrategy",
     "LayoutMap",
     "ModelParallelStrategy",
     "MultiWorkerMirroredStrategy",

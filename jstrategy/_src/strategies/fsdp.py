@@ -36,7 +36,7 @@ from jstrategy._src.validation import check_number
 if TYPE_CHECKING:
     from jstrategy._src.cluster.resolver import ClusterResolver
 
-__all__ = ["DEFAULT_MIN_SHARD_SIZE", "FSDPStrategy", "shard_dim"]
+__all__ = ["DEFAULT_MIN_SHARD_SIZE", "FSDPStrategy", "check_min_shard_size", "shard_dim"]
 
 #: Variables with fewer elements stay replicated: gathering a bias or a norm's scale costs
 #: a collective per use and saves next to nothing.
@@ -117,15 +117,7 @@ class FSDPStrategy(ShardedStrategy):
             expected="a positive int (how many devices split each sequence)",
             fix="Pass e.g. context=2, or 1 (the default) to keep sequences whole.",
         )
-        check_number(
-            min_shard_size,
-            "min_shard_size",
-            integer=True,
-            low=0,
-            expected="a non-negative int (the fewest elements a variable needs to be sharded)",
-            fix=f"Pass e.g. min_shard_size={DEFAULT_MIN_SHARD_SIZE}, or 0 to shard every "
-            "variable that divides.",
-        )
+        check_min_shard_size(min_shard_size)
         cross_device_ops = None  # across processes, when it joins a job of several
         if devices is None or cluster_resolver is not None or communication_options is not None:
             cross_device_ops = self._join_job(cluster_resolver, communication_options)
@@ -191,6 +183,19 @@ class FSDPStrategy(ShardedStrategy):
         context = self.context_parallelism
         extra = f", context={context}" if context > 1 else ""
         return f"{super().__repr__()[:-1]}, min_shard_size={self._min_shard_size}{extra})"
+
+
+def check_min_shard_size(min_shard_size: int) -> int:
+    """`min_shard_size` if it is a non-negative int, else the `ValueError` with the fix."""
+    return check_number(
+        min_shard_size,
+        "min_shard_size",
+        integer=True,
+        low=0,
+        expected="a non-negative int (the fewest elements a variable needs to be sharded)",
+        fix=f"Pass e.g. min_shard_size={DEFAULT_MIN_SHARD_SIZE}, or 0 to shard every "
+        "variable that divides.",
+    )
 
 
 def shard_dim(

@@ -10,7 +10,6 @@ its input dimension, over a ``"model"`` axis).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
@@ -24,6 +23,7 @@ from jstrategy._src import mesh as mesh_lib
 from jstrategy._src.context_parallel.axis import CONTEXT_AXIS
 from jstrategy._src.cross_device_ops import CrossDeviceOps
 from jstrategy._src.layout_map import LayoutMap
+from jstrategy._src.layout_map import misfit
 from jstrategy._src.mesh import DeviceMesh
 from jstrategy._src.strategies.sharded import ShardedStrategy
 
@@ -199,7 +199,7 @@ class ModelParallelStrategy(ShardedStrategy):
                 )
             if missing:
                 return self.replicated_sharding()
-        problem = self._misfit(layout, tuple(leaf.shape))
+        problem = misfit(layout, tuple(leaf.shape), self.mesh.shape)
         if problem is None:
             return NamedSharding(self.mesh, layout)
         if is_parameter:
@@ -214,22 +214,6 @@ class ModelParallelStrategy(ShardedStrategy):
             a for entry in layout for a in ((entry,) if isinstance(entry, str) else entry or ())
         ]
         return [a for a in axes if a not in self.mesh.axis_names]
-
-    def _misfit(self, layout: P, shape: tuple[int, ...]) -> str | None:
-        """Why `layout` cannot lay out an array of `shape`; None when it can."""
-        if len(layout) > len(shape):
-            return f"the layout has {len(layout)} entries but the variable {len(shape)} dimensions"
-        for dim, entry in enumerate(layout):
-            if entry is None:
-                continue
-            axes = (entry,) if isinstance(entry, str) else tuple(entry)
-            size = math.prod(self.mesh.shape[a] for a in axes)
-            if shape[dim] % size:
-                which = f"mesh axis {axes[0]!r}" if len(axes) == 1 else f"mesh axes {axes}"
-                return (
-                    f"dimension {dim} ({shape[dim]}) does not divide by {size}, the size of {which}"
-                )
-        return None
 
     def __repr__(self) -> str:
         return (
