@@ -13,7 +13,7 @@ import re
 import numpy as np
 from jax.sharding import Mesh
 
-__all__ = ["COLLECTIVES", "collective_counts", "permute_pairs"]
+__all__ = ["COLLECTIVES", "collective_counts", "collective_groups", "permute_pairs"]
 
 #: The collective instructions of XLA's HLO.
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
@@ -57,6 +57,26 @@ def collective_counts(hlo_text: str, mesh: Mesh | None = None) -> dict[str, int]
             key = op if mesh is None else f"{op}[{_axes_of(line, mesh)}]"
             counts[key] = counts.get(key, 0) + 1
     return dict(sorted(counts.items()))
+
+
+def collective_groups(hlo_text: str) -> list[tuple[str, list[int] | None]]:
+    """Each collective of compiled HLO text as ``(kind, its first replica group)``.
+
+    The group's ids are positions in the program's device assignment (the mesh's devices
+    in order, ``mesh.devices.flat``); None when the groups cannot be read. An asynchronous
+    pair counts once.
+
+    Example:
+
+    >>> collective_groups("%a = f32[8] all-reduce(f32[8] %x), replica_groups=[2,4]<=[8]")
+    [('all-reduce', [0, 1, 2, 3])]
+    """
+    found = []
+    for line in hlo_text.splitlines():
+        for op, pattern in _OPS.items():
+            if pattern.search(line) is not None:
+                found.append((op, _first_group(line)))
+    return found
 
 
 def _first_group(line: str) -> list[int] | None:

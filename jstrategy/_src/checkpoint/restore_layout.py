@@ -170,7 +170,10 @@ def _plan_restore(
         is_device = isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct))
         if strategy is not None or is_device:
             dtype = jax.dtypes.canonicalize_dtype(dtype)
-            abstract = jax.ShapeDtypeStruct(shape, dtype)
+            # A typed key's data has one more (last) axis than the key, which no strategy
+            # splits: its layout is the key's (a spec shorter than the data leaves it whole).
+            logical = shape if key_impl is None else shape[:-1]
+            abstract = jax.ShapeDtypeStruct(logical, dtype)
             own = getattr(leaf, "sharding", None)
             if strategy is not None:
                 sharding = _target_sharding(strategy, abstract, path=path)

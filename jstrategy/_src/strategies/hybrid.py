@@ -321,6 +321,8 @@ class HybridStrategy(ShardedStrategy):
         dim = shard_dim(shape, int(self.mesh.shape[FSDP_AXIS]), self._min_shard_size, exclude=used)
         if dim is not None:
             spec[dim] = FSDP_AXIS
+        if all(entry is None for entry in spec):
+            return self.replicated_sharding()
         return NamedSharding(self.mesh, P(*spec))
 
     def _tensor_layout(self, names: tuple[str, ...], shape: tuple[int, ...]) -> list[Any]:
