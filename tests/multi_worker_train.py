@@ -39,11 +39,18 @@ def main() -> int:
         "schedule (default gpipe), instead",
     )
     parser.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="HybridStrategy (2 replicas, one per worker, x FSDP 2 x tensor 2) instead",
+    )
+    parser.add_argument(
         "--model-parallel",
         choices=sorted(MESHES),
         help="ModelParallelStrategy (a Megatron MLP's layout map) over this mesh instead",
     )
     args = parser.parse_args()
+
+    import numpy as np
 
     import jstrategy
 
@@ -59,6 +66,10 @@ def main() -> int:
         strategy = jstrategy.experimental.FSDPStrategy(
             min_shard_size=0, communication_options=options
         )
+    elif args.hybrid:
+        strategy = hybrid_strategy(communication_options=options)
+        processes = np.vectorize(lambda d: d.process_index)(strategy.mesh.devices).tolist()
+        print(f"mesh {dict(strategy.mesh.shape)} processes {processes}", flush=True)
     elif args.model_parallel:
         strategy = model_parallel_strategy(
             args.model_parallel, communication_options=options, checkpoint=bool(args.restore)
@@ -289,6 +300,29 @@ def model_parallel_strategy(mesh, communication_options=None, *, checkpoint=Fals
         layout_map["layers_2/kernel"] = ("model", None)
     return jstrategy.experimental.ModelParallelStrategy(
         layout_map, communication_options=communication_options
+    )
+
+
+def hybrid_strategy(communication_options=None, **kwargs):
+    """`HybridStrategy` (replicas 2 x FSDP 2 x tensor 2) over every worker's devices, with
+    `fit_model`'s Megatron layout; over 2 processes x 4 devices each process is one host
+    holding one replica (``dcn_replicas`` = the processes)."""
+    import jstrategy
+
+    # The mesh only names the axes (built lazily: never, before the job is joined).
+    mesh = jstrategy.experimental.DeviceMesh((2, 2, 2), ("replica", "fsdp", "tensor"))
+    layout_map = jstrategy.experimental.LayoutMap(mesh)
+    layout_map["layers_0/kernel"] = (None, "tensor")
+    layout_map["layers_0/bias"] = ("tensor",)
+    layout_map["layers_2/kernel"] = ("tensor", None)
+    return jstrategy.experimental.HybridStrategy(
+        replicas=2,
+        fsdp=2,
+        tensor=2,
+        layout_map=layout_map,
+        min_shard_size=0,
+        communication_options=communication_options,
+        **kwargs,
     )
 
 

@@ -13,6 +13,10 @@ devices follow one process in tests/test_multi_worker.py. The parity matrix
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import flax.linen as nn
 import helpers
@@ -318,3 +322,44 @@ def test_fsdp_gathers_stay_within_a_host_and_only_the_gradient_all_reduce_crosse
     # FSDP laid across the hosts instead: its all-gathers cross them (the test can fail).
     across = _hosts_spanned(_hybrid(2, 2, 2, dcn_replicas=1, dcn_fsdp=2))
     assert any(kind == "all-gather" and n > 1 for kind, n in across), across
+
+
+# Two processes, one per host ----------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(320)
+def test_two_workers_one_per_host_follow_one_process_over_eight_devices(tmp_path):
+    # Two processes x four devices through the launcher: each process is one host, holding
+    # one replica split four ways (FSDP 2 x tensor 2), so each holds a whole copy of the
+    # kernel in four pieces. Fit, get_weights, model.save and load_model as one process.
+    cmd = [
+        sys.executable, "-m", "jstrategy.launch", "--num_workers", "2",
+        "--devices_per_worker", "4", "--timeout", "240",
+        str(ROOT / "tests" / "multi_worker_train.py"), "--out", str(tmp_path), "--fit",
+        "--hybrid",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "TF_CONFIG")}
+    # The workers import this checkout's jstrategy, wherever the installed one points.
+    path = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.update(PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu", PYTHONPATH=path)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = done.stdout
+    assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
+    assert "2 replicas over 2 workers, chief=True" in out
+    assert "2 replicas over 2 workers, chief=False" in out
+    assert out.count("processes [[[0, 0], [0, 0]], [[1, 1], [1, 1]]]") == 2  # replica = host
+    assert out.count("kernel P('fsdp', 'tensor')") == 2
+    assert out.count("kernel pieces here: 4 of 160 elements, 40 per device") == 2, out[-3000:]
+    assert out.count("saved and loaded") == 2
+    workers = [np.load(tmp_path / f"worker-{i}.npz") for i in range(2)]
+    import multi_worker_train
+
+    expected = multi_worker_train.fit_model(
+        multi_worker_train.hybrid_strategy(devices=[f"cpu:{i}" for i in range(8)], dcn_replicas=2)
+    )
+    assert len(workers[0].files) == len(expected) > 0
+    for i, w in enumerate(expected):
+        np.testing.assert_array_equal(workers[0][f"w{i}"], workers[1][f"w{i}"])
+        np.testing.assert_allclose(workers[0][f"w{i}"], w, rtol=1e-5, atol=1e-5)

@@ -205,10 +205,12 @@ class HybridStrategy(ShardedStrategy):
                 f"{type(layout_map).__name__} {layout_map!r}. Build one with "
                 "LayoutMap(DeviceMesh(shape, ('replica', 'fsdp', 'tensor')))."
             )
-        self._layouts = _mapped_layouts(layout_map)
+        _check_layout_axes(layout_map)
         cross_device_ops = None  # across processes, when it joins a job of several
         if devices is None or cluster_resolver is not None or communication_options is not None:
             cross_device_ops = self._join_job(cluster_resolver, communication_options)
+        # After joining (a mesh of JAX's devices would start its backends before).
+        self._layouts = _mapped_layouts(layout_map)
         resolved = list(jax.devices() if devices is None else devices_lib.resolve_devices(devices))
         n = len(resolved)
         if rest:
@@ -402,6 +404,20 @@ def _rows_over_fsdp(
     return gradients
 
 
+def _check_layout_axes(layout_map: LayoutMap | None) -> None:
+    """Refuses a layout naming an axis this mesh cannot mean (before any work)."""
+    for key in layout_map or ():
+        layout = layout_map[key] if layout_map is not None else None
+        for axis in (a for entry in layout or () if entry is not None for a in _axes(entry)):
+            if axis not in _AXIS_ALIASES:
+                raise ValueError(
+                    f"LayoutMap key {key!r} names mesh axis {axis!r} in {tuple(layout or ())}; "
+                    f"HybridStrategy splits variables over {TENSOR_AXIS!r} (also written "
+                    f"'model') and {FSDP_AXIS!r} (also 'data' or 'batch') only, never over "
+                    "the replicas. Name one of those axes."
+                )
+
+
 def _mapped_layouts(layout_map: LayoutMap | None) -> LayoutMap | None:
     """`layout_map`'s layouts, their axes renamed to this mesh's (``"model"`` to
     ``"tensor"``, a data axis to ``"fsdp"``), in a `LayoutMap` over the hybrid axes."""
@@ -412,25 +428,15 @@ def _mapped_layouts(layout_map: LayoutMap | None) -> LayoutMap | None:
     target = LayoutMap(DeviceMesh((1, 1, 1), (REPLICA_AXIS, FSDP_AXIS, TENSOR_AXIS), [[[_any()]]]))
     for key in layout_map:
         layout = layout_map[key]
-        assert layout is not None
-        entries: list[Any] = []
-        for entry in layout:
-            if entry is None:
-                entries.append(None)
-                continue
-            mapped = []
-            for axis in _axes(entry):
-                if axis not in _AXIS_ALIASES:
-                    raise ValueError(
-                        f"LayoutMap key {key!r} names mesh axis {axis!r} in {tuple(layout)}; "
-                        f"HybridStrategy splits variables over {TENSOR_AXIS!r} (also "
-                        f"written 'model') and {FSDP_AXIS!r} (also 'data' or 'batch') only, "
-                        "never over the replicas. Name one of those axes."
-                    )
-                mapped.append(_AXIS_ALIASES[axis])
-            entries.append(mapped[0] if len(mapped) == 1 else tuple(mapped))
-        target[key] = tuple(entries)
+        target[key] = tuple(
+            None if entry is None else _one_or_tuple([_AXIS_ALIASES[a] for a in _axes(entry)])
+            for entry in layout or ()
+        )
     return target
+
+
+def _one_or_tuple(axes: list[str]) -> str | tuple[str, ...]:
+    return axes[0] if len(axes) == 1 else tuple(axes)
 
 
 def _any() -> jax.Device:
