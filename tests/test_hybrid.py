@@ -195,6 +195,7 @@ def _assert_kept(state, strategy):
         assert leaf.sharding.is_equivalent_to(want, leaf.ndim), (keypath, leaf.sharding, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", sorted(MESHES))
 def test_the_train_step_factory_follows_one_device(mesh):
     strategy = MESHES[mesh]()
@@ -313,6 +314,7 @@ def _hosts_spanned(strategy):
     return spans
 
 
+@pytest.mark.slow
 def test_fsdp_gathers_stay_within_a_host_and_only_the_gradient_all_reduce_crosses():
     spans = _hosts_spanned(MESHES["2x2x2"]())
     gathers = [n for kind, n in spans if kind == "all-gather"]

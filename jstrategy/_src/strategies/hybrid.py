@@ -131,7 +131,7 @@ class HybridStrategy(ShardedStrategy):
     Raises:
       ValueError: if a degree is not a positive int (or -1), the degrees do not multiply
         to the number of devices, an across-host part does not divide its degree, the
-        hosts do not divide the devices or straddle processes, or `layout_map` names an
+        hosts do not match the processes, or `layout_map` names an
         axis this mesh cannot mean.
       TypeError: if `layout_map` is not a `LayoutMap`.
 
@@ -229,16 +229,24 @@ class HybridStrategy(ShardedStrategy):
                 "pass -1 for one of them to take the rest."
             )
         processes = len({d.process_index for d in resolved})
+        defaulted = dcn_replicas is None
         if dcn_replicas is None:
-            others = dcn_fsdp * dcn_tensor
-            dcn_replicas = max(processes // others, 1)
+            # One host per process; the hosts FSDP and tensor do not span hold replicas.
+            dcn_replicas = max(processes // (dcn_fsdp * dcn_tensor), 1)
         dcn = {"replicas": dcn_replicas, "fsdp": dcn_fsdp, "tensor": dcn_tensor}
         for name, part in dcn.items():
             if degrees[name] % part:
+                why = (
+                    f"dcn_replicas={part} (by default, the {processes} processes over "
+                    "dcn_fsdp x dcn_tensor)"
+                    if defaulted and name == "replicas"
+                    else f"dcn_{name}={part}"
+                )
                 raise ValueError(
                     f"`dcn_{name}` (how many hosts `{name}` spans) must divide `{name}`, "
-                    f"{degrees[name]}; got dcn_{name}={part}. Pass a divisor of "
-                    f"{degrees[name]}, e.g. dcn_{name}=1."
+                    f"{degrees[name]}; got {why}. Pass a divisor of {degrees[name]}, e.g. "
+                    f"dcn_{name}=1, and spread another degree over the hosts (dcn_fsdp= or "
+                    "dcn_tensor=)."
                 )
         hosts = _host_groups(resolved, math.prod(dcn.values()), processes, dcn)
         mesh = _hybrid_mesh(hosts, degrees, dcn)
@@ -447,13 +455,8 @@ def _host_groups(
     devices: list[jax.Device], hosts: int, processes: int, dcn: dict[str, int]
 ) -> list[list[jax.Device]]:
     """The devices cut into `hosts` groups of neighbours, each within one process."""
+    # Each across-host part divides its degree, so `hosts` divides the devices.
     spec = ", ".join(f"dcn_{k}={v}" for k, v in dcn.items())
-    if len(devices) % hosts:
-        raise ValueError(
-            f"The across-host parts ({spec}) make {hosts} hosts, which do not divide the "
-            f"{len(devices)} devices. Give across-host parts whose product divides "
-            f"{len(devices)}."
-        )
     if processes > 1 and hosts != processes:
         raise ValueError(
             f"The across-host parts ({spec}) make {hosts} hosts, but the job has "
@@ -462,7 +465,16 @@ def _host_groups(
         )
     ordered = sorted(devices, key=lambda d: d.process_index) if processes > 1 else devices
     size = len(devices) // hosts
-    return [ordered[i * size : (i + 1) * size] for i in range(hosts)]
+    groups = [ordered[i * size : (i + 1) * size] for i in range(hosts)]
+    for group in groups:
+        if len({d.process_index for d in group}) > 1:
+            raise ValueError(
+                f"A host's devices must belong to one process, but the {size} devices "
+                f"{[d.id for d in group]} span processes "
+                f"{sorted({d.process_index for d in group})} (the processes hold unequal "
+                "numbers of the devices). Give every process as many devices."
+            )
+    return groups
 
 
 def _hybrid_mesh(
@@ -472,9 +484,10 @@ def _hybrid_mesh(
     host's devices on the within-host grid, as `mesh_utils.create_hybrid_device_mesh`."""
     order = ("replicas", "fsdp", "tensor")
     ici = [degrees[k] // dcn[k] for k in order]
-    grid = np.empty(len(hosts), dtype=object)
-    grid[:] = [np.array(h, dtype=object).reshape(ici) for h in hosts]
-    cells = np.stack(list(grid)).reshape(*(dcn[k] for k in order), *ici)
+    # Host h is cell h of the dcn grid (row-major), its devices its ici grid (row-major).
+    flat = np.empty(sum(len(h) for h in hosts), dtype=object)
+    flat[:] = [d for host in hosts for d in host]
+    cells = flat.reshape(*(dcn[k] for k in order), *ici)
     # (dcn_r, dcn_f, dcn_t, ici_r, ici_f, ici_t) -> (dcn_r, ici_r, dcn_f, ici_f, dcn_t, ici_t)
     devices = cells.transpose(0, 3, 1, 4, 2, 5).reshape([degrees[k] for k in order])
     return Mesh(devices, (REPLICA_AXIS, FSDP_AXIS, TENSOR_AXIS), axis_types=(AxisType.Auto,) * 3)
