@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -298,32 +299,47 @@ def test_checkpoints_cross_to_every_other_strategy_and_back(tmp_path):
 
 
 # The compiled step's collectives ----------------------------------------------------------
-def _hosts_spanned(strategy):
-    """Each collective of a compiled train step: ``(kind, hosts its first group spans)``."""
+def _compiled_step(strategy, rows=48):
     state = _state(strategy)
-    x, y = _batches(1, 32)
+    x, y = _batches(1, rows)
     lowered = training.make_train_step(_LOSS, strategy=strategy).lower(
         state, distribute_batch(strategy, (x[0], y[0]))
     )
+    return lowered.compile().as_text()
+
+
+def _hosts_spanned(strategy, text):
+    """Each collective of a compiled program: ``(kind, hosts its first group spans)``."""
     host_of = {d: h for h, ids in enumerate(strategy.hosts) for d in ids}
     flat = [d.id for d in strategy.mesh.devices.flat]  # positions -> devices
     spans = []
-    for kind, group in collective_groups(lowered.compile().as_text()):
+    for kind, group in collective_groups(text):
         assert group is not None, kind
         spans.append((kind, len({host_of[flat[p]] for p in group})))
     return spans
 
 
+def _dot_rows(text):
+    """The first dimension of every matrix product's result in compiled HLO text."""
+    return {int(m) for m in re.findall(r"= f32\[(\d+),\d+\][^ ]* dot\(", text)}
+
+
 @pytest.mark.slow
 def test_fsdp_gathers_stay_within_a_host_and_only_the_gradient_all_reduce_crosses():
-    spans = _hosts_spanned(MESHES["2x2x2"]())
+    strategy = MESHES["2x2x2"]()
+    text = _compiled_step(strategy)
+    spans = _hosts_spanned(strategy, text)
     gathers = [n for kind, n in spans if kind == "all-gather"]
     assert gathers and all(n == 1 for n in gathers), spans
     crossing = {kind for kind, n in spans if n > 1}
     assert crossing == {"all-reduce"}, spans  # the replicas' gradients (and the loss sums)
+    # Each device computes on its 48 / (2 replicas x 2 fsdp) = 12 rows, never a replica's 24.
+    rows = _dot_rows(text)
+    assert 12 in rows and not rows & {24, 48}, rows
     # FSDP laid across the hosts instead: its all-gathers cross them (the test can fail).
-    across = _hosts_spanned(_hybrid(2, 2, 2, dcn_replicas=1, dcn_fsdp=2))
-    assert any(kind == "all-gather" and n > 1 for kind, n in across), across
+    across = _hybrid(2, 2, 2, dcn_replicas=1, dcn_fsdp=2)
+    spans = _hosts_spanned(across, _compiled_step(across))
+    assert any(kind == "all-gather" and n > 1 for kind, n in spans), spans
 
 
 # Two processes, one per host ----------------------------------------------------------------
