@@ -145,6 +145,12 @@ def test_fsdp_splits_the_dimension_the_tensor_layout_leaves_free():
     big = HybridStrategy(fsdp=8)  # the default min_shard_size keeps small leaves whole
     assert _spec(big, (8, 16), "params", "up", "kernel") == P()
     assert _spec(big, (64, 32), "params", "up", "kernel") == P("fsdp", None)
+    # A layout may place FSDP's split itself, naming it (or another mesh's data axis).
+    layout_map = _layout_map()
+    del layout_map["down/kernel"]
+    layout_map["down/kernel"] = ("model", "data")
+    own = HybridStrategy(fsdp=2, tensor=4, layout_map=layout_map, min_shard_size=0)
+    assert _spec(own, (16, 4), "params", "down", "kernel") == P("tensor", "fsdp")
     with pytest.raises(ValueError, match=r"'params/up/kernel' of shape \(8, 15\) does not fit"):
         _spec(strategy, (8, 15), "params", "up", "kernel")
 

@@ -96,7 +96,9 @@ class HybridStrategy(ShardedStrategy):
     process, a host is a group of neighbouring devices (``devices[0:k]``, ``devices[k:2k]``,
     ...), which is how one process over fake devices stands in for several hosts. The mesh
     is laid out as `jax.experimental.mesh_utils.create_hybrid_device_mesh` lays one: a
-    host's devices are contiguous along each axis's within-host part. By default the
+    host's devices are contiguous along each axis's within-host part (within a host they
+    are in `devices` order, as JAX lists them: no TPU-topology-aware order, which
+    `mesh_utils.create_device_mesh` would give a TPU slice). By default the
     replicas alone cross hosts (``dcn_replicas`` = the number of processes), so an FSDP
     all-gather or a tensor collective never leaves a host and the only collective across
     hosts is the replicas' gradient all-reduce.
