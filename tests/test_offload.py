@@ -200,13 +200,14 @@ def test_the_compiled_steps_device_memory_falls_by_adams_moments(make):
 
 
 # The trajectory: the same numbers as without offloading ----------------------------------
-def _fit(strategy, *, steps_per_execution=1, epochs=2):
+def _fit(strategy, *, steps_per_execution=1, epochs=2, dtype_policy=None, **compile_kwargs):
     with strategy.scope():
-        model = jstrategy.Model(MLP(), input_shape=(FEATURES,), seed=0)
+        model = jstrategy.Model(MLP(), input_shape=(FEATURES,), seed=0, dtype_policy=dtype_policy)
         model.compile(
             optax.adam(0.01),
             loss=losses.SparseCategoricalCrossentropy(from_logits=True),
             steps_per_execution=steps_per_execution,
+            **compile_kwargs,
         )
     x, y = helpers.classification_data(64, FEATURES)
     history = model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0)
@@ -244,6 +245,21 @@ def test_fit_follows_the_step_without_offloading(make, offload, steps_per_execut
     x, y = helpers.classification_data(40, FEATURES, seed=1)
     _assert_same(model.evaluate(x, y, verbose=0), reference.evaluate(x, y, verbose=0))
     _assert_same(model.predict(x, verbose=0), reference.predict(x, verbose=0))
+
+
+@pytest.mark.slow
+def test_accumulation_and_loss_scaling_follow_the_step_without_offloading():
+    # The step's own fields (gradient sums, the loss scale) stay in device memory; the
+    # update they gate moves the offloaded leaves in and out all the same.
+    options = {"dtype_policy": "mixed_float16", "gradient_accumulation_steps": 2}
+    reference, reference_losses = _fit(_fsdp(), **options)
+    model, got_losses = _fit(_fsdp(offload=OffloadPolicy(params=True)), **options)
+    _assert_same(got_losses, reference_losses)
+    for a, b in zip(model.get_weights(), reference.get_weights(), strict=True):
+        _assert_same(a, b)
+    kinds = _kinds(model.state)
+    assert {kinds[p] for p in kinds if p[0] in ("grad_accumulator", "loss_scale")} == {"device"}
+    assert {kinds[p] for p in kinds if p[0] == "params"} == {HOST}
 
 
 @pytest.mark.slow
