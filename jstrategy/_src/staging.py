@@ -299,7 +299,10 @@ def sharded_train_program(
        device updates its own slices.
 
     Every variable comes out where `Strategy.variable_sharding` keeps it (the program's
-    ``out_shardings``); the state and `acc` are donated. Same arguments and result as
+    ``out_shardings``); the state and `acc` are donated. Leaves it keeps in host memory (a
+    sharded strategy's `OffloadPolicy`) are moved to device memory inside the step, the
+    optimizer state once the gradients are taken, and written back to host memory after
+    every step. Same arguments and result as
     `replicated_train_program`.
     """
     return _ShardedTrainProgram(strategy, fns, steps=steps, stacked=stacked)
