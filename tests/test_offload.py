@@ -333,10 +333,14 @@ def _fit_on(model):
 
 
 def test_offloading_is_shown_by_the_strategy():
-    assert _fsdp().offload is None
+    assert _fsdp().offload is None and "offload" not in repr(_fsdp())
     assert _fsdp(offload_optimizer=True).offload == OffloadPolicy()
+    assert repr(_fsdp(offload_optimizer=True)).endswith(
+        "offload=OffloadPolicy(optimizer=True, params=False, where=None), min_shard_size=0)"
+    )
     policy = OffloadPolicy(params=True)
     assert _model_parallel(offload=policy).offload is policy
+    assert repr(_model_parallel(offload=policy)).endswith(f"offload={policy!r})")
 
 
 def test_a_device_without_the_memory_kind_is_refused_with_the_fix():

@@ -242,7 +242,7 @@ class ModelParallelStrategy(ShardedStrategy):
         return None
 
     def __repr__(self) -> str:
-        return (
+        return self._with_offload(
             f"ModelParallelStrategy(mesh={self.device_mesh!r}, "
             f"batch_dim_name={self.axis_name!r}, layouts={len(self._layout_map)})"
         )

@@ -105,6 +105,13 @@ class ShardedStrategy(Strategy):
         """
         return self._offload
 
+    def __repr__(self) -> str:
+        return self._with_offload(super().__repr__())
+
+    def _with_offload(self, text: str) -> str:
+        """A repr ``Name(...)`` with ``offload=`` added when a policy is set."""
+        return text if self._offload is None else f"{text[:-1]}, offload={self._offload!r})"
+
     def read_on_replicas(self, tree: Any) -> Any:
         """Variables kept in host memory (offloaded parameters) copied to device memory,
         where evaluation, prediction and `run` compute; the others as they are."""
