@@ -2,7 +2,8 @@
 
 Trains the same MLP (64-512-512-10, Adam, so the optimizer state is twice the parameters)
 for a few steps with `OneDeviceStrategy`, `MirroredStrategy` (8 replicas),
-`CentralStorageStrategy` (8 compute devices), `FSDPStrategy` (8 replicas) and
+`CentralStorageStrategy` (8 compute devices), `FSDPStrategy` (8 replicas; and with
+``offload_optimizer=True``) and
 `ModelParallelStrategy` (a 2x4 ``batch`` x ``model`` mesh, the first two kernels split
 Megatron-style over ``model``), then reads, from the live arrays of the train state, how
 many bytes sit in device memory and in host memory: every shard's
@@ -14,7 +15,9 @@ device memory (the batch, metrics; any leftover copy of the parameters would sho
 Expected: OneDevice keeps one copy in device memory, Mirrored eight (1.0x per device),
 CentralStorage none in device memory and one in host memory, FSDP one copy in all (about
 1/8 per device: the small biases stay replicated), ModelParallel two (one per replica),
-each split four ways where the layout splits it.
+each split four ways where the layout splits it. FSDP with optimizer offload keeps the
+same one copy, Adam's moments (two thirds of it) in host memory: a third of FSDP's per
+device in device memory.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/memory.py
 """
@@ -57,6 +60,9 @@ STRATEGIES: dict[str, Callable[[], jstrategy.Strategy]] = {
     "Mirrored (8)": lambda: jstrategy.MirroredStrategy(),
     "CentralStorage (8)": lambda: jstrategy.CentralStorageStrategy(),
     "FSDP (8)": lambda: jstrategy.experimental.FSDPStrategy(),
+    "FSDP (8), optimizer offload": lambda: jstrategy.experimental.FSDPStrategy(
+        offload_optimizer=True
+    ),
     "ModelParallel (2x4)": megatron_2x4,
 }
 
@@ -179,7 +185,7 @@ def main() -> None:
         "resident between steps"
     )
     header = (
-        f"{'strategy':<21}{'replicas':>9}{'one copy':>12}{'device mem':>13}{'host mem':>12}"
+        f"{'strategy':<29}{'replicas':>9}{'one copy':>12}{'device mem':>13}{'host mem':>12}"
         f"{'copies dev':>12}{'copies host':>13}{'per device':>12}{'other dev':>11}"
     )
     print(header)
@@ -187,7 +193,7 @@ def main() -> None:
     for name, make in STRATEGIES.items():
         f = measure(name, make, steps=args.steps, hidden=args.hidden)
         print(
-            f"{f.strategy:<21}{f.replicas:>9}{f.one_copy:>12,}{f.device:>13,}{f.host:>12,}"
+            f"{f.strategy:<29}{f.replicas:>9}{f.one_copy:>12,}{f.device:>13,}{f.host:>12,}"
             f"{f.device_copies:>12.2f}{f.host_copies:>13.2f}{f.per_device:>11.3f}x"
             f"{f.other_device:>11,}"
         )

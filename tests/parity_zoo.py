@@ -194,6 +194,10 @@ STRATEGIES: dict[str, Callable[[], jstrategy.Strategy]] = {
     "mirrored_2": lambda: jstrategy.MirroredStrategy(["cpu:0", "cpu:1"]),
     "central_storage_8": lambda: jstrategy.CentralStorageStrategy(),
     "fsdp_8": lambda: jstrategy.experimental.FSDPStrategy(min_shard_size=0),
+    # Parameters and optimizer state in host memory between steps (issue 37 item 2).
+    "fsdp_8_offload": lambda: jstrategy.experimental.FSDPStrategy(
+        min_shard_size=0, offload=jstrategy.experimental.OffloadPolicy(params=True)
+    ),
     "model_parallel_2x4": _model_parallel,
     # Two "hosts" of four devices (one replica each): FSDP and tensor within a host.
     "hybrid_2x2x2": lambda: jstrategy.experimental.HybridStrategy(

@@ -1,19 +1,30 @@
-"""Counting the collectives of a compiled program, by kind and by the mesh axes they span.
+"""Counting the collectives of a compiled program, by kind and by the mesh axes they span;
+and its peak in device memory.
 
 What a sharded strategy communicates is XLA's decision (its SPMD partitioner and
 collective passes); the tests and `benchmarks/sharded_step.py` read it back from the
 compiled HLO text (``jitted.lower(...).compile().as_text()``) with `collective_counts`.
+`device_memory_peak` is the compiled program's memory analysis counting device memory only
+(arguments and outputs the program keeps in host memory left out).
 """
 
 from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 import numpy as np
 from jax.sharding import Mesh
 
-__all__ = ["COLLECTIVES", "collective_counts", "collective_groups", "permute_pairs"]
+__all__ = [
+    "COLLECTIVES",
+    "collective_counts",
+    "collective_groups",
+    "device_memory_peak",
+    "host_memory_bytes",
+    "permute_pairs",
+]
 
 #: The collective instructions of XLA's HLO.
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
@@ -152,3 +163,93 @@ def permute_pairs(hlo_text: str) -> list[list[tuple[int, int]]]:
             pairs = re.findall(r"\{(\d+),(\d+)\}", match.group(1))
             found.append([(int(a), int(b)) for a, b in pairs])
     return found
+
+
+# Host memory in compiled HLO ---------------------------------------------------------------
+#: XLA's memory space of host memory in a layout (``f32[128,64]{1,0:S(5)}``).
+_HOST_SPACE = "S(5)"
+_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\](?:\{([^}]*)\})?")  # scalars: no layout
+_ALIAS = re.compile(r"\{(\d*)\}: \((\d+), \{\}")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
+
+
+def _arrays(text: str) -> list[tuple[int, bool]]:
+    """``(bytes, in host memory)`` of each array type in `text`, in order."""
+    out = []
+    for dtype, dims, layout in _ARRAY.findall(text):
+        size = _DTYPE_BYTES.get(dtype, 8 if dtype.endswith("64") else 4)
+        out.append((size * math.prod(int(d) for d in dims.split(",") if d), _HOST_SPACE in layout))
+    return out
+
+
+def _braced(text: str, key: str) -> str | None:
+    """What follows ``key{`` in `text` up to its matching ``}``, or None without `key`."""
+    start = text.find(key + "{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len(key)
+    for i in range(begin, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[begin + 1 : i]
+    return None
+
+
+def host_memory_bytes(hlo_text: str) -> tuple[int, int, int]:
+    """Bytes of a compiled program's arguments, outputs and aliased (donated) outputs that
+    its entry layout keeps in host memory, per device.
+
+    XLA marks them in the compiled module's ``entry_computation_layout`` with memory space
+    ``S(5)``, on every backend, including CPU devices, whose memory analysis counts them
+    with the device's.
+
+    Example:
+
+    >>> text = (
+    ...     "HloModule m, input_output_alias={ {1}: (1, {}, may-alias) }, "
+    ...     "entry_computation_layout={(f32[4]{0}, f32[8,2]{1,0:S(5)})->(f32[4]{0}, "
+    ...     "f32[8,2]{1,0:S(5)})}"
+    ... )
+    >>> host_memory_bytes(text)
+    (64, 64, 64)
+    """
+    header = hlo_text.split("\n", 1)[0]
+    layout = _braced(header, "entry_computation_layout=")
+    if layout is None:
+        return 0, 0, 0
+    params_text, _, outputs_text = layout.partition(")->")
+    params, outputs = _arrays(params_text), _arrays(outputs_text)
+    aliased = 0
+    for output, _param in _ALIAS.findall(_braced(header, "input_output_alias=") or ""):
+        nbytes, host = outputs[int(output) if output else 0]
+        aliased += nbytes if host else 0
+    return (
+        sum(n for n, host in params if host),
+        sum(n for n, host in outputs if host),
+        aliased,
+    )
+
+
+def device_memory_peak(compiled: Any) -> int:
+    """A compiled program's peak per device in device memory: arguments + temporaries +
+    outputs - aliased (donated) bytes, from XLA's ``memory_analysis()``, without what it
+    keeps in host memory.
+
+    A backend that reports host memory apart (``host_argument_size_in_bytes``...) has it
+    left out already; on others (CPU devices) the bytes `host_memory_bytes` reads from the
+    compiled module's entry layout are taken out.
+    """
+    m = compiled.memory_analysis()
+    peak = (
+        m.argument_size_in_bytes
+        + m.temp_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+    )
+    reported = getattr(m, "host_argument_size_in_bytes", 0) + getattr(
+        m, "host_output_size_in_bytes", 0
+    )
+    if reported:
+        return int(peak)
+    host_arguments, host_outputs, host_aliased = host_memory_bytes(compiled.as_text())
+    return int(peak - host_arguments - host_outputs + host_aliased)

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from jstrategy._src import context
+from jstrategy._src.devices import canonical_name
 from jstrategy._src.names import path_names
 from jstrategy._src.names import path_str
 from jstrategy._src.values import device_put_global
@@ -24,11 +25,14 @@ if TYPE_CHECKING:
 __all__ = [
     "HOST_MEMORY_KINDS",
     "abstract",
+    "check_memory_kind",
     "check_placed",
     "create_placed",
     "creation_shardings",
     "in_device_memory",
+    "in_host_memory",
     "lower_creation",
+    "moved_to_device",
     "place_state",
     "splits",
     "variable_shardings",
@@ -99,6 +103,17 @@ def _to_device_memory_first(x: Any, sharding: jax.sharding.Sharding) -> Any:
     ):
         return jax.device_put(x, sharding.with_memory_kind("device"))
     return x
+
+
+def check_memory_kind(device: jax.Device, memory_kind: str, *, keeper: str, fix: str) -> None:
+    """Raises a `ValueError` naming `keeper`, the device and its memories, and `fix`, when
+    `device` has no memory of `memory_kind` (e.g. ``"pinned_host"``) to keep variables in."""
+    kinds = [m.kind for m in device.addressable_memories()]
+    if memory_kind not in kinds:
+        raise ValueError(
+            f"{keeper} keeps variables in {memory_kind!r} memory, but "
+            f"{canonical_name(device)} has only {kinds}. {fix}"
+        )
 
 
 def splits(shardings: Any) -> bool:
@@ -243,6 +258,29 @@ def in_device_memory(tree: Any) -> Any:
         return x
 
     return jax.tree.map(move, tree)
+
+
+def moved_to_device(tree: Any, shardings: Any) -> Any:
+    """Inside a program: each leaf of `tree` whose sharding (in `shardings`, shaped like
+    `tree`) is in host memory, moved to device memory with the same layout; the others as
+    they are.
+
+    XLA computes only on device memory: a program that takes variables kept in host memory
+    (`CentralStorageStrategy`'s, a sharded strategy's `OffloadPolicy`) moves them in with
+    this, and its ``out_shardings`` write them back.
+    """
+
+    def move(x: Any, sharding: jax.sharding.Sharding) -> Any:
+        if sharding.memory_kind in HOST_MEMORY_KINDS:
+            return jax.device_put(x, sharding.with_memory_kind("device"))
+        return x
+
+    return jax.tree.map(move, tree, shardings)
+
+
+def in_host_memory(shardings: Any) -> bool:
+    """Whether any sharding of the pytree `shardings` keeps its variable in host memory."""
+    return any(s.memory_kind in HOST_MEMORY_KINDS for s in jax.tree.leaves(shardings))
 
 
 def _placement(sharding: jax.sharding.Sharding) -> tuple[tuple[jax.Device, ...], str]:

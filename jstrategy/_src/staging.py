@@ -41,6 +41,8 @@ from jax.sharding import PartitionSpec as P
 from jstrategy._src import dispatch
 from jstrategy._src import flax_annotations
 from jstrategy._src.numerics import means
+from jstrategy._src.placement import in_host_memory
+from jstrategy._src.placement import moved_to_device
 from jstrategy._src.placement import variable_shardings
 
 if TYPE_CHECKING:
@@ -220,18 +222,37 @@ class _ShardedTrainProgram:
         assert global_gradients is not None
         shardings = variable_shardings(state, strategy)
         replicated = strategy.replicated_sharding()
-        param_shardings, _ = fns.split(shardings)
+        # Variables an `OffloadPolicy` keeps in host memory: moved to device memory where
+        # the step reads them, back through `out_shardings` (and, in a scan, after every
+        # step: they live in host memory between steps).
+        offloaded = in_host_memory(shardings)
+        on_device = (
+            jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
+            if offloaded
+            else shardings
+        )
+        # Offloaded parameters (or anything else the gradients read) move in at the step's
+        # start; the optimizer state alone only once the gradients are taken, so it holds
+        # no device memory during the forward and backward passes.
+        early = offloaded and in_host_memory(fns.split(shardings))
+        param_shardings, _ = fns.split(on_device)
         grad_shardings = fns.gradients_like(param_shardings, replicated)
 
         def one(state: Any, acc: Any, batch: Any, mask: Any) -> tuple[Any, Any]:
+            if early:
+                state = moved_to_device(state, shardings)
             params, rest = fns.split(state)
             grads, model_state, sums = global_gradients(params, rest, batch, mask)
             # Each gradient laid out like its parameter: XLA reduce-scatters it where
             # backpropagation produces it, and the update runs on each device's slices.
             grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+            if offloaded and not early:
+                state = moved_to_device(state, shardings)
             state = fns.update(state, grads, model_state)
             # Where the strategy keeps each variable, after every step of a scan too.
-            state = jax.lax.with_sharding_constraint(state, shardings)
+            state = jax.lax.with_sharding_constraint(state, on_device)
+            if offloaded:
+                state = jax.device_put(state, shardings)
             return state, _accumulate(acc, sums)
 
         return jax.jit(
@@ -278,7 +299,10 @@ def sharded_train_program(
        device updates its own slices.
 
     Every variable comes out where `Strategy.variable_sharding` keeps it (the program's
-    ``out_shardings``); the state and `acc` are donated. Same arguments and result as
+    ``out_shardings``); the state and `acc` are donated. Leaves it keeps in host memory (a
+    sharded strategy's `OffloadPolicy`) are moved to device memory inside the step, the
+    optimizer state once the gradients are taken, and written back to host memory after
+    every step. Same arguments and result as
     `replicated_train_program`.
     """
     return _ShardedTrainProgram(strategy, fns, steps=steps, stacked=stacked)
@@ -348,11 +372,10 @@ class _HostUpdateStep:
         program = self._updates.get(key)
         if program is None:
             shardings = variable_shardings(state, self._strategy)
-            on_device = jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
             update = self._fns.update
 
             def update_home(state: Any, grads: Any, model_state: Any) -> Any:
-                return update(jax.device_put(state, on_device), grads, model_state)
+                return update(moved_to_device(state, shardings), grads, model_state)
 
             program = jax.jit(update_home, out_shardings=shardings, donate_argnums=(0,))
             self._updates[key] = program

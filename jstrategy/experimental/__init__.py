@@ -16,6 +16,7 @@ from jstrategy._src.collective_util import CommunicationOptions
 from jstrategy._src.context_parallel.attention import dot_product_attention
 from jstrategy._src.layout_map import LayoutMap
 from jstrategy._src.mesh import DeviceMesh
+from jstrategy._src.offload import OffloadPolicy
 from jstrategy._src.parameter_server.strategy import ParameterServerStrategy
 from jstrategy._src.pipeline.nnx_repeated import NNXRepeated
 from jstrategy._src.pipeline.repeated import Repeated
@@ -45,6 +46,7 @@ __all__ = [
     "ModelParallelStrategy",
     "MultiWorkerMirroredStrategy",
     "NNXRepeated",
+    "OffloadPolicy",
     "ParameterServerStrategy",
     "PipelineSchedule",
     "PipelineStrategy",

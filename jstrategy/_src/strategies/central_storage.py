@@ -26,6 +26,7 @@ import jax
 from jax.sharding import SingleDeviceSharding
 
 from jstrategy._src import devices as devices_lib
+from jstrategy._src import placement
 from jstrategy._src import staging
 from jstrategy._src.strategy import Strategy
 
@@ -97,13 +98,12 @@ class CentralStorageStrategy(Strategy):
             # One compute device: variables and computation together, as in TF.
             self._variable_sharding = self.replicated_sharding()
         else:
-            kinds = [m.kind for m in home.addressable_memories()]
-            if memory_kind not in kinds:
-                raise ValueError(
-                    f"CentralStorageStrategy keeps variables in {memory_kind!r} memory, but "
-                    f"{devices_lib.canonical_name(home)} has only {kinds}. Use a backend "
-                    "with host memory (CPU, GPU, TPU), or a single compute device."
-                )
+            placement.check_memory_kind(
+                home,
+                memory_kind,
+                keeper="CentralStorageStrategy",
+                fix="Use a backend with host memory (CPU, GPU, TPU), or a single compute device.",
+            )
             self._variable_sharding = SingleDeviceSharding(home, memory_kind=memory_kind)
 
     @property

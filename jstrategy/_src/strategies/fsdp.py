@@ -29,6 +29,7 @@ from jstrategy._src import devices as devices_lib
 from jstrategy._src import flax_annotations
 from jstrategy._src.collective_util import CommunicationOptions
 from jstrategy._src.context_parallel.axis import CONTEXT_AXIS
+from jstrategy._src.offload import OffloadPolicy
 from jstrategy._src.strategies.sharded import ShardedStrategy
 from jstrategy._src.strategy import REPLICA_AXIS
 from jstrategy._src.validation import check_number
@@ -79,10 +80,17 @@ class FSDPStrategy(ShardedStrategy):
         splits every batch array of two or more dimensions along dimension 1 (its
         sequence) over the ``"context"`` axis, with
         `jstrategy.experimental.dot_product_attention` running ring attention over it.
+      offload_optimizer: keep the optimizer state in host memory between steps (its
+        slices, split as above), moved to device memory for the update inside the
+        compiled step: ``offload=OffloadPolicy()``.
+      offload: a `jstrategy.experimental.OffloadPolicy`: which variables (optimizer
+        state, parameters, chosen by path) live in host memory between steps.
 
     Raises:
-      ValueError: if `devices` is invalid, `min_shard_size` is not a non-negative int, or
-        `context` is not a positive int dividing the number of devices.
+      ValueError: if `devices` is invalid, `min_shard_size` is not a non-negative int,
+        `context` is not a positive int dividing the number of devices, or offloading is
+        asked twice or on devices without host memory.
+      TypeError: if `offload` is not an `OffloadPolicy`.
       RuntimeError: if it must start the distributed runtime after JAX's backends started.
 
     Example:
@@ -108,6 +116,8 @@ class FSDPStrategy(ShardedStrategy):
         cluster_resolver: ClusterResolver | None = None,
         communication_options: CommunicationOptions | None = None,
         context: int = 1,
+        offload_optimizer: bool = False,
+        offload: OffloadPolicy | None = None,
     ):
         check_number(
             context,
@@ -138,6 +148,7 @@ class FSDPStrategy(ShardedStrategy):
                 axis_types=(AxisType.Auto, AxisType.Auto),
             )
         super().__init__(mesh, cross_device_ops=cross_device_ops)
+        self._set_offload(offload, offload_optimizer)
         self._min_shard_size = min_shard_size
         # Variables split over every device: over the context axis too, as MaxText's FSDP.
         self._split_axes = (REPLICA_AXIS, CONTEXT_AXIS) if context > 1 else REPLICA_AXIS

@@ -39,6 +39,7 @@ from jstrategy._src.collective_util import CommunicationOptions
 from jstrategy._src.layout_map import LayoutMap
 from jstrategy._src.layout_map import misfit
 from jstrategy._src.mesh import DeviceMesh
+from jstrategy._src.offload import OffloadPolicy
 from jstrategy._src.strategies.fsdp import DEFAULT_MIN_SHARD_SIZE
 from jstrategy._src.strategies.fsdp import check_min_shard_size
 from jstrategy._src.strategies.fsdp import shard_dim
@@ -129,13 +130,18 @@ class HybridStrategy(ShardedStrategy):
       cluster_resolver: the job to join, as for `FSDPStrategy`; defaults to
         `TFConfigClusterResolver()` when `devices` is None.
       communication_options: `jstrategy.experimental.CommunicationOptions` for the job.
+      offload_optimizer: keep the optimizer state in host memory between steps (laid out
+        as above), moved to device memory for the update inside the compiled step:
+        ``offload=OffloadPolicy()``.
+      offload: a `jstrategy.experimental.OffloadPolicy`: which variables live in host
+        memory between steps.
 
     Raises:
       ValueError: if a degree is not a positive int (or -1), the degrees do not multiply
         to the number of devices, an across-host part does not divide its degree, the
-        hosts do not match the processes, or `layout_map` names an
-        axis this mesh cannot mean.
-      TypeError: if `layout_map` is not a `LayoutMap`.
+        hosts do not match the processes, `layout_map` names an axis this mesh cannot
+        mean, or offloading is asked twice or on devices without host memory.
+      TypeError: if `layout_map` is not a `LayoutMap`, or `offload` not an `OffloadPolicy`.
 
     Example:
 
@@ -170,6 +176,8 @@ class HybridStrategy(ShardedStrategy):
         devices: Sequence[devices_lib.DeviceSpec] | None = None,
         cluster_resolver: ClusterResolver | None = None,
         communication_options: CommunicationOptions | None = None,
+        offload_optimizer: bool = False,
+        offload: OffloadPolicy | None = None,
     ):
         degrees = {"replicas": replicas, "fsdp": fsdp, "tensor": tensor}
         for name, value in degrees.items():
@@ -257,6 +265,7 @@ class HybridStrategy(ShardedStrategy):
         self._min_shard_size = min_shard_size
         self._degrees = degrees
         self._dcn = dcn
+        self._set_offload(offload, offload_optimizer)
 
     @property
     def hosts(self) -> tuple[tuple[int, ...], ...]:
@@ -391,7 +400,7 @@ class HybridStrategy(ShardedStrategy):
 
     def __repr__(self) -> str:
         d, c = self._degrees, self._dcn
-        return (
+        return self._with_offload(
             f"HybridStrategy(replicas={d['replicas']}, fsdp={d['fsdp']}, tensor={d['tensor']}, "
             f"dcn_replicas={c['replicas']}, dcn_fsdp={c['fsdp']}, dcn_tensor={c['tensor']}, "
             f"min_shard_size={self._min_shard_size})"

@@ -25,6 +25,7 @@ from jstrategy._src.cross_device_ops import CrossDeviceOps
 from jstrategy._src.layout_map import LayoutMap
 from jstrategy._src.layout_map import misfit
 from jstrategy._src.mesh import DeviceMesh
+from jstrategy._src.offload import OffloadPolicy
 from jstrategy._src.strategies.sharded import ShardedStrategy
 
 if TYPE_CHECKING:
@@ -71,10 +72,16 @@ class ModelParallelStrategy(ShardedStrategy):
         mesh's devices are not known yet.
       communication_options: `jstrategy.experimental.CommunicationOptions` for the job:
         the collectives across processes and ``timeout_seconds``.
+      offload_optimizer: keep the optimizer state in host memory between steps, laid
+        out as above: ``offload=OffloadPolicy()``.
+      offload: a `jstrategy.experimental.OffloadPolicy`: which variables live in host
+        memory between steps.
 
     Raises:
-      TypeError: if `layout_map` is not a `LayoutMap`.
-      ValueError: if `batch_dim_name` is not an axis of the mesh, or is ``"context"``.
+      TypeError: if `layout_map` is not a `LayoutMap`, or `offload` not an
+        `OffloadPolicy`.
+      ValueError: if `batch_dim_name` is not an axis of the mesh, or is ``"context"``,
+        or offloading is asked twice or on devices without host memory.
 
     Example:
 
@@ -103,6 +110,8 @@ class ModelParallelStrategy(ShardedStrategy):
         cross_device_ops: CrossDeviceOps | None = None,
         cluster_resolver: ClusterResolver | None = None,
         communication_options: CommunicationOptions | None = None,
+        offload_optimizer: bool = False,
+        offload: OffloadPolicy | None = None,
     ):
         if not isinstance(layout_map, LayoutMap):
             raise TypeError(
@@ -135,6 +144,7 @@ class ModelParallelStrategy(ShardedStrategy):
             if cross_device_ops is None:
                 cross_device_ops = across  # across processes, or None for one
         super().__init__(mesh, cross_device_ops=cross_device_ops, data_axis=batch_dim_name)
+        self._set_offload(offload, offload_optimizer)
         self._layout_map = layout_map
 
     @property
@@ -216,7 +226,7 @@ class ModelParallelStrategy(ShardedStrategy):
         return [a for a in axes if a not in self.mesh.axis_names]
 
     def __repr__(self) -> str:
-        return (
+        return self._with_offload(
             f"ModelParallelStrategy(mesh={self.device_mesh!r}, "
             f"batch_dim_name={self.axis_name!r}, layouts={len(self._layout_map)})"
         )

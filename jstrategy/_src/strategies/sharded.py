@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -22,12 +23,16 @@ import jax
 from flax.core import spmd as flax_spmd
 
 from jstrategy._src import flax_annotations
+from jstrategy._src import placement
 from jstrategy._src import staging
 from jstrategy._src.cluster import join as cluster_lib
 from jstrategy._src.cluster.tf_config import TFConfigClusterResolver
 from jstrategy._src.collective_util import check_communication_options
 from jstrategy._src.context_parallel import axis as context_axis_lib
 from jstrategy._src.cross_device_ops import CollectiveAllReduce
+from jstrategy._src.offload import HOST_MEMORY_KIND
+from jstrategy._src.offload import OffloadPolicy
+from jstrategy._src.offload import resolve_offload
 from jstrategy._src.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -55,6 +60,64 @@ class ShardedStrategy(Strategy):
     #: The job this strategy joined (`_join_job`), or None for a local one.
     _cluster: cluster_lib.Cluster | None = None
     _cluster_resolver: ClusterResolver | None = None
+    #: Which variables live in host memory between steps (`_set_offload`); None: none.
+    _offload: OffloadPolicy | None = None
+
+    # Optimizer state in host memory ------------------------------------------------------
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Every subclass's own `variable_sharding` (its layout: FSDP's split, a LayoutMap's,
+        # a hybrid mesh's) is wrapped so that the leaves the `OffloadPolicy` chooses get
+        # that layout in host memory: placement, creation, checkpoint restores and the
+        # step's `out_shardings` all ask `variable_sharding`, and a sharded strategy
+        # written later inherits offloading without calling anything itself.
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("variable_sharding")
+        if own is None:
+            return
+
+        @functools.wraps(own)
+        def variable_sharding(
+            self: ShardedStrategy, leaf: Any, path: tuple[str, ...] = ()
+        ) -> jax.sharding.Sharding:
+            sharding = own(self, leaf, path)
+            # Idempotent: a subclass's override that calls its base's is wrapped twice.
+            policy = self._offload
+            if policy is None or not policy.offloads(leaf, path):
+                return sharding
+            return sharding.with_memory_kind(HOST_MEMORY_KIND)
+
+        cls.variable_sharding = variable_sharding  # type: ignore[method-assign,assignment]
+
+    def _set_offload(self, offload: OffloadPolicy | None, offload_optimizer: bool) -> None:
+        """Checks and keeps the constructor's ``offload=`` / ``offload_optimizer=``
+        (`offload.resolve_offload`); call it in the constructor, after the mesh is set."""
+        self._offload = resolve_offload(offload, offload_optimizer, self.devices)
+
+    @property
+    def offload(self) -> OffloadPolicy | None:
+        """Which variables live in host memory between steps (None: all in device memory).
+
+        Example:
+
+        >>> import jstrategy
+        >>> jstrategy.experimental.FSDPStrategy(offload_optimizer=True).offload
+        OffloadPolicy(optimizer=True, params=False, where=None)
+        """
+        return self._offload
+
+    def __repr__(self) -> str:
+        return self._with_offload(super().__repr__())
+
+    def _with_offload(self, text: str) -> str:
+        """A repr ``Name(...)`` with ``offload=`` added when a policy is set."""
+        return text if self._offload is None else f"{text[:-1]}, offload={self._offload!r})"
+
+    def read_on_replicas(self, tree: Any) -> Any:
+        """Variables kept in host memory (offloaded parameters) copied to device memory,
+        where evaluation, prediction and `run` compute; the others as they are."""
+        if self._offload is None:
+            return tree
+        return placement.in_device_memory(tree)
 
     def _join_job(
         self,
