@@ -1,0 +1,187 @@
+"""`jstrategy.experimental.plan`: the train step's memory from shapes alone, against the
+compiled step of a real state, and its advice when the step does not fit."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jstrategy
+from jstrategy import training
+from jstrategy._src.input.placement import distribute_batch
+from jstrategy._src.training import data_adapters
+from jstrategy.experimental import Fix
+from jstrategy.experimental import MemoryPlan
+from jstrategy.experimental import plan
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import memory as memory_benchmark
+
+from jstrategy._src.training.plan.planner import compiled_peak
+
+FEATURES, BATCH = memory_benchmark.FEATURES, memory_benchmark.BATCH
+MIB = 1 << 20
+
+
+def _batch(rows: int = BATCH):
+    return (
+        jax.ShapeDtypeStruct((rows, FEATURES), jnp.float32),
+        jax.ShapeDtypeStruct((rows,), jnp.int32),
+    )
+
+
+def _real_peak(strategy: jstrategy.Strategy, rows: int = BATCH) -> int:
+    """The compiled peak of the step a user runs: a created state, the factory's step,
+    lowered from the actual arrays."""
+    with strategy.scope():
+        state = training.create_train_state(
+            memory_benchmark.MLP(), optax.adam(1e-3), jnp.ones((1, FEATURES)), rng=0
+        )
+        step = training.make_train_step(memory_benchmark._loss)
+    x = np.zeros((rows, FEATURES), np.float32)
+    y = np.zeros((rows,), np.int32)
+    return compiled_peak(step.lower(state, (x, y)).compile())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(memory_benchmark.STRATEGIES))
+def test_plan_agrees_with_the_compiled_step(name):
+    strategy = memory_benchmark.STRATEGIES[name]()
+    planned = plan(
+        memory_benchmark.MLP(),
+        strategy,
+        _batch(),
+        optimizer=optax.adam(1e-3),
+        loss=memory_benchmark._loss,
+        device_memory=1 << 30,
+        find_largest_batch=False,
+    )
+    real = _real_peak(strategy)
+    print(f"{name}: plan {planned.peak:,} compiled {real:,} ratio {planned.peak / real:.4f}")
+    assert abs(planned.peak / real - 1) <= 0.05
+    assert planned.fits and planned.advice == ()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["Mirrored (8)", "FSDP (8)"])
+def test_plan_of_a_compiled_model_agrees_with_its_step(name):
+    strategy = memory_benchmark.STRATEGIES[name]()
+    with strategy.scope():
+        model = jstrategy.Model(memory_benchmark.MLP())  # not built: planned from shapes
+        model.compile("adam", loss="sparse_categorical_crossentropy")
+    planned = plan(model, batch=_batch(), device_memory=1 << 30, find_largest_batch=False)
+    assert not model.built  # planning created nothing
+    x = np.zeros((BATCH, FEATURES), np.float32)
+    y = np.zeros((BATCH,), np.int32)
+    model._ensure_ready(x[:1], training=True)
+    trainer = model._trainer
+    values, _ = data_adapters.split_batch(distribute_batch(strategy, (x, y)), strategy)
+    mask = data_adapters.ones_mask(BATCH, strategy.batch_sharding())
+    program = trainer.program(("train", 0, True))
+    real = compiled_peak(program.lower(trainer.state, None, values, mask).compile())
+    print(f"Model under {name}: plan {planned.peak:,} compiled {real:,}")
+    assert abs(planned.peak / real - 1) <= 0.05
+    # The optimizer state is Adam's two moments: twice the parameters.
+    assert planned.optimizer_state >= 2 * planned.parameters
+
+
+@pytest.mark.slow
+def test_largest_batch_fits_and_the_next_does_not():
+    strategy = jstrategy.OneDeviceStrategy("cpu:0")
+    options = dict(optimizer=optax.sgd(0.1), loss=memory_benchmark._loss, find_largest_batch=False)
+    small = plan(memory_benchmark.MLP(64), strategy, _batch(8), device_memory=1 << 30, **options)
+    budget = small.peak + 40 * 64 * 4 * 3  # room for some more rows of activations
+    found = plan(
+        memory_benchmark.MLP(64),
+        strategy,
+        _batch(8),
+        device_memory=budget,
+        **options | {"find_largest_batch": True},
+    )
+    assert found.largest_batch is not None and found.largest_batch > 8
+    at = plan(
+        memory_benchmark.MLP(64),
+        strategy,
+        _batch(found.largest_batch),
+        device_memory=budget,
+        **options,
+    )
+    above = plan(
+        memory_benchmark.MLP(64),
+        strategy,
+        _batch(found.largest_batch + 1),
+        device_memory=budget,
+        **options,
+    )
+    assert at.fits and not above.fits
+
+
+@pytest.mark.slow
+def test_state_bound_step_names_fsdp_and_offload():
+    strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    planned = plan(
+        memory_benchmark.MLP(),
+        strategy,
+        _batch(8),
+        optimizer=optax.adam(1e-3),
+        loss=memory_benchmark._loss,
+        device_memory=2 * MIB,  # less than one copy of the parameters and Adam's moments
+    )
+    assert not planned.fits
+    assert planned.parameters + planned.optimizer_state > planned.activations
+    assert planned.fixes[:2] == (Fix.FSDP, Fix.OFFLOAD_OPTIMIZER)
+    assert planned.largest_batch is None  # no batch makes the state fit
+    text = str(planned)
+    assert "DOES NOT FIT" in text and "FSDPStrategy()" in text
+    assert "offload_optimizer=True" in text
+
+
+@pytest.mark.slow
+def test_activation_bound_step_names_remat_microbatches_and_a_smaller_batch():
+    strategy = jstrategy.OneDeviceStrategy("cpu:0")
+    rows = 1 << 15
+    planned = plan(
+        memory_benchmark.MLP(),
+        strategy,
+        _batch(rows),
+        optimizer=optax.adam(1e-3),
+        loss=memory_benchmark._loss,
+        device_memory=64 * MIB,
+    )
+    assert isinstance(planned, MemoryPlan) and not planned.fits
+    assert planned.activations > planned.parameters + planned.optimizer_state
+    assert planned.fixes[:3] == (Fix.REMAT, Fix.MICROBATCHES, Fix.SMALLER_BATCH)
+    assert planned.largest_batch is not None and planned.largest_batch < rows
+    text = str(planned)
+    assert "remat=True" in text and "gradient_accumulation_steps=" in text
+    assert f"at most {planned.largest_batch}" in text
+
+
+def test_bad_arguments_are_refused_before_any_work():
+    strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    mlp = memory_benchmark.MLP()
+    with pytest.raises(ValueError, match=r"needs optimizer and loss"):
+        plan(mlp, strategy, _batch())
+    with pytest.raises(ValueError, match=r"divides by 2 \(strategy.batch_multiple\)"):
+        plan(mlp, strategy, _batch(7), optimizer="adam", loss="mse", device_memory=MIB)
+    with pytest.raises(ValueError, match=r"`device_memory` is needed: cpu device"):
+        plan(mlp, strategy, _batch(), optimizer="adam", loss="mse")
+    with pytest.raises(TypeError, match=r"`device_memory` must be an int"):
+        plan(mlp, strategy, _batch(), optimizer="adam", loss="mse", device_memory=1.5)
+    with pytest.raises(ValueError, match=r"`batch` must be the global batch"):
+        plan(mlp, strategy, np.zeros((8, 4)), optimizer="adam", loss="mse", device_memory=MIB)
+    with pytest.raises(TypeError, match=r"`model` must be a compiled jstrategy.Model"):
+        plan(object(), strategy, _batch())
+    with strategy.scope():
+        model = jstrategy.Model(mlp)
+    with pytest.raises(ValueError, match=r"model is not compiled"):
+        plan(model, batch=_batch(), device_memory=MIB)
+    model.compile("adam", loss="mse")
+    with pytest.raises(ValueError, match=r"\['optimizer'\] cannot be given with a jstrategy.Model"):
+        plan(model, batch=_batch(), optimizer="sgd", device_memory=MIB)
