@@ -70,6 +70,7 @@ class MemoryPlan:
         when none fits.
       advice: what to change when it does not fit, most effective first (empty when
         it fits).
+      searched: whether the largest batch was searched (``find_largest_batch``).
     """
 
     strategy: str
@@ -86,6 +87,7 @@ class MemoryPlan:
     device_memory: int
     largest_batch: int | None
     advice: tuple[Advice, ...]
+    searched: bool = True
 
     @property
     def fits(self) -> bool:
@@ -119,6 +121,8 @@ class MemoryPlan:
         verdict = "fits" if self.fits else "DOES NOT FIT"
         lines.append(f"  {verdict} ({share:.0%} of device memory)")
         largest = "none" if self.largest_batch is None else str(self.largest_batch)
+        if not self.searched:
+            largest = "not searched (find_largest_batch=False)"
         lines.append(f"  largest global batch that fits: {largest}")
         for a in self.advice:
             lines.append(f"  - {a.message}")
