@@ -3,6 +3,7 @@ compiled step of a real state, and its advice when the step does not fit."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from jstrategy._src.training import data_adapters
 from jstrategy.experimental import Fix
 from jstrategy.experimental import MemoryPlan
 from jstrategy.experimental import plan
+from jstrategy.experimental import topology_devices
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import memory as memory_benchmark
@@ -92,34 +94,21 @@ def test_plan_of_a_compiled_model_agrees_with_its_step(name):
 
 
 @pytest.mark.slow
-def test_largest_batch_fits_and_the_next_does_not():
+def test_largest_batch_fits_and_the_next_step_does_not():
     strategy = jstrategy.OneDeviceStrategy("cpu:0")
-    options = dict(optimizer=optax.sgd(0.1), loss=memory_benchmark._loss, find_largest_batch=False)
-    small = plan(memory_benchmark.MLP(64), strategy, _batch(8), device_memory=1 << 30, **options)
-    budget = small.peak + 40 * 64 * 4 * 3  # room for some more rows of activations
-    found = plan(
-        memory_benchmark.MLP(64),
-        strategy,
-        _batch(8),
-        device_memory=budget,
-        **options | {"find_largest_batch": True},
-    )
-    assert found.largest_batch is not None and found.largest_batch > 8
-    at = plan(
-        memory_benchmark.MLP(64),
-        strategy,
-        _batch(found.largest_batch),
-        device_memory=budget,
-        **options,
-    )
-    above = plan(
-        memory_benchmark.MLP(64),
-        strategy,
-        _batch(found.largest_batch + 1),
-        device_memory=budget,
-        **options,
-    )
-    assert at.fits and not above.fits
+    mlp = memory_benchmark.MLP(64)
+    options = dict(optimizer=optax.sgd(0.1), loss=memory_benchmark._loss)
+
+    def at(rows, budget, search=False):
+        return plan(mlp, strategy, _batch(rows), device_memory=budget,
+                    find_largest_batch=search, **options)  # fmt: skip
+
+    budget = at(8, 1 << 30).peak + 40 * 64 * 4 * 3  # room for some more rows of activations
+    largest = at(8, budget, search=True).largest_batch
+    assert largest is not None and largest > 8
+    # Compiled at the answer it fits; one step above (1/32 of it, at least a row) not.
+    assert at(largest, budget).fits
+    assert not at(largest + max(1, largest // 32), budget).fits
 
 
 @pytest.mark.slow
@@ -185,3 +174,36 @@ def test_bad_arguments_are_refused_before_any_work():
     model.compile("adam", loss="mse")
     with pytest.raises(ValueError, match=r"\['optimizer'\] cannot be given with a jstrategy.Model"):
         plan(model, batch=_batch(), optimizer="sgd", device_memory=MIB)
+
+
+def test_a_topology_jax_cannot_compile_for_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"cannot compile for cpu devices .*device_count=N"):
+        topology_devices("4", platform="cpu")
+    with pytest.raises(TypeError, match=r"`topology` must be a topology's name"):
+        topology_devices("")
+
+
+@pytest.mark.slow
+def test_plan_for_a_tpu_slice_this_process_does_not_have():
+    """With libtpu installed (no TPU needed) a strategy over a v5e 4x4 slice's compile-only
+    devices is planned; without it, the error names libtpu."""
+    if importlib.util.find_spec("libtpu") is None:
+        with pytest.raises(ValueError, match=r"needs libtpu in this environment"):
+            topology_devices("v5e:4x4")
+        return
+    devices = topology_devices("v5e:4x4")
+    assert len(devices) == 16 and devices[0].platform == "tpu"
+    options = dict(optimizer=optax.adam(1e-3), loss=memory_benchmark._loss)
+    mlp, batch = memory_benchmark.MLP(), _batch(64)
+    with pytest.raises(ValueError, match=r"`device_memory` is needed"):
+        plan(mlp, jstrategy.experimental.FSDPStrategy(devices=devices), batch, **options)
+    planned = {
+        name: plan(mlp, make(), batch, device_memory=16 << 30, find_largest_batch=False, **options)
+        for name, make in [
+            ("fsdp", lambda: jstrategy.experimental.FSDPStrategy(devices=devices)),
+            ("mirrored", lambda: jstrategy.MirroredStrategy(devices=devices)),
+        ]
+    }
+    assert planned["fsdp"].devices == 16 and planned["fsdp"].fits
+    # FSDP over 16 devices keeps about 1/16 of Mirrored's parameters (biases replicated).
+    assert planned["fsdp"].parameters < planned["mirrored"].parameters / 10

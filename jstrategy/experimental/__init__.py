@@ -33,6 +33,7 @@ from jstrategy._src.training.plan.planner import plan
 from jstrategy._src.training.plan.report import Advice
 from jstrategy._src.training.plan.report import Fix
 from jstrategy._src.training.plan.report import MemoryPlan
+from jstrategy._src.training.plan.topology import topology_devices
 from jstrategy.experimental import partitioners
 
 __all__ = [
@@ -60,4 +61,5 @@ __all__ = [
     "dot_product_attention",
     "partitioners",
     "plan",
+    "topology_devices",
 ]

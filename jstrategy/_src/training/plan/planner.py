@@ -35,7 +35,7 @@ from jstrategy._src.training.step import body as step_lib
 __all__ = ["compiled_peak", "plan"]
 
 # Largest-batch search: the most compiles after the first two.
-_SEARCH_COMPILES = 4
+_SEARCH_COMPILES = 6
 # ... and stops once the answer is known within 1/this of itself (or one multiple).
 _SEARCH_PRECISION = 32
 # The search looks no further than this many times the batch given.
@@ -86,13 +86,12 @@ def plan(
 
     Limits: the figures are XLA's for the platform of the strategy's devices (the CPU
     compiler's on fake CPU devices; a GPU's or TPU's differ, their ratios carry over).
-    The strategy's mesh is the one compiled for: a mesh larger than this process's devices
-    needs devices JAX can compile for without having them, which in JAX 0.12 only TPU
-    topologies offer (`jax.experimental.topologies.get_topology_desc`, with libtpu
-    installed); CPU and GPU have none ("topology not implemented for cpu"), and a
-    strategy cannot be built over devices this process lacks. To plan for N CPU devices,
-    run the plan in a process started with
-    ``XLA_FLAGS=--xla_force_host_platform_device_count=N``. For `CentralStorageStrategy`
+    The strategy's mesh is the one compiled for: for a mesh this process does not have,
+    build the strategy over `jstrategy.experimental.topology_devices` (a TPU topology's
+    compile-only devices, e.g. ``FSDPStrategy(devices=topology_devices("v5e:16x16"))``;
+    it needs libtpu installed, no TPU). JAX 0.12 has no such topologies for CPU or GPU
+    (`topology_devices` says so, with the fix): to plan for N CPU devices, run the plan in
+    a process started with ``XLA_FLAGS=--xla_force_host_platform_device_count=N``. For `CentralStorageStrategy`
     the figures are the replicas' gradient program's (the update runs on the host copy).
     A `fit` with ``steps_per_execution`` > 1 stacks that many batches in its inputs.
 
@@ -115,9 +114,9 @@ def plan(
       remat: for a linen module: as `make_train_step`'s.
       sync_batch_norm: for a linen module: as `make_train_step`'s.
       train_arg: for a linen module: as `create_train_state`'s.
-      find_largest_batch: False skips the search for the largest batch (two to six
-        more compiles; the answer is a size compiled and verified to fit, within about
-        3% or one ``batch_multiple`` of the largest).
+      find_largest_batch: False skips the search for the largest batch (up to seven
+        more compiles; the answer is a size compiled and verified to fit, within one
+        ``batch_multiple`` or 1/32 of the largest when the search closes).
 
     Returns:
       A `MemoryPlan`; ``print(plan)`` shows its table.
@@ -372,7 +371,10 @@ def _device_memory(device_memory: int | None, strategy: Strategy) -> int:
             )
         return int(device_memory)
     device = strategy.local_devices[0]
-    stats = device.memory_stats()
+    try:
+        stats = device.memory_stats()
+    except Exception:  # a compile-only device (`topology_devices`) has no memory to ask
+        stats = None
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"])
     raise ValueError(
@@ -421,6 +423,8 @@ def _figures(state: Any, compiled: Any, peak: int) -> dict[str, int]:
     inputs = max(0, arguments - total)
     if total_host:  # the gradient program takes the host copy whole on each replica
         inputs = max(0, arguments - total - total_host)
+    # XLA may hold fewer (a gradient fused into its update): the figures add up to the peak.
+    gradients = min(gradients, max(0, peak - arguments))
     return {
         "parameters": params,
         "optimizer_state": opt,
@@ -443,34 +447,31 @@ def _largest_batch(
 
     The peak is nearly affine in the batch (XLA's buffer assignment bends it where a
     temporary starts to grow with the rows): the line through two compiled sizes predicts
-    the answer, and each further compile narrows the largest size verified to fit and the
-    smallest verified not to, by the line through the nearest sizes, or halving.
+    the answer; then, between the largest size verified to fit and the smallest verified
+    not to, the line through those two, until they are one step apart (the step: a
+    `multiple`, or 1/32 of the answer): the size returned was compiled and fits.
     """
     known = {rows: peak, 2 * rows: peak_at(2 * rows)[0]}
-
     limit = _SEARCH_LIMIT * rows
     for _ in range(_SEARCH_COMPILES):
-        fit = [b for b, p in known.items() if p <= budget]
-        over = [b for b, p in known.items() if p > budget]
-        lo, hi = max(fit, default=0), min(over, default=None)
-        if hi is not None and hi - lo <= max(multiple, lo // _SEARCH_PRECISION):
+        lo = max((b for b, p in known.items() if p <= budget), default=0)
+        hi = min((b for b, p in known.items() if p > budget), default=None)
+        step = max(multiple, lo // _SEARCH_PRECISION)
+        if (hi is not None and hi - lo <= step) or (hi is None and lo >= limit):
             break
-        if hi is None and lo >= limit:
-            break
-        # The line through the two known sizes nearest the budget.
-        (b1, p1), (b2, p2) = sorted(
-            sorted(known.items(), key=lambda item: abs(item[1] - budget))[:2]
-        )
+        if hi is None or lo == 0:  # not bracketed: the line through the two nearest sizes
+            sizes = sorted(known)
+            (b1, b2) = sizes[-2:] if hi is None else sizes[:2]
+        else:
+            b1, b2 = lo, hi
+        p1, p2 = known[b1], known[b2]
         slope = (p2 - p1) / (b2 - b1)
-        if slope <= 0 and hi is None:
+        if slope <= 0:
             break  # the peak does not grow with the batch here: no bound found
-        if not fit and slope > 0 and p1 - slope * b1 > budget:
+        if lo == 0 and p1 - slope * b1 > budget:
             break  # the state alone, at no rows, is over the budget: no batch fits
-        guess = int((budget - p1) / slope + b1) if slope > 0 else lo
-        guess = guess // multiple * multiple
-        top = limit if hi is None else hi - multiple
-        if not lo < guess <= top:
-            guess = min(top, max(lo + multiple, (lo + (hi or 2 * lo)) // 2 // multiple * multiple))
+        guess = int(b1 + (budget - p1) / slope) // multiple * multiple
+        guess = min(max(guess, lo + step), limit if hi is None else hi - multiple)
         if guess in known or guess < multiple:
             break
         known[guess] = peak_at(guess)[0]

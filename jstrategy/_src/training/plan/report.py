@@ -13,7 +13,14 @@ __all__ = ["Advice", "Fix", "MemoryPlan", "advise", "format_bytes"]
 
 
 class Fix(enum.Enum):
-    """A change that lowers the train step's peak per device."""
+    """A change that lowers the train step's peak per device (`MemoryPlan.fixes`).
+
+    Example:
+
+    >>> from jstrategy.experimental import Fix
+    >>> Fix("remat"), Fix.OFFLOAD_OPTIMIZER.value
+    (<Fix.REMAT: 'remat'>, 'offload_optimizer')
+    """
 
     FSDP = "fsdp"  # split parameters, gradients and optimizer state over the devices
     OFFLOAD_OPTIMIZER = "offload_optimizer"  # optimizer state in host memory
@@ -24,7 +31,14 @@ class Fix(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Advice:
-    """One change that would make the step fit, and why."""
+    """One change that would make the step fit, and why (`MemoryPlan.advice`).
+
+    Example:
+
+    >>> from jstrategy.experimental import Advice, Fix
+    >>> Advice(Fix.REMAT, "remat=True ...").fix
+    <Fix.REMAT: 'remat'>
+    """
 
     fix: Fix
     message: str
@@ -56,7 +70,9 @@ class MemoryPlan:
       other_state: the rest of the train state in device memory (step count, BatchNorm
         statistics, loss scale, gradient accumulators).
       gradients: one gradient per parameter at its parameter's layout (what the update
-        reads), part of the compiled temporaries.
+        reads), part of the compiled temporaries (no more than they are: XLA may fuse a
+        gradient into its update). The figures from `parameters` to `activations` add
+        up to `peak`.
       inputs: the batch (and its row mask) on the device.
       activations: the rest of the peak: the step's temporaries besides the gradients
         (the forward pass's activations kept for the backward pass, the update's
@@ -71,6 +87,22 @@ class MemoryPlan:
       advice: what to change when it does not fit, most effective first (empty when
         it fits).
       searched: whether the largest batch was searched (``find_largest_batch``).
+
+    Example:
+
+    >>> import jax, optax, flax.linen as nn, jstrategy
+    >>> from jstrategy.experimental import plan
+    >>> batch = (jax.ShapeDtypeStruct((8, 4), "float32"), jax.ShapeDtypeStruct((8, 1), "float32"))
+    >>> p = plan(nn.Dense(1), jstrategy.OneDeviceStrategy("cpu:0"), batch, optimizer="sgd",
+    ...          loss="mse", device_memory=2**30, find_largest_batch=False)
+    >>> print(p)  # doctest: +ELLIPSIS
+    Train step plan: OneDeviceStrategy(...), 1 device(s), global batch 8; per device:
+      parameters                           20 B
+    ...
+      fits (0% of device memory)
+      largest global batch that fits: not searched (find_largest_batch=False)
+    >>> p.fits, p.advice
+    (True, ())
     """
 
     strategy: str
