@@ -93,7 +93,10 @@ def plan(
     (`topology_devices` says so, with the fix): to plan for N CPU devices, run the plan in
     a process started with ``XLA_FLAGS=--xla_force_host_platform_device_count=N``. For `CentralStorageStrategy`
     the figures are the replicas' gradient program's (the update runs on the host copy).
-    A `fit` with ``steps_per_execution`` > 1 stacks that many batches in its inputs.
+    A `fit` with ``steps_per_execution`` > 1 stacks that many batches in its inputs. The
+    batch is planned split by rows, as `fit`, distributed datasets and `distribute_batch`
+    place it; a NumPy batch handed to a `make_train_step` step under FSDP or
+    ModelParallel reaches every device whole, and its program may peak higher.
 
     Args:
       model: a compiled `jstrategy.Model` (or `Sequential`): its module, optimizer, loss,
