@@ -6,9 +6,10 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
 
 import jax
+
+from jstrategy._src.training.plan import planner
 
 # XLA's CPU collectives deadlock when too many steps are queued; wait every few steps.
 WAIT_EVERY = 8
@@ -78,13 +79,5 @@ def print_step_table(medians: dict[str, float], args: argparse.Namespace, replic
         print(f"  {name:<{width}} {seconds * 1e3:8.3f} ms/step   ratio {seconds / base:5.3f}")
 
 
-def compiled_peak(compiled: Any) -> int:
-    """A compiled program's peak per device, from XLA's memory analysis: arguments +
-    temporaries + outputs - aliased (donated) bytes."""
-    m = compiled.memory_analysis()
-    return int(
-        m.argument_size_in_bytes
-        + m.temp_size_in_bytes
-        + m.output_size_in_bytes
-        - m.alias_size_in_bytes
-    )
+# A compiled program's peak per device: the one formula, `plan`'s.
+compiled_peak = planner.compiled_peak

@@ -57,6 +57,7 @@ from jstrategy import mixed_precision
 from jstrategy import training
 from jstrategy._src.placement import variable_shardings
 from jstrategy._src.training.step import remat as remat_lib
+from jstrategy.experimental import plan
 
 GIB = 1 << 30
 STRATEGY_NAMES = ("Mirrored", "FSDP", "ModelParallel")
@@ -150,39 +151,29 @@ def measure(
     model = config.model(scan_layers=scan_layers)
     tx = optax.adamw(1e-3, b2=0.98, weight_decay=0.01)
     tokens = jnp.zeros((1, config.seq_len), jnp.int32)
-    # The train state's structure from a tiny real state (the same blocks); its
-    # parameters and optimizer state replaced by abstract ones of the full size.
-    tiny = dataclasses.replace(
-        config, vocab_size=16, d_model=2 * config.n_heads, seq_len=4, batch_size=1
+    b, t = config.batch_size, config.seq_len
+    # The jstrategy step's peak: `plan` compiles it from shapes alone.
+    planned = plan(
+        model,
+        strategy,
+        (jax.ShapeDtypeStruct((b, t), jnp.int32), jax.ShapeDtypeStruct((b, t), jnp.int32)),
+        optimizer=tx,
+        loss=transformer_lm.lm_loss,
+        dtype_policy=policy,
+        remat=remat or None,
+        device_memory=1 << 60,  # only the peak is read
+        find_largest_batch=False,
     )
-    with strategy.scope():
-        small = training.create_train_state(
-            tiny.model(scan_layers=scan_layers),
-            tx,
-            jnp.zeros((1, 4), jnp.int32),
-            rng=0,
-            dtype_policy=policy,
-        )
-        step = training.make_train_step(
-            transformer_lm.lm_loss, dtype_policy=policy, remat=remat or None
-        )
+    peak = planned.peak
     params = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
     opt_state = jax.eval_shape(tx.init, params)
     shardings = variable_shardings((params, opt_state), strategy)
     params, opt_state = _abstract((params, opt_state), shardings)
-    rest = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-        small.replace(params=None, opt_state=None),
-    )
-    state = rest.replace(params=params, opt_state=opt_state, apply_fn=model.apply)
     rows = strategy.batch_sharding()
-    b, t = config.batch_size, config.seq_len
     batch = (
         jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=rows),
         jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=rows),
     )
-    mask = jax.ShapeDtypeStruct((b,), jnp.bool_, sharding=rows)
-    peak = _peak(step._program.lower(state, None, batch, mask).compile())
     reference = None
     if hand_written:
         reference = _hand_written_peak(model, tx, policy, remat, shardings, rows, params, batch)

@@ -98,6 +98,7 @@ def _to_device_memory_first(x: Any, sharding: jax.sharding.Sharding) -> Any:
     if (
         sharding.memory_kind in HOST_MEMORY_KINDS
         and isinstance(x, jax.Array)
+        and not isinstance(x, jax.core.Tracer)  # traced abstractly (`plan`): no buffer to move
         and x.sharding.memory_kind not in HOST_MEMORY_KINDS
         and x.sharding.device_set != sharding.device_set
     ):

@@ -364,7 +364,15 @@ class _HostUpdateStep:
         )
 
     def _args(self, state: Any, acc: Any, batch: Any, mask: Any, index: Any) -> tuple:
-        params, rest = jax.device_put(self._fns.split(state), self._strategy.replicated_sharding())
+        replicated = self._strategy.replicated_sharding()
+        split = self._fns.split(state)
+        if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(split)):
+            # Lowered from shapes alone (`plan`): the same arguments, abstract.
+            params, rest = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), split
+            )
+        else:
+            params, rest = jax.device_put(split, replicated)
         return params, rest, acc, batch, mask, index
 
     def _update(self, state: Any) -> Any:

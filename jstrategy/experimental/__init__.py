@@ -5,7 +5,8 @@ and `FSDPStrategy` go beyond tf.distribute: variables split over the devices
 (`HybridStrategy`: replicas x FSDP x tensor on one mesh, split across hosts);
 `PipelineStrategy` splits a `Repeated` block's layers (`NNXRepeated` for Flax NNX) over
 pipeline stages; `dot_product_attention` is ring attention over a sharded strategy's
-``"context"`` axis.
+``"context"`` axis. `plan` compiles a train step from shapes alone and says whether it
+fits the devices, and what to change if not.
 """
 
 from jstrategy._src.checkpoint.preemption import PreemptionCheckpointHandler
@@ -31,18 +32,26 @@ from jstrategy._src.strategies.multi_worker import (
 )
 from jstrategy._src.strategies.tpu import TPUStrategy
 from jstrategy._src.strategy import ValueContext
+from jstrategy._src.training.plan.planner import plan
+from jstrategy._src.training.plan.report import Advice
+from jstrategy._src.training.plan.report import Fix
+from jstrategy._src.training.plan.report import MemoryPlan
+from jstrategy._src.training.plan.topology import topology_devices
 from jstrategy.experimental import partitioners
 
 __all__ = [
     "PREEMPTION_EXIT_CODE",
+    "Advice",
     "CentralStorageStrategy",
     "CollectiveCommunication",
     "CommunicationImplementation",
     "CommunicationOptions",
     "DeviceMesh",
     "FSDPStrategy",
+    "Fix",
     "HybridStrategy",
     "LayoutMap",
+    "MemoryPlan",
     "ModelParallelStrategy",
     "MultiWorkerMirroredStrategy",
     "NNXRepeated",
@@ -56,4 +65,6 @@ __all__ = [
     "ValueContext",
     "dot_product_attention",
     "partitioners",
+    "plan",
+    "topology_devices",
 ]

@@ -51,6 +51,7 @@ __all__ = [
     "compile_train_state_creation",
     "create_train_state",
     "loss_scale_for",
+    "train_state_shapes",
 ]
 
 _S = TypeVar("_S", bound="TrainStateProtocol")
@@ -565,6 +566,28 @@ def compile_train_state_creation(
         module, tx, sample_args, rng, train_arg, dtype_policy, init_kwargs, strategy
     )
     return lower_creation(init, *args, strategy=strategy).compile()
+
+
+def train_state_shapes(
+    module: Any,
+    tx: Any,
+    *sample_args: Any,
+    rng: Any = 0,
+    strategy: Strategy | None = None,
+    train_arg: str | None = "auto",
+    dtype_policy: mp.Policy | str | None = None,
+    **init_kwargs: Any,
+) -> TrainState:
+    """`create_train_state`'s state as `jax.ShapeDtypeStruct` leaves, nothing computed.
+
+    ``module.init`` and ``tx.init`` traced by `jax.eval_shape` (the sample arguments may
+    be `jax.ShapeDtypeStruct` values); what `jstrategy.experimental.plan` compiles from.
+    """
+    strategy = strategy if strategy is not None else get_strategy()
+    init, args = _creation(
+        module, tx, sample_args, rng, train_arg, dtype_policy, init_kwargs, strategy
+    )
+    return jax.eval_shape(init, *args)
 
 
 def _creation(

@@ -1,0 +1,2 @@
+"""`jstrategy.experimental.plan`: will the train step fit, before any run (`planner.py`),
+and the record it returns, with its advice (`report.py`)."""

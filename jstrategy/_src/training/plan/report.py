@@ -1,0 +1,249 @@
+"""What `plan` found: the per-device figures, whether the step fits, and what to change.
+
+A frozen record (`MemoryPlan`) whose ``str`` is the table a user prints, and the advice
+(`Fix`, `Advice`) derived from its figures alone, so the rules read in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+__all__ = ["Advice", "Fix", "MemoryPlan", "advise", "format_bytes"]
+
+
+class Fix(enum.Enum):
+    """A change that lowers the train step's peak per device (`MemoryPlan.fixes`).
+
+    Example:
+
+    >>> from jstrategy.experimental import Fix
+    >>> Fix("remat"), Fix.OFFLOAD_OPTIMIZER.value
+    (<Fix.REMAT: 'remat'>, 'offload_optimizer')
+    """
+
+    FSDP = "fsdp"  # split parameters, gradients and optimizer state over the devices
+    OFFLOAD_OPTIMIZER = "offload_optimizer"  # optimizer state in host memory
+    REMAT = "remat"  # recompute activations in the backward pass
+    MICROBATCHES = "microbatches"  # gradient accumulation over smaller batches
+    SMALLER_BATCH = "smaller_batch"
+
+
+@dataclasses.dataclass(frozen=True)
+class Advice:
+    """One change that would make the step fit, and why (`MemoryPlan.advice`).
+
+    Example:
+
+    >>> from jstrategy.experimental import Advice, Fix
+    >>> Advice(Fix.REMAT, "remat=True ...").fix
+    <Fix.REMAT: 'remat'>
+    """
+
+    fix: Fix
+    message: str
+
+
+def format_bytes(n: int | None) -> str:
+    """Bytes as a short human figure: ``"1.50 GiB"``, ``"12.0 MiB"``, ``"512 B"``."""
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """The train step's memory per device, from its compiled program, before any run.
+
+    Returned by `jstrategy.experimental.plan`; ``print(plan)`` shows it as a table. All
+    figures are bytes on the fullest device.
+
+    Attributes:
+      strategy: the strategy's ``repr``.
+      devices: the devices of the strategy's mesh the step was compiled for.
+      batch_size: the global batch (rows) planned for.
+      parameters: the trained variables held in device memory.
+      optimizer_state: the optimizer's state held in device memory.
+      other_state: the rest of the train state in device memory (step count, BatchNorm
+        statistics, loss scale, gradient accumulators).
+      gradients: one gradient per parameter at its parameter's layout (what the update
+        reads), part of the compiled temporaries (no more than they are: XLA may fuse a
+        gradient into its update). The figures from `parameters` to `activations` add
+        up to `peak`.
+      inputs: the batch (and its row mask) on the device.
+      activations: the rest of the peak: the step's temporaries besides the gradients
+        (the forward pass's activations kept for the backward pass, the update's
+        temporaries) and outputs not written over the donated state.
+      peak: the compiled program's peak: ``memory_analysis()``'s arguments +
+        temporaries + outputs - aliased (donated) bytes.
+      host: bytes of the train state held in host memory (not in `peak`).
+      device_memory: the per-device budget the plan was checked against.
+      largest_batch: the largest global batch (a multiple of the strategy's
+        ``batch_multiple``) whose step fits `device_memory`, compiled and verified; None
+        when none fits.
+      advice: what to change when it does not fit, most effective first (empty when
+        it fits).
+      searched: whether the largest batch was searched (``find_largest_batch``).
+
+    Example:
+
+    >>> import jax, optax, flax.linen as nn, jstrategy
+    >>> from jstrategy.experimental import plan
+    >>> batch = (jax.ShapeDtypeStruct((8, 4), "float32"), jax.ShapeDtypeStruct((8, 1), "float32"))
+    >>> p = plan(nn.Dense(1), jstrategy.OneDeviceStrategy("cpu:0"), batch, optimizer="sgd",
+    ...          loss="mse", device_memory=2**30, find_largest_batch=False)
+    >>> print(p)  # doctest: +ELLIPSIS
+    Train step plan: OneDeviceStrategy(...), 1 device(s), global batch 8; per device:
+      parameters                           20 B
+    ...
+      fits (0% of device memory)
+      largest global batch that fits: not searched (find_largest_batch=False)
+    >>> p.fits, p.advice
+    (True, ())
+    """
+
+    strategy: str
+    devices: int
+    batch_size: int
+    parameters: int
+    optimizer_state: int
+    other_state: int
+    gradients: int
+    inputs: int
+    activations: int
+    peak: int
+    host: int
+    device_memory: int
+    largest_batch: int | None
+    advice: tuple[Advice, ...]
+    searched: bool = True
+
+    @property
+    def fits(self) -> bool:
+        """Whether the step's peak fits `device_memory`."""
+        return self.peak <= self.device_memory
+
+    @property
+    def fixes(self) -> tuple[Fix, ...]:
+        """The kinds of change the advice names, in its order."""
+        return tuple(a.fix for a in self.advice)
+
+    def __str__(self) -> str:
+        rows = [
+            ("parameters", self.parameters),
+            ("optimizer state", self.optimizer_state),
+            ("other state", self.other_state),
+            ("gradients", self.gradients),
+            ("inputs", self.inputs),
+            ("activations and temporaries", self.activations),
+            ("compiled peak", self.peak),
+            ("device memory", self.device_memory),
+        ]
+        lines = [
+            f"Train step plan: {self.strategy}, {self.devices} device(s), global batch "
+            f"{self.batch_size}; per device:"
+        ]
+        lines += [f"  {name:<29}{format_bytes(n):>12}" for name, n in rows]
+        if self.host:
+            lines.append(f"  {'(state in host memory)':<29}{format_bytes(self.host):>12}")
+        share = self.peak / self.device_memory if self.device_memory else float("inf")
+        verdict = "fits" if self.fits else "DOES NOT FIT"
+        lines.append(f"  {verdict} ({share:.0%} of device memory)")
+        largest = "none" if self.largest_batch is None else str(self.largest_batch)
+        if not self.searched:
+            largest = "not searched (find_largest_batch=False)"
+        lines.append(f"  largest global batch that fits: {largest}")
+        for a in self.advice:
+            lines.append(f"  - {a.message}")
+        return "\n".join(lines)
+
+
+def advise(
+    plan: MemoryPlan, *, sharded: bool, remat_on: bool, accumulation_steps: int, multiple: int
+) -> tuple[Advice, ...]:
+    """What to change when `plan` does not fit, from its figures alone.
+
+    The state (parameters, optimizer state, gradients) against the rest decides the
+    order: when it dominates, more FSDP and offloading the optimizer state lead; when the
+    activations do, remat, microbatches and a smaller batch lead.
+
+    Args:
+      plan: the plan (its `advice` is ignored).
+      sharded: whether the strategy splits variables over its devices already (FSDP,
+        ModelParallel).
+      remat_on: whether the step rematerializes already.
+      accumulation_steps: the step's ``gradient_accumulation_steps``.
+      multiple: what a global batch's rows divide by (``strategy.batch_multiple``).
+    """
+    if plan.fits:
+        return ()
+    state = plan.parameters + plan.optimizer_state + plan.gradients
+    over = plan.peak - plan.device_memory
+    state_advice = []
+    if sharded:
+        state_advice.append(
+            Advice(
+                Fix.FSDP,
+                "More FSDP: split the variables over more devices (a larger fsdp degree); "
+                f"the state ({format_bytes(state)} per device) falls with the device count.",
+            )
+        )
+    else:
+        state_advice.append(
+            Advice(
+                Fix.FSDP,
+                "Use jstrategy.experimental.FSDPStrategy(): parameters, gradients and "
+                f"optimizer state ({format_bytes(state)} per device here) split over the "
+                f"{plan.devices} devices instead of one copy each.",
+            )
+        )
+    if plan.optimizer_state:
+        state_advice.append(
+            Advice(
+                Fix.OFFLOAD_OPTIMIZER,
+                "FSDPStrategy(offload_optimizer=True): the optimizer state "
+                f"({format_bytes(plan.optimizer_state)} per device) in host memory.",
+            )
+        )
+    batch_advice = []
+    if not remat_on:
+        batch_advice.append(
+            Advice(
+                Fix.REMAT,
+                "remat=True (make_train_step or Model.compile), with the model's repeated "
+                "blocks wrapped by jstrategy.training.remat: recompute activations "
+                f"({format_bytes(plan.activations)} per device) in the backward pass.",
+            )
+        )
+    largest = plan.largest_batch
+    if largest:
+        k = _accumulation_for(plan.batch_size, largest, multiple)
+        if k is not None:
+            batch_advice.append(
+                Advice(
+                    Fix.MICROBATCHES,
+                    f"gradient_accumulation_steps={k * accumulation_steps} with batches of "
+                    f"{plan.batch_size // k}: the same update from {k}x smaller batches.",
+                )
+            )
+        batch_advice.append(
+            Advice(
+                Fix.SMALLER_BATCH,
+                f"A global batch of at most {largest} (this one needs "
+                f"{format_bytes(over)} more per device).",
+            )
+        )
+    state_bound = state >= plan.activations + plan.inputs
+    return tuple(state_advice + batch_advice if state_bound else batch_advice + state_advice)
+
+
+def _accumulation_for(batch: int, largest: int, multiple: int) -> int | None:
+    """The fewest microbatches k splitting `batch` into batches of at most `largest` rows,
+    each a multiple of `multiple`, or None."""
+    for k in range(2, batch // multiple + 1):
+        if batch % k == 0 and (batch // k) % multiple == 0 and batch // k <= largest:
+            return k
+    return None

@@ -1,0 +1,248 @@
+"""`jstrategy.experimental.plan`: the train step's memory from shapes alone, against the
+compiled step of a real state, and its advice when the step does not fit."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jstrategy
+from jstrategy import training
+from jstrategy._src.input.placement import distribute_batch
+from jstrategy._src.training import data_adapters
+from jstrategy._src.training.plan.planner import compiled_peak
+from jstrategy.experimental import Fix
+from jstrategy.experimental import MemoryPlan
+from jstrategy.experimental import plan
+from jstrategy.experimental import topology_devices
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+import transformer_lm  # noqa: E402
+
+
+def _benchmark(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", ROOT / f"benchmarks/{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+memory_benchmark = _benchmark("memory")
+
+FEATURES, BATCH = memory_benchmark.FEATURES, memory_benchmark.BATCH
+MIB = 1 << 20
+
+
+def _batch(rows: int = BATCH):
+    return (
+        jax.ShapeDtypeStruct((rows, FEATURES), jnp.float32),
+        jax.ShapeDtypeStruct((rows,), jnp.int32),
+    )
+
+
+def _real_peak(strategy: jstrategy.Strategy, rows: int = BATCH) -> int:
+    """The compiled peak of the step a user runs: a created state, the factory's step,
+    lowered from the actual arrays, the batch split by rows as `fit` and distributed
+    datasets place it."""
+    with strategy.scope():
+        state = training.create_train_state(
+            memory_benchmark.MLP(), optax.adam(1e-3), jnp.ones((1, FEATURES)), rng=0
+        )
+        step = training.make_train_step(memory_benchmark._loss)
+    x = np.zeros((rows, FEATURES), np.float32)
+    y = np.zeros((rows,), np.int32)
+    return compiled_peak(step.lower(state, distribute_batch(strategy, (x, y))).compile())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(memory_benchmark.STRATEGIES))
+def test_plan_agrees_with_the_compiled_step(name):
+    strategy = memory_benchmark.STRATEGIES[name]()
+    planned = plan(
+        memory_benchmark.MLP(),
+        strategy,
+        _batch(),
+        optimizer=optax.adam(1e-3),
+        loss=memory_benchmark._loss,
+        device_memory=1 << 30,
+        find_largest_batch=False,
+    )
+    real = _real_peak(strategy)
+    print(f"{name}: plan {planned.peak:,} compiled {real:,} ratio {planned.peak / real:.4f}")
+    assert abs(planned.peak / real - 1) <= 0.05
+    assert planned.fits and planned.advice == ()
+
+
+@pytest.mark.slow
+def test_plan_agrees_on_a_transformer_under_fsdp():
+    """Attention, LayerNorm, embeddings, AdamW: the unrolled decoder of
+    examples/transformer_lm.py, where XLA's temporaries are most of the peak."""
+    strategy = jstrategy.experimental.FSDPStrategy()
+    model = transformer_lm.TransformerLM(
+        vocab_size=64, d_model=64, n_layers=2, n_heads=4, seq_len=32, attention="xla"
+    )
+    tokens = np.zeros((16, 32), np.int32)
+    planned = plan(
+        model,
+        strategy,
+        (tokens, tokens),
+        optimizer=optax.adamw(1e-3),
+        loss=transformer_lm.lm_loss,
+        device_memory=1 << 30,
+        find_largest_batch=False,
+    )
+    with strategy.scope():
+        state = training.create_train_state(model, optax.adamw(1e-3), tokens[:1], rng=0)
+        step = training.make_train_step(transformer_lm.lm_loss)
+    lowered = step.lower(state, distribute_batch(strategy, (tokens, tokens)))
+    real = compiled_peak(lowered.compile())
+    assert abs(planned.peak / real - 1) <= 0.05
+    assert planned.activations > planned.parameters  # the temporaries dominate here
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["Mirrored (8)", "FSDP (8)"])
+def test_plan_of_a_compiled_model_agrees_with_its_step(name):
+    strategy = memory_benchmark.STRATEGIES[name]()
+    with strategy.scope():
+        model = jstrategy.Model(memory_benchmark.MLP())  # not built: planned from shapes
+        model.compile("adam", loss="sparse_categorical_crossentropy")
+    planned = plan(model, batch=_batch(), device_memory=1 << 30, find_largest_batch=False)
+    assert not model.built  # planning created nothing
+    x = np.zeros((BATCH, FEATURES), np.float32)
+    y = np.zeros((BATCH,), np.int32)
+    model._ensure_ready(x[:1], training=True)
+    trainer = model._trainer
+    values, _ = data_adapters.split_batch(distribute_batch(strategy, (x, y)), strategy)
+    mask = data_adapters.ones_mask(BATCH, strategy.batch_sharding())
+    program = trainer.program(("train", 0, True))
+    real = compiled_peak(program.lower(trainer.state, None, values, mask).compile())
+    print(f"Model under {name}: plan {planned.peak:,} compiled {real:,}")
+    assert abs(planned.peak / real - 1) <= 0.05
+    # The optimizer state is Adam's two moments: twice the parameters.
+    assert planned.optimizer_state >= 2 * planned.parameters
+
+
+@pytest.mark.slow
+def test_largest_batch_fits_and_the_next_step_does_not():
+    strategy = jstrategy.OneDeviceStrategy("cpu:0")
+    mlp = memory_benchmark.MLP(64)
+    options = dict(optimizer=optax.sgd(0.1), loss=memory_benchmark._loss)
+
+    def at(rows, budget, search=False):
+        return plan(mlp, strategy, _batch(rows), device_memory=budget,
+                    find_largest_batch=search, **options)  # fmt: skip
+
+    budget = at(8, 1 << 30).peak + 40 * 64 * 4 * 3  # room for some more rows of activations
+    largest = at(8, budget, search=True).largest_batch
+    assert largest is not None and largest > 8
+    # Compiled at the answer it fits; one step above (1/32 of it, at least a row) not.
+    assert at(largest, budget).fits
+    assert not at(largest + max(1, largest // 32), budget).fits
+
+
+@pytest.mark.slow
+def test_state_bound_step_names_fsdp_and_offload():
+    strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    planned = plan(
+        memory_benchmark.MLP(),
+        strategy,
+        _batch(8),
+        optimizer=optax.adam(1e-3),
+        loss=memory_benchmark._loss,
+        device_memory=2 * MIB,  # less than one copy of the parameters and Adam's moments
+    )
+    assert not planned.fits
+    assert planned.parameters + planned.optimizer_state > planned.activations
+    assert planned.fixes[:2] == (Fix.FSDP, Fix.OFFLOAD_OPTIMIZER)
+    assert planned.largest_batch is None  # no batch makes the state fit
+    text = str(planned)
+    assert "DOES NOT FIT" in text and "FSDPStrategy()" in text
+    assert "offload_optimizer=True" in text
+
+
+@pytest.mark.slow
+def test_activation_bound_step_names_remat_microbatches_and_a_smaller_batch():
+    strategy = jstrategy.OneDeviceStrategy("cpu:0")
+    rows = 1 << 15
+    planned = plan(
+        memory_benchmark.MLP(),
+        strategy,
+        _batch(rows),
+        optimizer=optax.adam(1e-3),
+        loss=memory_benchmark._loss,
+        device_memory=64 * MIB,
+    )
+    assert isinstance(planned, MemoryPlan) and not planned.fits
+    assert planned.activations > planned.parameters + planned.optimizer_state
+    assert planned.fixes[:3] == (Fix.REMAT, Fix.MICROBATCHES, Fix.SMALLER_BATCH)
+    assert planned.largest_batch is not None and planned.largest_batch < rows
+    text = str(planned)
+    assert "remat=True" in text and "gradient_accumulation_steps=" in text
+    assert f"at most {planned.largest_batch}" in text
+
+
+def test_bad_arguments_are_refused_before_any_work():
+    strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    mlp = memory_benchmark.MLP()
+    with pytest.raises(ValueError, match=r"needs optimizer and loss"):
+        plan(mlp, strategy, _batch())
+    with pytest.raises(ValueError, match=r"divides by 2 \(strategy.batch_multiple\)"):
+        plan(mlp, strategy, _batch(7), optimizer="adam", loss="mse", device_memory=MIB)
+    with pytest.raises(ValueError, match=r"`device_memory` is needed: cpu device"):
+        plan(mlp, strategy, _batch(), optimizer="adam", loss="mse")
+    with pytest.raises(TypeError, match=r"`device_memory` must be an int"):
+        plan(mlp, strategy, _batch(), optimizer="adam", loss="mse", device_memory=1.5)
+    with pytest.raises(ValueError, match=r"`batch` must be the global batch"):
+        plan(mlp, strategy, np.zeros((8, 4)), optimizer="adam", loss="mse", device_memory=MIB)
+    with pytest.raises(TypeError, match=r"`model` must be a compiled jstrategy.Model"):
+        plan(object(), strategy, _batch())
+    with strategy.scope():
+        model = jstrategy.Model(mlp)
+    with pytest.raises(ValueError, match=r"model is not compiled"):
+        plan(model, batch=_batch(), device_memory=MIB)
+    model.compile("adam", loss="mse")
+    with pytest.raises(ValueError, match=r"\['optimizer'\] cannot be given with a jstrategy.Model"):
+        plan(model, batch=_batch(), optimizer="sgd", device_memory=MIB)
+
+
+def test_a_topology_jax_cannot_compile_for_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"cannot compile for cpu devices .*device_count=N"):
+        topology_devices("4", platform="cpu")
+    with pytest.raises(TypeError, match=r"`topology` must be a topology's name"):
+        topology_devices("")
+
+
+@pytest.mark.slow
+def test_plan_for_a_tpu_slice_this_process_does_not_have():
+    """With libtpu installed (no TPU needed) a strategy over a v5e 4x4 slice's compile-only
+    devices is planned; without it, the error names libtpu."""
+    if importlib.util.find_spec("libtpu") is None:
+        with pytest.raises(ValueError, match=r"needs libtpu in this environment"):
+            topology_devices("v5e:4x4")
+        return
+    devices = topology_devices("v5e:4x4")
+    assert len(devices) == 16 and devices[0].platform == "tpu"
+    options = dict(optimizer=optax.adam(1e-3), loss=memory_benchmark._loss)
+    mlp, batch = memory_benchmark.MLP(), _batch(64)
+    with pytest.raises(ValueError, match=r"`device_memory` is needed"):
+        plan(mlp, jstrategy.experimental.FSDPStrategy(devices=devices), batch, **options)
+    planned = {
+        name: plan(mlp, make(), batch, device_memory=16 << 30, find_largest_batch=False, **options)
+        for name, make in [
+            ("fsdp", lambda: jstrategy.experimental.FSDPStrategy(devices=devices)),
+            ("mirrored", lambda: jstrategy.MirroredStrategy(devices=devices)),
+        ]
+    }
+    assert planned["fsdp"].devices == 16 and planned["fsdp"].fits
+    # FSDP over 16 devices keeps about 1/16 of Mirrored's parameters (biases replicated).
+    assert planned["fsdp"].parameters < planned["mirrored"].parameters / 10
