@@ -21,7 +21,7 @@ OLDEST_LANE ?= tests/test_jax_compat.py tests/test_strategy.py tests/test_train_
 	tests/test_sharded.py tests/test_parameter_server.py tests/test_notebooks.py \
 	tests/test_pipeline.py tests/test_batch_region.py tests/test_flax_annotations.py
 
-.PHONY: demo test test-fast test-lane-a test-lane-b test-lane-c test-oldest lint bench format clean docs
+.PHONY: demo test test-fast test-lane-a test-lane-b test-lane-c test-lane-d test-oldest lint bench format clean docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -56,29 +56,34 @@ test: $(VENV)/.dev
 test-fast: $(VENV)/.dev
 	$(BIN)/python -m pytest -n $(WORKERS) -q -m "not multiprocess and not slow" $(PYTEST_ARGS)
 
-# CI splits `make test` in three lanes on its two cores (each under 15 minutes): the
+# CI splits `make test` in four lanes on its two cores (each under 15 minutes): the
 # multi-process and the heaviest numerical files (B), the pipelines and long sequences (C),
-# then everything else (A).
+# the parity matrix and the N-D meshes, offload and memory plans (D), then everything
+# else (A).
 LANE_B ?= tests/test_multi_worker.py tests/test_multi_worker_checkpoints.py \
 	tests/test_fault_tolerance.py tests/test_custom_training_tutorial.py \
 	tests/test_parameter_server.py tests/test_parameter_server_tutorial.py \
 	tests/test_ray_backend.py tests/test_launch.py tests/test_rendezvous.py \
 	tests/test_losses_metrics_keras.py \
-	tests/test_global_batch.py tests/test_remat.py tests/test_parity_matrix.py \
-	tests/test_batch_region.py
+	tests/test_global_batch.py tests/test_remat.py tests/test_batch_region.py
 
 LANE_C ?= tests/test_pipeline.py tests/test_pipeline_circular.py tests/test_pipeline_nnx.py \
 	tests/test_context_parallel.py
 
+LANE_D ?= tests/test_parity_matrix.py tests/test_hybrid.py tests/test_offload.py tests/test_plan.py
+
 test-lane-a: $(VENV)/.dev
 	$(BIN)/python -m pytest -n $(WORKERS) -q $(PYTEST_ARGS) \
-		$(addprefix --ignore=,$(LANE_B) $(LANE_C))
+		$(addprefix --ignore=,$(LANE_B) $(LANE_C) $(LANE_D))
 
 test-lane-b: $(VENV)/.dev
 	$(BIN)/python -m pytest -n $(WORKERS) -q $(PYTEST_ARGS) $(LANE_B)
 
 test-lane-c: $(VENV)/.dev
 	$(BIN)/python -m pytest -n $(WORKERS) -q $(PYTEST_ARGS) $(LANE_C)
+
+test-lane-d: $(VENV)/.dev
+	$(BIN)/python -m pytest -n $(WORKERS) -q $(PYTEST_ARGS) $(LANE_D)
 
 test-oldest: $(OLDEST)/.dev
 	$(OLDEST)/bin/python -m pytest -n $(WORKERS) -q $(PYTEST_ARGS) $(OLDEST_LANE)

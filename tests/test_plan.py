@@ -171,6 +171,33 @@ def test_state_bound_step_names_fsdp_and_offload():
 
 
 @pytest.mark.slow
+def test_an_offloaded_optimizer_state_is_planned_in_host_memory_and_not_advised_again():
+    strategy = jstrategy.experimental.FSDPStrategy(offload_optimizer=True, min_shard_size=0)
+    kwargs = {"optimizer": optax.adam(1e-3), "loss": memory_benchmark._loss}
+    planned = plan(memory_benchmark.MLP(), strategy, _batch(), device_memory=1 << 30, **kwargs)
+    plain = plan(
+        memory_benchmark.MLP(),
+        jstrategy.experimental.FSDPStrategy(min_shard_size=0),
+        _batch(),
+        device_memory=1 << 30,
+        **kwargs,
+    )
+    # Adam's moments left device memory for the host: the peak falls by them.
+    assert planned.host >= plain.optimizer_state - 64 > 0
+    assert planned.peak == _real_peak(strategy)
+    assert plain.peak - planned.peak == planned.host
+    tight = plan(
+        memory_benchmark.MLP(),
+        strategy,
+        _batch(),
+        device_memory=planned.peak // 2,
+        find_largest_batch=False,
+        **kwargs,
+    )
+    assert not tight.fits and Fix.OFFLOAD_OPTIMIZER not in tight.fixes
+
+
+@pytest.mark.slow
 def test_activation_bound_step_names_remat_microbatches_and_a_smaller_batch():
     strategy = jstrategy.OneDeviceStrategy("cpu:0")
     rows = 1 << 15

@@ -21,6 +21,7 @@ __all__ = [
     "COLLECTIVES",
     "collective_counts",
     "collective_groups",
+    "device_arguments_bytes",
     "device_memory_peak",
     "host_memory_bytes",
     "permute_pairs",
@@ -240,16 +241,27 @@ def device_memory_peak(compiled: Any) -> int:
     compiled module's entry layout are taken out.
     """
     m = compiled.memory_analysis()
+    host_arguments, host_outputs, host_aliased = _host_parts(compiled)
     peak = (
         m.argument_size_in_bytes
         + m.temp_size_in_bytes
         + m.output_size_in_bytes
         - m.alias_size_in_bytes
     )
+    return int(peak - host_arguments - host_outputs + host_aliased)
+
+
+def device_arguments_bytes(compiled: Any) -> int:
+    """The bytes of a compiled program's arguments in device memory, per device (as
+    `device_memory_peak` counts them)."""
+    return int(compiled.memory_analysis().argument_size_in_bytes - _host_parts(compiled)[0])
+
+
+def _host_parts(compiled: Any) -> tuple[int, int, int]:
+    """`host_memory_bytes` of `compiled`, or zeros where the backend's memory analysis
+    leaves host memory out itself."""
+    m = compiled.memory_analysis()
     reported = getattr(m, "host_argument_size_in_bytes", 0) + getattr(
         m, "host_output_size_in_bytes", 0
     )
-    if reported:
-        return int(peak)
-    host_arguments, host_outputs, host_aliased = host_memory_bytes(compiled.as_text())
-    return int(peak - host_arguments - host_outputs + host_aliased)
+    return (0, 0, 0) if reported else host_memory_bytes(compiled.as_text())

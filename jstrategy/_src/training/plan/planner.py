@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jstrategy._src import hlo
 from jstrategy._src.placement import HOST_MEMORY_KINDS
 from jstrategy._src.placement import splits
 from jstrategy._src.placement import variable_shardings
@@ -44,14 +45,9 @@ _SEARCH_LIMIT = 1024
 
 def compiled_peak(compiled: Any) -> int:
     """A compiled program's peak per device from XLA's memory analysis: arguments +
-    temporaries + outputs - aliased (donated) bytes."""
-    m = compiled.memory_analysis()
-    return int(
-        m.argument_size_in_bytes
-        + m.temp_size_in_bytes
-        + m.output_size_in_bytes
-        - m.alias_size_in_bytes
-    )
+    temporaries + outputs - aliased (donated) bytes, in device memory (state offloaded to
+    host memory left out: `hlo.device_memory_peak`)."""
+    return hlo.device_memory_peak(compiled)
 
 
 def plan(
@@ -422,9 +418,12 @@ def _figures(state: Any, compiled: Any, peak: int) -> dict[str, int]:
         * leaf.dtype.itemsize
         for leaf in jax.tree.leaves(state.params)
     )
-    arguments = int(compiled.memory_analysis().argument_size_in_bytes)
+    arguments = hlo.device_arguments_bytes(compiled)
     inputs = max(0, arguments - total)
-    if total_host:  # the gradient program takes the host copy whole on each replica
+    in_host_memory = arguments < compiled.memory_analysis().argument_size_in_bytes
+    if total_host and not in_host_memory:
+        # CentralStorage: the gradient program takes the host copy whole on each replica
+        # (an offloading strategy's program takes its host leaves in host memory).
         inputs = max(0, arguments - total - total_host)
     # XLA may hold fewer (a gradient fused into its update): the figures add up to the peak.
     gradients = min(gradients, max(0, peak - arguments))

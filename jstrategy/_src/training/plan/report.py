@@ -200,11 +200,13 @@ def advise(
                 f"{plan.devices} devices instead of one copy each.",
             )
         )
-    if plan.optimizer_state:
+    # Offloaded already, the optimizer state left in device memory is its scalars.
+    if plan.optimizer_state * 100 >= plan.peak:
         state_advice.append(
             Advice(
                 Fix.OFFLOAD_OPTIMIZER,
-                "FSDPStrategy(offload_optimizer=True): the optimizer state "
+                "offload_optimizer=True (FSDPStrategy, ModelParallelStrategy or "
+                "HybridStrategy): the optimizer state "
                 f"({format_bytes(plan.optimizer_state)} per device) in host memory.",
             )
         )
