@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from typing import Any
 
 import jax
+import numpy as np
 
 from jstrategy._src import dispatch
 from jstrategy._src.numerics import row_count
@@ -70,6 +71,17 @@ class _Step:
             check_placed(state, strategy)
             self._checked.add(key)
         values, mask = data_adapters.split_batch(batch, strategy)
+        # Host arrays split by rows over the replicas, as a distributed batch is: a step
+        # in the global view (FSDP, ModelParallel) would otherwise take them whole on
+        # every device (up to a quarter more memory at its peak).
+        values = jax.tree.map(
+            lambda v: (
+                jax.device_put(v, strategy.batch_sharding())
+                if isinstance(v, np.ndarray) and v.ndim
+                else v
+            ),
+            values,
+        )
         if mask is None:
             x = data_adapters.unpack_batch(values)[0]
             mask = data_adapters.ones_mask(row_count(x, "x"), strategy.batch_sharding())
