@@ -101,6 +101,7 @@ bench: $(VENV)/.dev
 	$(FAKE_DEVICES) $(BIN)/python benchmarks/overhead.py
 	$(FAKE_DEVICES) $(BIN)/python benchmarks/input_pipeline.py
 	$(FAKE_DEVICES) $(BIN)/python benchmarks/fit_throughput.py
+	$(FAKE_DEVICES) $(BIN)/python benchmarks/fit_cost.py
 	$(FAKE_DEVICES) $(BIN)/python benchmarks/memory.py
 	$(FAKE_DEVICES) $(BIN)/python benchmarks/row_counts.py
 	$(FAKE_DEVICES) $(BIN)/python benchmarks/sharded_step.py
