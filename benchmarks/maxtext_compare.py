@@ -95,6 +95,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common
@@ -187,9 +189,12 @@ class Layer(nn.Module):
     heads: int
     mlp: int
     scanned: bool = False
+    rows: Any = None  # a NamedSharding of the rows: each layer's input constrained to it
 
     @nn.compact
     def __call__(self, x: jax.Array, _: Any = None) -> Any:
+        if self.rows is not None:
+            x = jax.lax.with_sharding_constraint(x, self.rows)
         norm = lambda name: nn.RMSNorm(epsilon=1e-5, name=name)  # noqa: E731
         x = x + Attention(self.heads, name="self_attention")(norm("pre_self_attention_norm")(x))
         x = x + Mlp(self.mlp, name="mlp")(norm("post_self_attention_norm")(x))
@@ -202,6 +207,7 @@ class Decoder(nn.Module):
 
     shape: Shape
     layers: str = "scanned"
+    rows: Any = None  # `Layer.rows`
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -211,13 +217,13 @@ class Decoder(nn.Module):
             block = training.remat(Layer, prevent_cse=False)
             scan = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                            length=s.layers)  # fmt: skip
-            x, _ = scan(s.heads, s.mlp, scanned=True, name="layers")(x, None)
+            x, _ = scan(s.heads, s.mlp, True, self.rows, name="layers")(x, None)
         elif self.layers == "repeated":
             x = Repeated(training.remat(Layer)(s.heads, s.mlp), num_layers=s.layers)(x)
         else:
             block = training.remat(Layer)
             for i in range(s.layers):
-                x = block(s.heads, s.mlp, name=f"layers_{i}")(x)
+                x = block(s.heads, s.mlp, rows=self.rows, name=f"layers_{i}")(x)
         x = nn.RMSNorm(epsilon=1e-5, name="decoder_norm")(x)
         return nn.Dense(s.vocab, use_bias=False, name="logits_dense")(x)
 
@@ -259,20 +265,49 @@ class Side:
     """One framework's step for one row: its peak, parameter count and a runner."""
 
     parameters: int
-    peak: int
+    memory: dict[str, int]  # the compiled step's memory_analysis (`analysed`)
     step: Callable[[int], Any] | None  # None once timed (its state freed)
     samples: list[float] = dataclasses.field(default_factory=list)
 
+    @property
+    def peak(self) -> int:
+        """Arguments + temporaries + outputs - aliased, as `_common.compiled_peak`."""
+        m = self.memory
+        return m["arguments"] + m["temporaries"] + m["outputs"] - m["aliased"]
 
-def jstrategy_side(shape: Shape, layout: str, scan: str, rows: np.ndarray) -> Side:
+    def breakdown(self) -> str:
+        """The peak's parts in MiB."""
+        return ", ".join(f"{k} {v / 2**20:.1f}" for k, v in self.memory.items())
+
+
+def analysed(compiled: Any) -> dict[str, int]:
+    """A compiled program's memory per device, by part."""
+    m = compiled.memory_analysis()
+    return {
+        "arguments": int(m.argument_size_in_bytes),
+        "temporaries": int(m.temp_size_in_bytes),
+        "outputs": int(m.output_size_in_bytes),
+        "aliased": int(m.alias_size_in_bytes),
+    }
+
+
+def jstrategy_side(
+    shape: Shape, layout: str, scan: str, rows: np.ndarray, *, constrain: bool = False
+) -> Side:
     strategy = jstrategy_strategy(layout, scan)
-    model = Decoder(shape, layers="repeated" if layout == "pipeline" else scan)
+    # `constrain`: each layer's input split by rows over the data axis, as a model written
+    # for a global jax.jit says it (the Flax sharding guides'; MaxText's layers do).
+    sharding = None
+    if constrain and layout != "pipeline":
+        sharding = NamedSharding(strategy.mesh, P(strategy.axis_name))
+    layers = "repeated" if layout == "pipeline" else scan
+    model = Decoder(shape, layers=layers, rows=sharding)
     tx = optax.adamw(LEARNING_RATE, **ADAMW)
     with strategy.scope():
         state = training.create_train_state(model, tx, jnp.zeros((1, shape.seq), jnp.int32))
         train_step = training.make_train_step(token_loss, remat=True)
     batch = next(iter(strategy.experimental_distribute_dataset([(rows[:, :-1], rows[:, 1:])])))
-    peak = _common.compiled_peak(train_step.lower(state, batch).compile())
+    memory = analysed(train_step.lower(state, batch).compile())
     parameters = sum(leaf.size for leaf in jax.tree.leaves(state.params))
     box = [state]
 
@@ -280,7 +315,7 @@ def jstrategy_side(shape: Shape, layout: str, scan: str, rows: np.ndarray) -> Si
         box[0], metrics = train_step(box[0], batch)
         return metrics
 
-    return Side(parameters, peak, step)
+    return Side(parameters, memory, step)
 
 
 # The MaxText side, through its own API ---------------------------------------------------
@@ -369,7 +404,7 @@ def maxtext_side(shape: Shape, layout: str, scan: str, rows: np.ndarray) -> Side
         data_sharding = sharding.get_input_data_sharding(config, mesh)
         shaped = maxtext_utils.get_shaped_batch(config, batch_sharding=data_sharding)
         batch = _maxtext_batch(rows, shaped)
-        peak = _common.compiled_peak(p_train_step.lower(state, batch).compile())
+        memory = analysed(p_train_step.lower(state, batch).compile())
     box = [state]
 
     def step(i: int) -> Any:
@@ -377,7 +412,7 @@ def maxtext_side(shape: Shape, layout: str, scan: str, rows: np.ndarray) -> Side
             box[0], metrics = p_train_step(box[0], batch)
         return metrics
 
-    return Side(parameters, peak, step)
+    return Side(parameters, memory, step)
 
 
 def _maxtext_batch(rows: np.ndarray, shaped: dict[str, Any]) -> dict[str, jax.Array]:
@@ -416,7 +451,10 @@ class Row:
     error: str = ""
 
 
-def measure(shape: Shape, layout: str, scan: str, batch: int, steps: int, rounds: int) -> Row:
+def measure(
+    shape: Shape, layout: str, scan: str, args: argparse.Namespace, *, constrain: bool = False
+) -> Row:
+    batch, steps, rounds = args.batch, args.steps, args.rounds
     row = Row(layout, shape.layers, scan)
     rows = np.random.default_rng(0).integers(0, shape.vocab, size=(batch, shape.seq + 1))
     rows = rows.astype(np.int32)
@@ -425,11 +463,15 @@ def measure(shape: Shape, layout: str, scan: str, batch: int, steps: int, rounds
     except Exception as error:  # MaxText's own failures: printed, the row goes on
         row.error = f"MaxText: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
         traceback.print_exc()
-    row.jstrategy = jstrategy_side(shape, layout, scan, rows)
+    row.jstrategy = jstrategy_side(shape, layout, scan, rows, constrain=constrain)
     expected = shape.parameters()
     for name, side in (("jstrategy", row.jstrategy), ("MaxText", row.maxtext)):
         if side is not None:
-            print(f"  {name}: {side.parameters:,} parameters (formula {expected:,})", flush=True)
+            print(
+                f"  {name}: {side.parameters:,} parameters (formula {expected:,}); peak MiB: "
+                f"{side.breakdown()}",
+                flush=True,
+            )
             if side.parameters != expected:
                 raise AssertionError(f"{name}'s model has {side.parameters:,} parameters, "
                                      f"not {expected:,}: the two models differ")  # fmt: skip
@@ -483,6 +525,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     parser.add_argument("--steps", type=int, default=2, help="steps per timing")
     parser.add_argument("--rounds", type=int, default=3, help="paired alternating rounds")
+    parser.add_argument(
+        "--constrain",
+        action="store_true",
+        help="jstrategy's model constrains each layer's input to the rows' split over the "
+        "data axis (as MaxText's layers do); FSDP and tensor layouts only",
+    )
     args = parser.parse_args(argv)
     try:
         import maxtext  # noqa: F401
@@ -509,7 +557,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         for layout in args.layouts:
             for scan in args.scan:
                 print(f"{layout}, {layers} layers, {scan}:", flush=True)
-                row = measure(Shape(layers), layout, scan, args.batch, args.steps, args.rounds)
+                row = measure(Shape(layers), layout, scan, args, constrain=args.constrain)
                 print(format_row(row), flush=True)
                 results.append(row)
                 gc.collect()
