@@ -70,8 +70,11 @@ generated_requirements/decoupled-requirements.txt"
         /work/venvs/maxtext/bin/python benchmarks/maxtext_compare.py \
         --layers 4 --layouts fsdp --scan scanned --steps 2 --rounds 3
 
-(the script sets both environment variables itself when they are unset). Without MaxText
-installed it says so, with these commands, and exits.
+(the script sets both environment variables itself when they are unset). ``--constrain``
+gives jstrategy's model what MaxText's layers have: each layer's input constrained to the
+rows' split over the data axis (FSDP and tensor layouts; see docs/benchmarks.md for why it
+matters under FSDP with scanned layers). Without MaxText installed it says so, with these
+commands, and exits.
 """
 
 from __future__ import annotations
