@@ -19,11 +19,10 @@ out_shardings=..., donate_argnums=...)`` in the global view over the `NamedShard
 jstrategy state's leaves have (the strategy's `variable_sharding`), the batch split over
 the data axis: ``value_and_grad`` of the mean of `transformer_lm.lm_loss` over the global
 batch, then AdamW's update. It starts from a copy of the jstrategy state's parameters and
-optimizer state, so both run the same numbers. The train step does a little more than its
-peer, as it must for any batch: it takes the mean over the batch's *real* rows (a row
-mask, for padded last batches), so it differentiates the loss sum over the count of real
-rows, known only at run time, where the peer's mean divides by a constant (the compiled
-programs then read and write the same bytes); it also counts its steps (``state.step``).
+optimizer state, so both run the same numbers. The batch is full (its row mask all true),
+so the train step runs its program for full batches: it divides the loss sum by the static
+batch size, as the peer's mean does (a padded batch would pass its mask, and the step
+would all-reduce the count of real rows first); it also counts its steps (``state.step``).
 
 Printed per strategy (and peer): the median step time (interleaved repeats in one process),
 its ratio to the strategy's hand-written peer and to Mirrored, the bytes of parameters and

@@ -412,10 +412,11 @@ class _Deep(nn.Module):
         return nn.Dense(8)(x)
 
 
-def _compiled_collectives(strategy, steps_per_execution=0):
+def _compiled_collectives(strategy, steps_per_execution=0, *, padded=False):
     """The collectives of the compiled train step, by kind and mesh axes; the state's specs.
 
-    With `steps_per_execution`, of the program `Model.fit` runs: a scan of that many steps.
+    With `steps_per_execution`, of the program `Model.fit` runs: a scan of that many steps
+    (with a row mask). `padded`: the step's batch has 60 real rows of 64 (a row mask).
     64 rows: the sharded step is in the global view, where XLA's partitioner chooses the
     cheaper communication; with fewer rows than a kernel's inputs it would move the
     activations instead of the kernels (also correct, but not what this test pins).
@@ -435,9 +436,9 @@ def _compiled_collectives(strategy, steps_per_execution=0):
         )
         lowered = program.lower(state, acc, batch, mask)
     else:
-        lowered = jstrategy.training.make_train_step("mse", strategy=strategy).lower(
-            state, distribute_batch(strategy, (x, y))
-        )
+        rows = 60 if padded else 64
+        batch = distribute_batch(strategy, (x[:rows], y[:rows]), global_batch_size=64)
+        lowered = jstrategy.training.make_train_step("mse", strategy=strategy).lower(state, batch)
     return collective_counts(lowered.compile().as_text(), strategy.mesh), _specs(state.params)
 
 
@@ -449,8 +450,9 @@ def test_fsdp_step_gathers_parameters_and_reduce_scatters_gradients():
     # gradient where backpropagation produces it; XLA:CPU writes a reduce-scatter as an
     # all-reduce sliced to the replica's part (GPUs' ReduceScatterCreator turns it back
     # into a reduce-scatter) and its all-reduce combiner merges the small ones with the
-    # biases' and the loss into one. The count of real rows is reduced on its own, before
-    # the backward pass that it scales (so no update waits for the step's last all-reduce).
+    # biases' and the loss into one. A full batch divides by its static size; a padded one's
+    # count of real rows is reduced on its own, before the backward pass that it scales (so
+    # no update waits for the step's last all-reduce).
     fsdp = FSDPStrategy(min_shard_size=256)
     counts, specs = _compiled_collectives(fsdp)
     assert [specs[f"Dense_{i}"]["kernel"] for i in range(3)] == [
@@ -458,9 +460,11 @@ def test_fsdp_step_gathers_parameters_and_reduce_scatters_gradients():
         P("replica", None),
         P("replica", None),
     ]
-    assert counts == {"all-gather[replica]": 3, "all-reduce[replica]": 2}
-    # Several steps per execution: the same per step, inside the scan's loop body.
-    assert _compiled_collectives(fsdp, steps_per_execution=3)[0] == counts
+    assert counts == {"all-gather[replica]": 3, "all-reduce[replica]": 1}
+    masked = {"all-gather[replica]": 3, "all-reduce[replica]": 2}
+    assert _compiled_collectives(fsdp, padded=True)[0] == masked
+    # Several steps per execution (masked here): the same per step, inside the scan's body.
+    assert _compiled_collectives(fsdp, steps_per_execution=3)[0] == masked
     # Mirrored: one all-reduce and nothing else.
     assert _compiled_collectives(jstrategy.MirroredStrategy())[0] == {"all-reduce[replica]": 1}
 
@@ -470,9 +474,11 @@ def test_megatron_step_communicates_over_model_inside_and_batch_between_replicas
     counts, specs = _compiled_collectives(_megatron())
     assert specs["Dense_0"]["kernel"] == P(None, "model")
     # Megatron's forward all-reduce of the row-split matmul's partial sums, over "model";
-    # over "batch", the count of real rows (before the backward pass it scales) and the
-    # gradients' one all-reduce; no reduce-scatter (nothing is split over the data axis).
-    assert counts["all-reduce[model]"] >= 1 and counts["all-reduce[batch]"] == 2
+    # over "batch", the gradients' one all-reduce (and for a padded batch the count of real
+    # rows, before the backward pass it scales); no reduce-scatter (nothing is split over
+    # the data axis).
+    assert counts["all-reduce[model]"] >= 1 and counts["all-reduce[batch]"] == 1
+    assert _compiled_collectives(_megatron(), padded=True)[0]["all-reduce[batch]"] == 2
     assert not any(k.startswith("reduce-scatter") for k in counts)
     assert all(k.endswith(("[model]", "[batch]")) for k in counts)
 
@@ -534,15 +540,16 @@ def test_sharded_step_benchmark_smoke(capsys):
     assert fsdp.collectives["all-gather[replica]"] >= 1
     assert fsdp.per_device < 1.0
     # One block: Megatron's two forward and two backward all-reduces over "model"; the
-    # row count's and the gradients' over "batch".
-    assert megatron.collectives == {"all-reduce[batch]": 2, "all-reduce[model]": 4}
+    # gradients' over "batch".
+    assert megatron.collectives == {"all-reduce[batch]": 1, "all-reduce[model]": 4}
     # Each peer holds the same layouts (the jstrategy state's shardings) and, written as
-    # the same global-view step, XLA gives it the same communication, but for the one
-    # scalar all-reduce of the count of real rows (the peer divides by its static batch;
-    # jstrategy's batches may be padded and masked).
+    # the same global-view step, XLA gives it the same communication: the batch is full,
+    # so the train step divides by its static size as the peer does (no count of real rows
+    # to all-reduce first).
     assert fsdp_peer.per_device == fsdp.per_device
     assert megatron_peer.per_device == megatron.per_device
-    assert {**megatron_peer.collectives, "all-reduce[batch]": 2} == megatron.collectives
+    assert megatron_peer.collectives == megatron.collectives
+    assert fsdp_peer.collectives == fsdp.collectives
     assert all(row.step_s > 0 and len(row.samples) == 1 for row in rows)
     assert (
         "| FSDP | replica 8 |" in out and "| ModelParallel (Megatron) | batch 2 x model 4 |" in out

@@ -21,7 +21,9 @@ here:
 
 A program is ``program(state, acc, batch, mask) -> (state, acc, logs)``: `acc` holds running
 loss and metric sums (with the count of real rows) that each step adds to, or None to start
-from the step's own sums (one step only); `logs` are their means.
+from the step's own sums (one step only); `logs` are their means. `mask` is the batch's row
+mask, or None for full batches (every row real), which compile to their own program
+without one.
 """
 
 from __future__ import annotations
@@ -154,7 +156,8 @@ def _step_loop(
             return state, acc, means(acc)
         if not stacked:
             batch = jax.tree.map(lambda *xs: jnp.stack(xs), *batch)
-            mask = jnp.stack(mask)
+            if mask is not None:  # None: full batches, no mask
+                mask = jax.tree.map(lambda *xs: jnp.stack(xs), *mask)
 
         def scan_step(carry: Any, inputs: Any) -> tuple[Any, None]:
             return one(*carry, *inputs), None
@@ -431,6 +434,6 @@ class _HostUpdateProgram:
             if self._stacked:
                 state, acc, logs = step(state, acc, batch, mask, self._indices[i])
             else:
-                state, acc, logs = step(state, acc, batch[i], mask[i])
+                state, acc, logs = step(state, acc, batch[i], None if mask is None else mask[i])
             dispatch.track(logs)
         return state, acc, logs

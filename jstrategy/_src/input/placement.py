@@ -30,7 +30,7 @@ from jstrategy._src.values import replica_devices
 if TYPE_CHECKING:
     from jstrategy._src.strategy_like import StrategyLike
 
-__all__ = ["Placer", "distribute_batch", "full_mask", "put_rows"]
+__all__ = ["Placer", "distribute_batch", "full_mask", "is_full_mask", "put_rows"]
 
 # The one route from host rows to the mesh: distributed datasets, `distribute_batch`,
 # `experimental_distribute_values_from_function`, and `Model`'s array batches and masks
@@ -83,6 +83,19 @@ def full_mask(
         [mask] = put_rows(sharding, [np.ones(local_shape, bool)], [tuple(global_shape)])
         _FULL_MASKS[key] = mask
     return mask
+
+
+def is_full_mask(mask: Any) -> bool:
+    """Whether `mask` is an all-true row mask made by `full_mask` (its batch has no padding).
+
+    Example:
+
+    >>> import jstrategy
+    >>> sharding = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"]).batch_sharding()
+    >>> is_full_mask(full_mask(sharding, (4,))), is_full_mask(None)
+    (True, False)
+    """
+    return mask is not None and any(mask is m for m in _FULL_MASKS.values())
 
 
 def _process_layout(strategy: StrategyLike) -> tuple[list[Any], int, int, int]:

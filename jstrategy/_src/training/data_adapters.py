@@ -229,8 +229,11 @@ class ArrayAdapter:
         assert self.steps is not None
         return self.steps if steps_per_epoch is None else min(steps_per_epoch, self.steps)
 
-    def _place(self, index: np.ndarray, lead: tuple[int, ...]) -> tuple[Any, Any]:
-        """Rows `index` (shape lead + (k,), k <= static rows), padded, on the devices."""
+    def _place(
+        self, index: np.ndarray, lead: tuple[int, ...], *, masked: bool = True
+    ) -> tuple[Any, Any]:
+        """Rows `index` (shape lead + (k,), k <= static rows), padded, on the devices, and
+        their row mask (None for a full batch when not `masked`)."""
         k = index.shape[-1]
         leaves, treedef = jax.tree.flatten(self.data)
         flat = index.reshape(-1)
@@ -239,7 +242,8 @@ class ArrayAdapter:
         # Every process holds the whole arrays, so each leaf's shape is its global shape.
         if k == self.static_rows:
             placed = put_rows(sharding, gathered, [a.shape for a in gathered])
-            return jax.tree.unflatten(treedef, placed), ones_mask(k, sharding, lead)
+            mask = ones_mask(k, sharding, lead) if masked else None
+            return jax.tree.unflatten(treedef, placed), mask
         padded, host_mask = pad_rows(gathered, k, self.static_rows, lead)
         host = [*padded, host_mask]
         *placed, mask = put_rows(sharding, host, [a.shape for a in host])
@@ -266,15 +270,19 @@ class ArrayAdapter:
         full = min(steps, self.rows // bs)  # batches with batch_size real rows
         # Backups are taken between executions, so `skip` is where one ended: starting
         # there, the executions are the ones the uninterrupted epoch runs.
+        # An epoch of full batches only runs the programs without a row mask (cheaper: no
+        # count of real rows to reduce); one with a padded batch passes every batch's mask,
+        # so that all its batches share one program.
+        masked = full < steps or self.static_rows != bs
         step = skip
         n = steps_per_execution
         while step + n <= full and n > 1:
             index = order[step * bs : (step + n) * bs].reshape(n, bs)
-            batch, mask = self._place(index, (n,))
+            batch, mask = self._place(index, (n,), masked=masked)
             yield Execution(n, (n, True), batch, mask)
             step += n
         while step < steps:
-            batch, mask = self._place(order[step * bs : (step + 1) * bs], ())
+            batch, mask = self._place(order[step * bs : (step + 1) * bs], (), masked=masked)
             yield Execution(1, (0, True), batch, mask)
             step += 1
 

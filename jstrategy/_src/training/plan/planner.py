@@ -15,7 +15,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jstrategy._src import hlo
@@ -345,7 +344,8 @@ def _batch_rows(batch: Any, strategy: Strategy) -> int:
 
 
 def _abstract_batch(batch: Any, rows: int, strategy: Strategy) -> tuple[Any, Any]:
-    """The batch at `rows` rows and its row mask, as shapes split like a real batch."""
+    """The batch at `rows` rows, as shapes split like a real batch, and its row mask: None,
+    the full batch's, as `fit` runs a batch without padding (`body.row_weights`)."""
     sharding = strategy.batch_sharding()
 
     def at(a: Any) -> jax.ShapeDtypeStruct:
@@ -353,7 +353,7 @@ def _abstract_batch(batch: Any, rows: int, strategy: Strategy) -> tuple[Any, Any
         return jax.ShapeDtypeStruct((rows, *a.shape[1:]), a.dtype, sharding=sharding)
 
     values = tuple(jax.tree.map(at, part) for part in batch)
-    return values, jax.ShapeDtypeStruct((rows,), jnp.bool_, sharding=sharding)
+    return values, None
 
 
 def _device_memory(device_memory: int | None, strategy: Strategy) -> int:

@@ -73,7 +73,7 @@ class MemoryPlan:
         reads), part of the compiled temporaries (no more than they are: XLA may fuse a
         gradient into its update). The figures from `parameters` to `activations` add
         up to `peak`.
-      inputs: the batch (and its row mask) on the device.
+      inputs: the batch on the device.
       activations: the rest of the peak: the step's temporaries besides the gradients
         (the forward pass's activations kept for the backward pass, the update's
         temporaries) and outputs not written over the donated state.

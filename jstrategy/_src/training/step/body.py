@@ -291,6 +291,24 @@ def _loss_scale_factor(spec: StepSpec, rest: Any, rows: int) -> jax.Array | None
     return ls.loss_scale / rows
 
 
+def row_weights(mask: jax.Array | None, rows: int) -> jax.Array:
+    """The float row mask; for ``mask=None`` (a full batch: every row real) all ones.
+
+    Full batches run without a mask argument: the ones are constants the compiler folds, so
+    the program has no mask to read and its count of real rows is the static batch size
+    (`replica_gradients` then all-reduces no count). The programs then equal a step written
+    for full batches by hand; a batch with padding passes its mask and gets its own program.
+    """
+    if mask is None:
+        return jnp.ones((rows,), jnp.float32)
+    return mask.astype(jnp.float32)
+
+
+def _batch_rows(batch: Any, mask: jax.Array | None) -> int:
+    """The batch's leading rows (as the mask has them, or its inputs when it has none)."""
+    return row_count(unpack_batch(batch)[0], "x") if mask is None else mask.shape[0]
+
+
 def _row_mask(maskf: jax.Array, values: jax.Array) -> jax.Array:
     return maskf.reshape(maskf.shape + (1,) * (values.ndim - 1))
 
@@ -371,7 +389,7 @@ def _replica_loss(
     x, y, w = unpack_batch(batch)
     if y is None:
         raise ValueError("A training batch must be (x, y) or (x, y, sample_weight); got no y.")
-    maskf = mask.astype(jnp.float32)
+    maskf = row_weights(mask, _batch_rows(batch, mask))
 
     def forward(params: Any, x: Any) -> tuple[Any, Any, Any]:
         return _forward(
@@ -483,7 +501,8 @@ def replica_gradients(
     """
     strategy = spec.strategy
     axis = strategy.axis_name
-    scale = _loss_scale_factor(spec, rest, mask.shape[0] * strategy.num_replicas_in_sync)
+    n = strategy.num_replicas_in_sync
+    scale = _loss_scale_factor(spec, rest, _batch_rows(batch, mask) * n)
     local_loss, y, maskf = _replica_loss(spec, rest, batch, mask, scale)
     varying_params = _to_varying(params, axis)
     (_, (loss_sum, y_pred, model_state)), grads = jax.value_and_grad(local_loss, has_aux=True)(
@@ -494,6 +513,8 @@ def replica_gradients(
         # Under loss scaling, overflowing gradients are expected: the step is skipped.
         checked = grads if scale is None else None
         sums.update(check_numerics.step_flags(spec, y, y_pred, maskf, loss_sum, checked))
+    # A full batch's count of real rows is static: nothing to all-reduce.
+    count = sums.pop(COUNT) * n if mask is None else None
     leaves, tree = jax.tree.flatten(model_state)
     varying = [i for i, leaf in enumerate(leaves) if axis in varying_axes(leaf)]
     grads, sums, synced = strategy.cross_device_ops.all_reduce(
@@ -502,7 +523,8 @@ def replica_gradients(
         mesh=strategy.mesh,
         axis_name=axis,
     )
-    n = strategy.num_replicas_in_sync
+    if count is not None:
+        sums[COUNT] = count
     for i, leaf in zip(varying, synced, strict=True):
         leaves[i] = (leaf / n).astype(leaves[i].dtype)
     return _finish(spec, rest, grads, sums, scale), jax.tree.unflatten(tree, leaves), sums
@@ -555,7 +577,8 @@ def global_gradients(
     strategy = spec.strategy
     axis = strategy.axis_name
     n = strategy.num_replicas_in_sync
-    scale = _loss_scale_factor(spec, rest, mask.shape[0])
+    rows = _batch_rows(batch, mask)
+    scale = _loss_scale_factor(spec, rest, rows)
 
     def per_replica(v: Any) -> Any:
         return v.reshape(n, v.shape[0] // n, *v.shape[1:])
@@ -589,7 +612,8 @@ def global_gradients(
     # every other staging differentiates (and its all-finite check waits for every
     # gradient anyway), nor when accumulating (the cycle adds sums).
     of_mean = spec.accumulation_steps == 1 and scale is None
-    factor = 1.0 / jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
+    # A full batch (no mask) divides by its static size: no count to all-reduce first.
+    factor = 1.0 / (rows if mask is None else jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0))
 
     def total(params: Any) -> tuple[jax.Array, Any]:
         # A reshape of the split leaves, no data moved: their gradients come back through
@@ -641,7 +665,7 @@ def eval_sums(
     x, y, w = unpack_batch(batch)
     if y is None:
         raise ValueError("An evaluation batch must be (x, y) or (x, y, sample_weight).")
-    maskf = mask.astype(jnp.float32)
+    maskf = row_weights(mask, _batch_rows(batch, mask))
     y_pred, _, model_loss = _forward(
         spec.policy, state, state.params, x, train=False, axis_name=None
     )

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from jstrategy._src import dispatch
-from jstrategy._src.numerics import row_count
+from jstrategy._src.input.placement import is_full_mask
 from jstrategy._src.placement import check_placed
 from jstrategy._src.precision import policy as mp
 from jstrategy._src.strategy import get_strategy
@@ -82,9 +82,10 @@ class _Step:
             ),
             values,
         )
-        if mask is None:
-            x = data_adapters.unpack_batch(values)[0]
-            mask = data_adapters.ones_mask(row_count(x, "x"), strategy.batch_sharding())
+        # A batch without padding (arrays, or a distributed batch whose mask is all true)
+        # runs the program for full batches, which reads no mask (`body.row_weights`).
+        if is_full_mask(mask):
+            mask = None
         return state, values, mask
 
 
