@@ -161,3 +161,39 @@ def test_the_cached_full_mask_is_recognized_and_other_masks_are_not():
     assert is_full_mask(mask)
     assert not is_full_mask(jax.device_put(np.ones(16, bool), sharding))
     assert not is_full_mask(jnp.ones(16, bool))
+
+
+@pytest.mark.parametrize(
+    "ops",
+    [
+        jstrategy.NcclAllReduce(num_packs=0),
+        jstrategy.HierarchicalCopyAllReduce(num_packs=0),
+        jstrategy.HierarchicalCopyAllReduce(num_packs=1),
+        jstrategy.ReductionToOneDevice(),
+    ],
+    ids=["nccl_unpacked", "hierarchical_unpacked", "hierarchical_packed", "to_one_device"],
+)
+def test_every_all_reduce_sums_a_full_batchs_constant_leaves(ops):
+    # Without a mask, the weight sum of a weighted metric and the numerics checks' zeros are
+    # the same on every replica (constants): each algorithm must still sum them right.
+    x, y = _data(64)
+    logs = {}
+    jstrategy.config.enable_check_numerics()
+    try:
+        for name, strategy in (
+            ("one", jstrategy.OneDeviceStrategy("cpu:0")),
+            ("mirrored", jstrategy.MirroredStrategy(cross_device_ops=ops)),
+        ):
+            with strategy.scope():
+                model = jstrategy.Model(_MLP(), input_shape=(8,), seed=0)
+                model.compile(
+                    optax.sgd(0.1), loss=_LOSS, weighted_metrics=["sparse_categorical_accuracy"]
+                )
+            history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+            logs[name] = {k: v[-1] for k, v in history.history.items()}
+            dispatch.get_limiter().wait_all()
+    finally:
+        jstrategy.config.disable_check_numerics()
+    assert logs["one"].keys() == logs["mirrored"].keys()
+    for key, value in logs["one"].items():
+        np.testing.assert_allclose(logs["mirrored"][key], value, rtol=1e-5, err_msg=key)
