@@ -4,7 +4,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jstrategy
 from jstrategy._src import dispatch
@@ -241,3 +243,91 @@ def test_run_of_a_step_that_returns_nothing_is_bounded_in_flight():
         strategy.run(step, args=(x,))
         assert limiter.in_flight <= limiter.max_in_flight
     assert int(model.state.step) == 2004
+
+
+def test_a_cached_run_still_refuses_per_replica_values_of_another_strategy():
+    # The second call of a pattern takes `run`'s fast path, which skips the per-leaf
+    # checks; values from a strategy with other replicas must still get the clear error.
+    eight = jstrategy.MirroredStrategy()
+    four = jstrategy.MirroredStrategy(devices=[f"cpu:{i}" for i in range(4)])
+
+    def rows(strategy):
+        value = jax.device_put(np.ones((8, 2), np.float32), strategy.batch_sharding())
+        return jstrategy.PerReplica(value, stacked=False)
+
+    def fn(x):
+        return jstrategy.get_replica_context().all_reduce("SUM", x)
+
+    for _ in range(2):  # the second call is served from the cache
+        np.testing.assert_allclose(np.asarray(eight.run(fn, (rows(eight),))), 8.0)
+    with pytest.raises(ValueError, match="has 4 replicas but this strategy has 8"):
+        eight.run(fn, (rows(four),))
+
+
+def test_a_run_training_step_needs_no_more_memory_than_the_hand_written_one():
+    """`run`'s program against the same step hand-written as jit(shard_map) with replicated
+    outputs: per device, arguments + temporaries + outputs - aliased must not exceed it.
+    (Its per-replica outputs leave stacked; XLA once kept the all-reduced gradients alive
+    around that reshape, a temporary the size of the largest variable.)"""
+    strategy = jstrategy.MirroredStrategy()
+    axis = strategy.axis_name
+    tx = optax.sgd(0.01, momentum=0.9)
+    rng = np.random.default_rng(0)
+    params = {
+        "w1": rng.normal(size=(16, 256)).astype(np.float32),
+        "w2": rng.normal(size=(256, 256)).astype(np.float32),
+        "w3": rng.normal(size=(256, 4)).astype(np.float32),
+    }
+    x = rng.normal(size=(64, 16)).astype(np.float32)
+    y = rng.normal(size=(64, 4)).astype(np.float32)
+
+    def loss_sum(p, xb, yb):
+        h = jnp.tanh(jnp.tanh(xb @ p["w1"]) @ p["w2"])
+        return jnp.sum((h @ p["w3"] - yb) ** 2)
+
+    def replica_step(p, s, xb, yb):
+        ctx = jstrategy.get_replica_context()
+        loss, grads = jax.value_and_grad(lambda q: loss_sum(q, xb, yb) / 64)(p)
+        grads, loss = ctx.all_reduce("SUM", (grads, loss))
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    def hand_body(p, s, xb, yb):
+        local = jax.lax.pcast(p, axis, to="varying")
+        loss, grads = jax.value_and_grad(lambda q: loss_sum(q, xb, yb) / 64)(local)
+        grads, loss = jax.lax.psum((grads, loss), axis)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    rows = strategy.batch_sharding()
+    replicated = strategy.replicated_sharding()
+    p0, s0 = jax.device_put((params, tx.init(params)), replicated)
+    xd, yd = jax.device_put((x, y), rows)
+    hand = jax.jit(
+        jax.shard_map(
+            hand_body, mesh=strategy.mesh, in_specs=(P(), P(), P(axis), P(axis)), out_specs=P()
+        )
+    )
+    xr, yr = jstrategy.PerReplica(xd, stacked=False), jstrategy.PerReplica(yd, stacked=False)
+    p1, s1, _ = strategy.run(replica_step, (p0, s0, xr, yr))
+    # The steady state: the per-replica parameters and optimizer state passed back.
+    p2, _, loss = strategy.run(replica_step, (p1, s1, xr, yr))
+    p3, _, hand_loss = hand(*hand(p0, s0, xd, yd)[:2], xd, yd)
+    np.testing.assert_allclose(float(loss), float(hand_loss), rtol=1e-4)  # the same steps
+    for a, b in zip(jax.tree.leaves(p3), jax.tree.leaves(p2), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b[0]), rtol=1e-4, atol=1e-6)
+    leaves = jax.tree.leaves(((p1, s1, xr, yr), {}))
+    entry = list(strategy._run_programs._fast.values())[-1]  # the second call's pattern
+    compiled_run = entry.program.compiled.lower(*entry.inputs(leaves), [], []).compile()
+    compiled_hand = hand.lower(p0, s0, xd, yd).compile()
+
+    def per_device(compiled):
+        m = compiled.memory_analysis()
+        total = m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
+        return total - m.alias_size_in_bytes, m.temp_size_in_bytes
+
+    run_total, run_temp = per_device(compiled_run)
+    hand_total, hand_temp = per_device(compiled_hand)
+    assert run_temp <= hand_temp, (run_temp, hand_temp)
+    # The run program also returns the scalar flag `run` waits on (dispatch.py): 9 bytes.
+    assert run_total <= hand_total + 16, (run_total, hand_total)

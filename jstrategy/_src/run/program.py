@@ -68,6 +68,19 @@ class RunProgram:
     pushes: list[tuple[tracked.Holder, Any]] = dataclasses.field(default_factory=list)
     # With `experimental_check_mirrored`: the output leaves that must be mirrored.
     checked: list[int] = dataclasses.field(default_factory=list)
+    # The outputs' structure with each per-replica leaf inside a `PerReplica` node: one
+    # unflatten wraps them (`RunPrograms.run`'s fast path).
+    wrapped_tree: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _FastEntry:
+    """A call pattern seen before: its program, and which leaves of the plainly flattened
+    arguments (PerReplica nodes in the treedef, masks among the leaves) are its inputs."""
+
+    program: RunProgram
+    inputs: Callable[[list[Any]], list[Any]]
+    per_replica: tuple[tuple[int, bool], ...]  # (leaf index, stacked) of PerReplica values
 
 
 class RunPrograms:
@@ -80,11 +93,57 @@ class RunPrograms:
     def __init__(self, strategy: StrategyLike):
         self._strategy = strategy
         self._programs: collections.OrderedDict[Any, RunProgram] = collections.OrderedDict()
+        self._fast: collections.OrderedDict[Any, _FastEntry] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict) -> Any:
         """`fn(*args, **kwargs)` once per replica, as `Strategy.run` documents it (its
         arguments already checked)."""
+        if mirrored_check.enabled():
+            return self._run(fn, args, kwargs)
+        # The fast path, for a call like one seen before: a training loop's steady state.
+        # One flatten in C++ (PerReplica nodes land in the treedef), a key of the treedef
+        # and the leaves' types, and the inputs picked by index: `run` then costs what a
+        # `jax.jit` call costs (benchmarks/overhead.py). The first call of a pattern, and
+        # calls with Python objects as arguments, take the full path below.
+        plain = (tuple(args), kwargs)
+        leaves, treedef = jax.tree.flatten(plain)
+        key = (fn, treedef, tuple(map(type, leaves)))
+        try:
+            entry = self._fast.get(key)
+        except TypeError:  # an unhashable function or treedef: the full path explains
+            return self._run(fn, args, kwargs)
+        if entry is None:
+            return self._run(fn, args, kwargs, fast_key=key, fast_leaves=leaves)
+        program = entry.program
+        dynamic = entry.inputs(leaves)
+        if program.written or program.read_only or program.pushes:
+            if any(isinstance(x, jax.core.Tracer) for x in dynamic):
+                _refuse_outer_trace(program)
+            held = _held_values(self._strategy, program)
+        else:
+            held = ([], [])
+        try:
+            outs, written, pushed, flags = program.compiled(*dynamic, *held)
+        except ValueError:
+            # Most likely PerReplica values from another strategy: say so clearly.
+            for i, stacked in entry.per_replica:
+                _check_per_replica(self._strategy, PerReplica(leaves[i], stacked=stacked))
+            raise
+        if program.written or program.pushes:
+            _store_written(self._strategy, program, written, pushed)
+        dispatch.track(flags)
+        return jax.tree.unflatten(program.wrapped_tree, outs)
+
+    def _run(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: dict,
+        *,
+        fast_key: Any = None,
+        fast_leaves: list[Any] | None = None,
+    ) -> Any:
         strategy = self._strategy
         leaves, treedef = jax.tree.flatten((tuple(args), kwargs), is_leaf=is_per_replica)
         kinds: list[str] = []
@@ -126,6 +185,13 @@ class RunPrograms:
                 self._programs[key] = program
                 if len(self._programs) > _CACHE_SIZE:
                     self._programs.popitem(last=False)
+        if fast_key is not None and not statics:
+            entry = _fast_entry(program, leaves, len(fast_leaves or ()))
+            if entry is not None:
+                with self._lock:
+                    self._fast[fast_key] = entry
+                    if len(self._fast) > _CACHE_SIZE:
+                        self._fast.popitem(last=False)
         if (program.written or program.read_only or program.pushes) and any(
             isinstance(x, jax.core.Tracer) for x in dynamic
         ):
@@ -141,6 +207,32 @@ class RunPrograms:
             for i, (o, v) in enumerate(zip(outs, program.varying, strict=True))
         ]
         return jax.tree.unflatten(program.out_tree, wrapped)
+
+
+def _fast_entry(program: RunProgram, leaves: list[Any], plain_count: int) -> _FastEntry | None:
+    """Where `program`'s inputs sit among the plainly flattened arguments (a PerReplica's
+    value, then its mask, in place of the PerReplica); None if they do not line up."""
+    order, per_replica, mask_at, at = [], [], None, 0
+    for leaf in leaves:
+        order.append(at)
+        if isinstance(leaf, PerReplica):
+            if not isinstance(leaf.value, _ARRAY_TYPES):
+                return None  # a PerReplica of a pytree: flattens further
+            per_replica.append((at, leaf.stacked))
+            if leaf.mask is not None:
+                mask_at = at + 1 if mask_at is None else mask_at
+                at += 1
+        at += 1
+    if at != plain_count:
+        return None
+    if mask_at is not None:
+        order.append(mask_at)
+    picks = tuple(order)
+
+    def inputs(plain: list[Any]) -> list[Any]:
+        return [plain[i] for i in picks]
+
+    return _FastEntry(program, inputs, tuple(per_replica))
 
 
 def _held_values(strategy: StrategyLike, program: RunProgram) -> tuple[list[Any], list[Any]]:
@@ -290,7 +382,18 @@ def _build(strategy: StrategyLike, fn, treedef, kinds, statics, has_mask, exampl
                 "argument shapes) than the first time. Use the same stateful objects on "
                 "every call."
             ) from None
-        outs = [jnp.asarray(x)[None] if v else x for x, v in zip(flat, varying, strict=True)]
+        per_replica = [jnp.asarray(x) for x, v in zip(flat, varying, strict=True) if v]
+        if per_replica:
+            # Per-replica outputs leave stacked: a leading axis of 1 added here. Without
+            # the barrier XLA fuses around that reshape differently from the same step
+            # written with replicated outputs: it recomputes an optimizer's momentum in
+            # the parameter update and keeps the all-reduced gradients alive for it, a
+            # temporary the size of the largest variable (benchmarks/overhead.py's MLP:
+            # 1.07 MB against 0.13 MB). Behind the barrier the two programs are the same,
+            # op for op, up to free bitcasts.
+            per_replica = jax.lax.optimization_barrier(per_replica)
+        stacked = iter(per_replica)
+        outs = [next(stacked)[None] if v else x for x, v in zip(flat, varying, strict=True)]
         new_values = [frame.final(h) for h in written]
         pushed = [value for _, value, _ in frame.pushes]
         # A small output of every call that is never donated: what `run` waits on to
@@ -315,7 +418,12 @@ def _build(strategy: StrategyLike, fn, treedef, kinds, statics, has_mask, exampl
         shard_map(body, in_specs=in_specs, out_specs=out_specs),
         donate_argnums=(len(user_specs),) if written else (),
     )
-    return RunProgram(compiled, out_tree, varying, written, read_only, pushes, checked)
+    wrapped_tree = jax.tree.structure(
+        jax.tree.unflatten(out_tree, [PerReplica(0, stacked=True) if v else 0 for v in varying])
+    )
+    return RunProgram(
+        compiled, out_tree, varying, written, read_only, pushes, checked, wrapped_tree
+    )
 
 
 def _per_replica_copy(value: Any, axis_name: str) -> jax.Array:
