@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -33,6 +35,9 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from sklearn.datasets import load_digits
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common
 
 import jstrategy
 import jstrategy.losses
@@ -182,6 +187,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  {'':34s} {'samples/s':>10s}  {'vs jit loop':>11s}  {'vs shard_map loop':>17s}")
     for name, t in medians.items():
         print(f"  {name:34s} {rows / t:10.0f}  {jit_loop / t:10.2f}x  {shard_map_loop / t:16.2f}x")
+    # Each round runs every loop back to back, so a round's speed-up is a paired
+    # comparison: steadier than the ratio of medians when the machine's speed drifts.
+    print(f"  paired over {args.repeats} rounds: median speed-up (range)")
+    for name in names[2:]:
+        for base in names[:2]:
+            mid, low, high = _common.paired_ratio(samples[base], samples[name])
+            print(f"    {name} vs {base}: {mid:.2f}x ({low:.2f}-{high:.2f})")
 
 
 if __name__ == "__main__":
