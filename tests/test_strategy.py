@@ -264,6 +264,11 @@ def test_a_cached_run_still_refuses_per_replica_values_of_another_strategy():
         eight.run(fn, (rows(four),))
 
 
+@pytest.mark.skipif(
+    jax.__version_info__ < (0, 12),
+    reason="XLA's CPU compiler in jaxlib 0.10 drops the optimization barrier before it "
+    "fuses: the stacked outputs still cost it the temporary (checked with jaxlib 0.10.2)",
+)
 def test_a_run_training_step_needs_no_more_memory_than_the_hand_written_one():
     """`run`'s program against the same step hand-written as jit(shard_map) with replicated
     outputs: per device, arguments + temporaries + outputs - aliased must not exceed it.

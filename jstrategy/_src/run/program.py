@@ -390,7 +390,8 @@ def _build(strategy: StrategyLike, fn, treedef, kinds, statics, has_mask, exampl
             # the parameter update and keeps the all-reduced gradients alive for it, a
             # temporary the size of the largest variable (benchmarks/overhead.py's MLP:
             # 1.07 MB against 0.13 MB). Behind the barrier the two programs are the same,
-            # op for op, up to free bitcasts.
+            # op for op, up to free bitcasts (jaxlib 0.12; 0.10's XLA drops the barrier
+            # before it fuses, and keeps the temporary).
             per_replica = jax.lax.optimization_barrier(per_replica)
         stacked = iter(per_replica)
         outs = [next(stacked)[None] if v else x for x, v in zip(flat, varying, strict=True)]
