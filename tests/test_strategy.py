@@ -336,3 +336,44 @@ def test_a_run_training_step_needs_no_more_memory_than_the_hand_written_one():
     assert run_temp <= hand_temp, (run_temp, hand_temp)
     # The run program also returns the scalar flag `run` waits on (dispatch.py): 9 bytes.
     assert run_total <= hand_total + 16, (run_total, hand_total)
+
+
+def test_run_updates_the_state_it_threads_in_place():
+    """TF's custom-loop step: the model's and optimizer's arrays that `run` threads
+    through its program are donated and come back in the same buffers. (With
+    `fn`'s outputs first, its scalar loss took a counter's buffer and every later holder
+    was copied.)"""
+    strategy = jstrategy.MirroredStrategy()
+    with strategy.scope():
+        model = jstrategy.Model(nn.Dense(4), input_shape=(8,), seed=0)
+        optimizer = jstrategy.optimizers.SGD(0.01, momentum=0.9)
+        accuracy = jstrategy.metrics.SparseCategoricalAccuracy()
+        loss_object = jstrategy.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction="none"
+        )
+    rng = np.random.default_rng(0)
+    ((batch),) = strategy.experimental_distribute_dataset(
+        [(rng.normal(size=(16, 8)).astype(np.float32), rng.integers(0, 4, 16).astype(np.int32))]
+    )
+
+    def train_step(images, labels):
+        def loss_fn(variables):
+            logits = model(images, training=True, trainable_variables=variables)
+            return jstrategy.compute_average_loss(loss_object(labels, logits))
+
+        loss, grads = jax.value_and_grad(loss_fn)(model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        accuracy.update_state(labels, model(images))
+        return loss
+
+    def buffers():  # (the metric's variables are read, summed over the replicas)
+        arrays = [*model.trainable_variables, *optimizer.variables]
+        return [a.addressable_shards[0].data.unsafe_buffer_pointer() for a in arrays]
+
+    strategy.run(train_step, batch)  # builds the program
+    before = buffers()
+    for _ in range(2):
+        loss = strategy.run(train_step, batch)
+    jax.block_until_ready(loss)
+    assert buffers() == before
+    assert int(optimizer.iterations) == 3

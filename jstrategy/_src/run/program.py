@@ -124,7 +124,7 @@ class RunPrograms:
         else:
             held = ([], [])
         try:
-            outs, written, pushed, flags = program.compiled(*dynamic, *held)
+            written, outs, pushed, flags = program.compiled(*dynamic, *held)
         except ValueError:
             # Most likely PerReplica values from another strategy: say so clearly.
             for i, stacked in entry.per_replica:
@@ -196,7 +196,7 @@ class RunPrograms:
             isinstance(x, jax.core.Tracer) for x in dynamic
         ):
             _refuse_outer_trace(program)
-        outs, written, pushed, flags = program.compiled(*dynamic, *_held_values(strategy, program))
+        written, outs, pushed, flags = program.compiled(*dynamic, *_held_values(strategy, program))
         if program.written or program.pushes:
             _store_written(strategy, program, written, pushed)
         dispatch.track(flags)
@@ -403,14 +403,18 @@ def _build(strategy: StrategyLike, fn, treedef, kinds, statics, has_mask, exampl
         flags = jnp.zeros((), jnp.bool_)
         if checked:
             flags = mirrored_check.disagreement([flat[i] for i in checked], data)
-        return outs, new_values, pushed, flags
+        # The written holders' new values come first: JAX pairs each donated input with
+        # the first unused output of its size, so in this order every holder's buffer is
+        # reused for its own new value. After `fn`'s outputs, a scalar output took a
+        # counter's buffer and every later holder moved up one: a copy each.
+        return new_values, outs, pushed, flags
 
     def holder_specs(holders: Sequence[tracked.Holder]) -> list[P]:
         return [P(data) if h.per_replica else P() for h in holders]
 
     out_specs = (
-        [P(data) if v else P() for v in varying],
         holder_specs(written),
+        [P(data) if v else P() for v in varying],
         [P() for _ in pushes],
         P(),
     )
