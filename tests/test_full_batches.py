@@ -83,12 +83,18 @@ def test_full_and_masked_programs_follow_the_same_trajectory(name):
     assert int(full.step) == int(masked.step) == 3
 
 
-def test_a_full_batch_program_reads_no_mask_and_reduces_no_count():
+def _mirrored_step(learning_rate):
+    """The MLP's train state and step under an 8-replica MirroredStrategy, and the data."""
     strategy = jstrategy.MirroredStrategy()
     x, y = _data()
     with strategy.scope():
-        state = training.create_train_state(_MLP(), optax.sgd(0.1), x[:1], rng=0)
+        state = training.create_train_state(_MLP(), optax.sgd(learning_rate), x[:1], rng=0)
         step = training.make_train_step(_LOSS)
+    return strategy, x, y, state, step
+
+
+def test_a_full_batch_program_reads_no_mask_and_reduces_no_count():
+    strategy, x, y, state, step = _mirrored_step(0.1)
     full = step.lower(state, distribute_batch(strategy, (x, y))).compile().as_text()
     padded = distribute_batch(strategy, (x[:30], y[:30]), global_batch_size=32)
     masked = step.lower(state, padded).compile().as_text()
@@ -100,11 +106,7 @@ def test_a_full_batch_program_reads_no_mask_and_reduces_no_count():
 
 
 def test_a_padded_batch_still_counts_only_its_real_rows():
-    strategy = jstrategy.MirroredStrategy()
-    x, y = _data()
-    with strategy.scope():
-        state = training.create_train_state(_MLP(), optax.sgd(0.0), x[:1], rng=0)
-        step = training.make_train_step(_LOSS)
+    strategy, x, y, state, step = _mirrored_step(0.0)
     logits = _MLP().apply({"params": jax.device_get(state.params)}, x)
     per_row = optax.softmax_cross_entropy_with_integer_labels(logits, y)
     padded_batch = distribute_batch(strategy, (x[:20], y[:20]), global_batch_size=32)

@@ -114,26 +114,30 @@ class RunPrograms:
         except TypeError:  # an unhashable function or treedef: the full path explains
             return self._run(fn, args, kwargs)
         if entry is None:
-            return self._run(fn, args, kwargs, fast_key=key, fast_leaves=leaves)
-        program = entry.program
-        dynamic = entry.inputs(leaves)
+            return self._run(fn, args, kwargs, fast_key=key, plain_count=len(leaves))
+        try:
+            outs, _ = self._call(entry.program, entry.inputs(leaves))
+        except ValueError:
+            # Most likely PerReplica values from another strategy: say so clearly.
+            for i, stacked in entry.per_replica:
+                _check_per_replica(self._strategy, PerReplica(leaves[i], stacked=stacked))
+            raise
+        return jax.tree.unflatten(entry.program.wrapped_tree, outs)
+
+    def _call(self, program: RunProgram, dynamic: list[Any]) -> tuple[list[Any], Any]:
+        """Runs `program` on `dynamic` and its holders' values, stores what it wrote, and
+        bounds the calls in flight; returns `fn`'s flat outputs and the flags."""
         if program.written or program.read_only or program.pushes:
             if any(isinstance(x, jax.core.Tracer) for x in dynamic):
                 _refuse_outer_trace(program)
             held = _held_values(self._strategy, program)
         else:
             held = ([], [])
-        try:
-            written, outs, pushed, flags = program.compiled(*dynamic, *held)
-        except ValueError:
-            # Most likely PerReplica values from another strategy: say so clearly.
-            for i, stacked in entry.per_replica:
-                _check_per_replica(self._strategy, PerReplica(leaves[i], stacked=stacked))
-            raise
+        written, outs, pushed, flags = program.compiled(*dynamic, *held)
         if program.written or program.pushes:
             _store_written(self._strategy, program, written, pushed)
         dispatch.track(flags)
-        return jax.tree.unflatten(program.wrapped_tree, outs)
+        return outs, flags
 
     def _run(
         self,
@@ -142,7 +146,7 @@ class RunPrograms:
         kwargs: dict,
         *,
         fast_key: Any = None,
-        fast_leaves: list[Any] | None = None,
+        plain_count: int = 0,
     ) -> Any:
         strategy = self._strategy
         leaves, treedef = jax.tree.flatten((tuple(args), kwargs), is_leaf=is_per_replica)
@@ -186,20 +190,13 @@ class RunPrograms:
                 if len(self._programs) > _CACHE_SIZE:
                     self._programs.popitem(last=False)
         if fast_key is not None and not statics:
-            entry = _fast_entry(program, leaves, len(fast_leaves or ()))
+            entry = _fast_entry(program, leaves, plain_count)
             if entry is not None:
                 with self._lock:
                     self._fast[fast_key] = entry
                     if len(self._fast) > _CACHE_SIZE:
                         self._fast.popitem(last=False)
-        if (program.written or program.read_only or program.pushes) and any(
-            isinstance(x, jax.core.Tracer) for x in dynamic
-        ):
-            _refuse_outer_trace(program)
-        written, outs, pushed, flags = program.compiled(*dynamic, *_held_values(strategy, program))
-        if program.written or program.pushes:
-            _store_written(strategy, program, written, pushed)
-        dispatch.track(flags)
+        outs, flags = self._call(program, dynamic)
         if program.checked:
             _raise_if_disagree(program, flags)
         wrapped = [
