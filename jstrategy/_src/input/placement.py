@@ -177,7 +177,7 @@ class Placer:
         self.static_global = 0  # the static global rows, once known
         self.source_of_size = "global_batch_size"
         self._slices: tuple[slice, ...] | None = None
-        self._each: list[jax.sharding.Sharding] | None = None  # `_shardings`, once known
+        self._each: list[jax.sharding.Sharding] | None = None  # `leaf_shardings`, once known
 
     # The static size is fixed by the first batch unless given, and then never changes.
     def _set_sizes(self, first_rows: int) -> None:
@@ -254,7 +254,7 @@ class Placer:
             shapes = self.static_shapes()
             g = self.static_global
             sharding = self.strategy.batch_sharding()
-            each = self._shardings()
+            each = self.leaf_shardings()
             if full:
                 values = put_rows(each, local, shapes)
                 mask = full_mask(sharding, (g,), (len(host_mask),))
@@ -264,7 +264,7 @@ class Placer:
             treedef, [PerReplica(v, stacked=False, mask=mask) for v in values]
         )
 
-    def _shardings(self) -> list[jax.sharding.Sharding]:
+    def leaf_shardings(self) -> list[jax.sharding.Sharding]:
         """Each array's sharding: by rows, and under a context axis the arrays carrying the
         sequence along it too (`context_parallel.axis.batch_shardings`)."""
         if self._each is None:
@@ -278,7 +278,7 @@ class Placer:
     def element_spec(self) -> Any:
         assert self.spec is not None
         if self.fetch_to_device:
-            shardings: list[Any] = self._shardings()
+            shardings: list[Any] = self.leaf_shardings()
             dtypes = [jax.dtypes.canonicalize_dtype(d) for d in self.spec.dtypes]
         else:
             shardings, dtypes = [None] * len(self.spec.dtypes), list(self.spec.dtypes)
