@@ -42,6 +42,7 @@ import optax
 
 import jstrategy
 from jstrategy import training
+from jstrategy._src.context_parallel.axis import batch_shardings
 from jstrategy._src.placement import variable_shardings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when a test loads this file
@@ -120,9 +121,12 @@ def compile_step(
     state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), template, shardings
     )
-    placed = strategy.batch_sharding()
-    tokens = jax.ShapeDtypeStruct((rows, seq), jnp.int32, sharding=placed)
-    mask = jax.ShapeDtypeStruct((rows,), jnp.bool_, sharding=placed)
+    # The batch where jstrategy's input places it: rows over the replicas, the sequence
+    # over the context axis.
+    shape = jax.ShapeDtypeStruct((rows, seq), jnp.int32)
+    along, _ = batch_shardings(strategy, (shape, shape))
+    tokens = jax.ShapeDtypeStruct((rows, seq), jnp.int32, sharding=along)
+    mask = jax.ShapeDtypeStruct((rows,), jnp.bool_, sharding=strategy.batch_sharding())
     return step._program.lower(state, None, (tokens, tokens), mask).compile(), step
 
 
@@ -138,9 +142,10 @@ def time_step(
     """Median milliseconds of `steps` runs of `compiled` on real arrays (after one)."""
     # From host copies: the step donates its state, and the template must outlive it.
     state = jax.device_put(jax.device_get(template), variable_shardings(template, strategy))
-    placed = strategy.batch_sharding()
-    tokens = jax.device_put(np.random.default_rng(0).integers(0, 64, (1, seq), np.int32), placed)
-    mask = jax.device_put(np.ones((1,), bool), placed)
+    host = np.random.default_rng(0).integers(0, 64, (1, seq), np.int32)
+    along, _ = batch_shardings(strategy, (host, host))
+    tokens = jax.device_put(host, along)
+    mask = jax.device_put(np.ones((1,), bool), strategy.batch_sharding())
     times = []
     for i in range(steps + 1):
         start = time.perf_counter()

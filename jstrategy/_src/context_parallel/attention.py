@@ -14,12 +14,24 @@ Causal masks are computed from the blocks' true positions; a block entirely in a
 block's future is skipped (`jax.lax.cond`). The work is not load-balanced: the shard with
 the last positions computes ``k`` blocks, the first one.
 
+Dropout on the attention weights (``dropout_rate`` and ``dropout_rng``, as Flax's
+``MultiHeadDotProductAttention`` passes them to its ``attention_fn``) draws Flax's keep
+mask, ``jax.random.bernoulli(dropout_rng, 1 - dropout_rate, shape)`` of Flax's shape, in
+the step's view, laid out by query rows over the context axis: each shard keeps its rows
+(``(seq / k) x seq`` booleans, per batch row and head unless ``broadcast_dropout``) and
+reads one block of them at each hop. A dropped weight leaves the softmax's sum as it is and
+only its value out, so the result is Flax's, number for number up to float32 rounding.
+
 Everywhere else (other strategies, evaluation, prediction, init) it is
-`flax.linen.dot_product_attention`, with ``causal=True`` adding Flax's causal mask.
+`flax.linen.dot_product_attention`, with ``causal=True`` adding Flax's causal mask. Inside
+`strategy.run` of a strategy with a context axis it raises (`axis.refused`): there the
+sequence is not split, and full attention on every device of a context group would be a
+silent loss of what the axis is for.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -39,20 +51,31 @@ def dot_product_attention(
     value: jax.Array,
     bias: jax.Array | None = None,
     mask: jax.Array | None = None,
-    *,
-    causal: bool = False,
+    broadcast_dropout: bool = True,
+    dropout_rng: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
     dtype: Any = None,
     precision: Any = None,
+    module: Any = None,
+    force_fp32_for_softmax: bool = False,
+    qk_attn_weights_einsum: Callable[..., jax.Array] | None = None,
+    attn_weights_value_einsum: Callable[..., jax.Array] | None = None,
+    *,
+    causal: bool = False,
 ) -> jax.Array:
     """Attention as `flax.linen.dot_product_attention`, split over a context axis.
 
     A model calls it in place of ``nn.dot_product_attention`` (e.g. as the
     ``attention_fn`` of ``nn.MultiHeadDotProductAttention``, with ``causal`` bound by
-    ``functools.partial``). In a train step of a strategy whose mesh has a ``"context"``
-    axis (``FSDPStrategy(context=k)``) it runs ring attention over that axis: keys and
-    values passed round the shards with ``ppermute``, an online softmax in float32, a
-    ``(seq / k)``-square block of scores at a time. Elsewhere it is
-    ``nn.dot_product_attention(query, key, value, bias, mask, ...)``.
+    ``functools.partial``): it takes Flax's arguments, dropout's included, so Flax passes
+    every one it passes its own attention. In a train step of a strategy whose mesh has a
+    ``"context"`` axis (``FSDPStrategy(context=k)``) it runs ring attention over that
+    axis: keys and values passed round the shards with ``ppermute``, an online softmax in
+    float32, a ``(seq / k)``-square block of scores at a time, dropout with Flax's mask.
+    Elsewhere it is ``nn.dot_product_attention`` with the same arguments. Inside
+    ``strategy.run`` of such a strategy it raises: context parallelism engages only in
+    train steps (``make_train_step``, ``Model.fit``).
 
     Args:
       query: ``(batch..., q_length, num_heads, head_dim)``.
@@ -61,29 +84,46 @@ def dot_product_attention(
       bias: added to the scores, as Flax's; refused under a context axis.
       mask: a boolean mask broadcastable to ``(batch..., num_heads, q_length,
         kv_length)``, as Flax's; refused under a context axis (use `causal`).
-      causal: whether query ``i`` sees keys ``0..i`` only (self-attention: the query and
-        key lengths must be equal).
+      broadcast_dropout: one dropout mask for every batch row and head, as Flax's.
+      dropout_rng: the dropout key, as Flax's (needed when dropout applies).
+      dropout_rate: the probability of dropping an attention weight, as Flax's.
+      deterministic: no dropout, as Flax's.
       dtype: the computation's dtype, as Flax's (default: the query's). Under a context
         axis the scores and softmax are float32 and the result is cast to it.
       precision: the matrix products' precision, as Flax's.
+      module: the module whose ``intermediates`` get the attention weights (Flax's
+        ``sow_weights``); refused under a context axis, which never forms them whole.
+      force_fp32_for_softmax: as Flax's; under a context axis the softmax is float32
+        anyway.
+      qk_attn_weights_einsum: the scores' einsum, as Flax's; refused under a context axis.
+      attn_weights_value_einsum: the weighted values' einsum, as Flax's; refused under a
+        context axis.
+      causal: whether query ``i`` sees keys ``0..i`` only (self-attention: the query and
+        key lengths must be equal).
 
     Returns:
       ``(batch..., q_length, num_heads, v_head_dim)``.
 
     Raises:
       ValueError: for arrays of fewer than three dimensions, a causal attention between
-        different lengths, or, under a context axis, a `bias` or `mask`, or a length that
-        does not divide by the context degree.
+        different lengths, a call inside ``strategy.run`` of a strategy with a context
+        axis, or, under a context axis, a `bias`, `mask`, `module` or custom einsum, a
+        length that does not divide by the context degree, or dropout without a
+        `dropout_rng`.
 
     Example:
 
-    >>> import jax.numpy as jnp, flax.linen as nn
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
     >>> import jstrategy
     >>> q = k = v = jnp.ones((1, 8, 2, 4))
     >>> out = jstrategy.experimental.dot_product_attention(q, k, v, causal=True)
     >>> out.shape
     (1, 8, 2, 4)
     >>> bool(jnp.allclose(out, nn.dot_product_attention(q, k, v, mask=nn.make_causal_mask(q[..., 0, 0]))))
+    True
+    >>> rng = jax.random.key(0)
+    >>> dropped = jstrategy.experimental.dot_product_attention(q, k, v, dropout_rng=rng, dropout_rate=0.5)
+    >>> bool(jnp.array_equal(dropped, nn.dot_product_attention(q, k, v, dropout_rng=rng, dropout_rate=0.5)))
     True
     """
     check_bool(causal, "causal")
@@ -100,20 +140,54 @@ def dot_product_attention(
             f"`causal=True` is self-attention: the query's length must equal the key's; "
             f"got {q_length} and {kv_length}. Pass a `mask` for other patterns."
         )
+    axis_lib.refused("jstrategy.experimental.dot_product_attention")
     context = axis_lib.current()
     if context is None:
         if causal:
             causal_mask = nn.make_causal_mask(jnp.ones(query.shape[:-2], jnp.int32))
             mask = causal_mask if mask is None else nn.combine_masks(mask, causal_mask)
         return nn.dot_product_attention(
-            query, key, value, bias=bias, mask=mask, dtype=dtype, precision=precision
+            query,
+            key,
+            value,
+            bias=bias,
+            mask=mask,
+            broadcast_dropout=broadcast_dropout,
+            dropout_rng=dropout_rng,
+            dropout_rate=dropout_rate,
+            deterministic=deterministic,
+            dtype=dtype,
+            precision=precision,
+            module=module,
+            force_fp32_for_softmax=force_fp32_for_softmax,
+            qk_attn_weights_einsum=qk_attn_weights_einsum,
+            attn_weights_value_einsum=attn_weights_value_einsum,
         )
+    under = (
+        f"under context parallelism (the {context.name!r} axis splits the sequence into "
+        f"{context.size} shards)"
+    )
     for name, given in (("bias", bias), ("mask", mask)):
         if given is not None:
             raise ValueError(
-                f"`{name}` is not supported under context parallelism (the {context.name!r} "
-                f"axis splits the sequence into {context.size} shards); got an array of shape "
+                f"`{name}` is not supported {under}; got an array of shape "
                 f"{jnp.shape(given)}. Use causal=True for a causal mask, or train without a "
+                "context axis."
+            )
+    if module is not None:
+        raise ValueError(
+            f"`module` (Flax's sow_weights=True) is not supported {under}: the ring never "
+            f"forms the attention weights whole; got {type(module).__name__}. Sow them in "
+            "evaluation (plain attention), or train without a context axis."
+        )
+    for einsum_name, einsum in (
+        ("qk_attn_weights_einsum", qk_attn_weights_einsum),
+        ("attn_weights_value_einsum", attn_weights_value_einsum),
+    ):
+        if einsum is not None:
+            raise ValueError(
+                f"`{einsum_name}` is not supported {under}: the ring computes its own "
+                f"float32 products; got {einsum!r}. Leave it None, or train without a "
                 "context axis."
             )
     for length in (q_length, kv_length):
@@ -125,10 +199,28 @@ def dot_product_attention(
             )
     out_dtype = dtype if dtype is not None else query.dtype
     spec = P(*([None] * (query.ndim - 3)), context.name)
+    arrays, specs = [query, key, value], [spec, spec, spec]
+    keep_prob = None
+    if not deterministic and dropout_rate > 0.0:
+        if dropout_rng is None:
+            raise ValueError(
+                f"`dropout_rng` is needed for `dropout_rate={dropout_rate}` with "
+                "deterministic=False (as for flax.linen.dot_product_attention); got None. "
+                "Pass the key (nn.MultiHeadDotProductAttention passes make_rng('dropout')), "
+                "or deterministic=True."
+            )
+        keep_prob = 1.0 - dropout_rate
+        # Flax's draw, of Flax's shape: the same mask, laid out by query rows.
+        scores_shape = (*query.shape[:-3], query.shape[-2], q_length, kv_length)
+        shape = (1,) * (key.ndim - 2) + scores_shape[-2:] if broadcast_dropout else scores_shape
+        arrays.append(jax.random.bernoulli(dropout_rng, keep_prob, shape))
+        specs.append(P(*([None] * (len(shape) - 2)), context.name, None))
     ring = jax.shard_map(
-        lambda q, k, v: _ring(q, k, v, context, causal=causal, precision=precision),
+        lambda q, k, v, *keep: _ring(
+            q, k, v, context, causal=causal, precision=precision, keep=keep, keep_prob=keep_prob
+        ),
         mesh=context.mesh,
-        in_specs=(spec, spec, spec),
+        in_specs=tuple(specs),
         out_specs=spec,
         # Inside the step's map over replicas, whose spmd_axis_name (the data axis) the
         # batching rule adds to these specs, so it must be manual too.
@@ -137,7 +229,7 @@ def dot_product_attention(
         # only collectives are the ring's ppermutes, whose transposes are ppermutes.
         check_vma=False,
     )
-    return ring(query, key, value).astype(out_dtype)
+    return ring(*arrays).astype(out_dtype)
 
 
 def _ring(
@@ -148,8 +240,15 @@ def _ring(
     *,
     causal: bool,
     precision: Any,
+    keep: tuple[jax.Array, ...] = (),
+    keep_prob: float | None = None,
 ) -> jax.Array:
-    """One shard's attention: its query block against every key/value block, in a ring."""
+    """One shard's attention: its query block against every key/value block, in a ring.
+
+    `keep` is empty, or holds this shard's rows of the dropout keep mask (every key
+    column): each block's weights are multiplied by its columns over `keep_prob` where
+    they weigh the values, not in the softmax's sum (Flax drops normalized weights).
+    """
     n, name = context.size, context.name
     index = jax.lax.axis_index(name)
     q_block, kv_block = q.shape[-3], k.shape[-3]
@@ -170,6 +269,9 @@ def _ring(
         weights = jnp.exp(scores - new_top[..., None])
         scale = jnp.exp(top - new_top)
         total = total * scale + weights.sum(axis=-1)
+        if keep:
+            kept = jax.lax.dynamic_slice_in_dim(keep[0], source * kv_block, kv_block, axis=-1)
+            weights = weights * (kept.astype(jnp.float32) / jnp.float32(keep_prob))
         out = out * jnp.swapaxes(scale, -1, -2)[..., None] + jnp.einsum(
             "...hqk,...khd->...qhd", weights, v.astype(jnp.float32), precision=precision
         )

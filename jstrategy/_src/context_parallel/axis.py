@@ -2,12 +2,28 @@
 
 A sharded strategy whose mesh has an axis named `CONTEXT_AXIS` (``"context"``) of size
 greater than one (``FSDPStrategy(context=k)``, or a `DeviceMesh` with that axis under
-`ModelParallelStrategy`) splits every batch array of two or more dimensions along its
-dimension 1, the sequence, over that axis (`split_sequence`), and traces the train step's
-forward pass inside `applying`, whose `ContextAxis` `jstrategy.experimental.
-dot_product_attention` reads to run ring attention over it. The step stays in the global
-view: the loss is a global sum over every token, reduced over the data and context axes by
-XLA, so its mean is one device's.
+`ModelParallelStrategy`) splits the batch arrays that carry the sequence along their
+dimension 1 over that axis (`split_sequence`), and traces the train step's forward pass
+inside `applying`, whose `ContextAxis` `jstrategy.experimental.dot_product_attention`
+reads to run ring attention over it. The step stays in the global view: the loss is a
+global sum over every token, reduced over the data and context axes by XLA, so its mean
+is one device's.
+
+Which arrays carry the sequence (`carries_sequence`): the sequence length is the longest
+dimension 1 of the features' arrays of two or more dimensions (the features: ``x`` of a
+batch ``(x, y)`` or ``(x, y, sample_weight)``, as `unpack_batch` reads it; the whole batch
+otherwise), and it must divide by the degree (`check_sequence`). Every batch array of two
+or more dimensions whose dimension 1 is that length is split along it; any other array (a
+``(B, 3)`` one-hot label, a ``(B,)`` weight) stays whole on each device of its replica.
+The rule only places data: the step computes in the global view, so an array taken for a
+sequence by chance (a one-hot label with as many classes as tokens) costs a gather, never
+a different result. The batches jstrategy places for training (distributed datasets,
+`distribute_batch`, `Model.fit`'s arrays, NumPy arrays given to a train step) are laid out
+so by `batch_shardings`, so each device of a context group receives only its part of each
+sequence.
+
+`strategy.run` does not engage it: there `refusing` is in force, and the attention
+raises rather than compute full attention on every device of a context group.
 """
 
 from __future__ import annotations
@@ -16,6 +32,7 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 from typing import Any
 
 import jax
@@ -23,7 +40,23 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["CONTEXT_AXIS", "ContextAxis", "applying", "check_sequence", "current", "of_mesh"]
+if TYPE_CHECKING:
+    from jstrategy._src.strategy_like import StrategyLike
+
+__all__ = [
+    "CONTEXT_AXIS",
+    "ContextAxis",
+    "applying",
+    "batch_shardings",
+    "carries_sequence",
+    "check_sequence",
+    "current",
+    "of_mesh",
+    "of_strategy",
+    "refused",
+    "refusing",
+    "split_sequence",
+]
 
 #: The mesh axis name the sharded strategies split the sequence over.
 CONTEXT_AXIS = "context"
@@ -47,8 +80,20 @@ class ContextAxis:
     data_axis: str
 
 
+@dataclasses.dataclass(frozen=True)
+class _Refusal:
+    """Where a strategy with a context axis runs a program that does not split sequences."""
+
+    strategy: str
+    size: int
+    where: str
+
+
 _CURRENT: contextvars.ContextVar[ContextAxis | None] = contextvars.ContextVar(
     "jstrategy_context_axis", default=None
+)
+_REFUSED: contextvars.ContextVar[_Refusal | None] = contextvars.ContextVar(
+    "jstrategy_context_refused", default=None
 )
 
 
@@ -66,6 +111,11 @@ def of_mesh(mesh: Mesh, data_axis: str) -> ContextAxis | None:
         return None
     size = int(mesh.shape[CONTEXT_AXIS])
     return ContextAxis(mesh, CONTEXT_AXIS, size, data_axis) if size > 1 else None
+
+
+def of_strategy(strategy: StrategyLike) -> ContextAxis | None:
+    """The context axis `strategy`'s train steps split sequences over, or None."""
+    return of_mesh(strategy.mesh, strategy.axis_name)
 
 
 @contextlib.contextmanager
@@ -89,10 +139,96 @@ def current() -> ContextAxis | None:
     return _CURRENT.get()
 
 
-def check_sequence(batch: Any, size: int) -> None:
-    """Refuses a batch whose arrays' sequences do not split into `size` shards.
+@contextlib.contextmanager
+def refusing(strategy: StrategyLike, where: str) -> Iterator[None]:
+    """While the body runs (`where`'s trace), `refused` describes `strategy`'s context
+    axis, if it has one: a program of a context-parallel strategy that splits no sequence
+    (`strategy.run`), in which the attention refuses to run (`refused`)."""
+    axis = of_strategy(strategy)
+    if axis is None:
+        yield
+        return
+    token = _REFUSED.set(_Refusal(type(strategy).__name__, axis.size, where))
+    try:
+        yield
+    finally:
+        _REFUSED.reset(token)
 
-    Every array of two or more dimensions has its sequence as dimension 1.
+
+def refused(what: str) -> None:
+    """Raises if `what` (an attention call) is traced inside `refusing` and outside a
+    train step's `applying`.
+
+    Raises:
+      ValueError: naming context parallelism, where the call is and the fix.
+
+    Example:
+
+    >>> refused("dot_product_attention")  # outside any program: nothing to refuse
+    """
+    refusal = _REFUSED.get()
+    if refusal is None or current() is not None:
+        return
+    raise ValueError(
+        f"{what} was called inside {refusal.where} of a {refusal.strategy} with "
+        f"context={refusal.size}: context parallelism (ring attention over the "
+        f"{CONTEXT_AXIS!r} axis, each sequence split {refusal.size} ways) engages only in "
+        "the train steps of jstrategy.training.make_train_step and Model.fit, and here it "
+        f"would silently compute full attention on each of the {refusal.size} devices of "
+        "a replica. Train with make_train_step or Model.fit (evaluate with make_eval_step "
+        "or Model.evaluate), or build the strategy with context=1 for a custom loop over "
+        f"{refusal.where}."
+    )
+
+
+def _features(batch: Any) -> Any:
+    """``x`` of a Keras-style batch ``(x,)``, ``(x, y)`` or ``(x, y, w)``, as the training
+    layer's `unpack_batch` reads it; any other batch is all features."""
+    if isinstance(batch, (tuple, list)) and 1 <= len(batch) <= 3:
+        return batch[0]
+    return batch
+
+
+def _sequence(batch: Any, lead: int) -> tuple[int, str, tuple[int, ...]] | None:
+    """(length, path, shape) of the array that sets the batch's sequence length: of the
+    features' arrays of two or more dimensions (after `lead` stacked axes), the one with
+    the longest dimension 1 (the first of equals); None without one."""
+    features = _features(batch)
+    found = None
+    for path, leaf in jax.tree_util.tree_leaves_with_path(features):
+        shape = tuple(getattr(leaf, "shape", ()))
+        if len(shape) >= lead + 2 and (found is None or shape[lead + 1] > found[0]):
+            where = jax.tree_util.keystr(path)
+            found = (shape[lead + 1], f"x{where}" if features is not batch else where, shape)
+    return found
+
+
+def carries_sequence(batch: Any, lead: int = 0) -> Any:
+    """For each array of `batch`, whether it carries the sequence: two or more dimensions
+    (after `lead` stacked axes) and its dimension 1 the features' sequence length (see the
+    module docstring).
+
+    Example:
+
+    >>> import numpy as np
+    >>> tokens, one_hot = np.zeros((8, 64), np.int32), np.zeros((8, 3))
+    >>> carries_sequence((tokens, one_hot)), carries_sequence({"x": tokens, "y": tokens})
+    ((True, False), {'x': True, 'y': True})
+    """
+    found = _sequence(batch, lead)
+
+    def carries(leaf: Any) -> bool:
+        shape = tuple(getattr(leaf, "shape", ()))
+        return found is not None and len(shape) >= lead + 2 and shape[lead + 1] == found[0]
+
+    return jax.tree.map(carries, batch)
+
+
+def check_sequence(batch: Any, size: int) -> None:
+    """Refuses a batch whose sequence length does not split into `size` shards.
+
+    The sequence length is the longest dimension 1 of the features' arrays of two or more
+    dimensions (`carries_sequence`).
 
     Raises:
       ValueError: naming the array, its shape, the context degree and the fix.
@@ -100,39 +236,71 @@ def check_sequence(batch: Any, size: int) -> None:
     Example:
 
     >>> import numpy as np
-    >>> check_sequence({"tokens": np.zeros((2, 6)), "labels": np.zeros((2,))}, 4)
+    >>> check_sequence((np.zeros((2, 6)), np.zeros((2, 3))), 4)
     Traceback (most recent call last):
     ...
     ValueError: Under context parallelism (context=4) ...
     """
-    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
-        shape = tuple(getattr(leaf, "shape", ()))
-        if len(shape) >= 2 and shape[1] % size:
-            raise ValueError(
-                f"Under context parallelism (context={size}) every batch array of two or "
-                "more dimensions has its sequence as dimension 1, split over the "
-                f"{size} shards of the {CONTEXT_AXIS!r} axis; the batch's array at "
-                f"{jax.tree_util.keystr(path) or 'the top'} has shape {shape}, whose "
-                f"dimension 1 ({shape[1]}) does not divide by {size}. Pad the sequences to "
-                f"a multiple of {size} (masking the padding), or choose a context degree "
-                f"that divides {shape[1]}."
-            )
+    found = _sequence(batch, 0)
+    if found is None or found[0] % size == 0:
+        return
+    length, where, shape = found
+    raise ValueError(
+        f"Under context parallelism (context={size}) the sequence is the longest "
+        "dimension 1 of the inputs' arrays of two or more dimensions, split over the "
+        f"{size} shards of the {CONTEXT_AXIS!r} axis; the batch's array at "
+        f"{where or 'the top'} has shape {shape}, whose dimension 1 ({length}) does not "
+        f"divide by {size}. Pad the sequences to a multiple of {size} (masking the "
+        f"padding), or choose a context degree that divides {length}."
+    )
+
+
+def batch_shardings(strategy: StrategyLike, batch: Any, base: NamedSharding | None = None) -> Any:
+    """Where each array of a global training batch goes: `base` (by default
+    `Strategy.batch_sharding`: split by rows over the replicas), and, under a context axis
+    whose degree divides the sequence, for the arrays that carry it (`carries_sequence`)
+    also split along their sequence dimension over the context axis, so each device
+    receives only its part of the sequence.
+
+    Args:
+      strategy: the strategy the batch is for.
+      batch: the batch's arrays, or their shapes (anything with ``.shape``).
+      base: where the rows go; its spec's last entry is the rows' dimension (one before
+        it for several steps' batches stacked on a leading axis), the sequence the next.
+
+    Returns:
+      A `NamedSharding` for each array of `batch`, in its structure.
+
+    Example:
+
+    >>> import numpy as np, jstrategy
+    >>> strategy = jstrategy.experimental.FSDPStrategy(context=4)
+    >>> tokens, one_hot = np.zeros((8, 64), np.int32), np.zeros((8, 3))
+    >>> [s.spec for s in batch_shardings(strategy, (tokens, one_hot))]
+    [P('replica', 'context'), P('replica',)]
+    """
+    base = strategy.batch_sharding() if base is None else base
+    axis = of_strategy(strategy)
+    lead = len(base.spec) - 1
+    found = _sequence(batch, lead) if axis is not None else None
+    if axis is None or found is None or found[0] % axis.size:
+        return jax.tree.map(lambda _: base, batch)
+    along = NamedSharding(base.mesh, P(*base.spec, axis.name), memory_kind=base.memory_kind)
+    return jax.tree.map(lambda s: along if s else base, carries_sequence(batch, lead))
 
 
 def split_sequence(batch: Any, axis: ContextAxis) -> Any:
-    """`batch` (one step's global batch) with each array's rows over the data axis and its
-    sequence (dimension 1) over the context axis, after `check_sequence`.
+    """`batch` (one step's global batch) with each array carrying the sequence split by
+    rows over the data axis and along dimension 1 over the context axis, after
+    `check_sequence`; the other arrays as they are.
 
-    The batch arrives split by rows only (the same on every shard of the context axis), so
-    this is a local slice per device, no communication.
+    Arrays placed by `batch_shardings` arrive so; others (a batch placed by rows only)
+    become so by a local slice per device, no communication.
     """
     check_sequence(batch, axis.size)
+    sharding = NamedSharding(axis.mesh, P(axis.data_axis, axis.name))
 
-    def split(leaf: Any) -> Any:
-        if getattr(leaf, "ndim", 0) < 2:
-            return leaf
-        return jax.lax.with_sharding_constraint(
-            leaf, NamedSharding(axis.mesh, P(axis.data_axis, axis.name))
-        )
+    def split(leaf: Any, carries: bool) -> Any:
+        return jax.lax.with_sharding_constraint(leaf, sharding) if carries else leaf
 
-    return jax.tree.map(split, batch)
+    return jax.tree.map(split, batch, carries_sequence(batch))

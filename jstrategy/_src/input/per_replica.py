@@ -97,7 +97,8 @@ def place_per_replica(placer: Placer, batches: list[Any], where: str, *, on_host
         columns = [*zip(*pieces, strict=True), masks]
         local = [np.concatenate(column) for column in columns]
         sharding = placer.strategy.batch_sharding()
-        *values, mask = put_rows(sharding, local, [*shapes, (placer.static_global,)])
+        each = [*placer.leaf_shardings(), sharding]  # sequences split over a context axis
+        *values, mask = put_rows(each, local, [*shapes, (placer.static_global,)])
     return jax.tree.unflatten(
         spec.treedef, [PerReplica(v, stacked=False, mask=mask) for v in values]
     )

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jstrategy._src.context_parallel.axis import batch_shardings
 from jstrategy._src.input.checks import BatchSpec
 from jstrategy._src.input.checks import check_matches
 from jstrategy._src.input.checks import flatten_batch
@@ -39,12 +40,16 @@ _FULL_MASKS: dict[Any, jax.Array] = {}
 
 
 def put_rows(
-    sharding: jax.sharding.Sharding, local: list[Any], global_shapes: list[tuple]
+    sharding: jax.sharding.Sharding | list[jax.sharding.Sharding],
+    local: list[Any],
+    global_shapes: list[tuple],
 ) -> list[jax.Array]:
     """Lays host rows over the mesh: one batched transfer, no per-device Python copies.
 
     Args:
-      sharding: where the rows go (e.g. `Strategy.batch_sharding()`).
+      sharding: where the rows go (e.g. `Strategy.batch_sharding()`), or one sharding per
+        array (`context_parallel.axis.batch_shardings`: sequences split over a context
+        axis too).
       local: host arrays: this process's rows (the rows its devices own, in mesh order),
         or the whole arrays when an array's shape is its global shape (every process
         holds the same data, as `Model.fit` with arrays).
@@ -172,6 +177,7 @@ class Placer:
         self.static_global = 0  # the static global rows, once known
         self.source_of_size = "global_batch_size"
         self._slices: tuple[slice, ...] | None = None
+        self._each: list[jax.sharding.Sharding] | None = None  # `leaf_shardings`, once known
 
     # The static size is fixed by the first batch unless given, and then never changes.
     def _set_sizes(self, first_rows: int) -> None:
@@ -248,27 +254,41 @@ class Placer:
             shapes = self.static_shapes()
             g = self.static_global
             sharding = self.strategy.batch_sharding()
+            each = self.leaf_shardings()
             if full:
-                values = put_rows(sharding, local, shapes)
+                values = put_rows(each, local, shapes)
                 mask = full_mask(sharding, (g,), (len(host_mask),))
             else:
-                *values, mask = put_rows(sharding, [*local, host_mask], [*shapes, (g,)])
+                *values, mask = put_rows([*each, sharding], [*local, host_mask], [*shapes, (g,)])
         return jax.tree.unflatten(
             treedef, [PerReplica(v, stacked=False, mask=mask) for v in values]
         )
 
+    def leaf_shardings(self) -> list[jax.sharding.Sharding]:
+        """Each array's sharding: by rows, and under a context axis the arrays carrying the
+        sequence along it too (`context_parallel.axis.batch_shardings`)."""
+        if self._each is None:
+            assert self.spec is not None
+            shapes = [jax.ShapeDtypeStruct(s, np.bool_) for s in self.static_shapes()]
+            self._each = jax.tree.leaves(
+                batch_shardings(self.strategy, jax.tree.unflatten(self.spec.treedef, shapes))
+            )
+        return self._each
+
     def element_spec(self) -> Any:
         assert self.spec is not None
         if self.fetch_to_device:
-            sharding = self.strategy.batch_sharding()
+            shardings: list[Any] = self.leaf_shardings()
             dtypes = [jax.dtypes.canonicalize_dtype(d) for d in self.spec.dtypes]
         else:
-            sharding, dtypes = None, list(self.spec.dtypes)
+            shardings, dtypes = [None] * len(self.spec.dtypes), list(self.spec.dtypes)
         return jax.tree.unflatten(
             self.spec.treedef,
             [
                 jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-                for shape, dtype in zip(self.static_shapes(), dtypes, strict=True)
+                for shape, dtype, sharding in zip(
+                    self.static_shapes(), dtypes, shardings, strict=True
+                )
             ],
         )
 

@@ -7,7 +7,9 @@ outputs' structure, which of them are per-replica, the holders of stateful objec
 touches: `tracked.py`), and compiles one ``jax.jit(jax.shard_map(...))`` manual over the
 data axis only, so a mesh's other axes stay automatic. The holders' values are inputs at
 every call, those written come back (donated) and are stored; with `mirrored_check` on, the
-outputs that must be mirrored are compared across replicas.
+outputs that must be mirrored are compared across replicas. Under a strategy with a context
+axis the function is traced inside `context_parallel.axis.refusing`: the sequences are not
+split here, so `dot_product_attention` raises rather than compute full attention.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 from jstrategy._src import context
 from jstrategy._src import dispatch
 from jstrategy._src import tracked
+from jstrategy._src.context_parallel import axis as context_axis
 from jstrategy._src.run import mirrored_check
 from jstrategy._src.values import PerReplica
 from jstrategy._src.values import is_per_replica
@@ -321,7 +324,12 @@ def _build(strategy: StrategyLike, fn, treedef, kinds, statics, has_mask, exampl
                     value = _per_replica_copy(value, data)
                 leaves.append(value)
         args, kwargs = jax.tree.unflatten(treedef, leaves)
-        with context.replica_scope(strategy, replica_context), tracked.run_frame(frame):
+        # A context axis splits no sequence here: the attention refuses to run whole.
+        with (
+            context.replica_scope(strategy, replica_context),
+            tracked.run_frame(frame),
+            context_axis.refusing(strategy, "strategy.run"),
+        ):
             return jax.tree.flatten(fn(*args, **kwargs))
 
     # First trace (shapes only): the outputs' structure, which of them are per-replica,

@@ -77,9 +77,12 @@ class FSDPStrategy(ShardedStrategy):
         mesh is then ``(replicas, context)`` with axes ``("replica", "context")`` (each
         replica ``context`` neighbouring devices), `num_replicas_in_sync` is the devices
         over ``context``, variables are split over all the devices, and a train step
-        splits every batch array of two or more dimensions along dimension 1 (its
-        sequence) over the ``"context"`` axis, with
+        (``make_train_step``, ``Model.fit``) splits the batch arrays that carry the
+        sequence (dimension 1 equal to the inputs' sequence length, the longest dimension
+        1 of ``x``'s arrays; a ``(B, 3)`` label stays whole) along it over the
+        ``"context"`` axis, each device receiving only its part, with
         `jstrategy.experimental.dot_product_attention` running ring attention over it.
+        `run` does not split sequences: that attention refuses to run there.
       offload_optimizer: keep the optimizer state in host memory between steps (its
         slices, split as above), moved to device memory for the update inside the
         compiled step: ``offload=OffloadPolicy()``.

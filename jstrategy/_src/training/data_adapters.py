@@ -27,6 +27,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jstrategy._src.context_parallel.axis import batch_shardings
 from jstrategy._src.input.datasets import DistributedDataset
 from jstrategy._src.input.placement import full_mask
 from jstrategy._src.input.placement import put_rows
@@ -230,23 +231,30 @@ class ArrayAdapter:
         return self.steps if steps_per_epoch is None else min(steps_per_epoch, self.steps)
 
     def _place(
-        self, index: np.ndarray, lead: tuple[int, ...], *, masked: bool = True
+        self, index: np.ndarray, lead: tuple[int, ...], *, masked: bool = True, train: bool = False
     ) -> tuple[Any, Any]:
         """Rows `index` (shape lead + (k,), k <= static rows), padded, on the devices, and
-        their row mask (None for a full batch when not `masked`)."""
+        their row mask (None for a full batch when not `masked`). A `train` batch has the
+        arrays carrying a sequence split along it over a context axis, if the strategy has
+        one (`context_parallel.axis.batch_shardings`); evaluation reads whole sequences."""
         k = index.shape[-1]
         leaves, treedef = jax.tree.flatten(self.data)
         flat = index.reshape(-1)
         gathered = [a[flat].reshape(*lead, k, *a.shape[1:]) for a in leaves]
         sharding = self._stacked if lead else self._single
+        each: list[Any] = [sharding] * len(gathered)
+        if train:
+            each = jax.tree.leaves(
+                batch_shardings(self.strategy, jax.tree.unflatten(treedef, gathered), sharding)
+            )
         # Every process holds the whole arrays, so each leaf's shape is its global shape.
         if k == self.static_rows:
-            placed = put_rows(sharding, gathered, [a.shape for a in gathered])
+            placed = put_rows(each, gathered, [a.shape for a in gathered])
             mask = ones_mask(k, sharding, lead) if masked else None
             return jax.tree.unflatten(treedef, placed), mask
         padded, host_mask = pad_rows(gathered, k, self.static_rows, lead)
         host = [*padded, host_mask]
-        *placed, mask = put_rows(sharding, host, [a.shape for a in host])
+        *placed, mask = put_rows([*each, sharding], host, [a.shape for a in host])
         return jax.tree.unflatten(treedef, placed), mask
 
     def seek(self, position: int) -> None:
@@ -278,11 +286,12 @@ class ArrayAdapter:
         n = steps_per_execution
         while step + n <= full and n > 1:
             index = order[step * bs : (step + n) * bs].reshape(n, bs)
-            batch, mask = self._place(index, (n,), masked=masked)
+            batch, mask = self._place(index, (n,), masked=masked, train=True)
             yield Execution(n, (n, True), batch, mask)
             step += n
         while step < steps:
-            batch, mask = self._place(order[step * bs : (step + 1) * bs], (), masked=masked)
+            index = order[step * bs : (step + 1) * bs]
+            batch, mask = self._place(index, (), masked=masked, train=True)
             yield Execution(1, (0, True), batch, mask)
             step += 1
 

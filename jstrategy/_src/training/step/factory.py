@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from jstrategy._src import dispatch
+from jstrategy._src.context_parallel.axis import batch_shardings
 from jstrategy._src.input.placement import is_full_mask
 from jstrategy._src.placement import check_placed
 from jstrategy._src.precision import policy as mp
@@ -46,6 +47,9 @@ __all__ = [
 
 class _Step:
     _what = "step"
+    # Whether host arrays are placed with their sequences split over a context axis (a
+    # train step's); evaluation and prediction read whole sequences.
+    _split_sequences = False
 
     def __init__(self, spec: step_lib.StepSpec):
         self._spec = spec
@@ -73,14 +77,16 @@ class _Step:
         values, mask = data_adapters.split_batch(batch, strategy)
         # Host arrays split by rows over the replicas, as a distributed batch is: a step
         # in the global view (FSDP, ModelParallel) would otherwise take them whole on
-        # every device (up to a quarter more memory at its peak).
+        # every device (up to a quarter more memory at its peak). A train step's also
+        # along their sequence over a context axis, as a distributed batch's are.
+        if self._split_sequences:
+            shardings = batch_shardings(strategy, values)
+        else:
+            shardings = jax.tree.map(lambda _: strategy.batch_sharding(), values)
         values = jax.tree.map(
-            lambda v: (
-                jax.device_put(v, strategy.batch_sharding())
-                if isinstance(v, np.ndarray) and v.ndim
-                else v
-            ),
+            lambda v, s: jax.device_put(v, s) if isinstance(v, np.ndarray) and v.ndim else v,
             values,
+            shardings,
         )
         # A batch without padding (arrays, or a distributed batch whose mask is all true)
         # runs the program for full batches, which reads no mask (`body.row_weights`).
@@ -105,6 +111,7 @@ class TrainStep(_Step):
     """
 
     _what = "train step"
+    _split_sequences = True
 
     def __init__(self, spec: step_lib.StepSpec):
         super().__init__(spec)
