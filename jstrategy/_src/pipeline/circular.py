@@ -132,6 +132,7 @@ def _move_chunks(x: Any, config: PipelineConfig, *, inverse: bool) -> Any:
             # the gradients' move back: all through the step's forward pass).
             out = jnp.broadcast_to(chunk, v.shape) if out is None else out
             out = jax.lax.dynamic_update_index_in_dim(out, chunk, into, axis=1)
+        assert out is not None  # R >= 2 rounds
         return out
 
     # Manual over every axis, as `schedules._shift`.
@@ -257,7 +258,7 @@ def _reselect_jvp(primals: Any, tangents: Any) -> tuple[jax.Array, Any]:
     (v, r), (dv, _) = primals, tangents
     out = _reselect.bind(v, r)
     if type(dv) is ad.Zero:
-        return out, ad.Zero.from_primal_value(out)
+        return out, ad.Zero(dv.aval.update(shape=out.shape))
     return out, _reselect.bind(dv, r)
 
 
