@@ -24,6 +24,7 @@ __all__ = [
     "device_arguments_bytes",
     "device_memory_peak",
     "host_memory_bytes",
+    "permute_bytes",
     "permute_pairs",
 ]
 
@@ -163,6 +164,34 @@ def permute_pairs(hlo_text: str) -> list[list[tuple[int, int]]]:
         if match is not None:
             pairs = re.findall(r"\{(\d+),(\d+)\}", match.group(1))
             found.append([(int(a), int(b)) for a, b in pairs])
+    return found
+
+
+def permute_bytes(hlo_text: str) -> list[tuple[int, list[tuple[int, int]]]]:
+    """Each collective-permute of compiled HLO text as ``(bytes of the array each source
+    sends, its (source, target) device pairs)`` (`permute_pairs`' pairs).
+
+    A pair whose source is its target moves nothing between devices; bytes sent per
+    device, averaged over `n` devices, are ``sum(size * moving pairs) / n``.
+
+    Example:
+
+    >>> text = "%p = f32[4] collective-permute(f32[4] %k), source_target_pairs={{0,1},{1,1}}"
+    >>> permute_bytes(text)
+    [(16, [(0, 1), (1, 1)])]
+    """
+    found = []
+    for line in hlo_text.splitlines():
+        match = _OPS["collective-permute"].search(line)
+        pairs = _PAIRS.search(line)
+        if match is None or pairs is None:
+            continue
+        # The result's type: between "= " and the instruction's name.
+        result = line[line.index("=") + 1 : match.start()]
+        size = sum(n for n, _ in _arrays(result))
+        found.append(
+            (size, [(int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))])
+        )
     return found
 
 

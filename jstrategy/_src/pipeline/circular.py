@@ -36,11 +36,16 @@ its virtual stages, and the gradients go back the same way.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad
+from jax.interpreters import batching
+from jax.interpreters import mlir
 from jax.sharding import PartitionSpec as P
 
 from jstrategy._src.pipeline.schedules import STAGE_AXIS
@@ -116,19 +121,45 @@ def _move_chunks(x: Any, config: PipelineConfig, *, inverse: bool) -> Any:
 
     def move(v: jax.Array) -> jax.Array:
         me = jax.lax.axis_index(STAGE_AXIS)
-        out = jnp.zeros_like(v)
+        out = None
         for moves in rounds:
             send = jnp.asarray([c for _, c, _, _ in moves])[me]  # sorted by source
             into = jnp.asarray([r for _, _, _, r in sorted(moves, key=lambda m: m[2])])[me]
             chunk = jax.lax.dynamic_index_in_dim(v, send, axis=1)
             chunk = jax.lax.ppermute(chunk, STAGE_AXIS, [(s, d) for s, _, d, _ in moves])
+            # The first chunk fills the buffer the others are written into: a buffer of
+            # zeros would depend on nothing, and XLA allocates such buffers early (for
+            # the gradients' move back: all through the step's forward pass).
+            out = jnp.broadcast_to(chunk, v.shape) if out is None else out
             out = jax.lax.dynamic_update_index_in_dim(out, chunk, into, axis=1)
+        assert out is not None  # R >= 2 rounds
         return out
 
     # Manual over every axis, as `schedules._shift`.
     spec = P(STAGE_AXIS)
     relayout = jax.shard_map(move, mesh=config.mesh, in_specs=spec, out_specs=spec)
     return jax.tree.map(relayout, x)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _moved(x: Any, config: PipelineConfig, inverse: bool) -> Any:
+    """`_move_chunks`, whose gradient is the inverse move (a permutation's transpose).
+
+    JAX's own transpose of the moves would clear each chunk's slot of a zero buffer with
+    a dynamic update: a buffer that depends on nothing, which XLA shares with the
+    gradient sums' zeros and allocates at the start of the step."""
+    return _move_chunks(x, config, inverse=inverse)
+
+
+def _moved_forward(x: Any, config: PipelineConfig, inverse: bool) -> tuple[Any, None]:
+    return _move_chunks(x, config, inverse=inverse), None
+
+
+def _moved_backward(config: PipelineConfig, inverse: bool, _: None, ct: Any) -> tuple[Any]:
+    return (_move_chunks(ct, config, inverse=not inverse),)
+
+
+_moved.defvjp(_moved_forward, _moved_backward)
 
 
 def stage_layout(v: jax.Array, config: PipelineConfig) -> jax.Array:
@@ -149,14 +180,14 @@ def stage_layout(v: jax.Array, config: PipelineConfig) -> jax.Array:
     # Held split over the stages in layer order, contiguously: each stage's chunks are
     # moved to the stages whose virtual stages they are, one chunk per stage per round.
     per = v.shape[0] // (stages * repeats)
-    return _move_chunks(v.reshape(stages, repeats, per, *v.shape[1:]), config, inverse=False)
+    return _moved(v.reshape(stages, repeats, per, *v.shape[1:]), config, False)
 
 
 def layer_layout(v: jax.Array, config: PipelineConfig) -> jax.Array:
     """`stage_layout`'s inverse: ``(S, ...)`` per stage back to ``(L, ...)`` in layer order."""
     if config.num_repeats == 1:
         return v.reshape(-1, *v.shape[2:])
-    return _move_chunks(v, config, inverse=True).reshape(-1, *v.shape[3:])
+    return _moved(v, config, True).reshape(-1, *v.shape[3:])
 
 
 def _items(config: PipelineConfig) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
@@ -172,25 +203,112 @@ def _items(config: PipelineConfig) -> tuple[Callable[[Any], Any], Callable[[Any]
     return microbatch, repeat
 
 
+def _pick(v: jax.Array, r: jax.Array) -> jax.Array:
+    """Each stage's repeat ``r[s]`` of one leaf, ``(S, R, K, ...)`` -> ``(S, K, ...)``.
+
+    One select per repeat, on each stage's slice of the repeats rather than a gather: it
+    stays on each stage's device and so does its transpose (a batched gather's is a
+    scatter-add that the SPMD partitioner can only do by replicating the whole stacked
+    variable); and, elementwise on slices of the result's shape, it fuses into one pass
+    that writes the result only (a masked sum over the repeats wrote all of them first)."""
+    r = r.reshape(r.shape + (1,) * (v.ndim - 2))
+    out = v[:, 0]
+    for j in range(1, v.shape[1]):
+        out = jnp.where(r == j, v[:, j], out)
+    return out
+
+
 def _select(stage_params: Any, r: jax.Array) -> Any:
-    """Each stage's repeat ``r[s]`` of `stage_params` (``(S, R, K, ...)`` -> ``(S, K, ...)``).
-
-    A masked sum over the repeats rather than a gather: it stays on each stage's device
-    and so does its transpose (a batched gather's is a scatter-add that the SPMD
-    partitioner can only do by replicating the whole stacked variable)."""
-
-    def one(v: jax.Array) -> jax.Array:
-        pick = jnp.arange(v.shape[1])[None, :] == r[:, None]
-        pick = pick.reshape(pick.shape + (1,) * (v.ndim - 2))
-        return jnp.sum(jnp.where(pick, v, jnp.zeros((), v.dtype)), axis=1)
-
-    return jax.tree.map(one, stage_params)
+    """Each stage's repeat ``r[s]`` of `stage_params` (``(S, R, K, ...)`` -> ``(S, K, ...)``,
+    `_pick`)."""
+    return jax.tree.map(lambda v: _pick(v, r), stage_params)
 
 
 def _one_repeat(stage: Callable[[Any, jax.Array], jax.Array]) -> Callable[..., jax.Array]:
     """Every stage's `stage` on its repeat ``r``'s layers (a ``vmap`` over the stages)."""
     run = jax.vmap(stage)
     return lambda stage_params, r, h: run(_select(stage_params, r), h)
+
+
+def _selected(v: jax.Array, r: jax.Array) -> jax.Array:
+    """`_pick` laid out ``(K, S, ...)`` (`_reselect`'s lowering)."""
+    return jnp.swapaxes(_pick(v, r), 0, 1)
+
+
+def _selected_transpose(ct: jax.Array, r: jax.Array, repeats: int) -> jax.Array:
+    """The transpose of `_selected` (linear in its weights): `ct` into repeat ``r[s]``."""
+    ct = jnp.swapaxes(ct, 0, 1)[:, None]  # (S, 1, K, ...)
+    pick = jnp.arange(repeats)[None, :] == r[:, None]
+    pick = pick.reshape(pick.shape + (1,) * (ct.ndim - 2))
+    return jnp.where(pick, ct, jnp.zeros((), ct.dtype))
+
+
+# `_selected` as one primitive, so that a checkpoint policy can tell it from the stage's
+# own operations (a policy sees one operation at a time, and jnp's selection is several:
+# a recomputed value's inputs are saved unless recomputed too).
+_reselect = Primitive("jstrategy_circular_select")
+_reselect.def_impl(_selected)
+_reselect.def_abstract_eval(
+    lambda v, r: v.update(shape=(v.shape[2], v.shape[0], *v.shape[3:]), weak_type=False)
+)
+mlir.register_lowering(_reselect, mlir.lower_fun(_selected, multiple_results=False))
+
+
+def _reselect_jvp(primals: Any, tangents: Any) -> tuple[jax.Array, Any]:
+    (v, r), (dv, _) = primals, tangents
+    out = _reselect.bind(v, r)
+    if type(dv) is ad.Zero:
+        return out, ad.Zero(dv.aval.update(shape=out.shape))
+    return out, _reselect.bind(dv, r)
+
+
+def _reselect_transpose(ct: Any, v: Any, r: jax.Array) -> list[Any]:
+    assert ad.is_undefined_primal(v) and not ad.is_undefined_primal(r)
+    if type(ct) is ad.Zero:
+        return [ad.Zero(v.aval), None]
+    return [_selected_transpose(ct, r, v.aval.shape[1]), None]
+
+
+def _reselect_batch(args: Any, dims: Any) -> tuple[jax.Array, int]:
+    # Unbatched in the train step (the replicas share the weights); plain operations
+    # otherwise, recomputed or saved as the policy decides for them.
+    return jax.vmap(_selected, in_axes=dims)(*args), 0
+
+
+ad.primitive_jvps[_reselect] = _reselect_jvp
+ad.primitive_transposes[_reselect] = _reselect_transpose
+batching.primitive_batchers[_reselect] = _reselect_batch
+
+
+def _not_reselect(prim: Any, *_: Any, **__: Any) -> bool:
+    """A checkpoint policy: save every value but `_reselect`'s."""
+    return prim is not _reselect
+
+
+def _one_repeat_reselected(
+    stage: Callable[[Any, jax.Array], jax.Array],
+) -> Callable[..., jax.Array]:
+    """`_one_repeat` whose backward pass selects each tick's layers again.
+
+    JAX's transposed tick loop needs each tick's stage weights (a matmul's input gradient
+    reads its weights). Without repeats they are the loop's constant, which ``scan``
+    keeps once; a tick's selection depends on the tick, so ``scan`` would stack a copy
+    per tick: ``R * M + S - 1`` virtual stages' weights, growing with ``M`` as the
+    activations do. Checkpointed with everything saved but the selection, the backward
+    pass recomputes it from the loop's constant (one select per repeat a tick) and keeps the
+    activations as before.
+
+    The selection is ``(K, S, ...)``, handed to ``vmap`` at axis 1: `stage` scans over its
+    layers (``Repeated``'s and ``NNXRepeated``'s do), and ``vmap`` of a ``scan`` moves the
+    mapped axis of its inputs behind the scanned one. Laid out ``(S, K, ...)``, that
+    transpose would be a value of its own, saved per tick."""
+    run = jax.vmap(stage, in_axes=(1, 0))
+
+    def one(stage_params: Any, r: jax.Array, h: jax.Array) -> jax.Array:
+        return run(jax.tree.map(lambda v: _reselect.bind(v, r), stage_params), h)
+
+    # Inside a scan nothing can merge the recomputation into the forward pass: no barrier.
+    return jax.checkpoint(one, policy=_not_reselect, prevent_cse=False)
 
 
 def circular_gpipe(
@@ -220,7 +338,7 @@ def circular_gpipe(
     xs = x.reshape(micro, rows // micro, *x.shape[1:])
     on_stages = jax.sharding.NamedSharding(config.mesh, P(STAGE_AXIS))
     shift = _shift(config.mesh, stages)
-    run_stages = _one_repeat(stage)
+    run_stages = _one_repeat_reselected(stage)
     microbatch, repeat = _items(config)
     stage_ids = jnp.arange(stages)
     items = repeats * micro
