@@ -28,18 +28,12 @@ from jstrategy._src.training.model import Model
 from jstrategy._src.training.optimizers.serialization import resolve_optimizer
 from jstrategy._src.training.plan.report import MemoryPlan
 from jstrategy._src.training.plan.report import advise
+from jstrategy._src.training.plan.search import largest_batch
 from jstrategy._src.training.state.global_batch import BatchNormSync
 from jstrategy._src.training.state.train_state import train_state_shapes
 from jstrategy._src.training.step import body as step_lib
 
 __all__ = ["compiled_peak", "plan"]
-
-# Largest-batch search: the most compiles after the first two.
-_SEARCH_COMPILES = 6
-# ... and stops once the answer is known within 1/this of itself (or one multiple).
-_SEARCH_PRECISION = 32
-# The search looks no further than this many times the batch given.
-_SEARCH_LIMIT = 1024
 
 
 def compiled_peak(compiled: Any) -> int:
@@ -73,11 +67,13 @@ def plan(
     factory or `fit` runs. Reads per device: parameters, optimizer state, gradients,
     activations and temporaries, the compiled peak (``memory_analysis()``: arguments +
     temporaries + outputs - aliased), the largest global batch that fits
-    `device_memory` (the peak is affine in the batch: compiled at two sizes, then the
-    predicted size verified by compiling it), and, when the step does not fit, what to
-    change: more FSDP or ``offload_optimizer=True`` when the state dominates; remat,
-    microbatches (``gradient_accumulation_steps``) or a smaller batch when the
-    activations do.
+    `device_memory` (the peak is nearly affine in the batch: compiled at two sizes, then
+    at the sizes the line through them predicts, every one a multiple of
+    ``strategy.batch_multiple``; where the peak is not monotone the search goes on past
+    the fall and the plan says the answer is a lower bound: `search.largest_batch`), and,
+    when the step does not fit, what to change: more FSDP or ``offload_optimizer=True``
+    when the state dominates; remat, microbatches (``gradient_accumulation_steps``) or a
+    smaller batch when the activations do.
 
     Limits: the figures are XLA's for the platform of the strategy's devices (the CPU
     compiler's on fake CPU devices; a GPU's or TPU's differ, their ratios carry over).
@@ -112,9 +108,10 @@ def plan(
       remat: for a linen module: as `make_train_step`'s.
       sync_batch_norm: for a linen module: as `make_train_step`'s.
       train_arg: for a linen module: as `create_train_state`'s.
-      find_largest_batch: False skips the search for the largest batch (up to seven
+      find_largest_batch: False skips the search for the largest batch (up to nine
         more compiles; the answer is a size compiled and verified to fit, within one
-        ``batch_multiple`` or 1/32 of the largest when the search closes).
+        ``batch_multiple`` or 1/32 of the largest, or else labelled a lower bound:
+        `MemoryPlan.largest_batch_caveat`).
 
     Returns:
       A `MemoryPlan`; ``print(plan)`` shows its table.
@@ -171,9 +168,9 @@ def plan(
 
     peak, compiled = peak_at(rows)
     figures = _figures(state, compiled, peak)
-    largest = None
+    largest, caveat = None, ""
     if find_largest_batch:
-        largest = _largest_batch(peak_at, rows, peak, budget, strategy.batch_multiple)
+        largest, caveat = largest_batch(peak_at, rows, peak, budget, strategy.batch_multiple)
     found = MemoryPlan(
         strategy=repr(strategy),
         devices=strategy.mesh.size,
@@ -182,6 +179,7 @@ def plan(
         device_memory=budget,
         largest_batch=largest,
         searched=find_largest_batch,
+        largest_batch_caveat=caveat,
         advice=(),
         **figures,
     )
@@ -436,46 +434,3 @@ def _figures(state: Any, compiled: Any, peak: int) -> dict[str, int]:
         "activations": max(0, peak - arguments - gradients),
         "host": total_host,
     }
-
-
-def _largest_batch(
-    peak_at: Callable[[int], tuple[int, Any]],
-    rows: int,
-    peak: int,
-    budget: int,
-    multiple: int,
-) -> int | None:
-    """The largest multiple of `multiple` whose step's peak fits `budget`, or None.
-
-    The peak is nearly affine in the batch (XLA's buffer assignment bends it where a
-    temporary starts to grow with the rows): the line through two compiled sizes predicts
-    the answer; then, between the largest size verified to fit and the smallest verified
-    not to, the line through those two, until they are one step apart (the step: a
-    `multiple`, or 1/32 of the answer): the size returned was compiled and fits.
-    """
-    known = {rows: peak, 2 * rows: peak_at(2 * rows)[0]}
-    limit = _SEARCH_LIMIT * rows
-    for _ in range(_SEARCH_COMPILES):
-        lo = max((b for b, p in known.items() if p <= budget), default=0)
-        hi = min((b for b, p in known.items() if p > budget), default=None)
-        step = max(multiple, lo // _SEARCH_PRECISION)
-        if (hi is not None and hi - lo <= step) or (hi is None and lo >= limit):
-            break
-        if hi is None or lo == 0:  # not bracketed: the line through the two nearest sizes
-            sizes = sorted(known)
-            (b1, b2) = sizes[-2:] if hi is None else sizes[:2]
-        else:
-            b1, b2 = lo, hi
-        p1, p2 = known[b1], known[b2]
-        slope = (p2 - p1) / (b2 - b1)
-        if slope <= 0:
-            break  # the peak does not grow with the batch here: no bound found
-        if lo == 0 and p1 - slope * b1 > budget:
-            break  # the state alone, at no rows, is over the budget: no batch fits
-        guess = int(b1 + (budget - p1) / slope) // multiple * multiple
-        guess = min(max(guess, lo + step), limit if hi is None else hi - multiple)
-        if guess in known or guess < multiple:
-            break
-        known[guess] = peak_at(guess)[0]
-    fit = [b for b, p in known.items() if p <= budget]
-    return max(fit) if fit else None

@@ -82,11 +82,17 @@ class MemoryPlan:
       host: bytes of the train state held in host memory (not in `peak`).
       device_memory: the per-device budget the plan was checked against.
       largest_batch: the largest global batch (a multiple of the strategy's
-        ``batch_multiple``) whose step fits `device_memory`, compiled and verified; None
-        when none fits.
+        ``batch_multiple``) whose step fits `device_memory`, compiled and verified, within
+        one ``batch_multiple`` or 1/32 of the largest that fits unless
+        `largest_batch_caveat` says otherwise; None when none fits.
       advice: what to change when it does not fit, most effective first (empty when
         it fits).
       searched: whether the largest batch was searched (``find_largest_batch``).
+      largest_batch_caveat: empty when `largest_batch` is within that step of the largest
+        batch that fits; else why it is only a lower bound (the peak fell as the batch
+        grew between two compiled sizes, so a larger batch may fit past them; or the
+        search stopped at its compile limit first). `largest_batch_is_lower_bound` says
+        whether there is one.
 
     Example:
 
@@ -120,11 +126,18 @@ class MemoryPlan:
     largest_batch: int | None
     advice: tuple[Advice, ...]
     searched: bool = True
+    largest_batch_caveat: str = ""
 
     @property
     def fits(self) -> bool:
         """Whether the step's peak fits `device_memory`."""
         return self.peak <= self.device_memory
+
+    @property
+    def largest_batch_is_lower_bound(self) -> bool:
+        """Whether a batch larger than `largest_batch` (by more than one step: a
+        ``batch_multiple``, or 1/32 of it) may fit: `largest_batch_caveat` says why."""
+        return bool(self.largest_batch_caveat)
 
     @property
     def fixes(self) -> tuple[Fix, ...]:
@@ -155,6 +168,9 @@ class MemoryPlan:
         largest = "none" if self.largest_batch is None else str(self.largest_batch)
         if not self.searched:
             largest = "not searched (find_largest_batch=False)"
+        elif self.largest_batch_caveat:
+            at_least = "none found" if self.largest_batch is None else f"at least {largest}"
+            largest = f"{at_least} ({self.largest_batch_caveat})"
         lines.append(f"  largest global batch that fits: {largest}")
         for a in self.advice:
             lines.append(f"  - {a.message}")
