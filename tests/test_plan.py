@@ -358,3 +358,44 @@ def test_the_largest_batch_is_within_1_32_of_the_largest_that_fits():
         print(f"{factor}x the peak: plan {largest}, brute force {true}")
         assert peaks[sizes[-1]] > budget  # the sweep ends over the budget
         assert true - largest <= true / 32 or planned.largest_batch_is_lower_bound
+
+
+# The batch against the model's declared input (issue 50, item 3) ---------------------------
+
+
+def _refusal(call):
+    with pytest.raises(ValueError) as e:
+        call()
+    return str(e.value)
+
+
+@pytest.mark.slow
+def test_a_batch_of_other_rows_than_the_model_takes_is_refused_as_fit_refuses_it():
+    strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    layers = jstrategy.layers
+    x, y = np.zeros((8, 10, 10, 3), np.float32), np.zeros((8,), np.int32)
+
+    def sequential():
+        with strategy.scope():
+            model = jstrategy.Sequential([layers.Flatten(input_shape=(12, 12, 3)), layers.Dense(2)])
+        model.compile("sgd", loss="sparse_categorical_crossentropy")
+        return model
+
+    def linen():
+        with strategy.scope():
+            model = jstrategy.Model(nn.Dense(2), input_shape=(12, 12, 3))
+        model.compile("sgd", loss="sparse_categorical_crossentropy")
+        return model
+
+    fresh, built = sequential(), sequential()
+    assert built.count_params() > 0  # its variables exist, from the declared shape
+    fitted = _refusal(lambda: built.fit(x, y, batch_size=8, verbose=0))
+    for model in (fresh, built):
+        planned = _refusal(lambda m=model: plan(m, batch=(x, y), device_memory=MIB))
+        assert planned == fitted.replace("`x`", "`batch[0]`").replace("(x of", "(batch[0] of")
+    assert planned.startswith("`batch[0]` must have rows of shape (12, 12, 3), the shape")
+    assert "got rows of shape (10, 10, 3)" in planned
+    model = linen()
+    planned = _refusal(lambda: plan(model, batch=(x, y), device_memory=MIB))
+    fitted = _refusal(lambda: model.fit(x, y, batch_size=8, verbose=0))
+    assert planned == fitted.replace("`x`", "`batch[0]`").replace("(x of", "(batch[0] of")

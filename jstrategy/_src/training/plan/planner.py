@@ -24,6 +24,7 @@ from jstrategy._src.placement import variable_shardings
 from jstrategy._src.precision import policy as mp
 from jstrategy._src.strategy import Strategy
 from jstrategy._src.strategy import get_strategy
+from jstrategy._src.training import input_checks
 from jstrategy._src.training.model import Model
 from jstrategy._src.training.optimizers.serialization import resolve_optimizer
 from jstrategy._src.training.plan.report import MemoryPlan
@@ -119,7 +120,9 @@ def plan(
     Raises:
       ValueError: for a `Model` not compiled, step options given beside a `Model`, a
         missing `optimizer` or `loss` for a module, a batch whose rows do not divide by
-        ``strategy.batch_multiple``, or no `device_memory` where the device reports none.
+        ``strategy.batch_multiple``, inputs whose rows are not the shape a `Model` was
+        declared (``input_shape``) or built for (`fit`'s message), or no `device_memory`
+        where the device reports none.
       TypeError: for a model that is neither.
 
     Example:
@@ -234,6 +237,8 @@ def _from_model(
         )
     tx = trainer._raw_tx  # set by compile
     x = _first_leaf_rows(batch)
+    # The rows fit takes: a batch of another shape would plan another model.
+    input_checks.check_row_shape(model._input_shape, x, "batch")
 
     def build() -> Any:
         state = trainer.state
