@@ -399,3 +399,68 @@ def test_a_batch_of_other_rows_than_the_model_takes_is_refused_as_fit_refuses_it
     planned = _refusal(lambda: plan(model, batch=(x, y), device_memory=MIB))
     fitted = _refusal(lambda: model.fit(x, y, batch_size=8, verbose=0))
     assert planned == fitted.replace("`x`", "`batch[0]`").replace("(x of", "(batch[0] of")
+
+
+# Advice that can be followed (issue 50, item 4) ---------------------------------------------
+
+
+def _sequential(strategy, *extra):
+    layers = jstrategy.layers
+    with strategy.scope():
+        model = jstrategy.Sequential(
+            [layers.Dense(256, activation="relu", input_shape=(FEATURES,)), *extra,
+             layers.Dense(10)]
+        )  # fmt: skip
+    model.compile("sgd", loss=memory_benchmark._loss)
+    return model
+
+
+class _Blocks(nn.Module):
+    """Two dense blocks, each wrapped with `jstrategy.training.remat`."""
+
+    @nn.compact
+    def __call__(self, x):
+        block = training.remat(nn.Dense)
+        for i in range(2):
+            x = nn.relu(block(256, name=f"block_{i}")(x))
+        return x
+
+
+@pytest.mark.slow
+def test_a_sequential_is_advised_remat_only_where_a_layer_can_take_it():
+    strategy = jstrategy.OneDeviceStrategy("cpu:0")
+    rows = 1 << 12
+    planned = plan(_sequential(strategy), batch=_batch(rows), device_memory=2 * MIB)
+    assert not planned.fits and planned.activations > planned.parameters
+    # compile(remat=True) refuses a Sequential none of whose layers calls remat: the
+    # advice is what is left, microbatches and a smaller batch.
+    assert planned.fixes[:2] == (Fix.MICROBATCHES, Fix.SMALLER_BATCH)
+    assert Fix.REMAT not in planned.fixes and "remat" not in str(planned)
+    ready = plan(_sequential(strategy, _Blocks()), batch=_batch(rows), device_memory=2 * MIB,
+                 find_largest_batch=False)  # fmt: skip
+    assert ready.fixes[0] is Fix.REMAT
+    assert "the model's jstrategy.training.remat blocks" in ready.advice[0].message
+    # ... and it can be followed: the step takes remat=True.
+    followed = _sequential(strategy, _Blocks())
+    followed.compile("sgd", loss=memory_benchmark._loss, remat=True)
+    planned = plan(followed, batch=_batch(rows), device_memory=2 * MIB, find_largest_batch=False)
+    assert Fix.REMAT not in planned.fixes
+
+
+@pytest.mark.slow
+def test_fsdp_over_every_device_is_not_advised_more_fsdp():
+    options = dict(optimizer=optax.adam(1e-3), loss=memory_benchmark._loss, device_memory=MIB // 8)
+    every = jstrategy.experimental.FSDPStrategy(min_shard_size=0)
+    planned = plan(memory_benchmark.MLP(), every, _batch(), find_largest_batch=False, **options)
+    assert not planned.fits
+    assert planned.parameters + planned.optimizer_state > planned.activations
+    assert Fix.FSDP not in planned.fixes and "More FSDP" not in str(planned)
+    # What can be done instead: the optimizer state to host memory; more devices.
+    assert planned.fixes[:2] == (Fix.MORE_DEVICES, Fix.OFFLOAD_OPTIMIZER)
+    assert "split 8 ways, over every device here, already" in planned.advice[0].message
+    # Over half the devices, more FSDP can be done.
+    half = jstrategy.experimental.FSDPStrategy(devices=[f"cpu:{i}" for i in range(4)],
+                                               min_shard_size=0)  # fmt: skip
+    planned = plan(memory_benchmark.MLP(), half, _batch(), find_largest_batch=False, **options)
+    assert planned.fixes[0] is Fix.FSDP
+    assert "More FSDP: split the variables over more of the 8 devices" in str(planned)

@@ -10,6 +10,7 @@ So the figures are those of the program a run would execute, on any model size.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +20,6 @@ import numpy as np
 
 from jstrategy._src import hlo
 from jstrategy._src.placement import HOST_MEMORY_KINDS
-from jstrategy._src.placement import splits
 from jstrategy._src.placement import variable_shardings
 from jstrategy._src.precision import policy as mp
 from jstrategy._src.strategy import Strategy
@@ -28,11 +28,13 @@ from jstrategy._src.training import input_checks
 from jstrategy._src.training.model import Model
 from jstrategy._src.training.optimizers.serialization import resolve_optimizer
 from jstrategy._src.training.plan.report import MemoryPlan
+from jstrategy._src.training.plan.report import Remat
 from jstrategy._src.training.plan.report import advise
 from jstrategy._src.training.plan.search import largest_batch
 from jstrategy._src.training.state.global_batch import BatchNormSync
 from jstrategy._src.training.state.train_state import train_state_shapes
 from jstrategy._src.training.step import body as step_lib
+from jstrategy._src.training.step import remat as remat_lib
 
 __all__ = ["compiled_peak", "plan"]
 
@@ -72,9 +74,12 @@ def plan(
     at the sizes the line through them predicts, every one a multiple of
     ``strategy.batch_multiple``; where the peak is not monotone the search goes on past
     the fall and the plan says the answer is a lower bound: `search.largest_batch`), and,
-    when the step does not fit, what to change: more FSDP or ``offload_optimizer=True``
-    when the state dominates; remat, microbatches (``gradient_accumulation_steps``) or a
-    smaller batch when the activations do.
+    when the step does not fit, what to change, only what this model and strategy can
+    take: FSDP (more of it where it spans fewer devices than there are; more devices
+    where it spans them all) or ``offload_optimizer=True`` when the state dominates;
+    remat (for a model that can take ``remat=True``: not a `Sequential` none of whose
+    layers calls `jstrategy.training.remat`), microbatches
+    (``gradient_accumulation_steps``) or a smaller batch when the activations do.
 
     Limits: the figures are XLA's for the platform of the strategy's devices (the CPU
     compiler's on fake CPU devices; a GPU's or TPU's differ, their ratios carry over).
@@ -186,14 +191,20 @@ def plan(
         advice=(),
         **figures,
     )
+    if found.fits:
+        return found
+    module = model.module if isinstance(model, Model) else model
     advice = advise(
         found,
-        sharded=splits(variable_shardings(state.params, strategy)),
-        remat_on=spec.remat is not None,
+        split=_split(state.params),
+        device_count=_device_count(strategy),
+        remat=_remat(
+            module, spec, lambda s: s.lower(state, None, *_abstract_batch(batch, rows, strategy))
+        ),
         accumulation_steps=spec.accumulation_steps,
         multiple=strategy.batch_multiple,
     )
-    return MemoryPlan(**{**found.__dict__, "advice": advice})
+    return dataclasses.replace(found, advice=advice)
 
 
 # What a linen module's plan takes beside it, at their defaults: a `Model` has its own.
@@ -439,3 +450,44 @@ def _figures(state: Any, compiled: Any, peak: int) -> dict[str, int]:
         "activations": max(0, peak - arguments - gradients),
         "host": total_host,
     }
+
+
+def _split(params: Any) -> int:
+    """The most ways one parameter is split over the devices (1: whole on each)."""
+    return max(
+        (
+            math.prod(leaf.shape) // max(1, math.prod(leaf.sharding.shard_shape(leaf.shape)))
+            for leaf in jax.tree.leaves(params)
+        ),
+        default=1,
+    )
+
+
+def _device_count(strategy: Strategy) -> int:
+    """The devices a strategy could split the variables over: those of its platform this
+    process sees (every process's), or its mesh's where that has more (compile-only
+    devices of a topology)."""
+    mesh = strategy.mesh
+    first = mesh.devices.flat[0]
+    try:
+        seen = jax.devices(first.platform)
+    except RuntimeError:  # no backend for a topology's platform
+        return int(mesh.size)
+    return max(int(mesh.size), len(seen)) if first in seen else int(mesh.size)
+
+
+def _remat(module: Any, spec: step_lib.StepSpec, lower: Callable[[Any], Any]) -> Remat:
+    """Whether the step can take ``remat=True`` (`report.advise`'s ``remat``). A library's
+    module (a `Sequential`'s, Flax's) takes it only where one of its layers calls
+    `jstrategy.training.remat`: the step is traced with it to see (`lower` traces a
+    program); the user's own module can wrap its repeated block."""
+    if spec.remat is not None:
+        return "on"
+    if not type(module).__module__.startswith(("jstrategy.", "flax.")):
+        return "wrap"
+    with_remat = dataclasses.replace(spec, remat=remat_lib.resolve_remat(True))
+    try:
+        lower(step_lib.build_train_program(with_remat))
+    except remat_lib.RematUnusedError:
+        return "no"
+    return "ready"
