@@ -185,7 +185,7 @@ def check_row_shape(expected: tuple[int, ...] | None, x: Any, arg: str) -> None:
         name = _names(arg)[0]
         raise ValueError(
             f"`{name}` must have rows of shape {tuple(expected)}, the shape the model was "
-            f"built for; got rows of shape {given} (x of shape {tuple(np.shape(x))}). Pass "
+            f"built for; got rows of shape {given} ({name} of shape {tuple(np.shape(x))}). Pass "
             "inputs with that shape, or build a new model for these (input_shape="
             f"{given})."
         )

@@ -10,6 +10,7 @@ So the figures are those of the program a run would execute, on any model size.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -19,27 +20,23 @@ import numpy as np
 
 from jstrategy._src import hlo
 from jstrategy._src.placement import HOST_MEMORY_KINDS
-from jstrategy._src.placement import splits
 from jstrategy._src.placement import variable_shardings
 from jstrategy._src.precision import policy as mp
 from jstrategy._src.strategy import Strategy
 from jstrategy._src.strategy import get_strategy
+from jstrategy._src.training import input_checks
 from jstrategy._src.training.model import Model
 from jstrategy._src.training.optimizers.serialization import resolve_optimizer
 from jstrategy._src.training.plan.report import MemoryPlan
+from jstrategy._src.training.plan.report import Remat
 from jstrategy._src.training.plan.report import advise
+from jstrategy._src.training.plan.search import largest_batch
 from jstrategy._src.training.state.global_batch import BatchNormSync
 from jstrategy._src.training.state.train_state import train_state_shapes
 from jstrategy._src.training.step import body as step_lib
+from jstrategy._src.training.step import remat as remat_lib
 
 __all__ = ["compiled_peak", "plan"]
-
-# Largest-batch search: the most compiles after the first two.
-_SEARCH_COMPILES = 6
-# ... and stops once the answer is known within 1/this of itself (or one multiple).
-_SEARCH_PRECISION = 32
-# The search looks no further than this many times the batch given.
-_SEARCH_LIMIT = 1024
 
 
 def compiled_peak(compiled: Any) -> int:
@@ -73,11 +70,16 @@ def plan(
     factory or `fit` runs. Reads per device: parameters, optimizer state, gradients,
     activations and temporaries, the compiled peak (``memory_analysis()``: arguments +
     temporaries + outputs - aliased), the largest global batch that fits
-    `device_memory` (the peak is affine in the batch: compiled at two sizes, then the
-    predicted size verified by compiling it), and, when the step does not fit, what to
-    change: more FSDP or ``offload_optimizer=True`` when the state dominates; remat,
-    microbatches (``gradient_accumulation_steps``) or a smaller batch when the
-    activations do.
+    `device_memory` (the peak is nearly affine in the batch: compiled at two sizes, then
+    at the sizes the line through them predicts, every one a multiple of
+    ``strategy.batch_multiple``; where the peak is not monotone the search goes on past
+    the fall and the plan says the answer is a lower bound: `search.largest_batch`), and,
+    when the step does not fit, what to change, only what this model and strategy can
+    take: FSDP (more of it where it spans fewer devices than there are; more devices
+    where it spans them all) or ``offload_optimizer=True`` when the state dominates;
+    remat (for a model that can take ``remat=True``: not a `Sequential` none of whose
+    layers calls `jstrategy.training.remat`), microbatches
+    (``gradient_accumulation_steps``) or a smaller batch when the activations do.
 
     Limits: the figures are XLA's for the platform of the strategy's devices (the CPU
     compiler's on fake CPU devices; a GPU's or TPU's differ, their ratios carry over).
@@ -112,9 +114,10 @@ def plan(
       remat: for a linen module: as `make_train_step`'s.
       sync_batch_norm: for a linen module: as `make_train_step`'s.
       train_arg: for a linen module: as `create_train_state`'s.
-      find_largest_batch: False skips the search for the largest batch (up to seven
+      find_largest_batch: False skips the search for the largest batch (up to nine
         more compiles; the answer is a size compiled and verified to fit, within one
-        ``batch_multiple`` or 1/32 of the largest when the search closes).
+        ``batch_multiple`` or 1/32 of the largest, or else labelled a lower bound:
+        `MemoryPlan.largest_batch_caveat`).
 
     Returns:
       A `MemoryPlan`; ``print(plan)`` shows its table.
@@ -122,7 +125,9 @@ def plan(
     Raises:
       ValueError: for a `Model` not compiled, step options given beside a `Model`, a
         missing `optimizer` or `loss` for a module, a batch whose rows do not divide by
-        ``strategy.batch_multiple``, or no `device_memory` where the device reports none.
+        ``strategy.batch_multiple``, inputs whose rows are not the shape a `Model` was
+        declared (``input_shape``) or built for (`fit`'s message), or no `device_memory`
+        where the device reports none.
       TypeError: for a model that is neither.
 
     Example:
@@ -171,9 +176,9 @@ def plan(
 
     peak, compiled = peak_at(rows)
     figures = _figures(state, compiled, peak)
-    largest = None
+    largest, caveat = None, ""
     if find_largest_batch:
-        largest = _largest_batch(peak_at, rows, peak, budget, strategy.batch_multiple)
+        largest, caveat = largest_batch(peak_at, rows, peak, budget, strategy.batch_multiple)
     found = MemoryPlan(
         strategy=repr(strategy),
         devices=strategy.mesh.size,
@@ -182,17 +187,24 @@ def plan(
         device_memory=budget,
         largest_batch=largest,
         searched=find_largest_batch,
+        largest_batch_caveat=caveat,
         advice=(),
         **figures,
     )
+    if found.fits:
+        return found
+    module = model.module if isinstance(model, Model) else model
     advice = advise(
         found,
-        sharded=splits(variable_shardings(state.params, strategy)),
-        remat_on=spec.remat is not None,
+        split=_split(state.params),
+        device_count=_device_count(strategy),
+        remat=_remat(
+            module, spec, lambda s: s.lower(state, None, *_abstract_batch(batch, rows, strategy))
+        ),
         accumulation_steps=spec.accumulation_steps,
         multiple=strategy.batch_multiple,
     )
-    return MemoryPlan(**{**found.__dict__, "advice": advice})
+    return dataclasses.replace(found, advice=advice)
 
 
 # What a linen module's plan takes beside it, at their defaults: a `Model` has its own.
@@ -236,6 +248,8 @@ def _from_model(
         )
     tx = trainer._raw_tx  # set by compile
     x = _first_leaf_rows(batch)
+    # The rows fit takes: a batch of another shape would plan another model.
+    input_checks.check_row_shape(model._input_shape, x, "batch")
 
     def build() -> Any:
         state = trainer.state
@@ -438,44 +452,42 @@ def _figures(state: Any, compiled: Any, peak: int) -> dict[str, int]:
     }
 
 
-def _largest_batch(
-    peak_at: Callable[[int], tuple[int, Any]],
-    rows: int,
-    peak: int,
-    budget: int,
-    multiple: int,
-) -> int | None:
-    """The largest multiple of `multiple` whose step's peak fits `budget`, or None.
+def _split(params: Any) -> int:
+    """The most ways one parameter is split over the devices (1: whole on each)."""
+    return max(
+        (
+            math.prod(leaf.shape) // max(1, math.prod(leaf.sharding.shard_shape(leaf.shape)))
+            for leaf in jax.tree.leaves(params)
+        ),
+        default=1,
+    )
 
-    The peak is nearly affine in the batch (XLA's buffer assignment bends it where a
-    temporary starts to grow with the rows): the line through two compiled sizes predicts
-    the answer; then, between the largest size verified to fit and the smallest verified
-    not to, the line through those two, until they are one step apart (the step: a
-    `multiple`, or 1/32 of the answer): the size returned was compiled and fits.
-    """
-    known = {rows: peak, 2 * rows: peak_at(2 * rows)[0]}
-    limit = _SEARCH_LIMIT * rows
-    for _ in range(_SEARCH_COMPILES):
-        lo = max((b for b, p in known.items() if p <= budget), default=0)
-        hi = min((b for b, p in known.items() if p > budget), default=None)
-        step = max(multiple, lo // _SEARCH_PRECISION)
-        if (hi is not None and hi - lo <= step) or (hi is None and lo >= limit):
-            break
-        if hi is None or lo == 0:  # not bracketed: the line through the two nearest sizes
-            sizes = sorted(known)
-            (b1, b2) = sizes[-2:] if hi is None else sizes[:2]
-        else:
-            b1, b2 = lo, hi
-        p1, p2 = known[b1], known[b2]
-        slope = (p2 - p1) / (b2 - b1)
-        if slope <= 0:
-            break  # the peak does not grow with the batch here: no bound found
-        if lo == 0 and p1 - slope * b1 > budget:
-            break  # the state alone, at no rows, is over the budget: no batch fits
-        guess = int(b1 + (budget - p1) / slope) // multiple * multiple
-        guess = min(max(guess, lo + step), limit if hi is None else hi - multiple)
-        if guess in known or guess < multiple:
-            break
-        known[guess] = peak_at(guess)[0]
-    fit = [b for b, p in known.items() if p <= budget]
-    return max(fit) if fit else None
+
+def _device_count(strategy: Strategy) -> int:
+    """The devices a strategy could split the variables over: those of its platform this
+    process sees (every process's), or its mesh's where that has more (compile-only
+    devices of a topology)."""
+    mesh = strategy.mesh
+    first = mesh.devices.flat[0]
+    try:
+        seen = jax.devices(first.platform)
+    except RuntimeError:  # no backend for a topology's platform
+        return int(mesh.size)
+    return max(int(mesh.size), len(seen)) if first in seen else int(mesh.size)
+
+
+def _remat(module: Any, spec: step_lib.StepSpec, lower: Callable[[Any], Any]) -> Remat:
+    """Whether the step can take ``remat=True`` (`report.advise`'s ``remat``). A library's
+    module (a `Sequential`'s, Flax's) takes it only where one of its layers calls
+    `jstrategy.training.remat`: the step is traced with it to see (`lower` traces a
+    program); the user's own module can wrap its repeated block."""
+    if spec.remat is not None:
+        return "on"
+    if not type(module).__module__.startswith(("jstrategy.", "flax.")):
+        return "wrap"
+    with_remat = dataclasses.replace(spec, remat=remat_lib.resolve_remat(True))
+    try:
+        lower(step_lib.build_train_program(with_remat))
+    except remat_lib.RematUnusedError:
+        return "no"
+    return "ready"

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Literal
 
-__all__ = ["Advice", "Fix", "MemoryPlan", "advise", "format_bytes"]
+__all__ = ["Advice", "Fix", "MemoryPlan", "Remat", "advise", "format_bytes"]
+
+#: Whether a step can rematerialize (`advise`'s ``remat``).
+Remat = Literal["on", "ready", "wrap", "no"]
 
 
 class Fix(enum.Enum):
@@ -27,6 +31,7 @@ class Fix(enum.Enum):
     REMAT = "remat"  # recompute activations in the backward pass
     MICROBATCHES = "microbatches"  # gradient accumulation over smaller batches
     SMALLER_BATCH = "smaller_batch"
+    MORE_DEVICES = "more_devices"  # a larger mesh, where the state is split over all of it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,11 +87,17 @@ class MemoryPlan:
       host: bytes of the train state held in host memory (not in `peak`).
       device_memory: the per-device budget the plan was checked against.
       largest_batch: the largest global batch (a multiple of the strategy's
-        ``batch_multiple``) whose step fits `device_memory`, compiled and verified; None
-        when none fits.
+        ``batch_multiple``) whose step fits `device_memory`, compiled and verified, within
+        one ``batch_multiple`` or 1/32 of the largest that fits unless
+        `largest_batch_caveat` says otherwise; None when none fits.
       advice: what to change when it does not fit, most effective first (empty when
         it fits).
       searched: whether the largest batch was searched (``find_largest_batch``).
+      largest_batch_caveat: empty when `largest_batch` is within that step of the largest
+        batch that fits; else why it is only a lower bound (the peak fell as the batch
+        grew between two compiled sizes, so a larger batch may fit past them; or the
+        search stopped at its compile limit first). `largest_batch_is_lower_bound` says
+        whether there is one.
 
     Example:
 
@@ -120,11 +131,18 @@ class MemoryPlan:
     largest_batch: int | None
     advice: tuple[Advice, ...]
     searched: bool = True
+    largest_batch_caveat: str = ""
 
     @property
     def fits(self) -> bool:
         """Whether the step's peak fits `device_memory`."""
         return self.peak <= self.device_memory
+
+    @property
+    def largest_batch_is_lower_bound(self) -> bool:
+        """Whether a batch larger than `largest_batch` (by more than one step: a
+        ``batch_multiple``, or 1/32 of it) may fit: `largest_batch_caveat` says why."""
+        return bool(self.largest_batch_caveat)
 
     @property
     def fixes(self) -> tuple[Fix, ...]:
@@ -155,6 +173,9 @@ class MemoryPlan:
         largest = "none" if self.largest_batch is None else str(self.largest_batch)
         if not self.searched:
             largest = "not searched (find_largest_batch=False)"
+        elif self.largest_batch_caveat:
+            at_least = "none found" if self.largest_batch is None else f"at least {largest}"
+            largest = f"{at_least} ({self.largest_batch_caveat})"
         lines.append(f"  largest global batch that fits: {largest}")
         for a in self.advice:
             lines.append(f"  - {a.message}")
@@ -162,19 +183,33 @@ class MemoryPlan:
 
 
 def advise(
-    plan: MemoryPlan, *, sharded: bool, remat_on: bool, accumulation_steps: int, multiple: int
+    plan: MemoryPlan,
+    *,
+    split: int,
+    device_count: int,
+    remat: Remat,
+    accumulation_steps: int,
+    multiple: int,
 ) -> tuple[Advice, ...]:
-    """What to change when `plan` does not fit, from its figures alone.
+    """What to change when `plan` does not fit, from its figures and what the model and
+    strategy can take: nothing that cannot be followed.
 
     The state (parameters, optimizer state, gradients) against the rest decides the
-    order: when it dominates, more FSDP and offloading the optimizer state lead; when the
+    order: when it dominates, FSDP and offloading the optimizer state lead; when the
     activations do, remat, microbatches and a smaller batch lead.
 
     Args:
       plan: the plan (its `advice` is ignored).
-      sharded: whether the strategy splits variables over its devices already (FSDP,
-        ModelParallel).
-      remat_on: whether the step rematerializes already.
+      split: the most ways the strategy splits one parameter over its devices (1: every
+        device holds whole copies).
+      device_count: the devices a strategy could split the variables over: those of the
+        strategy's platform this process sees, or the strategy's mesh's where it has
+        more (compile-only devices).
+      remat: whether the step can rematerialize: ``"on"`` (it does already),
+        ``"ready"`` (the model calls `jstrategy.training.remat`: ``remat=True`` works as
+        is), ``"wrap"`` (the user's own module, which can wrap its repeated block) or
+        ``"no"`` (a library's module, e.g. a `Sequential`'s, that never calls it:
+        ``remat=True`` is refused).
       accumulation_steps: the step's ``gradient_accumulation_steps``.
       multiple: what a global batch's rows divide by (``strategy.batch_multiple``).
     """
@@ -183,12 +218,28 @@ def advise(
     state = plan.parameters + plan.optimizer_state + plan.gradients
     over = plan.peak - plan.device_memory
     state_advice = []
-    if sharded:
+    if split >= device_count:
+        # Split over every device already (or one device): no larger FSDP degree exists.
+        state_advice.append(
+            Advice(
+                Fix.MORE_DEVICES,
+                f"More devices: the state ({format_bytes(state)} per device) is "
+                + (
+                    f"split {split} ways, over every device here, already"
+                    if split > 1
+                    else "whole on the one device here"
+                )
+                + "; only a mesh of more devices splits it further (plan one before "
+                "having it: plan's Limits).",
+            )
+        )
+    elif split > 1:
         state_advice.append(
             Advice(
                 Fix.FSDP,
-                "More FSDP: split the variables over more devices (a larger fsdp degree); "
-                f"the state ({format_bytes(state)} per device) falls with the device count.",
+                f"More FSDP: split the variables over more of the {device_count} devices "
+                f"(a larger fsdp degree; now {split} ways): the state "
+                f"({format_bytes(state)} per device) falls with the device count.",
             )
         )
     else:
@@ -197,7 +248,7 @@ def advise(
                 Fix.FSDP,
                 "Use jstrategy.experimental.FSDPStrategy(): parameters, gradients and "
                 f"optimizer state ({format_bytes(state)} per device here) split over the "
-                f"{plan.devices} devices instead of one copy each.",
+                f"{device_count} devices instead of one copy each.",
             )
         )
     # Offloaded already, the optimizer state left in device memory is its scalars.
@@ -211,13 +262,18 @@ def advise(
             )
         )
     batch_advice = []
-    if not remat_on:
+    if remat in ("ready", "wrap"):
+        how = (
+            "the model's jstrategy.training.remat blocks"
+            if remat == "ready"
+            else "with the model's repeated blocks wrapped by jstrategy.training.remat"
+        )
         batch_advice.append(
             Advice(
                 Fix.REMAT,
-                "remat=True (make_train_step or Model.compile), with the model's repeated "
-                "blocks wrapped by jstrategy.training.remat: recompute activations "
-                f"({format_bytes(plan.activations)} per device) in the backward pass.",
+                f"remat=True (make_train_step or Model.compile), {how}: recompute "
+                f"activations ({format_bytes(plan.activations)} per device) in the "
+                "backward pass.",
             )
         )
     largest = plan.largest_batch

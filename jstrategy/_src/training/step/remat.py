@@ -28,7 +28,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-__all__ = ["POLICY_NAMES", "applying", "policy_name", "remat", "resolve_remat"]
+__all__ = ["POLICY_NAMES", "RematUnusedError", "applying", "policy_name", "remat", "resolve_remat"]
 
 Policy = Callable[..., bool]
 
@@ -158,10 +158,17 @@ def applying(policy: Policy | None) -> Iterator[_Active | None]:
         _ACTIVE.reset(token)
 
 
+class RematUnusedError(ValueError):
+    """A train step with ``remat`` set traced a model that never called `remat`
+    (`check_used`); `jstrategy.experimental.plan` reads it as "this model cannot take
+    ``remat=True``"."""
+
+
 def check_used(active: _Active | None) -> None:
-    """Raises if a step with ``remat`` set traced a model that never called `remat`."""
+    """Raises `RematUnusedError` if a step with ``remat`` set traced a model that never
+    called `remat`."""
     if active is not None and not active.used:
-        raise ValueError(
+        raise RematUnusedError(
             "The train step has `remat` set, but the model never called "
             "jstrategy.training.remat, so nothing would be rematerialized. Wrap the "
             "repeated block class inside the model's __call__, e.g. "
