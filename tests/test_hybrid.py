@@ -13,6 +13,7 @@ devices follow one process in tests/test_multi_worker.py. The parity matrix
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import re
 import subprocess
@@ -128,6 +129,17 @@ def test_a_layout_map_naming_another_axis_or_not_a_layout_map_is_refused():
         HybridStrategy(fsdp=2, layout_map=layout_map)
     with pytest.raises(TypeError, match=r"`layout_map` must be a jstrategy.experimental.Layout"):
         HybridStrategy(fsdp=2, layout_map={"up/kernel": (None, "model")})
+
+
+def test_the_readme_shows_every_argument_with_its_default():
+    # Issue 50 item 7: the strategy table's signature line, all but how a job is joined.
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    line = re.search(r"`experimental\.HybridStrategy\(([^)]*)\)`", readme)
+    assert line is not None
+    shown = dict(arg.split("=") for arg in line.group(1).split(", "))
+    joining = {"devices", "cluster_resolver", "communication_options", "offload_optimizer"}
+    parameters = inspect.signature(HybridStrategy).parameters
+    assert shown == {name: repr(p.default) for name, p in parameters.items() if name not in joining}
 
 
 # Where variables live -----------------------------------------------------------------
