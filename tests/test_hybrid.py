@@ -131,6 +131,20 @@ def test_a_layout_map_naming_another_axis_or_not_a_layout_map_is_refused():
         HybridStrategy(fsdp=2, layout_map={"up/kernel": (None, "model")})
 
 
+def test_a_layout_key_that_matches_no_variable_is_refused_naming_the_nearest_paths():
+    # As ModelParallelStrategy's keys (issue 50 item 6): a typo would leave "up" unsplit.
+    layout_map = _layout_map()
+    del layout_map["up/kernel"]
+    layout_map["upp/kernel"] = (None, "model")
+    strategy = HybridStrategy(fsdp=2, tensor=2, layout_map=layout_map, min_shard_size=0)
+    typo = r"LayoutMap key 'upp/kernel' matches no variable .* nearest variable paths are \['up/kernel'"
+    with pytest.raises(ValueError, match=typo), strategy.scope():
+        _make()
+    with pytest.raises(ValueError, match=typo), strategy.scope():
+        jstrategy.Model(MLP(), input_shape=(FEATURES,), seed=0)
+    assert strategy.layout_map is layout_map
+
+
 def test_the_readme_shows_every_argument_with_its_default():
     # Issue 50 item 7: the strategy table's signature line, all but how a job is joined.
     readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")

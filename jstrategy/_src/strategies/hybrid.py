@@ -85,9 +85,10 @@ class HybridStrategy(ShardedStrategy):
       too, so a global batch divides by ``replicas x fsdp`` (`batch_multiple`; `Model.fit`
       pads to it).
     * **tensor**: variables split as `layout_map` says (keys matched as for
-      `ModelParallelStrategy`), else as the model's Flax annotations (``nn.with_partitioning``,
-      logical axis rules) say, where an annotation's ``"model"`` or ``"tensor"`` axis
-      means this one.
+      `ModelParallelStrategy`, and like its keys refused where one matches no variable of
+      the model), else as the model's Flax annotations (``nn.with_partitioning``, logical
+      axis rules) say, where an annotation's ``"model"`` or ``"tensor"`` axis means this
+      one.
 
     **Hosts.** Each degree is the product of a within-host part and an across-host part
     (`dcn_replicas`, `dcn_fsdp`, `dcn_tensor`, as MaxText's ``dcn_*_parallelism``; the
@@ -220,6 +221,7 @@ class HybridStrategy(ShardedStrategy):
         if devices is None or cluster_resolver is not None or communication_options is not None:
             cross_device_ops = self._join_job(cluster_resolver, communication_options)
         # After joining (a mesh of JAX's devices would start its backends before).
+        self._layout_map = layout_map
         self._layouts = _mapped_layouts(layout_map)
         resolved = list(jax.devices() if devices is None else devices_lib.resolve_devices(devices))
         n = len(resolved)
@@ -282,6 +284,17 @@ class HybridStrategy(ShardedStrategy):
     def dcn_degrees(self) -> dict[str, int]:
         """The across-host part of each degree (MaxText's ``dcn_*_parallelism``)."""
         return dict(self._dcn)
+
+    @property
+    def layout_map(self) -> LayoutMap | None:
+        """The tensor layouts given (``layout_map=``), or None.
+
+        As `ModelParallelStrategy`'s, its keys are checked against a model's variables
+        where its train state is created (`create_train_state`, `Model`): a key that
+        matches no variable (a typo) is refused, naming the nearest paths, rather than
+        leaving its layer silently unsplit.
+        """
+        return self._layout_map
 
     @property
     def min_shard_size(self) -> int:
