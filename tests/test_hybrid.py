@@ -277,6 +277,38 @@ def test_model_fit_follows_one_device(mesh):
     np.testing.assert_allclose(model.predict(x, batch_size=16, verbose=0), predictions, atol=1e-5)
 
 
+# Where the rows live ------------------------------------------------------------------
+def _argument_bytes(strategy, rows):
+    """The compiled train step's arguments on one device (its memory analysis), for a
+    global batch of `rows` rows."""
+    with strategy.scope():
+        state = _make()
+        step = training.make_train_step(_LOSS)
+    x, y = helpers.classification_data(rows, FEATURES, classes=3)
+    return step.lower(state, (x, y)).compile().memory_analysis().argument_size_in_bytes
+
+
+def test_each_device_holds_batch_over_replicas_x_fsdp_rows_as_under_fsdp():
+    # Issue 50 item 5: a replica's rows are split over its FSDP devices where they are
+    # placed, so a device holds batch / (replicas x fsdp) rows, FSDP(8)'s share, not its
+    # whole replica's (4x as many under (2, 4, 1)).
+    hybrid, fsdp = _hybrid(2, 4, 1), jstrategy.experimental.FSDPStrategy(min_shard_size=0)
+    row_bytes = FEATURES * 4 + 4  # a float32 row of x and its int32 label
+    rows = 128
+    for strategy in (hybrid, fsdp):
+        grown = _argument_bytes(strategy, 2 * rows) - _argument_bytes(strategy, rows)
+        assert grown == rows // 8 * row_bytes, strategy
+    assert hybrid.batch_sharding().spec == P(("replica", "fsdp"))
+    # A distributed dataset's elements (what a custom loop feeds the step) likewise.
+    x, y = helpers.classification_data(rows, FEATURES, classes=3)
+    (element,) = hybrid.experimental_distribute_dataset([(x, y)])
+    for value in element:
+        assert {s.data.shape[0] for s in value.value.addressable_shards} == {rows // 8}
+    # Each replica still reads its rows whole.
+    local = hybrid.experimental_local_results(element[0])
+    np.testing.assert_array_equal(np.concatenate(local), x)
+
+
 # strategy.run -------------------------------------------------------------------------
 def test_run_is_per_replica_with_the_variables_split_inside():
     strategy = MESHES["2x2x2"]()

@@ -313,6 +313,21 @@ class HybridStrategy(ShardedStrategy):
         """
         return self.num_replicas_in_sync * int(self.mesh.shape[FSDP_AXIS])
 
+    def batch_sharding(self) -> NamedSharding:
+        """Rows split over ``("replica", "fsdp")``: replica *i* owns the *i*-th slice of
+        a global batch, cut over its FSDP devices (each holds ``batch / (replicas x
+        fsdp)`` rows, as under `FSDPStrategy` over as many devices) and whole over
+        ``"tensor"``. Distributed datasets, `Model`'s batches and the train-step factory
+        place rows so, and the train step computes on them where they are.
+
+        Example:
+
+        >>> import jstrategy
+        >>> jstrategy.experimental.HybridStrategy(fsdp=4).batch_sharding().spec
+        P(('replica', 'fsdp'),)
+        """
+        return NamedSharding(self.mesh, P((REPLICA_AXIS, FSDP_AXIS)))
+
     def annotation_axis(self, name: str) -> str | None:
         """An axis of the mesh means itself; another mesh's model axis (``"model"``) the
         tensor axis, its data axes (``"data"``, ``"batch"``) FSDP's: variables are never
@@ -402,12 +417,13 @@ class HybridStrategy(ShardedStrategy):
     def stage_train_step(
         self, fns: staging.StepFunctions, *, steps: int = 0, stacked: bool = True
     ) -> staging.TrainProgram:
-        """`ShardedStrategy`'s program, each batch's rows split over ``("replica", "fsdp")``
-        at the step's start (each device slices the rows its replica holds: no transfer)."""
+        """`ShardedStrategy`'s program, each batch's rows split over ``("replica", "fsdp")``.
+
+        They arrive so placed (`batch_sharding`); the constraint at the step's start keeps
+        a batch given on another layout (a `jax.Array` of the user's) computed so too."""
         if fns.global_gradients is not None and int(self.mesh.shape[FSDP_AXIS]) > 1:
-            rows = NamedSharding(self.mesh, P((REPLICA_AXIS, FSDP_AXIS)))
             fns = dataclasses.replace(
-                fns, global_gradients=_rows_over_fsdp(fns.global_gradients, rows)
+                fns, global_gradients=_rows_over_fsdp(fns.global_gradients, self.batch_sharding())
             )
         return super().stage_train_step(fns, steps=steps, stacked=stacked)
 
