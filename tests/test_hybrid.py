@@ -13,6 +13,7 @@ devices follow one process in tests/test_multi_worker.py. The parity matrix
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import re
 import subprocess
@@ -128,6 +129,31 @@ def test_a_layout_map_naming_another_axis_or_not_a_layout_map_is_refused():
         HybridStrategy(fsdp=2, layout_map=layout_map)
     with pytest.raises(TypeError, match=r"`layout_map` must be a jstrategy.experimental.Layout"):
         HybridStrategy(fsdp=2, layout_map={"up/kernel": (None, "model")})
+
+
+def test_a_layout_key_that_matches_no_variable_is_refused_naming_the_nearest_paths():
+    # As ModelParallelStrategy's keys (issue 50 item 6): a typo would leave "up" unsplit.
+    layout_map = _layout_map()
+    del layout_map["up/kernel"]
+    layout_map["upp/kernel"] = (None, "model")
+    strategy = HybridStrategy(fsdp=2, tensor=2, layout_map=layout_map, min_shard_size=0)
+    typo = r"LayoutMap key 'upp/kernel' matches no variable .* nearest variable paths are \['up/kernel'"
+    with pytest.raises(ValueError, match=typo), strategy.scope():
+        _make()
+    with pytest.raises(ValueError, match=typo), strategy.scope():
+        jstrategy.Model(MLP(), input_shape=(FEATURES,), seed=0)
+    assert strategy.layout_map is layout_map
+
+
+def test_the_readme_shows_every_argument_with_its_default():
+    # Issue 50 item 7: the strategy table's signature line, all but how a job is joined.
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    line = re.search(r"`experimental\.HybridStrategy\(([^)]*)\)`", readme)
+    assert line is not None
+    shown = dict(arg.split("=") for arg in line.group(1).split(", "))
+    joining = {"devices", "cluster_resolver", "communication_options", "offload_optimizer"}
+    parameters = inspect.signature(HybridStrategy).parameters
+    assert shown == {name: repr(p.default) for name, p in parameters.items() if name not in joining}
 
 
 # Where variables live -----------------------------------------------------------------
@@ -249,6 +275,38 @@ def test_model_fit_follows_one_device(mesh):
     np.testing.assert_allclose(got["loss"], history["loss"], rtol=1e-5, atol=1e-5)
     assert history["loss"][1] < history["loss"][0]
     np.testing.assert_allclose(model.predict(x, batch_size=16, verbose=0), predictions, atol=1e-5)
+
+
+# Where the rows live ------------------------------------------------------------------
+def _argument_bytes(strategy, rows):
+    """The compiled train step's arguments on one device (its memory analysis), for a
+    global batch of `rows` rows."""
+    with strategy.scope():
+        state = _make()
+        step = training.make_train_step(_LOSS)
+    x, y = helpers.classification_data(rows, FEATURES, classes=3)
+    return step.lower(state, (x, y)).compile().memory_analysis().argument_size_in_bytes
+
+
+def test_each_device_holds_batch_over_replicas_x_fsdp_rows_as_under_fsdp():
+    # Issue 50 item 5: a replica's rows are split over its FSDP devices where they are
+    # placed, so a device holds batch / (replicas x fsdp) rows, FSDP(8)'s share, not its
+    # whole replica's (4x as many under (2, 4, 1)).
+    hybrid, fsdp = _hybrid(2, 4, 1), jstrategy.experimental.FSDPStrategy(min_shard_size=0)
+    row_bytes = FEATURES * 4 + 4  # a float32 row of x and its int32 label
+    rows = 128
+    for strategy in (hybrid, fsdp):
+        grown = _argument_bytes(strategy, 2 * rows) - _argument_bytes(strategy, rows)
+        assert grown == rows // 8 * row_bytes, strategy
+    assert hybrid.batch_sharding().spec == P(("replica", "fsdp"))
+    # A distributed dataset's elements (what a custom loop feeds the step) likewise.
+    x, y = helpers.classification_data(rows, FEATURES, classes=3)
+    (element,) = hybrid.experimental_distribute_dataset([(x, y)])
+    for value in element:
+        assert {s.data.shape[0] for s in value.value.addressable_shards} == {rows // 8}
+    # Each replica still reads its rows whole.
+    local = hybrid.experimental_local_results(element[0])
+    np.testing.assert_array_equal(np.concatenate(local), x)
 
 
 # strategy.run -------------------------------------------------------------------------

@@ -9,6 +9,9 @@ compiled entry layout keeps in host memory), and hold the trajectory to the step
 offloading.
 """
 
+import inspect
+import pathlib
+
 import flax.linen as nn
 import helpers
 import jax
@@ -355,6 +358,25 @@ def test_offloading_is_shown_by_the_strategy():
     policy = OffloadPolicy(params=True)
     assert _model_parallel(offload=policy).offload is policy
     assert repr(_model_parallel(offload=policy)).endswith(f"offload={policy!r})")
+
+
+def test_every_strategy_that_offloads_is_named_where_offloading_is_documented():
+    # Issue 50 item 7: the policy's docstring and the guide's section named FSDP and
+    # ModelParallel only, though HybridStrategy takes `offload=` too.
+    offloading = {
+        name
+        for name in jstrategy.experimental.__all__
+        if isinstance(cls := getattr(jstrategy.experimental, name), type)
+        and issubclass(cls, jstrategy.Strategy)
+        and "offload" in inspect.signature(cls).parameters
+    }
+    assert {"FSDPStrategy", "ModelParallelStrategy", "HybridStrategy"} <= offloading
+    guide = pathlib.Path(__file__).parents[1] / "docs" / "guides" / "large-models.md"
+    section = guide.read_text(encoding="utf-8").split("## Optimizer state in host memory")[1]
+    section = section.split("\n## ")[0]
+    for name in sorted(offloading):
+        assert name in OffloadPolicy.__doc__, name
+        assert name in section, name
 
 
 def test_a_device_without_the_memory_kind_is_refused_with_the_fix():

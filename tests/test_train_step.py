@@ -130,6 +130,40 @@ def test_step_counter_state_placement_and_donation():
     assert new_state.params["Dense_0"]["kernel"].sharding == strategy.replicated_sharding()
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1", "cpu:2", "cpu:3"]),
+        lambda: FSDPStrategy(min_shard_size=0, offload_optimizer=True),
+        lambda: jstrategy.CentralStorageStrategy(),
+    ],
+    ids=["mirrored", "fsdp_offload", "central_storage"],
+)
+def test_a_spent_state_is_refused_and_a_copy_made_before_the_step_trains_on(make):
+    # As make_train_step's docs say: the state given is donated; a copy made where each
+    # array lives before the step keeps the state it was, and a step takes it again.
+    strategy = make()
+    with strategy.scope():
+        state = _linen_state()
+        step = training.make_train_step(_loss)
+        evaluate = training.make_eval_step(_loss)
+    x, y = _data(2)
+    kept = jax.tree.map(lambda a: jax.device_put(a, a.sharding, may_alias=False), state)
+    before = _arrays(state)
+    new_state, _ = step(state, (x[0], y[0]))
+    spent = r"`state` holds arrays that an earlier train step deleted.*may_alias=False"
+    with pytest.raises(ValueError, match=spent):
+        step(state, (x[1], y[1]))
+    with pytest.raises(ValueError, match=spent):
+        evaluate(state, (x[1], y[1]))
+    for a, b in zip(_arrays(kept), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+    again, _ = step(kept, (x[0], y[0]))
+    assert int(again.step) == int(new_state.step) == 1
+    for a, b in zip(_arrays(again), _arrays(new_state), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def _hlo(cross_device_ops):
     strategy = jstrategy.MirroredStrategy(cross_device_ops=cross_device_ops)
     with strategy.scope():

@@ -37,11 +37,11 @@ _OPTIMIZER, _PARAMS = "opt_state", "params"
 class OffloadPolicy:
     """Which leaves of a train state live in host memory between steps.
 
-    Given to `jstrategy.experimental.FSDPStrategy` or `ModelParallelStrategy` as
-    ``offload=``: each chosen leaf keeps its layout (split over the devices as the
-    strategy says) in host memory (``memory_kind="pinned_host"``), and the compiled train
-    step moves it to device memory for its step and back. ``offload_optimizer=True`` is
-    ``offload=OffloadPolicy()``.
+    Given as ``offload=`` to a sharded strategy: `jstrategy.experimental.FSDPStrategy`,
+    `ModelParallelStrategy` or `HybridStrategy`. Each chosen leaf keeps its layout (split
+    over the devices as the strategy says) in host memory (``memory_kind="pinned_host"``),
+    and the compiled train step moves it to device memory for its step and back.
+    ``offload_optimizer=True`` is ``offload=OffloadPolicy()``.
 
     Scalars (step counts, a schedule's learning rate) stay in device memory: they weigh
     nothing and the host reads and writes them between steps.

@@ -209,8 +209,33 @@ class Strategy:
         return NamedSharding(self._mesh, P())
 
     def batch_sharding(self) -> NamedSharding:
-        """The sharding of a global batch split by rows across replicas (over the data
-        axis; each replica's devices hold its rows whole)."""
+        """The sharding of a global batch split by rows across replicas: replica *i* owns
+        the *i*-th contiguous slice of rows.
+
+        Over the data axis, each replica's devices holding its rows whole; a strategy
+        whose train step splits each replica's rows over its devices too
+        (`HybridStrategy`: over ``("replica", "fsdp")``) places them so, and every route
+        from host rows to the mesh (distributed datasets, `Model`'s batches, the
+        train-step factory) follows it.
+
+        Example:
+
+        >>> import jstrategy
+        >>> jstrategy.MirroredStrategy(["cpu:0", "cpu:1"]).batch_sharding().spec
+        P('replica',)
+        """
+        return NamedSharding(self._mesh, P(self._data_axis))
+
+    def per_replica_sharding(self) -> NamedSharding:
+        """The sharding of a stacked per-replica value (what `run` returns): its leading
+        axis has one entry per replica, split over the data axis.
+
+        Example:
+
+        >>> import jstrategy
+        >>> jstrategy.experimental.HybridStrategy(fsdp=2).per_replica_sharding().spec
+        P('replica',)
+        """
         return NamedSharding(self._mesh, P(self._data_axis))
 
     def variable_sharding(
@@ -368,7 +393,7 @@ class Strategy:
         3.0
         """
         op = ReduceOp.from_value(reduce_op)
-        value = on_a_mesh(value, self.batch_sharding())
+        value = on_a_mesh(value, self.per_replica_sharding())
         leaves, treedef = jax.tree.flatten(value, is_leaf=is_per_replica)
         distributed = [i for i, x in enumerate(leaves) if isinstance(x, PerReplica)]
         out = list(leaves)
@@ -396,7 +421,7 @@ class Strategy:
         Returns:
           A pytree of arrays, replicated on the strategy's devices.
         """
-        value = on_a_mesh(value, self.batch_sharding())
+        value = on_a_mesh(value, self.per_replica_sharding())
         n = self.num_replicas_in_sync
 
         def one(leaf):
@@ -450,7 +475,7 @@ class Strategy:
           ValueError: if replicas' values differ in structure or shape.
         """
         n = self.num_replicas_in_sync
-        sharding = self.batch_sharding()
+        sharding = self.per_replica_sharding()
         local = local_replica_devices(sharding, n)
         results = [value_fn(ValueContext(i, n)) for i, _ in local]
         structures = [jax.tree.structure(r) for r in results]

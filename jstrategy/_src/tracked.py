@@ -273,7 +273,7 @@ class SummedOnRead(TrackedState):
 def _stacked(total: Any, strategy: StrategyLike) -> Any:
     """Parts over `strategy`'s replicas whose sum is `total`: it, then zeros."""
     n = strategy.num_replicas_in_sync
-    sharding = strategy.batch_sharding()
+    sharding = strategy.per_replica_sharding()
     if sharding.is_fully_addressable:
         # Built on the devices: a metric updated after every step outside `run` (Keras's
         # habit) costs no host round trip.

@@ -30,6 +30,7 @@ __all__ = [
     "on_a_mesh",
     "replica_axis_of",
     "replica_devices",
+    "row_blocks",
     "to_host",
     "varying_axes",
 ]
@@ -201,12 +202,45 @@ def _devices_mesh_sharding(array: jax.Array) -> jax.sharding.NamedSharding:
 
 
 def replica_axis_of(sharding: Any) -> str | None:
-    """The mesh axis that splits the leading axis of a value laid out by `sharding`, if any."""
+    """The mesh axis that splits the leading axis of a value laid out by `sharding` into
+    replicas, if any: the first (major) one where several split it, each of its entries
+    then holding a contiguous part that the others split further (`HybridStrategy`'s rows
+    over ``("replica", "fsdp")``).
+
+    Example:
+
+    >>> from jax.sharding import PartitionSpec as P
+    >>> class Laid:  # anything with a `spec`, as a NamedSharding
+    ...     def __init__(self, spec): self.spec = spec
+    >>> [replica_axis_of(Laid(s)) for s in (P("replica"), P(("replica", "fsdp")), P(None), P())]
+    ['replica', 'replica', None, None]
+    """
     spec = getattr(sharding, "spec", None)
     if not spec or spec[0] is None:
         return None
     first = spec[0]
-    return first if isinstance(first, str) else (first[0] if len(first) == 1 else None)
+    return first if isinstance(first, str) else (first[0] if first else None)
+
+
+def row_blocks(sharding: Any) -> list[list[jax.Device]]:
+    """The devices holding each block of rows `sharding` cuts a global batch into, in row
+    order: one block per replica, or several where each replica's rows are split further
+    over its devices (`HybridStrategy`'s ``("replica", "fsdp")``).
+
+    Example:
+
+    >>> import jax, numpy as np
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("r", "f"))
+    >>> rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("r", "f")))
+    >>> [[d.id for d in block] for block in row_blocks(rows)]
+    [[0], [1], [2], [3]]
+    """
+    # As many rows as devices: every split of the rows divides it.
+    size = len(sharding.device_set)
+    blocks: dict[int, list[jax.Device]] = {}
+    for device, index in sharding.devices_indices_map((size,)).items():
+        blocks.setdefault((index[0].start or 0) if index else 0, []).append(device)
+    return [blocks[start] for start in sorted(blocks)]
 
 
 def replica_devices(sharding: Any, num_replicas: int) -> list[list[jax.Device]]:
@@ -214,11 +248,15 @@ def replica_devices(sharding: Any, num_replicas: int) -> list[list[jax.Device]]:
 
     A replica is one entry of the strategy's data axis: one device on a 1-D mesh, the
     devices of one data-parallel group (e.g. the whole ``"model"`` axis) on an N-D mesh.
-    `sharding` is a strategy's batch sharding; only it is needed to know the layout.
+    `sharding` is a strategy's batch sharding (or its per-replica sharding); only it is
+    needed to know the layout. Replica *i* holds the *i*-th contiguous part of the rows,
+    however finely its devices split it (`row_blocks`).
     """
+    blocks = row_blocks(sharding)
+    per = max(len(blocks) // num_replicas, 1)
     groups: list[list[jax.Device]] = [[] for _ in range(num_replicas)]
-    for device, index in sharding.devices_indices_map((num_replicas,)).items():
-        groups[index[0].start or 0].append(device)
+    for i, block in enumerate(blocks):
+        groups[min(i // per, num_replicas - 1)].extend(block)
     return groups
 
 
@@ -252,8 +290,7 @@ def _replicas_whole(value: jax.Array) -> jax.Array:
     mesh = getattr(sharding, "mesh", None)
     if mesh is None or len(mesh.axis_names) == 1:
         return value
-    spec = getattr(sharding, "spec", ())
-    target = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec[:1]))
+    target = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(replica_axis_of(sharding)))
     if sharding.is_equivalent_to(target, value.ndim):
         return value
     return jax.device_put(value, target)

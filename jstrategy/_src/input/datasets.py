@@ -365,7 +365,7 @@ def distribute_datasets_from_function(
         arg="dataset_fn",
     )
     if per_replica:
-        local = local_replica_devices(strategy.batch_sharding(), n)
+        local = local_replica_devices(strategy.per_replica_sharding(), n)
         contexts = [InputContext(n, i, n) for i, _ in local]
     else:
         contexts = [InputContext(placer.pipelines, placer.pipeline_id, n)]

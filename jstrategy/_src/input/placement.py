@@ -27,6 +27,7 @@ from jstrategy._src.numerics import round_up
 from jstrategy._src.validation import is_int
 from jstrategy._src.values import PerReplica
 from jstrategy._src.values import replica_devices
+from jstrategy._src.values import row_blocks
 
 if TYPE_CHECKING:
     from jstrategy._src.strategy_like import StrategyLike
@@ -104,13 +105,15 @@ def is_full_mask(mask: Any) -> bool:
 
 
 def _process_layout(strategy: StrategyLike) -> tuple[list[Any], int, int, int]:
-    """(replicas' process indices, this process's pipeline id, pipelines, local replicas).
+    """(row blocks' process indices, this process's pipeline id, pipelines, local replicas).
 
-    A replica's process index is a set when its devices span several processes (a replica
-    of an N-D mesh), each of which then feeds its rows.
+    A row block is the rows one group of devices holds (`row_blocks` of the batch
+    sharding): a replica's, or part of one where the strategy splits a replica's rows over
+    its devices too. Its process index is a set when its devices span several processes
+    (a replica of an N-D mesh), each of which then feeds its rows.
     """
-    groups = replica_devices(strategy.batch_sharding(), strategy.num_replicas_in_sync)
-    owner_sets = [sorted({d.process_index for d in group}) for group in groups]
+    sharding = strategy.batch_sharding()
+    owner_sets = [sorted({d.process_index for d in block}) for block in row_blocks(sharding)]
     owners = [o[0] if len(o) == 1 else frozenset(o) for o in owner_sets]
     processes = sorted({p for o in owner_sets for p in o})
     me = jax.process_index()
@@ -119,7 +122,8 @@ def _process_layout(strategy: StrategyLike) -> tuple[list[Any], int, int, int]:
             f"This process ({me}) owns none of the strategy's devices, so it has no rows to "
             "feed. Build the strategy from devices that include this process's devices."
         )
-    local_replicas = sum(me in o for o in owner_sets)
+    groups = replica_devices(sharding, strategy.num_replicas_in_sync)
+    local_replicas = sum(any(d.process_index == me for d in group) for group in groups)
     return owners, processes.index(me), len(processes), local_replicas
 
 

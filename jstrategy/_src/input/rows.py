@@ -55,7 +55,9 @@ def process_row_slices(
     """The rows of a global batch that one process feeds, given which process owns each replica.
 
     Replica *i* (the *i*-th device of the strategy's mesh) owns the *i*-th contiguous slice
-    of rows; a process feeds the rows of its replicas, in mesh order. Adjacent slices are
+    of rows; a process feeds the rows of its replicas, in mesh order. Where a strategy
+    splits each replica's rows over its devices too, the same holds of each block of rows
+    (`values.row_blocks`), which is what the placement passes. Adjacent slices are
     merged, so a process whose devices are contiguous in the mesh gets a single slice (and
     its rows are a view of the batch, not a copy). The concatenation of the returned slices
     is exactly the process-local data `jax.make_array_from_process_local_data` expects.

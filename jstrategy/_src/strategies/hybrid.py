@@ -85,9 +85,10 @@ class HybridStrategy(ShardedStrategy):
       too, so a global batch divides by ``replicas x fsdp`` (`batch_multiple`; `Model.fit`
       pads to it).
     * **tensor**: variables split as `layout_map` says (keys matched as for
-      `ModelParallelStrategy`), else as the model's Flax annotations (``nn.with_partitioning``,
-      logical axis rules) say, where an annotation's ``"model"`` or ``"tensor"`` axis
-      means this one.
+      `ModelParallelStrategy`, and like its keys refused where one matches no variable of
+      the model), else as the model's Flax annotations (``nn.with_partitioning``, logical
+      axis rules) say, where an annotation's ``"model"`` or ``"tensor"`` axis means this
+      one.
 
     **Hosts.** Each degree is the product of a within-host part and an across-host part
     (`dcn_replicas`, `dcn_fsdp`, `dcn_tensor`, as MaxText's ``dcn_*_parallelism``; the
@@ -220,6 +221,7 @@ class HybridStrategy(ShardedStrategy):
         if devices is None or cluster_resolver is not None or communication_options is not None:
             cross_device_ops = self._join_job(cluster_resolver, communication_options)
         # After joining (a mesh of JAX's devices would start its backends before).
+        self._layout_map = layout_map
         self._layouts = _mapped_layouts(layout_map)
         resolved = list(jax.devices() if devices is None else devices_lib.resolve_devices(devices))
         n = len(resolved)
@@ -284,6 +286,17 @@ class HybridStrategy(ShardedStrategy):
         return dict(self._dcn)
 
     @property
+    def layout_map(self) -> LayoutMap | None:
+        """The tensor layouts given (``layout_map=``), or None.
+
+        As `ModelParallelStrategy`'s, its keys are checked against a model's variables
+        where its train state is created (`create_train_state`, `Model`): a key that
+        matches no variable (a typo) is refused, naming the nearest paths, rather than
+        leaving its layer silently unsplit.
+        """
+        return self._layout_map
+
+    @property
     def min_shard_size(self) -> int:
         """The fewest elements a variable must have to be split over ``"fsdp"``."""
         return self._min_shard_size
@@ -299,6 +312,21 @@ class HybridStrategy(ShardedStrategy):
         8
         """
         return self.num_replicas_in_sync * int(self.mesh.shape[FSDP_AXIS])
+
+    def batch_sharding(self) -> NamedSharding:
+        """Rows split over ``("replica", "fsdp")``: replica *i* owns the *i*-th slice of
+        a global batch, cut over its FSDP devices (each holds ``batch / (replicas x
+        fsdp)`` rows, as under `FSDPStrategy` over as many devices) and whole over
+        ``"tensor"``. Distributed datasets, `Model`'s batches and the train-step factory
+        place rows so, and the train step computes on them where they are.
+
+        Example:
+
+        >>> import jstrategy
+        >>> jstrategy.experimental.HybridStrategy(fsdp=4).batch_sharding().spec
+        P(('replica', 'fsdp'),)
+        """
+        return NamedSharding(self.mesh, P((REPLICA_AXIS, FSDP_AXIS)))
 
     def annotation_axis(self, name: str) -> str | None:
         """An axis of the mesh means itself; another mesh's model axis (``"model"``) the
@@ -389,12 +417,13 @@ class HybridStrategy(ShardedStrategy):
     def stage_train_step(
         self, fns: staging.StepFunctions, *, steps: int = 0, stacked: bool = True
     ) -> staging.TrainProgram:
-        """`ShardedStrategy`'s program, each batch's rows split over ``("replica", "fsdp")``
-        at the step's start (each device slices the rows its replica holds: no transfer)."""
+        """`ShardedStrategy`'s program, each batch's rows split over ``("replica", "fsdp")``.
+
+        They arrive so placed (`batch_sharding`); the constraint at the step's start keeps
+        a batch given on another layout (a `jax.Array` of the user's) computed so too."""
         if fns.global_gradients is not None and int(self.mesh.shape[FSDP_AXIS]) > 1:
-            rows = NamedSharding(self.mesh, P((REPLICA_AXIS, FSDP_AXIS)))
             fns = dataclasses.replace(
-                fns, global_gradients=_rows_over_fsdp(fns.global_gradients, rows)
+                fns, global_gradients=_rows_over_fsdp(fns.global_gradients, self.batch_sharding())
             )
         return super().stage_train_step(fns, steps=steps, stacked=stacked)
 

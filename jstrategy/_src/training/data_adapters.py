@@ -219,7 +219,7 @@ class ArrayAdapter:
         self.exhausted = False
         self.taken = 0
         self._single = strategy.batch_sharding()
-        self._stacked = NamedSharding(strategy.mesh, P(None, strategy.axis_name))
+        self._stacked = NamedSharding(strategy.mesh, P(None, *self._single.spec))
 
     def first_x(self) -> Any:
         """The inputs, to build a model from."""

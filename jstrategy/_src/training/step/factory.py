@@ -45,6 +45,27 @@ __all__ = [
 ]
 
 
+def _check_not_spent(state: Any, leaves: list[Any]) -> None:
+    """Refuses a state that an earlier train step was given, and so donated, before its
+    program runs: JAX would raise "Array has been deleted", or, with the earlier step still
+    running, hang a multi-device program on the buffers it deleted."""
+    if not any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
+        return
+    spent = [
+        jax.tree_util.keystr(path)
+        for path, x in jax.tree_util.tree_flatten_with_path(state)[0]
+        if isinstance(x, jax.Array) and x.is_deleted()
+    ]
+    raise ValueError(
+        f"`state` holds arrays that an earlier train step deleted ({len(spent)} of its "
+        f"{len(leaves)} leaves, e.g. {spent[0]}): a train step donates the state it is "
+        "given (the new state reuses its buffers), so a state passed to one is spent. Pass "
+        "the state that step returned (`state, metrics = train_step(state, batch)`); to keep "
+        "a state past the next step, copy it before that step: `kept = jax.tree.map(lambda "
+        "a: jax.device_put(a, a.sharding, may_alias=False), state)`."
+    )
+
+
 class _Step:
     _what = "step"
     # Whether host arrays are placed with their sequences split over a context axis (a
@@ -67,10 +88,16 @@ class _Step:
         """The strategy the step runs on."""
         return self._spec.strategy
 
+    def _prepare(self, state: TrainStateProtocol) -> TrainStateProtocol:
+        """The state as this step's program takes it (a train step adds what it keeps)."""
+        return state
+
     def _inputs(self, state: Any, batch: Any) -> tuple[TrainStateProtocol, Any, Any]:
         strategy = self._spec.strategy
         state = as_train_state(state)
-        key = jax.tree.structure(state)
+        leaves, key = jax.tree.flatten(state)
+        _check_not_spent(state, leaves)
+        state = self._prepare(state)
         if key not in self._checked:
             check_placed(state, strategy)
             self._checked.add(key)
@@ -130,13 +157,17 @@ class TrainStep(_Step):
         """
         return step_lib.prepare_state(self._spec, as_train_state(state))
 
-    def _inputs(self, state: Any, batch: Any) -> tuple[TrainStateProtocol, Any, Any]:
-        return super()._inputs(self.prepare_state(state), batch)
+    def _prepare(self, state: TrainStateProtocol) -> TrainStateProtocol:
+        return step_lib.prepare_state(self._spec, state)
 
     def __call__(self, state: Any, batch: Any) -> tuple[Any, dict[str, jax.Array]]:
         """Runs one step: returns the new state and ``{"loss": ..., metric: ...}``.
 
-        The input state is donated: do not use it afterwards.
+        The input state is donated: its arrays are deleted once the step runs (see
+        `make_train_step`), so use the state returned, or a copy made before the call.
+
+        Raises:
+          ValueError: if `state` was given to an earlier train step (its arrays deleted).
         """
         state, values, mask = self._inputs(state, batch)
         state, _, logs = self._program(state, None, values, mask)
@@ -174,7 +205,11 @@ class EvalStep(_Step):
         self._program = step_lib.build_eval_program(spec)
 
     def __call__(self, state: Any, batch: Any) -> dict[str, jax.Array]:
-        """Evaluates one batch: ``{"loss": ..., metric: ...}``, means over its real rows."""
+        """Evaluates one batch: ``{"loss": ..., metric: ...}``, means over its real rows.
+
+        Raises:
+          ValueError: if `state` was given to a train step since (its arrays deleted).
+        """
         state, values, mask = self._inputs(state, batch)
         _, logs = self._program(state, None, values, mask)
         dispatch.track(logs)
@@ -205,6 +240,9 @@ class PredictStep(_Step):
         Returns:
           A pytree of split `PerReplica` values (global arrays, row i for input row i),
           carrying the input's row mask so padding rows can be dropped.
+
+        Raises:
+          ValueError: if `state` was given to a train step since (its arrays deleted).
         """
         state, values, mask = self._inputs(state, (x,))
         y_pred = self._program(state, values[0])
@@ -230,10 +268,21 @@ def make_train_step(
     """Builds ``train_step(state, batch) -> (state, metrics)``, one compiled SPMD program.
 
     Works for linen (`TrainState` from `create_train_state`) and NNX (`NNXTrainState` from
-    `create_nnx_train_state`). The state is donated; there is no host synchronization
-    inside, so calls dispatch asynchronously, and the step bounds the steps in flight
-    itself (it waits for old steps once a few are queued), so a plain Python loop over
-    thousands of steps is safe.
+    `create_nnx_train_state`). There is no host synchronization inside, so calls dispatch
+    asynchronously, and the step bounds the steps in flight itself (it waits for old steps
+    once a few are queued), so a plain Python loop over thousands of steps is safe.
+
+    **The state is donated**: the step writes the new state into the buffers of the one
+    it is given, so no step holds two states in device memory, and the given state's
+    arrays are deleted once the step runs. Reading one then raises JAX's ``RuntimeError:
+    Array has been deleted``, and passing the state to a step again a `ValueError` that
+    says so. Keep only the state a step returns (``state, metrics = train_step(state,
+    batch)``). To keep a state past the next step (the best one so far, one to compare
+    with), copy it before that step, each array where it lives (its layout and memory
+    kind), so that a step takes the copy again: ``kept = jax.tree.map(lambda a:
+    jax.device_put(a, a.sharding, may_alias=False), state)``. ``jax.device_get(state.params)``
+    gives NumPy copies of the parameters (``jax.device_get`` leaves typed PRNG keys, which
+    a state holds, device arrays).
 
     Each replica runs the model (training mode) on its rows, and the gradients of the
     mask-weighted loss sums are all-reduced with the strategy's `cross_device_ops`; the
@@ -302,6 +351,20 @@ def make_train_step(
     >>> state, metrics = step(state, (x, y))
     >>> int(state.step), sorted(metrics)
     (1, ['loss'])
+
+    The state given is spent; a copy made before the step is kept:
+
+    >>> import jax
+    >>> kept = jax.tree.map(lambda a: jax.device_put(a, a.sharding, may_alias=False), state)
+    >>> new_state, _ = step(state, (x, y))
+    >>> state.params["kernel"].is_deleted(), int(kept.step), int(new_state.step)
+    (True, 1, 2)
+    >>> step(state, (x, y))
+    Traceback (most recent call last):
+    ...
+    ValueError: `state` holds arrays that an earlier train step deleted (...): a train step donates ...
+    >>> int(step(kept, (x, y))[0].step)  # the copy trains on
+    2
     """
     return TrainStep(
         _spec(
