@@ -300,6 +300,19 @@ class HybridStrategy(ShardedStrategy):
         """
         return self.num_replicas_in_sync * int(self.mesh.shape[FSDP_AXIS])
 
+    @property
+    def activation_rows(self) -> tuple[str, ...]:
+        """``("replica", "fsdp")``: a marked block's input split by rows as the step splits
+        the batch (see `Strategy.activation_rows`).
+
+        Example:
+
+        >>> import jstrategy
+        >>> jstrategy.experimental.HybridStrategy(fsdp=4).activation_rows
+        ('replica', 'fsdp')
+        """
+        return (REPLICA_AXIS, FSDP_AXIS)
+
     def annotation_axis(self, name: str) -> str | None:
         """An axis of the mesh means itself; another mesh's model axis (``"model"``) the
         tensor axis, its data axes (``"data"``, ``"batch"``) FSDP's: variables are never

@@ -161,6 +161,19 @@ class ShardedStrategy(Strategy):
         return cluster_lib.is_chief(self._cluster)
 
     @property
+    def activation_rows(self) -> str | tuple[str, ...] | None:
+        """The data axis: the step splits a batch's rows, and the input of each marked
+        block, over it (see `Strategy.activation_rows`).
+
+        Example:
+
+        >>> import jstrategy
+        >>> jstrategy.experimental.FSDPStrategy().activation_rows
+        'replica'
+        """
+        return self.axis_name
+
+    @property
     def context_parallelism(self) -> int:
         """How many shards a train step splits the sequence into: the size of the mesh's
         ``"context"`` axis (1 without one). See `jstrategy.experimental.dot_product_attention`.
