@@ -70,11 +70,12 @@ generated_requirements/decoupled-requirements.txt"
         /work/venvs/maxtext/bin/python benchmarks/maxtext_compare.py \
         --layers 4 --layouts fsdp --scan scanned --steps 2 --rounds 3
 
-(the script sets both environment variables itself when they are unset). ``--constrain``
-gives jstrategy's model what MaxText's layers have: each layer's input constrained to the
-rows' split over the data axis (FSDP and tensor layouts; see docs/benchmarks.md for why it
-matters under FSDP with scanned layers). Without MaxText installed it says so, with these
-commands, and exits.
+(the script sets both environment variables itself when they are unset). The model is as
+written, without sharding constraints: MaxText's layers pin each layer's input to the
+batch's split, and jstrategy's sharded train step does the same by itself for the layers
+the model marks with `jstrategy.training.remat` (`Strategy.activation_rows`; see
+docs/benchmarks.md for why it matters under FSDP with scanned layers). Without MaxText
+installed it says so, with these commands, and exits.
 """
 
 from __future__ import annotations
@@ -98,8 +99,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common
@@ -192,12 +191,9 @@ class Layer(nn.Module):
     heads: int
     mlp: int
     scanned: bool = False
-    rows: Any = None  # a NamedSharding of the rows: each layer's input constrained to it
 
     @nn.compact
     def __call__(self, x: jax.Array, _: Any = None) -> Any:
-        if self.rows is not None:
-            x = jax.lax.with_sharding_constraint(x, self.rows)
         norm = lambda name: nn.RMSNorm(epsilon=1e-5, name=name)  # noqa: E731
         x = x + Attention(self.heads, name="self_attention")(norm("pre_self_attention_norm")(x))
         x = x + Mlp(self.mlp, name="mlp")(norm("post_self_attention_norm")(x))
@@ -210,7 +206,6 @@ class Decoder(nn.Module):
 
     shape: Shape
     layers: str = "scanned"
-    rows: Any = None  # `Layer.rows`
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -220,13 +215,13 @@ class Decoder(nn.Module):
             block = training.remat(Layer, prevent_cse=False)
             scan = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                            length=s.layers)  # fmt: skip
-            x, _ = scan(s.heads, s.mlp, True, self.rows, name="layers")(x, None)
+            x, _ = scan(s.heads, s.mlp, True, name="layers")(x, None)
         elif self.layers == "repeated":
             x = Repeated(training.remat(Layer)(s.heads, s.mlp), num_layers=s.layers)(x)
         else:
             block = training.remat(Layer)
             for i in range(s.layers):
-                x = block(s.heads, s.mlp, rows=self.rows, name=f"layers_{i}")(x)
+                x = block(s.heads, s.mlp, name=f"layers_{i}")(x)
         x = nn.RMSNorm(epsilon=1e-5, name="decoder_norm")(x)
         return nn.Dense(s.vocab, use_bias=False, name="logits_dense")(x)
 
@@ -294,17 +289,10 @@ def analysed(compiled: Any) -> dict[str, int]:
     }
 
 
-def jstrategy_side(
-    shape: Shape, layout: str, scan: str, rows: np.ndarray, *, constrain: bool = False
-) -> Side:
+def jstrategy_side(shape: Shape, layout: str, scan: str, rows: np.ndarray) -> Side:
     strategy = jstrategy_strategy(layout, scan)
-    # `constrain`: each layer's input split by rows over the data axis, as a model written
-    # for a global jax.jit says it (the Flax sharding guides'; MaxText's layers do).
-    sharding = None
-    if constrain and layout != "pipeline":
-        sharding = NamedSharding(strategy.mesh, P(strategy.axis_name))
     layers = "repeated" if layout == "pipeline" else scan
-    model = Decoder(shape, layers=layers, rows=sharding)
+    model = Decoder(shape, layers=layers)
     tx = optax.adamw(LEARNING_RATE, **ADAMW)
     with strategy.scope():
         state = training.create_train_state(model, tx, jnp.zeros((1, shape.seq), jnp.int32))
@@ -454,9 +442,7 @@ class Row:
     error: str = ""
 
 
-def measure(
-    shape: Shape, layout: str, scan: str, args: argparse.Namespace, *, constrain: bool = False
-) -> Row:
+def measure(shape: Shape, layout: str, scan: str, args: argparse.Namespace) -> Row:
     batch, steps, rounds = args.batch, args.steps, args.rounds
     row = Row(layout, shape.layers, scan)
     rows = np.random.default_rng(0).integers(0, shape.vocab, size=(batch, shape.seq + 1))
@@ -466,7 +452,7 @@ def measure(
     except Exception as error:  # MaxText's own failures: printed, the row goes on
         row.error = f"MaxText: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
         traceback.print_exc()
-    row.jstrategy = jstrategy_side(shape, layout, scan, rows, constrain=constrain)
+    row.jstrategy = jstrategy_side(shape, layout, scan, rows)
     expected = shape.parameters()
     for name, side in (("jstrategy", row.jstrategy), ("MaxText", row.maxtext)):
         if side is not None:
@@ -528,12 +514,6 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     parser.add_argument("--steps", type=int, default=2, help="steps per timing")
     parser.add_argument("--rounds", type=int, default=3, help="paired alternating rounds")
-    parser.add_argument(
-        "--constrain",
-        action="store_true",
-        help="jstrategy's model constrains each layer's input to the rows' split over the "
-        "data axis (as MaxText's layers do); FSDP and tensor layouts only",
-    )
     args = parser.parse_args(argv)
     try:
         import maxtext  # noqa: F401
@@ -560,7 +540,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         for layout in args.layouts:
             for scan in args.scan:
                 print(f"{layout}, {layers} layers, {scan}:", flush=True)
-                row = measure(Shape(layers), layout, scan, args, constrain=args.constrain)
+                row = measure(Shape(layers), layout, scan, args)
                 print(format_row(row), flush=True)
                 results.append(row)
                 gc.collect()

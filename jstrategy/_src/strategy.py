@@ -662,6 +662,30 @@ class Strategy:
         return tree
 
     @property
+    def activation_rows(self) -> str | tuple[str, ...] | None:
+        """The mesh axes the train step splits the rows of a model's activations over
+        between its blocks (a `PartitionSpec` entry), or None (the default): the step
+        places no activation.
+
+        Where it is set, the train step constrains the input of every block the model marks
+        with `jstrategy.training.remat` (scanned or unrolled, with or without the step's
+        ``remat``) and of each layer of a `Repeated` block run in order: its leading
+        dimension (its rows) split over these axes, its other dimensions left to XLA, as
+        MaxText's rules pin each layer's input to the batch's split. The model says nothing
+        about the mesh. `ShardedStrategy` sets its data axis, `HybridStrategy` its
+        replicas and FSDP axes (whatever the step splits a batch's rows over); the
+        strategies whose step runs in a manual region, where each replica's rows are its
+        own already, keep None.
+
+        Example:
+
+        >>> import jstrategy
+        >>> print(jstrategy.MirroredStrategy(["cpu:0", "cpu:1"]).activation_rows)
+        None
+        """
+        return None
+
+    @property
     def pipeline(self) -> Any:
         """The pipeline the train step runs a model's `Repeated` blocks on, or None (the
         default: their layers run one after the other).

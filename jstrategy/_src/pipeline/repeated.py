@@ -24,6 +24,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jstrategy._src import activation_rows
 from jstrategy._src.pipeline.circular import circular_gpipe
 from jstrategy._src.pipeline.circular import stage_layout
 from jstrategy._src.pipeline.schedules import STACKED_KEY
@@ -271,6 +272,9 @@ class Repeated(nn.Module):
         def layer(h: jax.Array, inputs: Any) -> tuple[jax.Array, None]:
             params, i = inputs
             rngs = None if key is None else {"dropout": jax.random.fold_in(key, i)}
+            # In a sharded train step, each layer's input split by rows as the batch is
+            # (`activation_rows`), whether or not the block is marked with remat.
+            h = activation_rows.place(h)
             return self._apply(template, params, h, args, kwargs, rngs), None
 
         out, _ = jax.lax.scan(layer, x, (stacked, jnp.arange(layers)))
@@ -296,7 +300,10 @@ class Repeated(nn.Module):
                 check_output(name, h, out)
                 return out, None
 
-            return jax.lax.scan(layer if wrap is None else wrap(layer), h, params)[0]
+            # A stage's rows are a microbatch and its layout the schedule's (mapped over
+            # the stages): the step's placement of a marked block's input stays out.
+            with activation_rows.suspended():
+                return jax.lax.scan(layer if wrap is None else wrap(layer), h, params)[0]
 
         return stage
 

@@ -161,6 +161,22 @@ class ShardedStrategy(Strategy):
         return cluster_lib.is_chief(self._cluster)
 
     @property
+    def activation_rows(self) -> str | tuple[str, ...] | None:
+        """The axes of a batch's rows (`batch_sharding`): the step splits the input of each
+        marked block over them as it splits the batch (see `Strategy.activation_rows`).
+
+        Example:
+
+        >>> import jstrategy
+        >>> jstrategy.experimental.FSDPStrategy().activation_rows
+        'replica'
+        >>> jstrategy.experimental.HybridStrategy(fsdp=4).activation_rows
+        ('replica', 'fsdp')
+        """
+        rows: str | tuple[str, ...] | None = self.batch_sharding().spec[0]
+        return rows
+
+    @property
     def context_parallelism(self) -> int:
         """How many shards a train step splits the sequence into: the size of the mesh's
         ``"context"`` axis (1 without one). See `jstrategy.experimental.dot_product_attention`.

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jstrategy._src import activation_rows
 from jstrategy._src.numerics import COUNT
 from jstrategy._src.numerics import WEIGHT_SUM
 from jstrategy._src.numerics import means
@@ -573,6 +574,8 @@ def global_gradients(
     variable split over the data axis), layer by layer, instead of after the whole
     backward pass; parameters are gathered where they are read. ``(B, ...)`` batch
     leaves become ``(replicas, B / replicas, ...)``: a view of the rows each device holds.
+    The input of each block the model marks (`jstrategy.training.remat`, `Repeated`'s
+    layers) is kept split by rows as the batch is (`Strategy.activation_rows`).
     """
     strategy = spec.strategy
     axis = strategy.axis_name
@@ -622,7 +625,10 @@ def global_gradients(
         scaled, aux = replicas(params, slices, batch, mask)
         return (jnp.sum(scaled) * factor if of_mean else jnp.sum(scaled)), aux
 
-    (_, (sums, model_state)), grads = jax.value_and_grad(total, has_aux=True)(params)
+    # The marked blocks' inputs split by rows as the batch is (`activation_rows`): left to
+    # itself, XLA gathered every replica's activations inside a scan over FSDP's layers.
+    with activation_rows.placing(strategy.mesh, strategy.activation_rows, axis):
+        (_, (sums, model_state)), grads = jax.value_and_grad(total, has_aux=True)(params)
     sums = {k: jnp.sum(v, axis=0) for k, v in sums.items()}
     model_state = jax.tree.map(lambda x: x[0], model_state)  # the same on every replica
     if spec.check_numerics and scale is None:

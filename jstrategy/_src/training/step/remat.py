@@ -13,6 +13,12 @@ Checkpointing the whole forward pass instead would save nothing: the backward pa
 recompute every activation at once and hold them all, as without remat. Per layer, only
 each block's input (a scan's carry) is kept between the passes and one block's
 activations are live at a time in the backward pass.
+
+The same marker says where the activations are placed: while a sharded strategy's train
+step traces the model (`activation_rows.placing`, with or without ``remat``), `remat`
+returns a subclass of the block that first splits its input's rows as the batch's
+(`Strategy.activation_rows`), so XLA keeps each replica's rows on its devices between the
+blocks instead of gathering them (the model needs no sharding constraint).
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+
+from jstrategy._src import activation_rows
 
 __all__ = ["POLICY_NAMES", "RematUnusedError", "applying", "policy_name", "remat", "resolve_remat"]
 
@@ -179,6 +187,31 @@ def check_used(active: _Active | None) -> None:
 
 
 @functools.lru_cache(maxsize=256)
+def _placed(block: type[nn.Module]) -> type[nn.Module]:
+    """`block` whose call first places its first argument's rows (`activation_rows.place`).
+
+    A subclass of the same name, fields and variables: the parameters are the block's,
+    Flax names unnamed instances as the block's, and a checkpoint serves both. The
+    placement is read when the block is called, so a pipeline's stages (which suspend it)
+    run the block as written.
+    """
+
+    def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            args = (activation_rows.place(args[0]), *args[1:])
+        return block.__call__(self, *args, **kwargs)
+
+    __call__.__doc__ = block.__call__.__doc__
+    namespace = {
+        "__call__": __call__,
+        "__module__": block.__module__,
+        "__qualname__": block.__qualname__,
+        "__doc__": block.__doc__,
+    }
+    return type(block.__name__, (block,), namespace)
+
+
+@functools.lru_cache(maxsize=256)
 def _rematted(
     block: type[nn.Module], policy: Policy, prevent_cse: bool, static_argnums: tuple[int, ...]
 ) -> type[nn.Module]:
@@ -194,9 +227,12 @@ def remat(
 
     Call it inside the model's ``__call__`` (``nn.compact``), where the step's policy is
     in effect while the step traces the model; create the blocks from the class it
-    returns, scanned or unrolled. Outside a train step with ``remat`` set it returns
-    `block` unchanged, and ``nn.remat`` adds no level to the parameters, so they are the
-    same with and without rematerialization.
+    returns, scanned or unrolled. Outside a train step it returns `block` unchanged, and
+    ``nn.remat`` adds no level to the parameters, so they are the same with and without
+    rematerialization. Under a sharded strategy's train step (FSDP, ModelParallel, Hybrid,
+    Pipeline), with or without ``remat``, the class it returns also constrains its first
+    argument's rows to the batch's split (`Strategy.activation_rows`; same name, fields
+    and parameters as `block`).
 
     Args:
       block: a Flax linen Module class (the repeated layer).
@@ -206,7 +242,8 @@ def remat(
         a ``train`` flag in ``__call__(self, x, train)``).
 
     Returns:
-      A Module class: ``nn.remat(block, policy=...)`` or `block`.
+      A Module class: ``nn.remat(block, policy=...)``, `block`, or either with its input's
+      rows placed.
 
     Raises:
       TypeError: if `block` is not a linen Module class.
@@ -240,8 +277,10 @@ def remat(
             "and create the layers from the class remat returns."
         )
     active = _ACTIVE.get()
-    if active is None:
-        return block
-    active.used = True
     key: Any = block  # classes hash by identity
+    if activation_rows.current():  # a sharded step: the block's input placed by rows
+        key = _placed(key)
+    if active is None:
+        return key
+    active.used = True
     return _rematted(key, active.policy, bool(prevent_cse), tuple(static_argnums))
