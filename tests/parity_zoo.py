@@ -13,6 +13,9 @@ way of annotating a model for a mesh:
 
 * ``keras``: a `jstrategy.Sequential` of Keras's layers: Embedding, Reshape, Conv2D,
   BatchNormalization, Activation, MaxPooling2D, Dropout, Flatten, Dense.
+* ``keras_1d``: a `jstrategy.Sequential` of Keras's layers over sequences: Embedding,
+  Conv1D (causal, then same), BatchNormalization, ReLU, MaxPooling1D, Dropout,
+  AveragePooling1D, GlobalAveragePooling1D, Dense.
 * ``linen``: a linen module with Flax's ``nn.BatchNorm`` and ``nn.Dropout``.
 * ``linen_annotated``: a linen module annotated for a ``("data", "model")`` mesh:
   ``nn.with_partitioning``, ``nn.with_logical_partitioning`` and
@@ -66,9 +69,9 @@ RULES = (("batch", "data"), ("mlp", "model"), ("embed", None))
 
 # Data ----------------------------------------------------------------------------------
 def data(model: str) -> tuple[np.ndarray, np.ndarray]:
-    """``(x, y)``: token ids for ``keras``, float features otherwise; 3 classes."""
+    """``(x, y)``: token ids for the Keras-layer models, float features otherwise; 3 classes."""
     rng = np.random.default_rng(0)
-    if model == "keras":
+    if model in KERAS_LAYERS:
         x = rng.integers(0, VOCAB, size=(ROWS, FEATURES)).astype(np.int32)
         y = ((x[:, 0] + x[:, 1]) % CLASSES).astype(np.int32)
         return x, y
@@ -89,6 +92,28 @@ def keras_layers() -> list[Any]:
         L.Flatten(),
         L.Dense(CLASSES),
     ]
+
+
+def keras_1d_layers() -> list[Any]:
+    return [
+        L.Embedding(VOCAB, 4, input_shape=(FEATURES,)),
+        L.Conv1D(8, 3, padding="causal", use_bias=False),
+        L.BatchNormalization(),
+        L.ReLU(negative_slope=0.1),
+        L.MaxPooling1D(2),
+        L.Dropout(0.25),
+        L.Conv1D(8, 2, padding="same"),
+        L.AveragePooling1D(2, padding="same"),
+        L.GlobalAveragePooling1D(),
+        L.Dense(CLASSES),
+    ]
+
+
+#: The models that are a `jstrategy.Sequential` of Keras's layers, and their layers.
+KERAS_LAYERS: dict[str, Callable[[], list[Any]]] = {
+    "keras": keras_layers,
+    "keras_1d": keras_1d_layers,
+}
 
 
 class LinenNet(nn.Module):
@@ -153,16 +178,19 @@ class RepeatedNet(nn.Module):
 class KerasLayersNet(nn.Module):
     """Keras's layers in a linen module of one's own: how the train-step factory takes them."""
 
+    model: str = "keras"
+
     @nn.compact
     def __call__(self, x, training: bool = False):
-        for layer in keras_layers():
+        for layer in KERAS_LAYERS[self.model]():
             x = layer(x, training=training)
         return x
 
 
 def _linen(model: str) -> nn.Module:
+    if model in KERAS_LAYERS:
+        return KerasLayersNet(model)
     return {
-        "keras": KerasLayersNet,
         "linen": LinenNet,
         "linen_annotated": AnnotatedNet,
         "repeated": RepeatedNet,
@@ -177,7 +205,7 @@ def make_nnx(outside: bool) -> nnx.Module:
         return NnxNet(nnx.Rngs(0))
 
 
-MODELS = ("keras", "linen", "linen_annotated", "nnx", "repeated")
+MODELS = ("keras", "keras_1d", "linen", "linen_annotated", "nnx", "repeated")
 
 
 # Strategies ----------------------------------------------------------------------------
@@ -266,15 +294,15 @@ def _compiled_model(model: str, strategy: jstrategy.Strategy, outside: bool, spe
     made: Any = None
     if outside:
         made = (
-            keras_layers()
-            if model == "keras"
+            KERAS_LAYERS[model]()
+            if model in KERAS_LAYERS
             else make_nnx(True)
             if model == "nnx"
             else _linen(model)
         )
     with strategy.scope():
-        if model == "keras":
-            m = jstrategy.Sequential(made if made is not None else keras_layers())
+        if model in KERAS_LAYERS:
+            m = jstrategy.Sequential(made if made is not None else KERAS_LAYERS[model]())
         elif model == "nnx":
             m = jstrategy.Model(made if made is not None else make_nnx(False))
         else:
@@ -287,7 +315,7 @@ def _factory_state(model: str, strategy: jstrategy.Strategy, outside: bool) -> A
     """A train state for `make_train_step`, created inside the scope or, `outside`, from
     outside it (the strategy passed)."""
     tx = optax.sgd(0.1)
-    sample = jnp.zeros((1, FEATURES), jnp.int32 if model == "keras" else jnp.float32)
+    sample = jnp.zeros((1, FEATURES), jnp.int32 if model in KERAS_LAYERS else jnp.float32)
     scope = contextlib.nullcontext() if outside else strategy.scope()
     with scope:
         if model == "nnx":

@@ -35,8 +35,8 @@ def _combine(use: str) -> str:
     """Advice for a Keras layer that combines several inputs."""
     return (
         "A jstrategy.Sequential is a single chain; write the model as a Flax module whose "
-        f"__call__ combines its branches ({use}) and train it with jstrategy.Model(module, "
-        "input_shape=...)."
+        f"__call__ combines its branches ({use}; jstrategy.layers.Add and Concatenate merge a "
+        "list of them) and train it with jstrategy.Model(module, input_shape=...)."
     )
 
 
@@ -115,7 +115,6 @@ MISSING: dict[str, dict[str, str]] = {
         "InputLayer": "Use jstrategy.Input(shape=...) (or jstrategy.layers.InputLayer).",
     },
     "jstrategy.layers": {
-        "Conv1D": _layer("flax.linen.Conv(filters, kernel_size=(k,)) (channels last)"),
         "Conv3D": _layer("flax.linen.Conv(filters, kernel_size=(k, k, k)) (channels last)"),
         "Conv2DTranspose": _layer("flax.linen.ConvTranspose(filters, (k, k))"),
         "Conv1DTranspose": _layer("flax.linen.ConvTranspose(filters, (k,))"),
@@ -125,15 +124,10 @@ MISSING: dict[str, dict[str, str]] = {
         "SeparableConv2D": _layer(
             "a depthwise flax.linen.Conv (feature_group_count=channels), then a (1, 1) one"
         ),
-        "MaxPooling1D": _layer("lambda x: flax.linen.max_pool(x, (2,), strides=(2,))"),
         "MaxPooling3D": _layer("lambda x: flax.linen.max_pool(x, (2, 2, 2), strides=(2, 2, 2))"),
-        "AveragePooling1D": _layer("lambda x: flax.linen.avg_pool(x, (2,), strides=(2,))"),
         "AveragePooling3D": _layer(
             "lambda x: flax.linen.avg_pool(x, (2, 2, 2), strides=(2, 2, 2))"
         ),
-        "GlobalMaxPooling1D": _layer("lambda x: x.max(axis=1)"),
-        "GlobalMaxPooling2D": _layer("lambda x: x.max(axis=(1, 2))"),
-        "GlobalAveragePooling1D": _layer("lambda x: x.mean(axis=1)"),
         "GlobalAveragePooling3D": _layer("lambda x: x.mean(axis=(1, 2, 3))"),
         "LSTM": _layer("flax.linen.RNN(flax.linen.OptimizedLSTMCell(units))"),
         "GRU": _layer("flax.linen.RNN(flax.linen.GRUCell(units))"),
@@ -145,7 +139,6 @@ MISSING: dict[str, dict[str, str]] = {
             "flax.linen.MultiHeadDotProductAttention(num_heads, qkv_features=...)"
         ),
         "Lambda": _layer("the function itself, e.g. Sequential([..., lambda x: x * 2, ...])"),
-        "ReLU": "Use Activation('relu').",
         "Softmax": "Use Activation('softmax').",
         "ELU": "Use Activation('elu').",
         "LeakyReLU": (
@@ -160,8 +153,6 @@ MISSING: dict[str, dict[str, str]] = {
         ),
         "ZeroPadding2D": _layer("lambda x: jax.numpy.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))"),
         "GroupNormalization": _layer("flax.linen.GroupNorm(num_groups)"),
-        "Concatenate": _combine("jax.numpy.concatenate([a, b], axis=-1)"),
-        "Add": _combine("a + b"),
         "Multiply": _combine("a * b"),
         "Average": _combine("(a + b) / 2"),
         "Dot": _combine("jax.numpy.einsum"),
@@ -224,8 +215,8 @@ def missing_attribute(namespace: str, name: str) -> AttributeError:
 
     Example:
 
-    >>> print(missing_attribute("jstrategy.layers", "ReLU"))
-    module 'jstrategy.layers' has no attribute 'ReLU'. Use Activation('relu').
+    >>> print(missing_attribute("jstrategy.layers", "Softmax"))
+    module 'jstrategy.layers' has no attribute 'Softmax'. Use Activation('softmax').
     """
     message = f"module {namespace!r} has no attribute {name!r}"
     advice = MISSING.get(namespace, {}).get(name)

@@ -17,7 +17,9 @@ Example:
 from typing import TYPE_CHECKING
 
 from jstrategy._src.keras_names import missing_attribute
+from jstrategy._src.layers.activations import ReLU
 from jstrategy._src.layers.base import Layer
+from jstrategy._src.layers.conv import Conv1D
 from jstrategy._src.layers.conv import Conv2D
 from jstrategy._src.layers.core import Activation
 from jstrategy._src.layers.core import Dense
@@ -25,29 +27,45 @@ from jstrategy._src.layers.core import Dropout
 from jstrategy._src.layers.core import Embedding
 from jstrategy._src.layers.core import Input
 from jstrategy._src.layers.core import InputLayer
+from jstrategy._src.layers.merging import Add
+from jstrategy._src.layers.merging import Concatenate
 from jstrategy._src.layers.normalization import BatchNormalization
 from jstrategy._src.layers.normalization import LayerNormalization
+from jstrategy._src.layers.pooling import AveragePooling1D
 from jstrategy._src.layers.pooling import AveragePooling2D
+from jstrategy._src.layers.pooling import GlobalAveragePooling1D
 from jstrategy._src.layers.pooling import GlobalAveragePooling2D
+from jstrategy._src.layers.pooling import GlobalMaxPooling1D
+from jstrategy._src.layers.pooling import GlobalMaxPooling2D
+from jstrategy._src.layers.pooling import MaxPooling1D
 from jstrategy._src.layers.pooling import MaxPooling2D
 from jstrategy._src.layers.reshaping import Flatten
 from jstrategy._src.layers.reshaping import Reshape
 
 __all__ = [
     "Activation",
+    "Add",
+    "AveragePooling1D",
     "AveragePooling2D",
     "BatchNormalization",
+    "Concatenate",
+    "Conv1D",
     "Conv2D",
     "Dense",
     "Dropout",
     "Embedding",
     "Flatten",
+    "GlobalAveragePooling1D",
     "GlobalAveragePooling2D",
+    "GlobalMaxPooling1D",
+    "GlobalMaxPooling2D",
     "Input",
     "InputLayer",
     "Layer",
     "LayerNormalization",
+    "MaxPooling1D",
     "MaxPooling2D",
+    "ReLU",
     "Reshape",
 ]
 

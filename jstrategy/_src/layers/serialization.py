@@ -12,9 +12,11 @@ from typing import Any
 
 # Each module registers its layers, regularizers and constraints as it is imported: these
 # imports make every saveable class of `jstrategy.layers` known before a config is read.
+from jstrategy._src.layers import activations  # noqa: F401
 from jstrategy._src.layers import constraints  # noqa: F401
 from jstrategy._src.layers import conv  # noqa: F401
 from jstrategy._src.layers import core  # noqa: F401
+from jstrategy._src.layers import merging  # noqa: F401
 from jstrategy._src.layers import normalization  # noqa: F401
 from jstrategy._src.layers import pooling  # noqa: F401
 from jstrategy._src.layers import regularizers  # noqa: F401
