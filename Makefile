@@ -58,7 +58,7 @@ test-fast: $(VENV)/.dev
 
 # CI splits `make test` in four lanes on its two cores (each under 15 minutes): the
 # multi-process and the heaviest numerical files (B), the pipelines and long sequences (C),
-# the parity matrix and the N-D meshes, offload and memory plans (D), then everything
+# the parity matrix and the N-D meshes, offload, memory plans and activation placement (D), then everything
 # else (A).
 LANE_B ?= tests/test_multi_worker.py tests/test_multi_worker_checkpoints.py \
 	tests/test_fault_tolerance.py tests/test_custom_training_tutorial.py \
@@ -70,7 +70,8 @@ LANE_B ?= tests/test_multi_worker.py tests/test_multi_worker_checkpoints.py \
 LANE_C ?= tests/test_pipeline.py tests/test_pipeline_circular.py tests/test_pipeline_nnx.py \
 	tests/test_context_parallel.py
 
-LANE_D ?= tests/test_parity_matrix.py tests/test_hybrid.py tests/test_offload.py tests/test_plan.py
+LANE_D ?= tests/test_parity_matrix.py tests/test_hybrid.py tests/test_offload.py tests/test_plan.py \
+	tests/test_activation_rows.py
 
 test-lane-a: $(VENV)/.dev
 	$(BIN)/python -m pytest -n $(WORKERS) -q $(PYTEST_ARGS) \
