@@ -58,8 +58,8 @@ test-fast: $(VENV)/.dev
 
 # CI splits `make test` in four lanes on its two cores (each under 15 minutes): the
 # multi-process and the heaviest numerical files (B), the pipelines and long sequences (C),
-# the parity matrix and the N-D meshes, offload, memory plans and activation placement (D), then everything
-# else (A).
+# the parity matrix and the N-D meshes, offload, memory plans and activation placement (D),
+# then everything else (A).
 LANE_B ?= tests/test_multi_worker.py tests/test_multi_worker_checkpoints.py \
 	tests/test_fault_tolerance.py tests/test_custom_training_tutorial.py \
 	tests/test_parameter_server.py tests/test_parameter_server_tutorial.py \
