@@ -203,6 +203,11 @@ class _GlobalPooling(Layer):
     """Shared checks and reduction of Keras's global pooling: over every spatial axis,
     which `keepdims` keeps with size 1. Subclasses declare `rank`, their spatial axes."""
 
+    # Keras's arguments, in its order, shared by every global pooling layer.
+    data_format: str | None = None
+    keepdims: bool = False
+    input_shape: Any = None
+
     rank: ClassVar[int]
 
     @staticmethod
@@ -240,10 +245,6 @@ class GlobalAveragePooling1D(_GlobalPooling):
     (2, 1, 8)
     """
 
-    data_format: str | None = None
-    keepdims: bool = False
-    input_shape: Any = None
-
     rank: ClassVar[int] = 1
 
     @nn.compact
@@ -269,10 +270,6 @@ class GlobalMaxPooling1D(_GlobalPooling):
     [[4.0, 5.0]]
     """
 
-    data_format: str | None = None
-    keepdims: bool = False
-    input_shape: Any = None
-
     rank: ClassVar[int] = 1
 
     @nn.compact
@@ -290,10 +287,6 @@ class GlobalAveragePooling2D(_GlobalPooling):
     >>> GlobalAveragePooling2D().apply({}, jnp.ones((2, 5, 5, 8))).shape
     (2, 8)
     """
-
-    data_format: str | None = None
-    keepdims: bool = False
-    input_shape: Any = None
 
     rank: ClassVar[int] = 2
 
@@ -322,10 +315,6 @@ class GlobalMaxPooling2D(_GlobalPooling):
     ... ).shape
     (2, 8, 1, 1)
     """
-
-    data_format: str | None = None
-    keepdims: bool = False
-    input_shape: Any = None
 
     rank: ClassVar[int] = 2
 
