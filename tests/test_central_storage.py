@@ -19,7 +19,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import make_single_device_sharding
 
 import jstrategy
 from jstrategy import training
@@ -68,7 +68,7 @@ def _memory_kinds(tree):
 def _assert_central(tree, device):
     for x in jax.tree.leaves(tree):
         assert [s.device for s in x.addressable_shards] == [device]  # exactly one copy
-        assert x.sharding == SingleDeviceSharding(device, memory_kind="pinned_host")
+        assert x.sharding == make_single_device_sharding(device, memory_kind="pinned_host")
 
 
 # Construction ---------------------------------------------------------------------------------
@@ -79,7 +79,7 @@ def test_defaults_compute_on_every_device_and_store_in_host_memory():
     assert strategy.compute_devices == tuple(jax.devices())
     assert strategy.parameter_device == jax.devices()[0]
     leaf = jax.ShapeDtypeStruct((3,), jnp.float32)
-    assert strategy.variable_sharding(leaf) == SingleDeviceSharding(
+    assert strategy.variable_sharding(leaf) == make_single_device_sharding(
         jax.devices()[0], memory_kind="pinned_host"
     )
     assert strategy.batch_sharding() == jstrategy.MirroredStrategy().batch_sharding()

@@ -243,7 +243,7 @@ def in_device_memory(tree: Any) -> Any:
     Example:
 
     >>> import jax, jax.numpy as jnp
-    >>> host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    >>> host = jax.sharding.make_single_device_sharding(jax.devices()[0], memory_kind="pinned_host")
     >>> w = in_device_memory({"w": jax.device_put(jnp.ones(2), host)})["w"]
     >>> w.sharding.memory_kind
     'device'

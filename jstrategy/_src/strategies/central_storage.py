@@ -6,7 +6,7 @@ device runs the model on its slice of the batch; the gradients are all-reduced a
 update is applied once, to the central copy.
 
 In JAX the central copy lives in host memory: each leaf is a `jax.Array` with a
-``SingleDeviceSharding(parameter_device, memory_kind="pinned_host")``, one buffer whatever
+``make_single_device_sharding(parameter_device, memory_kind="pinned_host")``, one buffer whatever
 the number of compute devices. Everything decides this through one method,
 `Strategy.variable_sharding`: `jstrategy.training.place_state` (hence
 `create_train_state` and `jstrategy.Model`) places the state there and checkpoints restore
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import make_single_device_sharding
 
 from jstrategy._src import devices as devices_lib
 from jstrategy._src import placement
@@ -104,7 +104,7 @@ class CentralStorageStrategy(Strategy):
                 keeper="CentralStorageStrategy",
                 fix="Use a backend with host memory (CPU, GPU, TPU), or a single compute device.",
             )
-            self._variable_sharding = SingleDeviceSharding(home, memory_kind=memory_kind)
+            self._variable_sharding = make_single_device_sharding(home, memory_kind=memory_kind)
 
     @property
     def compute_devices(self) -> tuple[jax.Device, ...]:
@@ -127,7 +127,7 @@ class CentralStorageStrategy(Strategy):
           path: the variable's keys in the state.
 
         Returns:
-          ``SingleDeviceSharding(parameter_device, memory_kind="pinned_host")`` with several
+          ``make_single_device_sharding(parameter_device, memory_kind="pinned_host")`` with several
           compute devices; `replicated_sharding` (that device's memory) with one.
         """
         del leaf, path  # every variable lives in the same place
