@@ -249,16 +249,30 @@ def in_device_memory(tree: Any) -> Any:
     'device'
     """
 
-    def move(x: Any) -> Any:
-        if (
-            isinstance(x, jax.Array)
-            and not isinstance(x, jax.core.Tracer)  # inside a creation program
-            and x.sharding.memory_kind in HOST_MEMORY_KINDS
-        ):
-            return jax.device_put(x, x.sharding.with_memory_kind("device"))
-        return x
+    leaves, treedef = jax.tree.flatten(tree)
+    where = [
+        i
+        for i, x in enumerate(leaves)
+        if isinstance(x, jax.Array)
+        and not isinstance(x, jax.core.Tracer)  # inside a creation program
+        and x.sharding.memory_kind in HOST_MEMORY_KINDS
+    ]
+    if where:
+        # A program copies them, not `jax.device_put`: jax 0.12.1's CPU client refuses to
+        # device_put a program's output held in host memory ("Unsupported layout used for
+        # PjRt CPU buffers: {0:S(5)}"), and one program moves them all in one dispatch.
+        moving = [leaves[i] for i in where]
+        targets = [x.sharding.with_memory_kind("device") for x in moving]
+        # The copy is written in the program (an identity would keep the host memory space
+        # in the outputs' types).
+        moved = jax.jit(_moved, static_argnums=1, out_shardings=targets)(moving, tuple(targets))
+        for i, x in zip(where, moved, strict=True):
+            leaves[i] = x
+    return jax.tree.unflatten(treedef, leaves)
 
-    return jax.tree.map(move, tree)
+
+def _moved(xs: list, shardings: tuple) -> list:
+    return [jax.device_put(x, s) for x, s in zip(xs, shardings, strict=True)]
 
 
 def moved_to_device(tree: Any, shardings: Any) -> Any:

@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 from jstrategy._src import dispatch
 from jstrategy._src import flax_annotations
 from jstrategy._src.numerics import means
+from jstrategy._src.placement import in_device_memory
 from jstrategy._src.placement import in_host_memory
 from jstrategy._src.placement import moved_to_device
 from jstrategy._src.placement import variable_shardings
@@ -375,7 +376,7 @@ class _HostUpdateStep:
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), split
             )
         else:
-            params, rest = jax.device_put(split, replicated)
+            params, rest = jax.device_put(in_device_memory(split), replicated)
         return params, rest, acc, batch, mask, index
 
     def _update(self, state: Any) -> Any:

@@ -158,7 +158,10 @@ class CentralStorageStrategy(Strategy):
         central, replicated = self._variable_sharding, self.replicated_sharding()
         leaves, treedef = jax.tree.flatten(tree)
         moving = [i for i, x in enumerate(leaves) if _is_on(x, central)]
-        moved = jax.device_put([leaves[i] for i in moving], replicated)  # one transfer
+        # Into device memory first: a program's host-memory output cannot be device_put
+        # straight to other devices on jax 0.12.1's CPU client (see `in_device_memory`).
+        moving_leaves = placement.in_device_memory([leaves[i] for i in moving])
+        moved = jax.device_put(moving_leaves, replicated)  # one transfer
         for i, x in zip(moving, moved, strict=True):
             leaves[i] = x
         return jax.tree.unflatten(treedef, leaves)
