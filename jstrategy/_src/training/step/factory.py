@@ -62,7 +62,7 @@ def _check_not_spent(state: Any, leaves: list[Any]) -> None:
         "given (the new state reuses its buffers), so a state passed to one is spent. Pass "
         "the state that step returned (`state, metrics = train_step(state, batch)`); to keep "
         "a state past the next step, copy it before that step: `kept = jax.tree.map(lambda "
-        "a: jax.device_put(a, a.sharding, may_alias=False), state)`."
+        "a: a.copy(), state)`."
     )
 
 
@@ -279,8 +279,8 @@ def make_train_step(
     says so. Keep only the state a step returns (``state, metrics = train_step(state,
     batch)``). To keep a state past the next step (the best one so far, one to compare
     with), copy it before that step, each array where it lives (its layout and memory
-    kind), so that a step takes the copy again: ``kept = jax.tree.map(lambda a:
-    jax.device_put(a, a.sharding, may_alias=False), state)``. ``jax.device_get(state.params)``
+    kind), so that a step takes the copy again: ``kept = jax.tree.map(lambda a: a.copy(),
+    state)``. ``jax.device_get(state.params)``
     gives NumPy copies of the parameters (``jax.device_get`` leaves typed PRNG keys, which
     a state holds, device arrays).
 
@@ -355,7 +355,7 @@ def make_train_step(
     The state given is spent; a copy made before the step is kept:
 
     >>> import jax
-    >>> kept = jax.tree.map(lambda a: jax.device_put(a, a.sharding, may_alias=False), state)
+    >>> kept = jax.tree.map(lambda a: a.copy(), state)
     >>> new_state, _ = step(state, (x, y))
     >>> state.params["kernel"].is_deleted(), int(kept.step), int(new_state.step)
     (True, 1, 2)
