@@ -131,6 +131,23 @@ def test_keras_path_holding_something_else_is_refused_before_training(tmp_path):
     assert int(model.state.step) == 0  # refused before the first step
 
 
+def test_what_an_interrupted_model_save_leaves_is_named_and_cleared(tmp_path):
+    # A save killed between its two renames leaves the new model complete at
+    # `<path>.jstrategy-new` and the old one at `<path>.jstrategy-old`, nothing at `path`.
+    path = tmp_path / "best.keras"
+    model = _model()
+    model.save(path)
+    os.rename(path, tmp_path / "best.keras.jstrategy-new")
+    with pytest.raises(FileNotFoundError, match=r"interrupted model\.save left .*jstrategy-new"):
+        jstrategy.models.load_model(path)
+    # A half-written staging directory from a killed save is discarded by the next save.
+    os.rename(tmp_path / "best.keras.jstrategy-new", path)
+    (tmp_path / "best.keras.jstrategy-new" / "state").mkdir(parents=True)
+    model.save(path)
+    assert sorted(os.listdir(tmp_path)) == ["best.keras"]
+    _assert_same(jstrategy.models.load_model(path).get_weights(), model.get_weights())
+
+
 # A checkpoint directory of steps -----------------------------------------------------------------
 def test_a_new_run_replaces_the_steps_an_earlier_run_left(tmp_path):
     # The earlier run saved its best at a later step than the new run's best: before, the
