@@ -158,7 +158,7 @@ def test_model_checkpoint_every_n_steps_saves_the_training_state(tmp_path):
 
 
 def test_model_checkpoint_arguments_and_missing_monitor(tmp_path):
-    with pytest.raises(ValueError, match="without format fields"):
+    with pytest.raises(ValueError, match="format fields only when it ends in '.keras'"):
         ModelCheckpoint(str(tmp_path / "w.{epoch:02d}"))
     with pytest.raises(ValueError, match="`save_freq` must be 'epoch' or a positive int"):
         ModelCheckpoint(tmp_path / "c", save_freq=0)

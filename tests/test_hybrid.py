@@ -151,7 +151,7 @@ def test_the_readme_shows_every_argument_with_its_default():
     line = re.search(r"`experimental\.HybridStrategy\(([^)]*)\)`", readme)
     assert line is not None
     shown = dict(arg.split("=") for arg in line.group(1).split(", "))
-    joining = {"devices", "cluster_resolver", "communication_options", "offload_optimizer"}
+    joining = {"devices", "cluster_resolver", "communication_options"}
     parameters = inspect.signature(HybridStrategy).parameters
     assert shown == {name: repr(p.default) for name, p in parameters.items() if name not in joining}
 

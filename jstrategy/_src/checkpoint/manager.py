@@ -335,6 +335,36 @@ class CheckpointManager:
         finally:
             mark_committed(self._manager)
 
+    def delete(self, step: int) -> None:
+        """Deletes checkpoint `step` (e.g. one an earlier run left, before saving it again).
+
+        The step is renamed away first (atomic), then its files are removed in the
+        background: a process killed meanwhile never leaves a half-deleted step listed.
+        Every process of a multi-worker job calls it.
+
+        Raises:
+          FileNotFoundError: if there is no such step.
+
+        Example:
+
+        >>> import tempfile, jax.numpy as jnp, jstrategy
+        >>> with jstrategy.CheckpointManager(tempfile.mkdtemp()) as manager:
+        ...     for step in (1, 2):
+        ...         _ = manager.save(step, {"w": jnp.ones(2)})
+        ...     manager.delete(2)
+        ...     _ = manager.save(2, {"w": jnp.zeros(2)})  # saved again
+        ...     print(manager.all_steps())
+        [1, 2]
+        """
+        step = self._resolve_step(step)  # waits for a save of it still being written
+        if self._meeting is not None:
+            coordination.barrier(
+                f"checkpoint-{self._meeting}/delete-{step}",
+                what=f"Deleting step {step} in {self._directory}",
+                fix=EVERY_WORKER,
+            )
+        self._manager.delete(step)
+
     # Steps -------------------------------------------------------------------------------
     def all_steps(self) -> list[int]:
         """The saved steps, ascending (including one whose background write is in flight)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
@@ -60,6 +61,9 @@ __all__ = [
 ]
 
 _EVERY_WORKER = "In a multi-worker job every worker calls model.save with the same path."
+# Beside a saved model while `save` writes the new one, and the one it replaces.
+_STAGING = ".jstrategy-new"
+_REPLACED = ".jstrategy-old"
 
 
 # Model classes -------------------------------------------------------------------------
@@ -121,15 +125,35 @@ def save_model(
             tree["strategy_state"] = extra
     meeting = coordination.next_id() if coordination.active() else None
     what = f"model.save({path!r})"
-    os.makedirs(path, exist_ok=True)
-    checkpoint_lib.save_weights(os.path.join(path, STATE_DIR), tree, overwrite=True)
-    if multihost.is_primary_host(0):
-        temporary = os.path.join(path, CONFIG_FILE + ".tmp")
-        with open(temporary, "w") as f:
+    # The whole model is written beside `path`, then moved into place: a save interrupted
+    # at any point leaves the previous model whole (ModelCheckpoint saves over it each epoch).
+    staging = path + _STAGING
+    primary = multihost.is_primary_host(0)
+    if primary and os.path.exists(staging):
+        shutil.rmtree(staging)  # what an interrupted save left
+    if meeting is not None:  # nobody writes into it before the chief emptied it
+        coordination.barrier(f"save-model-{meeting}/staging", what=what, fix=_EVERY_WORKER)
+    os.makedirs(staging, exist_ok=True)
+    checkpoint_lib.save_weights(os.path.join(staging, STATE_DIR), tree, overwrite=True)
+    if primary:
+        with open(os.path.join(staging, CONFIG_FILE), "w") as f:
             json.dump(config, f, indent=2)
-        os.replace(temporary, os.path.join(path, CONFIG_FILE))
-    if meeting is not None:  # the configuration is written before any worker returns
+        _move_into_place(staging, path)
+    if meeting is not None:  # the model is in place before any worker returns
         coordination.barrier(f"save-model-{meeting}/written", what=what, fix=_EVERY_WORKER)
+
+
+def _move_into_place(staging: str, path: str) -> None:
+    """Renames the complete model `staging` to `path`, replacing a model saved there."""
+    if not os.path.exists(path):
+        os.rename(staging, path)
+        return
+    old = path + _REPLACED
+    if os.path.exists(old):
+        shutil.rmtree(old)
+    os.rename(path, old)  # killed here: `old` and `staging` both hold a whole model
+    os.rename(staging, path)
+    shutil.rmtree(old)
 
 
 # Loading -------------------------------------------------------------------------------
@@ -137,6 +161,12 @@ def read_config(path: str) -> dict[str, Any]:
     """The configuration in a `Model.save` directory, checked to be one this version reads
     (`saved_config.read_config`: every error names the file and the field)."""
     if not os.path.exists(path):
+        left = [p for p in (path + _STAGING, path + _REPLACED) if is_saved_model(p)]
+        if left:
+            raise FileNotFoundError(
+                f"No saved model at {path}, but an interrupted model.save left {left}, each "
+                f"a whole model: rename {left[0]} to {path} to use it."
+            )
         raise FileNotFoundError(
             f"No saved model at {path}. Pass a directory written by model.save(path)."
         )
