@@ -307,7 +307,11 @@ class Strategy:
         them, reading the annotations through `annotation_axis`, when a train state or a
         `Model` is made of them. So a model annotated for any mesh is created in any scope.
         """
-        with context.strategy_scope(self), nnx.use_eager_sharding(False):
+        with (
+            context.strategy_scope(self),
+            nnx.use_eager_sharding(False),
+            context.scope_hooks_entered(self),
+        ):
             yield self
 
     # run --------------------------------------------------------------------------------

@@ -1,0 +1,23 @@
+"""Keras 3 models (JAX backend) under jstrategy's strategies (``pip install 'jstrategy[keras]'``).
+
+Two routes (docs/guides/keras-3-models.md):
+
+* Keras's own ``fit``: create and compile a ``keras.Model`` inside ``strategy.scope()``;
+  the scope makes a ``keras.distribution`` backed by the strategy current
+  (`StrategyDistribution`), so Keras's trainer places variables and batches as the strategy
+  says and its ``fit``, ``evaluate`` and ``predict`` run distributed, inside the scope or
+  out.
+* jstrategy's own training: `KerasModule` makes a ``keras.Model`` a Flax module
+  (``stateless_call``), so `jstrategy.Model`, the train-step factory, ``strategy.run`` and
+  jstrategy's checkpoints train it under every strategy, CentralStorage,
+  MultiWorkerMirrored and ParameterServer included.
+
+Importing this module imports Keras, which must run on JAX (``KERAS_BACKEND=jax``).
+"""
+
+from jstrategy._src.keras3.distribution import StrategyDistribution
+from jstrategy._src.keras3.distribution import distribution_for
+from jstrategy._src.keras3.module import KerasModule
+from jstrategy._src.keras3.module import write_back
+
+__all__ = ["KerasModule", "StrategyDistribution", "distribution_for", "write_back"]
