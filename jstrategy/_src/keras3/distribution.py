@@ -101,7 +101,7 @@ class StrategyDistribution(distribution_lib.Distribution):
     >>> from jstrategy.keras import StrategyDistribution
     >>> d = StrategyDistribution(jstrategy.MirroredStrategy(["cpu:0", "cpu:1"]))
     >>> d.get_data_layout((4, 3)).backend_layout.spec
-    PartitionSpec('replica', None)
+    P('replica', None)
     """
 
     def __init__(self, strategy: Strategy):
@@ -115,6 +115,8 @@ class StrategyDistribution(distribution_lib.Distribution):
         # Keras converts its mesh to JAX's lazily and caches it here: the strategy's own.
         device_mesh._backend_mesh = mesh
         self._strategy = strategy
+        #: Why Keras's own trainer cannot run under this distribution, or None.
+        self.refused: str | None = None
         self._batch_axis = strategy.batch_sharding().spec[0]
         super().__init__(device_mesh, batch_dim_name=strategy.axis_name, auto_shard_dataset=False)
 
@@ -152,12 +154,16 @@ class StrategyDistribution(distribution_lib.Distribution):
         if not isinstance(sharding, NamedSharding) or sharding.mesh != self._strategy.mesh:
             sharding = NamedSharding(self._strategy.mesh, P())
         if sharding.memory_kind not in (None, "device"):
-            raise ValueError(
+            # Kept in device memory for Keras; a KerasModule takes the values from there.
+            # Keras's own trainer cannot update host memory: its runs are refused.
+            self.refused = (
                 f"{self._strategy!r} keeps the Keras variable {variable.path!r} in host "
-                f"memory ({sharding.memory_kind!r}), which Keras's own trainer cannot "
-                "update; leave `offload` unset for a keras.Model's own fit, or train it "
-                "through jstrategy.Model(jstrategy.keras.KerasModule(model), ...)."
+                f"memory ({sharding.memory_kind!r}), which Keras's own trainer "
+                "(keras.Model.fit) cannot update. Leave `offload` unset for a keras.Model's "
+                "own fit, or train it through jstrategy.Model(jstrategy.keras.KerasModule("
+                "model), input_shape), which offloads."
             )
+            sharding = sharding.with_memory_kind("device")
         return self._layout(sharding)
 
     def get_tensor_layout(self, path: str) -> None:
@@ -233,6 +239,8 @@ def _run_under_captured(run_fn: Callable[..., Any]) -> Callable[..., Any]:
         dist = getattr(self, _CAPTURED, None)
         if isinstance(dist, str):
             raise ValueError(dist)
+        if isinstance(dist, StrategyDistribution) and dist.refused is not None:
+            raise ValueError(dist.refused)
         current = distribution_lib.distribution()
         if dist is None or current is dist:
             return run_fn(self, *args, **kwargs)
