@@ -321,6 +321,11 @@ def test_an_unbuilt_keras_model_is_refused_with_the_fix():
         jstrategy.Model(KerasModule(net), input_shape=(6,))
 
 
+def test_jstrategy_keras_is_the_namespace_loaded_when_asked_for():
+    assert jstrategy.keras.KerasModule is KerasModule
+    assert "StrategyDistribution" in jstrategy.keras.__all__
+
+
 def test_importing_jstrategy_does_not_import_keras():
     code = "import sys, jstrategy; assert 'keras' not in sys.modules, 'keras imported'"
     env = {**os.environ, "KERAS_BACKEND": "jax"}
