@@ -85,6 +85,7 @@ def _compile(model):
 
 
 def test_keras_io_timeseries_program_under_mirrored_follows_keras_on_one_device(tmp_path):
+    keras.utils.set_random_seed(0)  # the same initial weights at every run: a fixed margin
     strategy = jstrategy.MirroredStrategy()  # the strategy lines: this one and the scope
     with strategy.scope():
         model = make_model(input_shape=(500, 1))
