@@ -340,3 +340,91 @@ def test_a_non_jax_keras_backend_is_refused_with_the_fix():
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode != 0
     assert "KERAS_BACKEND=jax" in done.stderr
+
+
+# Sequential and subclassed models; Keras's own weights across strategies ------------------
+class Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        init = keras.initializers.GlorotUniform
+        self.dense1 = keras.layers.Dense(16, kernel_initializer=init(1), name="dense1")
+        self.bn = keras.layers.BatchNormalization(name="bn")
+        self.drop = keras.layers.Dropout(0.25, seed=2, name="drop")
+        self.out = keras.layers.Dense(3, kernel_initializer=init(3), name="out")
+
+    def call(self, x, training=False):
+        h = self.drop(keras.ops.relu(self.bn(self.dense1(x), training=training)), training=training)
+        return self.out(h)
+
+
+def sequential():
+    init = keras.initializers.GlorotUniform
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(16, kernel_initializer=init(1), name="dense1"),
+            keras.layers.BatchNormalization(name="bn"),
+            keras.layers.ReLU(),
+            keras.layers.Dropout(0.25, seed=2, name="drop"),
+            keras.layers.Dense(3, kernel_initializer=init(3), name="out"),
+        ]
+    )
+
+
+def subclassed():
+    net = Subclassed()
+    net(np.zeros((1, 6), np.float32))  # built by a first call, as Keras's guides build one
+    return net
+
+
+@pytest.mark.parametrize("build", [sequential, subclassed], ids=["sequential", "subclassed"])
+def test_sequential_and_subclassed_models_take_both_routes(build):
+    x, y = _data()
+    histories = []
+    for strategy in (None, jstrategy.MirroredStrategy()):
+        with strategy.scope() if strategy is not None else _nullscope():
+            net = build()
+            net.compile(
+                optimizer=keras.optimizers.SGD(0.1),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            )
+        histories.append(net.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0))
+    np.testing.assert_allclose(
+        histories[1].history["loss"], histories[0].history["loss"], rtol=TOL, atol=TOL
+    )
+    losses = []
+    for strategy in (jstrategy.OneDeviceStrategy("cpu:0"), jstrategy.MirroredStrategy()):
+        with strategy.scope():
+            model = jstrategy.Model(KerasModule(build()), input_shape=(6,))
+            model.compile(
+                optax.sgd(0.1),
+                loss=jstrategy.losses.SparseCategoricalCrossentropy(from_logits=True),
+            )
+        losses.append(model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0))
+    np.testing.assert_allclose(
+        losses[1].history["loss"], losses[0].history["loss"], rtol=TOL, atol=TOL
+    )
+    # Both routes are one computation: Keras's own fit on one device, jstrategy's.
+    np.testing.assert_allclose(
+        losses[0].history["loss"], histories[0].history["loss"], rtol=1e-4, atol=1e-4
+    )
+
+
+def test_keras_own_weights_move_between_strategies(tmp_path):
+    x, y = _data()
+    with jstrategy.experimental.FSDPStrategy(min_shard_size=0).scope():
+        trained = bn_dropout_model()
+        trained.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    trained.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    trained.save_weights(tmp_path / "model.weights.h5")
+    for name in ("mirrored", "layout_map"):
+        strategy = STRATEGIES[name]()
+        with strategy.scope():
+            model = bn_dropout_model()
+            model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        model.load_weights(tmp_path / "model.weights.h5")
+        kernel = model.get_layer("dense1").kernel.value
+        assert kernel.sharding == strategy.variable_sharding(kernel, ("params", "dense1", "kernel"))
+        np.testing.assert_allclose(
+            model.predict(x, verbose=0), trained.predict(x, verbose=0), rtol=TOL, atol=TOL
+        )
