@@ -15,9 +15,20 @@ Two routes (docs/guides/keras-3-models.md):
 Importing this module imports Keras, which must run on JAX (``KERAS_BACKEND=jax``).
 """
 
+from jstrategy._src.keras3.compile_objects import KerasLoss
+from jstrategy._src.keras3.compile_objects import loss
+from jstrategy._src.keras3.compile_objects import optimizer
 from jstrategy._src.keras3.distribution import StrategyDistribution
 from jstrategy._src.keras3.distribution import distribution_for
 from jstrategy._src.keras3.module import KerasModule
 from jstrategy._src.keras3.module import write_back
 
-__all__ = ["KerasModule", "StrategyDistribution", "distribution_for", "write_back"]
+__all__ = [
+    "KerasLoss",
+    "KerasModule",
+    "StrategyDistribution",
+    "distribution_for",
+    "loss",
+    "optimizer",
+    "write_back",
+]

@@ -428,3 +428,43 @@ def test_keras_own_weights_move_between_strategies(tmp_path):
         np.testing.assert_allclose(
             model.predict(x, verbose=0), trained.predict(x, verbose=0), rtol=TOL, atol=TOL
         )
+
+
+# Keras's losses and optimizers through jstrategy's compile --------------------------------
+def _keras_objects():
+    return (
+        keras.optimizers.Adam(1e-2),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+
+
+@pytest.mark.parametrize("name", ["mirrored", "fsdp"])
+def test_keras_losses_and_optimizers_train_through_jstrategy_as_keras_does(name):
+    x, y = _data()
+    reference = bn_dropout_model()
+    reference.compile(*_keras_objects())
+    want = reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    tx, loss = _keras_objects()
+    with STRATEGIES[name]().scope():
+        model = jstrategy.Model(KerasModule(bn_dropout_model()), input_shape=(6,))
+        model.compile(jstrategy.keras.optimizer(tx), loss=jstrategy.keras.loss(loss))
+    got = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(got.history["loss"], want.history["loss"], rtol=TOL, atol=TOL)
+    net = bn_dropout_model()
+    write_back(net, model.state.variables)
+    for a, b in zip(net.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=TOL, atol=TOL)
+
+
+def test_keras_objects_given_to_jstrategy_compile_are_refused_with_the_adapter():
+    tx, loss = _keras_objects()
+    with jstrategy.MirroredStrategy().scope():
+        model = jstrategy.Model(KerasModule(bn_dropout_model()), input_shape=(6,))
+        with pytest.raises(
+            ValueError, match=r"Adam is a Keras 3 object.*jstrategy.keras.optimizer"
+        ):
+            model.compile(tx, loss="sparse_categorical_crossentropy")
+        with pytest.raises(
+            ValueError, match=r"SparseCategoricalCrossentropy is a Keras 3 object.*keras.loss"
+        ):
+            model.compile(optax.sgd(0.1), loss=loss)
