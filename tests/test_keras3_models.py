@@ -468,3 +468,9 @@ def test_keras_objects_given_to_jstrategy_compile_are_refused_with_the_adapter()
             ValueError, match=r"SparseCategoricalCrossentropy is a Keras 3 object.*keras.loss"
         ):
             model.compile(optax.sgd(0.1), loss=loss)
+        with pytest.raises(ValueError, match=r"SparseCategoricalAccuracy is a Keras 3 object"):
+            model.compile(
+                optax.sgd(0.1),
+                loss="sparse_categorical_crossentropy",
+                metrics=[keras.metrics.SparseCategoricalAccuracy()],
+            )
