@@ -6,11 +6,11 @@ Two routes (docs/guides/keras-3-models.md):
   the scope makes a ``keras.distribution`` backed by the strategy current
   (`StrategyDistribution`), so Keras's trainer places variables and batches as the strategy
   says and its ``fit``, ``evaluate`` and ``predict`` run distributed, inside the scope or
-  out.
+  out (MultiWorkerMirrored included, each process giving its rows).
 * jstrategy's own training: `KerasModule` makes a ``keras.Model`` a Flax module
   (``stateless_call``), so `jstrategy.Model`, the train-step factory, ``strategy.run`` and
-  jstrategy's checkpoints train it under every strategy, CentralStorage,
-  MultiWorkerMirrored and ParameterServer included.
+  jstrategy's checkpoints train it under every strategy, CentralStorage and host-memory
+  offload included; `loss` and `optimizer` take Keras's own losses and optimizers there.
 
 Importing this module imports Keras, which must run on JAX (``KERAS_BACKEND=jax``).
 """

@@ -7,6 +7,7 @@ device: Keras's own ``fit`` on one device, and `OneDeviceStrategy`.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -474,3 +475,26 @@ def test_keras_objects_given_to_jstrategy_compile_are_refused_with_the_adapter()
                 loss="sparse_categorical_crossentropy",
                 metrics=[keras.metrics.SparseCategoricalAccuracy()],
             )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_keras_own_fit_under_two_worker_processes_follows_keras_on_one_device(tmp_path):
+    """MultiWorkerMirroredStrategy over two processes of four devices: Keras's own fit."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "TF_CONFIG")}
+    env.update(PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu", KERAS_BACKEND="jax", PYTHONPATH=root)
+    cmd = [
+        sys.executable, "-m", "jstrategy.launch", "--num_workers", "2",
+        "--devices_per_worker", "4", "--timeout", "300",
+        os.path.join(root, "tests", "keras3_worker.py"), str(tmp_path),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=380, cwd=root)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    x, y = _data()
+    reference, want = _keras_fit(None, x, y)
+    for worker in range(2):
+        saved = json.loads((tmp_path / f"worker-{worker}.json").read_text())
+        np.testing.assert_allclose(saved["losses"], want["loss"], rtol=TOL, atol=TOL)
+        for a, b in zip(saved["weights"], reference.weights, strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b.value), rtol=TOL, atol=TOL)

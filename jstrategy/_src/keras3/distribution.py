@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import weakref
 from collections.abc import Callable
 from collections.abc import Iterator
@@ -137,7 +138,16 @@ class StrategyDistribution(distribution_lib.Distribution):
         divide among them (a last smaller batch): the step's numbers are the same."""
         n = self._strategy.num_replicas_in_sync
         rows = data_shape[0] if len(data_shape) else None
-        if rows is None or rows % n:
+        # Keras gives each process's rows; the global batch is every process's.
+        if rows is None or (rows * jax.process_count()) % n:
+            if jax.process_count() > 1:
+                raise ValueError(
+                    f"A batch of {rows} rows a process ({jax.process_count()} processes) "
+                    f"does not split among {self._strategy!r}'s {n} replicas, and the "
+                    "processes' rows differ, so it cannot be replicated either. Choose a "
+                    f"batch_size (and a number of rows) that is a multiple of "
+                    f"{n // math.gcd(n, jax.process_count())}."
+                )
             return self._layout(NamedSharding(self._strategy.mesh, P()))
         spec = P(self._batch_axis, *([None] * (len(data_shape) - 1)))
         return self._layout(NamedSharding(self._strategy.mesh, spec))
