@@ -29,6 +29,14 @@ class KerasLoss(Loss):
 
     Args:
       keras_loss: the Keras loss; its ``reduction`` is kept.
+
+    Example:
+
+    >>> import keras, numpy as np
+    >>> from jstrategy.keras import KerasLoss
+    >>> mse = KerasLoss(keras.losses.MeanSquaredError())
+    >>> mse.name, mse.values(np.zeros((2, 1)), np.ones((2, 1))).tolist()
+    ('mean_squared_error', [1.0, 1.0])
     """
 
     def __init__(self, keras_loss: Any):

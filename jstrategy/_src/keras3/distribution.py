@@ -188,7 +188,18 @@ _DISTRIBUTIONS: weakref.WeakKeyDictionary[Strategy, StrategyDistribution] = (
 
 
 def distribution_for(strategy: Strategy) -> StrategyDistribution:
-    """The strategy's one `StrategyDistribution` (made on first use)."""
+    """The strategy's one `StrategyDistribution` (made on first use): what its scope makes
+    current for Keras.
+
+    Example:
+
+    >>> import keras, jstrategy
+    >>> from jstrategy.keras import distribution_for
+    >>> strategy = jstrategy.MirroredStrategy(["cpu:0", "cpu:1"])
+    >>> with strategy.scope():
+    ...     print(keras.distribution.distribution() is distribution_for(strategy))
+    True
+    """
     made = _DISTRIBUTIONS.get(strategy)
     if made is None:
         made = _DISTRIBUTIONS[strategy] = StrategyDistribution(strategy)

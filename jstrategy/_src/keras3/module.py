@@ -248,6 +248,16 @@ def write_back(model: Any, variables: Any) -> None:
       model: the ``keras.Model`` the `KerasModule` holds.
       variables: the trained variables: ``{"params": ..., "batch_stats": ...}``
         (``jstrategy.Model.state.variables`` or a train state's ``variables``).
+
+    Example:
+
+    >>> import keras, numpy as np
+    >>> from jstrategy.keras import write_back
+    >>> inputs = keras.Input((2,))
+    >>> net = keras.Model(inputs, keras.layers.Dense(1, name="out")(inputs))
+    >>> write_back(net, {"params": {"out": {"kernel": np.ones((2, 1)), "bias": np.zeros(1)}}})
+    >>> net.predict(np.ones((1, 2)), verbose=0).tolist()
+    [[2.0]]
     """
     variables = jax.device_get(variables)
     stats = variables.get("batch_stats") or {}
