@@ -70,6 +70,7 @@ ROOTS = [
     "jstrategy.launch",
     "jstrategy.layers",
     "jstrategy.regularizers",
+    "jstrategy.keras",
 ]
 GENERATED = HERE / "api" / "reference"
 

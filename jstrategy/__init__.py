@@ -36,6 +36,7 @@ from jstrategy._src.cross_device_ops import ReductionToOneDevice
 from jstrategy._src.input.options import InputContext
 from jstrategy._src.input.options import InputOptions
 from jstrategy._src.input.options import InputReplicationMode
+from jstrategy._src.keras3 import scope_hook as _keras_scope_hook  # noqa: F401  (registers)
 from jstrategy._src.keras_names import missing_attribute
 from jstrategy._src.layers.core import Input
 from jstrategy._src.loss_reduction import compute_average_loss
@@ -114,4 +115,8 @@ __all__ = [
 if not TYPE_CHECKING:  # for type checkers, a missing name stays an error
 
     def __getattr__(name: str):
+        if name == "keras":  # optional: imports Keras, so only when asked for
+            import importlib
+
+            return importlib.import_module("jstrategy.keras")
         raise missing_attribute(__name__, name)

@@ -24,6 +24,8 @@ way of annotating a model for a mesh:
   for that mesh.
 * ``repeated``: `jstrategy.layers.BatchNormalization` and ``Dropout`` before a
   `jstrategy.experimental.Repeated` block (what `PipelineStrategy` splits over its stages).
+* ``keras3``: a Keras 3 functional ``keras.Model`` with BatchNormalization and Dropout, as
+  a `jstrategy.keras.KerasModule`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import os
 
 if __name__ == "__main__":  # before JAX starts: the 8 fake CPU devices of the tests
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+os.environ.setdefault("KERAS_BACKEND", "jax")  # before Keras is imported
 
 import contextlib
 import dataclasses
@@ -187,6 +191,21 @@ class KerasLayersNet(nn.Module):
         return x
 
 
+def keras3_net() -> nn.Module:
+    """A Keras 3 functional model, seeded (every call builds the same), as a linen module."""
+    import keras
+
+    from jstrategy.keras import KerasModule
+
+    init = keras.initializers.GlorotUniform
+    inputs = keras.Input((FEATURES,))
+    h = keras.layers.Dense(16, use_bias=False, kernel_initializer=init(1), name="dense1")(inputs)
+    h = keras.layers.BatchNormalization(name="bn")(h)
+    h = keras.layers.Dropout(0.25, seed=2, name="drop")(keras.layers.ReLU()(h))
+    outputs = keras.layers.Dense(CLASSES, kernel_initializer=init(3), name="out")(h)
+    return KerasModule(keras.Model(inputs, outputs))
+
+
 def _linen(model: str) -> nn.Module:
     if model in KERAS_LAYERS:
         return KerasLayersNet(model)
@@ -194,6 +213,7 @@ def _linen(model: str) -> nn.Module:
         "linen": LinenNet,
         "linen_annotated": AnnotatedNet,
         "repeated": RepeatedNet,
+        "keras3": keras3_net,
     }[model]()
 
 
@@ -205,7 +225,7 @@ def make_nnx(outside: bool) -> nnx.Module:
         return NnxNet(nnx.Rngs(0))
 
 
-MODELS = ("keras", "keras_1d", "linen", "linen_annotated", "nnx", "repeated")
+MODELS = ("keras", "keras_1d", "linen", "linen_annotated", "nnx", "repeated", "keras3")
 
 
 # Strategies ----------------------------------------------------------------------------

@@ -32,6 +32,7 @@ EXPECTED_GUIDES = {
     "getting-started",
     "coming-from-tf-distribute",
     "coming-from-keras",
+    "keras-3-models",
     "flax-linen-and-nnx",
     "distributed-input",
     "multiple-processes",

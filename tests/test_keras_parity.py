@@ -140,7 +140,7 @@ def test_set_random_seed_seeds_models_made_without_a_seed():
 @pytest.mark.parametrize(
     ("namespace", "name", "advice"),
     [
-        (jstrategy, "keras", r"jstrategy is the Keras API here: jstrategy.Sequential"),
+        (jstrategy, "distribute", r"jstrategy is tf.distribute"),
         (jstrategy, "train", r"CheckpointManager"),
         (jstrategy, "Checkpoint", r"model.save\(path\)"),
         (jstrategy, "GradientTape", r"jax.grad"),

@@ -97,7 +97,7 @@ def test_a_keras_model_made_outside_the_scope_is_refused_with_the_fix():
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("model", ["keras", "nnx"])
+@pytest.mark.parametrize("model", ["keras", "nnx", "keras3"])
 def test_two_workers_follow_one_device(tmp_path, model):
     """MultiWorkerMirroredStrategy over two processes of four devices, through `fit`."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "TF_CONFIG")}

@@ -260,6 +260,31 @@ def strategy_scope(strategy: StrategyLike) -> Iterator[StrategyLike]:
         _STACK.entries.pop()
 
 
+#: What else a strategy's scope enters, each given the strategy (`add_scope_hook`).
+_SCOPE_HOOKS: list[Callable[[StrategyLike], contextlib.AbstractContextManager[Any]]] = []
+
+
+def add_scope_hook(
+    hook: Callable[[StrategyLike], contextlib.AbstractContextManager[Any]],
+) -> None:
+    """Makes every `Strategy.scope` enter ``hook(strategy)`` too (once per hook).
+
+    How a layer above the core joins the scope without the core importing it: the Keras 3
+    route (`jstrategy.keras`) installs its ``keras.distribution`` this way.
+    """
+    if hook not in _SCOPE_HOOKS:
+        _SCOPE_HOOKS.append(hook)
+
+
+@contextlib.contextmanager
+def scope_hooks_entered(strategy: StrategyLike) -> Iterator[None]:
+    """Within: every hook of `add_scope_hook` entered for `strategy`."""
+    with contextlib.ExitStack() as stack:
+        for hook in tuple(_SCOPE_HOOKS):
+            stack.enter_context(hook(strategy))
+        yield
+
+
 @contextlib.contextmanager
 def replica_scope(strategy: StrategyLike, replica_context: ReplicaContext) -> Iterator[None]:
     """Pushes a replica context while `run` traces a per-replica function."""

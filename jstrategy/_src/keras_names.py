@@ -43,12 +43,6 @@ def _combine(use: str) -> str:
 #: For each public namespace, the Keras/TF names it lacks and what to use instead.
 MISSING: dict[str, dict[str, str]] = {
     "jstrategy": {
-        "keras": (
-            "jstrategy is the Keras API here: jstrategy.Sequential, jstrategy.Model, "
-            "jstrategy.Input, jstrategy.layers, jstrategy.optimizers, jstrategy.losses, "
-            "jstrategy.metrics, jstrategy.callbacks, jstrategy.utils, "
-            "jstrategy.models.load_model."
-        ),
         "distribute": (
             "jstrategy is tf.distribute: tf.distribute.MirroredStrategy is "
             "jstrategy.MirroredStrategy, and so for every strategy (the experimental ones "

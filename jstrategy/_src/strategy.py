@@ -306,8 +306,16 @@ class Strategy:
         not sharded when created (``nnx.use_eager_sharding(False)``): the strategy places
         them, reading the annotations through `annotation_axis`, when a train state or a
         `Model` is made of them. So a model annotated for any mesh is created in any scope.
+
+        With Keras 3 (JAX backend) imported, the scope also makes this strategy's
+        ``keras.distribution`` current (`jstrategy.keras`), so a ``keras.Model`` created
+        and compiled inside trains distributed through Keras's own ``fit``.
         """
-        with context.strategy_scope(self), nnx.use_eager_sharding(False):
+        with (
+            context.strategy_scope(self),
+            nnx.use_eager_sharding(False),
+            context.scope_hooks_entered(self),
+        ):
             yield self
 
     # run --------------------------------------------------------------------------------

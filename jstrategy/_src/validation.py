@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "refuse_keras_3_object",
     "check_bool",
     "check_non_negative_int",
     "check_number",
@@ -270,6 +271,30 @@ def named_object(
     )
 
 
+def refuse_keras_3_object(identifier: Any) -> None:
+    """Raises for a Keras 3 object given where jstrategy's own is taken (`compile`'s loss,
+    metrics or optimizer): it would be called as a plain function, and a Keras loss reduces
+    to a scalar where the step needs per-example values. Duck-typed: imports no Keras.
+
+    Raises:
+      ValueError: naming the object and the adapter.
+
+    Example:
+
+    >>> refuse_keras_3_object("mse")  # anything not from Keras passes
+    """
+    module = type(identifier).__module__ or ""
+    if module.split(".")[0] != "keras":
+        return
+    raise ValueError(
+        f"{type(identifier).__name__} is a Keras 3 object ({module}); jstrategy's compile "
+        "takes jstrategy's. Wrap it: jstrategy.keras.loss(keras_loss) or "
+        "jstrategy.keras.optimizer(keras_optimizer); for a metric, jstrategy.metrics has "
+        "Keras's metrics by name (e.g. metrics=['sparse_categorical_accuracy']). Or train "
+        "the keras.Model with Keras's own fit inside strategy.scope()."
+    )
+
+
 def keras_object(
     identifier: Any,
     by_name: Mapping[str, Callable[[], Any]],
@@ -300,6 +325,7 @@ def keras_object(
     >>> keras_object(len, {}, int, lambda fn: fn.__name__, unknown=str, bad="")
     'len'
     """
+    refuse_keras_3_object(identifier)
     if base is not None and isinstance(identifier, base):
         return identifier
     if isinstance(identifier, str):

@@ -24,6 +24,7 @@ from jstrategy._src.training.optimizers import lion  # noqa: F401
 from jstrategy._src.training.optimizers import rmsprop  # noqa: F401
 from jstrategy._src.training.optimizers import sgd  # noqa: F401
 from jstrategy._src.training.optimizers.base import Optimizer
+from jstrategy._src.validation import refuse_keras_3_object
 
 __all__ = ["deserialize", "get", "resolve_optimizer", "serialize"]
 
@@ -127,6 +128,7 @@ def resolve_optimizer(optimizer: Any) -> tuple[Any, optax.GradientTransformation
     """
     if isinstance(optimizer, optax.GradientTransformation):
         return optimizer, optimizer
+    refuse_keras_3_object(optimizer)
     if isinstance(optimizer, (str, dict, Optimizer)):
         obj = get(optimizer)
         return obj, obj.tx
