@@ -180,24 +180,32 @@ def plan(
     state = _abstract_state(build(), strategy)
     program = step_lib.build_train_program(spec)
 
-    def peak_at(b: int) -> tuple[int, Any]:
-        """The peak at `b` rows and what was compiled; a program the compiler refuses for
-        memory (the TPU compiler checks the chip's) peaks at the compiler's figure, and
-        never fits `budget`."""
+    def compile_at(b: int) -> Any:
+        """The step compiled at `b` rows, or the compiler's refusal of it for memory (the
+        TPU compiler checks the chip's as it compiles)."""
         try:
-            compiled = program.lower(state, None, *_abstract_batch(batch, b, strategy)).compile()
+            return program.lower(state, None, *_abstract_batch(batch, b, strategy)).compile()
         except jax.errors.JaxRuntimeError as e:
             refusal = compiler_refusal(e)
             if refusal is None:
                 raise
-            return max(refusal.required or 0, budget + 1), refusal
+            return refusal
+
+    def peak_at(b: int) -> tuple[int, Any]:
+        compiled = compile_at(b)
+        if isinstance(compiled, CompilerRefusal):
+            return _refused_peak(compiled, budget), compiled
         return compiled_peak(compiled), compiled
 
-    peak, compiled = peak_at(rows)
+    compiled = compile_at(rows)
     refusal = compiled if isinstance(compiled, CompilerRefusal) else None
-    if refusal is not None and refusal.available is not None:
-        # The compiler's own budget is the chip's: the search and the verdict use it.
-        budget = min(budget, refusal.available)
+    if refusal is not None:
+        if refusal.available is not None:
+            # The compiler's budget is the chip's: the verdict and the search use it.
+            budget = min(budget, refusal.available)
+        peak = _refused_peak(refusal, budget)
+    else:
+        peak = compiled_peak(compiled)
     figures = _figures(state, compiled, peak, _abstract_batch(batch, rows, strategy)[0])
     largest, caveat = None, ""
     if find_largest_batch:
@@ -439,6 +447,12 @@ def _bytes(tree: Any) -> tuple[int, int]:
         else:
             device += n
     return device, host
+
+
+def _refused_peak(refusal: CompilerRefusal, budget: int) -> int:
+    """The peak of a step the compiler refused: its figure, and over `budget` whatever
+    that says (a refused step never fits)."""
+    return max(refusal.required or 0, budget + 1)
 
 
 def _figures(state: Any, compiled: Any, peak: int, batch: Any) -> dict[str, int]:
