@@ -9,6 +9,12 @@ OLDEST_PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 OLDEST := .venv-oldest
+# The TPU compiler without a TPU: libtpu, at the release jax[tpu] pins where the package
+# index has it (jax 0.12.1 pins 0.0.53.*; 0.0.52 compiles the same topologies), in its own
+# environment: libtpu changes JAX's backend discovery, and it allows one process per
+# machine at a time (a lockfile), so its lane runs in one process.
+TPU := .venv-tpu
+LIBTPU ?= libtpu>=0.0.52,<0.0.54
 FAKE_DEVICES := XLA_FLAGS=--xla_force_host_platform_device_count=8
 # Two pytest workers on CI's two cores; each worker fakes 8 devices.
 WORKERS ?= 2
@@ -21,7 +27,7 @@ OLDEST_LANE ?= tests/test_jax_compat.py tests/test_strategy.py tests/test_train_
 	tests/test_sharded.py tests/test_parameter_server.py tests/test_notebooks.py \
 	tests/test_pipeline.py tests/test_batch_region.py tests/test_flax_annotations.py
 
-.PHONY: demo test test-fast test-lane-a test-lane-b test-lane-c test-lane-d test-oldest lint bench format clean docs
+.PHONY: demo test test-fast test-lane-a test-lane-b test-lane-c test-lane-d test-oldest test-tpu-compile lint bench format clean docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +41,12 @@ $(VENV)/.demo: pyproject.toml | $(BIN)/python
 $(VENV)/.dev: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $@ $(VENV)/.demo
+
+$(TPU)/.dev: pyproject.toml
+	$(PYTHON) -m venv $(TPU)
+	$(TPU)/bin/python -m pip install --quiet --upgrade pip
+	$(TPU)/bin/python -m pip install --quiet -e '.[dev]' '$(LIBTPU)'
+	touch $@
 
 $(OLDEST)/.dev: pyproject.toml .ci/oldest-constraints.txt
 	$(OLDEST_PYTHON) -m venv $(OLDEST)
@@ -76,7 +88,7 @@ LANE_D ?= tests/test_parity_matrix.py tests/test_hybrid.py tests/test_offload.py
 
 test-lane-a: $(VENV)/.dev
 	$(BIN)/python -m pytest -n $(WORKERS) -q $(PYTEST_ARGS) \
-		$(addprefix --ignore=,$(LANE_B) $(LANE_C) $(LANE_D))
+		$(addprefix --ignore=,$(LANE_B) $(LANE_C) $(LANE_D) $(LANE_TPU))
 
 test-lane-b: $(VENV)/.dev
 	$(BIN)/python -m pytest -n $(WORKERS) -q $(PYTEST_ARGS) $(LANE_B)
@@ -86,6 +98,16 @@ test-lane-c: $(VENV)/.dev
 
 test-lane-d: $(VENV)/.dev
 	$(BIN)/python -m pytest -n $(WORKERS) -q $(PYTEST_ARGS) $(LANE_D)
+
+# Every strategy's train step compiled by the TPU compiler for a v5e 2x4 slice's
+# compile-only devices (no TPU): the seed's program under TPUStrategy, the sharded
+# strategies, the pipelines, ring attention, offloading (memory kinds kept), the notebooks'
+# programs, and a step the compiler refuses for memory. One process: libtpu's lockfile.
+LANE_TPU ?= tests/test_tpu_compile.py
+
+test-tpu-compile: $(TPU)/.dev
+	JSTRATEGY_TPU_COMPILE_LANE=1 $(TPU)/bin/python -m pytest -n 0 -q -m tpu_compile \
+		$(PYTEST_ARGS) $(LANE_TPU)
 
 test-oldest: $(OLDEST)/.dev
 	$(OLDEST)/bin/python -m pytest -n $(WORKERS) -q $(PYTEST_ARGS) $(OLDEST_LANE)
@@ -123,4 +145,4 @@ docs: $(VENV)/.docs
 	@echo "Documentation: docs/_build/html/index.html"
 
 clean:
-	rm -rf $(VENV) $(OLDEST) build dist *.egg-info
+	rm -rf $(VENV) $(OLDEST) $(TPU) build dist *.egg-info

@@ -25,9 +25,9 @@ def make_data(rows: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return x, (x @ w + noise > 0).astype(np.float32)
 
 
-def main(strategy: jstrategy.Strategy | None = None, epochs: int = 5, verbose: int = 2) -> Any:
-    """Builds, summarizes and trains the seed's model; returns the `History`."""
-    strategy = strategy or jstrategy.MirroredStrategy()
+def build(strategy: jstrategy.Strategy) -> jstrategy.Sequential:
+    """The seed's model, built and compiled under `strategy` (nothing placed yet: a
+    strategy over a TPU topology's compile-only devices plans it, tests/test_tpu_compile.py)."""
     with strategy.scope():
         model = jstrategy.Sequential()
         model.add(jstrategy.layers.Dense(16, activation="relu", input_shape=(10,)))
@@ -36,6 +36,12 @@ def main(strategy: jstrategy.Strategy | None = None, epochs: int = 5, verbose: i
         model.compile(
             loss=jstrategy.losses.BinaryCrossentropy(from_logits=True), optimizer=optimizer
         )
+    return model
+
+
+def main(strategy: jstrategy.Strategy | None = None, epochs: int = 5, verbose: int = 2) -> Any:
+    """Builds, summarizes and trains the seed's model; returns the `History`."""
+    model = build(strategy or jstrategy.MirroredStrategy())
     model.summary()
     x, y = make_data(1024)
     return model.fit(x, y, batch_size=64, epochs=epochs, verbose=verbose)

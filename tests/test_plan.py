@@ -3,6 +3,7 @@ compiled step of a real state, and its advice when the step does not fit."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -20,6 +21,8 @@ from jstrategy._src.input.placement import distribute_batch
 from jstrategy._src.training import data_adapters
 from jstrategy._src.training.plan import search
 from jstrategy._src.training.plan.planner import compiled_peak
+from jstrategy._src.training.plan.refusal import compiler_refusal
+from jstrategy._src.training.plan.report import advise
 from jstrategy.experimental import Fix
 from jstrategy.experimental import MemoryPlan
 from jstrategy.experimental import plan
@@ -464,3 +467,68 @@ def test_fsdp_over_every_device_is_not_advised_more_fsdp():
     planned = plan(memory_benchmark.MLP(), half, _batch(), find_largest_batch=False, **options)
     assert planned.fixes[0] is Fix.FSDP
     assert "More FSDP: split the variables over more of the 8 devices" in str(planned)
+
+
+# The compiler's refusal for memory (issue 46, item 4) --------------------------------------
+# The TPU compiler's own words: the issue's (a v5p chip) and libtpu 0.0.52's on a v5e chip.
+# tests/test_tpu_compile.py has the compiler refuse a real program; here, its text is read.
+ISSUE_REFUSAL = (
+    "RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total "
+    "memory required for HLO temporaries (227.62G) exceeds available HBM (95.73G). HLO "
+    "module: jit_program.\nSee https://openxla.org/xla/errors/error_1000 for more details."
+)
+V5E_REFUSAL = (
+    "RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total "
+    "memory required for HLO temporaries (16.38G) exceeds available HBM (15.75G). HLO "
+    "module: jit_traced.\nSee https://openxla.org/xla/errors/error_1000 for more details."
+)
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize(
+    ("text", "required", "available"),
+    [
+        (ISSUE_REFUSAL, 227.62, 95.73),
+        (V5E_REFUSAL, 16.38, 15.75),
+        (
+            "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 20.50G of "
+            "15.48G hbm. Exceeded hbm capacity by 5.02G.",
+            20.50,
+            15.48,
+        ),
+    ],
+    ids=["issue", "v5e", "allocator"],
+)
+def test_the_compilers_memory_refusal_is_read_with_its_figures(text, required, available):
+    refusal = compiler_refusal(jax.errors.JaxRuntimeError(text))
+    assert refusal.required == round(required * GIB)
+    assert refusal.available == round(available * GIB)
+    assert refusal.message == text.splitlines()[0]
+
+
+def test_other_errors_are_not_read_as_a_refusal():
+    assert compiler_refusal(ValueError("RESOURCE_EXHAUSTED: out of file descriptors")) is None
+    assert compiler_refusal(RuntimeError("CompileTimeHbmOom")) is None  # not the status
+    # A refusal whose message has no figure is still one.
+    bare = compiler_refusal("RESOURCE_EXHAUSTED: CompileTimeHbmOom: no figures here")
+    assert (bare.required, bare.available) == (None, None)
+
+
+def test_a_refused_plan_does_not_fit_and_says_why_with_the_advice():
+    refusal = compiler_refusal(ISSUE_REFUSAL)
+    figures = dict(parameters=40 * GIB, optimizer_state=80 * GIB, other_state=0,
+                   gradients=40 * GIB, inputs=GIB, activations=66 * GIB)  # fmt: skip
+    found = MemoryPlan(strategy="MirroredStrategy(...)", devices=4, batch_size=64,
+                       peak=refusal.required, host=0, device_memory=refusal.available,
+                       largest_batch=None, advice=(), searched=False,
+                       compiler_refusal=refusal, **figures)  # fmt: skip
+    assert not found.fits
+    advice = advise(found, split=1, device_count=4, remat="wrap", accumulation_steps=1,
+                    multiple=4)  # fmt: skip
+    text = str(dataclasses.replace(found, advice=advice))
+    assert "DOES NOT FIT (238% of device memory)" in text
+    assert "the compiler refused it: RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom" in text
+    assert "227.62G" in text and "compiled peak" in text and "227.62 GiB" in text
+    assert [a.fix for a in advice][:2] == [Fix.FSDP, Fix.OFFLOAD_OPTIMIZER]
+    # Under the compiler's budget but refused all the same: still not fitting.
+    assert not dataclasses.replace(found, device_memory=2 * refusal.required).fits

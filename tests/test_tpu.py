@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+import jax
 import numpy as np
 import pytest
 
@@ -107,6 +108,22 @@ def test_switch_runs_tpu_code_on_other_devices(monkeypatch):
     assert int(total) == 28
     assert resolver.num_accelerators() == {}
     assert jstrategy.experimental.TPUStrategy is jstrategy.TPUStrategy
+
+
+def test_strategy_over_given_devices_checks_they_are_tpu_cores(monkeypatch):
+    """``devices=``: a TPU slice's cores, e.g. a topology's compile-only ones to plan for
+    (tests/test_tpu_compile.py builds it over a v5e slice through libtpu)."""
+    monkeypatch.delenv(tpu.ALLOW_NON_TPU_ENV, raising=False)
+    with pytest.raises(ValueError, match=r"`devices` must be TPU cores; got devices of \['cpu'\]"):
+        jstrategy.TPUStrategy(devices=["cpu:0", "cpu:1"])
+    with pytest.raises(ValueError, match=r"`devices` must be non-empty"):
+        jstrategy.TPUStrategy(devices=[])
+    # The switch for tests and notebooks lets other devices stand in, as without `devices`.
+    monkeypatch.setenv(tpu.ALLOW_NON_TPU_ENV, "1")
+    strategy = jstrategy.TPUStrategy(devices=jax.devices()[:2])
+    assert strategy.num_replicas_in_sync == 2
+    total = strategy.run(lambda: jstrategy.get_replica_context().all_reduce("SUM", 1.0))
+    assert float(total) == 2.0
 
 
 def test_resolver_and_strategy_validate():

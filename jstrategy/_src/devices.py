@@ -10,7 +10,7 @@ import jax
 
 from jstrategy._src.validation import is_int
 
-__all__ = ["DeviceSpec", "canonical_name", "resolve_device", "resolve_devices"]
+__all__ = ["DeviceSpec", "canonical_name", "compile_only", "resolve_device", "resolve_devices"]
 
 DeviceSpec: TypeAlias = str | jax.Device
 
@@ -35,6 +35,22 @@ def canonical_name(device: jax.Device) -> str:
     same = [d for d in _local_devices(platform) if d.process_index == device.process_index]
     index = same.index(device) if device in same else device.id
     return f"{platform}:{index}"
+
+
+def compile_only(device: jax.Device) -> bool:
+    """Whether JAX can compile for `device` but not run on it: a TPU topology's device
+    (`jstrategy.experimental.topology_devices`), which no backend of this process has.
+
+    Example:
+
+    >>> import jax
+    >>> compile_only(jax.devices()[0])
+    False
+    """
+    try:
+        return device not in jax.devices(device.platform)
+    except RuntimeError:  # no backend for the platform here (a topology's, without it)
+        return True
 
 
 def _local_devices(platform: str) -> list[jax.Device]:

@@ -33,6 +33,7 @@ __all__ = [
     "in_host_memory",
     "lower_creation",
     "moved_to_device",
+    "moved_to_host",
     "place_state",
     "splits",
     "variable_shardings",
@@ -289,6 +290,21 @@ def moved_to_device(tree: Any, shardings: Any) -> Any:
         if sharding.memory_kind in HOST_MEMORY_KINDS:
             return jax.device_put(x, sharding.with_memory_kind("device"))
         return x
+
+    return jax.tree.map(move, tree, shardings)
+
+
+def moved_to_host(tree: Any, shardings: Any) -> Any:
+    """Inside a program: each leaf of `tree` whose sharding (in `shardings`, shaped like
+    `tree`) is in host memory, moved there; the others as they are.
+
+    The leaves that stay in device memory are not put at all: the TPU compiler refuses a
+    program that puts a PRNG key (an extended dtype) beside a move between memory kinds
+    (its sharding constraint takes the key's logical rank for its physical one).
+    """
+
+    def move(x: Any, sharding: jax.sharding.Sharding) -> Any:
+        return jax.device_put(x, sharding) if sharding.memory_kind in HOST_MEMORY_KINDS else x
 
     return jax.tree.map(move, tree, shardings)
 

@@ -46,6 +46,7 @@ from jstrategy._src.numerics import means
 from jstrategy._src.placement import in_device_memory
 from jstrategy._src.placement import in_host_memory
 from jstrategy._src.placement import moved_to_device
+from jstrategy._src.placement import moved_to_host
 from jstrategy._src.placement import variable_shardings
 
 if TYPE_CHECKING:
@@ -256,7 +257,7 @@ class _ShardedTrainProgram:
             # Where the strategy keeps each variable, after every step of a scan too.
             state = jax.lax.with_sharding_constraint(state, on_device)
             if offloaded:
-                state = jax.device_put(state, shardings)
+                state = moved_to_host(state, shardings)
             return state, _accumulate(acc, sums)
 
         return jax.jit(

@@ -33,6 +33,7 @@ from jstrategy._src.strategies.multi_worker import (
 from jstrategy._src.strategies.tpu import TPUStrategy
 from jstrategy._src.strategy import ValueContext
 from jstrategy._src.training.plan.planner import plan
+from jstrategy._src.training.plan.refusal import CompilerRefusal
 from jstrategy._src.training.plan.report import Advice
 from jstrategy._src.training.plan.report import Fix
 from jstrategy._src.training.plan.report import MemoryPlan
@@ -46,6 +47,7 @@ __all__ = [
     "CollectiveCommunication",
     "CommunicationImplementation",
     "CommunicationOptions",
+    "CompilerRefusal",
     "DeviceMesh",
     "FSDPStrategy",
     "Fix",

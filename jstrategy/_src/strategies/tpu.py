@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from jax.experimental import mesh_utils
 
+from jstrategy._src import devices as devices_lib
 from jstrategy._src.cluster import join as cluster_lib
 from jstrategy._src.cluster.spec import ClusterSpec
 from jstrategy._src.strategy import Strategy
@@ -262,9 +263,16 @@ class TPUStrategy(Strategy):
       experimental_device_assignment: accepted for compatibility; must be None (the
         replica order always follows the physical topology).
       cluster_resolver: keyword alias of `tpu_cluster_resolver`.
+      devices: the TPU cores to replicate over instead of the resolver's: e.g. a TPU
+        topology's compile-only devices (`jstrategy.experimental.topology_devices`), to
+        `jstrategy.experimental.plan` a slice this process does not have (libtpu
+        installed, no TPU needed). The resolver is then not asked for devices and no
+        cluster is joined. None (the default) uses every core the resolver finds.
 
     Raises:
       RuntimeError: without a TPU, naming the devices found (see ``JSTRATEGY_ALLOW_NON_TPU``).
+      ValueError: for `devices` that are empty, name a device twice or one that does not
+        exist, or are not TPU cores (unless ``JSTRATEGY_ALLOW_NON_TPU=1``).
 
     Example:
 
@@ -283,6 +291,7 @@ class TPUStrategy(Strategy):
         experimental_device_assignment: Any = None,
         *,
         cluster_resolver: TPUClusterResolver | None = None,
+        devices: Sequence[devices_lib.DeviceSpec] | None = None,
     ):
         if tpu_cluster_resolver is not None and cluster_resolver is not None:
             raise ValueError(
@@ -294,8 +303,15 @@ class TPUStrategy(Strategy):
                 f"{experimental_device_assignment!r}. TPUStrategy always uses every core of "
                 "the slice in topology order; use jax.sharding directly for custom layouts."
             )
+        given = None if devices is None else _tpu_cores(devices)
         resolver = tpu_cluster_resolver or cluster_resolver or TPUClusterResolver()
         self._cluster_resolver = resolver
+        if given is not None:
+            # Devices named by the caller (a topology's compile-only cores among them):
+            # nothing to find or join.
+            self._cluster = None
+            super().__init__(tpu_device_order(given))
+            return
         # A multi-host slice not connected yet (`experimental_connect_to_cluster`) joins now.
         self._cluster = cluster_lib.join(resolver)
         super().__init__(tpu_device_order(resolver.devices()))
@@ -303,3 +319,16 @@ class TPUStrategy(Strategy):
     @property
     def cluster_resolver(self) -> TPUClusterResolver:
         return self._cluster_resolver
+
+
+def _tpu_cores(devices: Sequence[devices_lib.DeviceSpec]) -> list[jax.Device]:
+    """`TPUStrategy`'s ``devices=``, checked: TPU cores (real or compile-only)."""
+    cores = devices_lib.resolve_devices(devices)
+    others = sorted({d.platform for d in cores} - {"tpu"})
+    if others and not _allow_non_tpu():
+        raise ValueError(
+            f"`devices` must be TPU cores; got devices of {others}. Pass a TPU's devices "
+            '(jax.devices("tpu"), or jstrategy.experimental.topology_devices("v5e:2x4") '
+            f"without a TPU), or set {ALLOW_NON_TPU_ENV}=1 to run TPU code on other devices."
+        )
+    return cores

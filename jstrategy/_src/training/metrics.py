@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jstrategy._src import context
+from jstrategy._src import devices as devices_lib
 from jstrategy._src.reduce_util import ReduceOp
 from jstrategy._src.registry import register_kind
 from jstrategy._src.registry import register_saveable
@@ -215,7 +216,9 @@ class _Totals:
             totals._ps_variables = ps.create_variables(zeros)
         else:
             totals._holder = SummedOnRead(zeros, name=f"the metric {name!r}")
-            if strategy is not None:
+            # A TPU topology's compile-only devices hold nothing: a model planned there
+            # (`jstrategy.experimental.plan`) places its metrics where first used.
+            if strategy is not None and not devices_lib.compile_only(strategy.mesh.devices.flat[0]):
                 totals._holder.value_on(strategy)
         return totals
 

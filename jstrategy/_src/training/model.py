@@ -20,6 +20,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jstrategy._src import devices as devices_lib
 from jstrategy._src.precision import policy as mp
 from jstrategy._src.registry import register_kind
 from jstrategy._src.registry import register_saveable
@@ -39,6 +40,7 @@ from jstrategy._src.training.state import trainable as trainable_lib
 from jstrategy._src.training.state.global_batch import BatchNormSync
 from jstrategy._src.training.state.nnx import create_nnx_train_state
 from jstrategy._src.training.state.train_state import create_train_state
+from jstrategy._src.training.state.train_state import train_state_shapes
 from jstrategy._src.training.step import body as step_lib
 from jstrategy._src.training.trainer import Trainer
 from jstrategy._src.utils.random_seed import default_seed
@@ -132,7 +134,9 @@ class Model(SavingMixin, CustomLoopMixin):
                 module, optax.identity(), strategy=self.strategy, dtype_policy=policy
             )
             self._trainer.set_state(state)
-        elif self._input_shape is not None:
+        elif self._input_shape is not None and not self._compile_only():
+            # A TPU topology's compile-only devices hold no variables: the model is
+            # planned (`jstrategy.experimental.plan`) and summarized from its shapes.
             self._build(jnp.zeros((1, *self._input_shape), input_dtype))
 
     # Properties ---------------------------------------------------------------------------
@@ -479,9 +483,14 @@ class Model(SavingMixin, CustomLoopMixin):
         Total params: 21 (84.00 B)
         ...
         """
+        state = self._trainer.state
+        if state is None and self._input_shape is not None and self._compile_only():
+            state = self._state_shapes()
+        else:
+            state = self.state
         # The layers' trainable flags as they are now, as Keras's summary counts them.
         state = trainable_lib.with_current_plan(
-            self.state, self.module, self._sample_row(), self._trainable, None, self._user_layers()
+            state, self.module, self._sample_row(), self._trainable, None, self._user_layers()
         )
         table = summary_lib.model_table(
             state, self.module, self._input_shape, self._input_dtype, self.name
@@ -524,6 +533,24 @@ class Model(SavingMixin, CustomLoopMixin):
         16
         """
         return summary_lib.count_params(self.state.variables)
+
+    def _compile_only(self) -> bool:
+        """Whether the strategy's devices can only be compiled for (`topology_devices`)."""
+        mesh = getattr(self.strategy, "mesh", None)
+        return mesh is not None and devices_lib.compile_only(mesh.devices.flat[0])
+
+    def _state_shapes(self) -> Any:
+        """The train state's shapes, placed as the strategy would, without creating it."""
+        trainer = self._trainer
+        return train_state_shapes(
+            self.module,
+            trainer.initial_tx(),
+            self._sample_row(),
+            rng=trainer.seed,
+            strategy=self.strategy,
+            train_arg=self._train_arg,
+            dtype_policy=trainer.policy,
+        )
 
     def _sample_row(self) -> Any:
         shape = self._input_shape

@@ -27,6 +27,8 @@ from jstrategy._src.strategy import get_strategy
 from jstrategy._src.training import input_checks
 from jstrategy._src.training.model import Model
 from jstrategy._src.training.optimizers.serialization import resolve_optimizer
+from jstrategy._src.training.plan.refusal import CompilerRefusal
+from jstrategy._src.training.plan.refusal import compiler_refusal
 from jstrategy._src.training.plan.report import MemoryPlan
 from jstrategy._src.training.plan.report import Remat
 from jstrategy._src.training.plan.report import advise
@@ -85,8 +87,9 @@ def plan(
     compiler's on fake CPU devices; a GPU's or TPU's differ, their ratios carry over).
     The strategy's mesh is the one compiled for: for a mesh this process does not have,
     build the strategy over `jstrategy.experimental.topology_devices` (a TPU topology's
-    compile-only devices, e.g. ``FSDPStrategy(devices=topology_devices("v5e:16x16"))``;
-    it needs libtpu installed, no TPU). JAX 0.12 has no such topologies for CPU or GPU
+    compile-only devices, e.g. ``FSDPStrategy(devices=topology_devices("v5e:16x16"))`` or
+    ``TPUStrategy(devices=...)``, and a `Model` created in its scope; it needs libtpu
+    installed, no TPU). JAX 0.12 has no such topologies for CPU or GPU
     (`topology_devices` says so, with the fix): to plan for N CPU devices, run the plan in
     a process started with ``XLA_FLAGS=--xla_force_host_platform_device_count=N``. For `CentralStorageStrategy`
     the figures are the replicas' gradient program's (the update runs on the host copy).
@@ -118,6 +121,13 @@ def plan(
         more compiles; the answer is a size compiled and verified to fit, within one
         ``batch_multiple`` or 1/32 of the largest, or else labelled a lower bound:
         `MemoryPlan.largest_batch_caveat`).
+
+    A step the compiler refuses for memory (the TPU compiler checks the chip's HBM as it
+    compiles, on a topology's compile-only devices too: ``RESOURCE_EXHAUSTED:
+    CompileTimeHbmOom``) is planned as not fitting, never raised: the plan's peak is the
+    compiler's figure, its budget at most the chip's as the compiler gave it
+    (`MemoryPlan.compiler_refusal`), and the advice follows from the state's shapes; the
+    batch search counts each size the compiler refuses as not fitting.
 
     Returns:
       A `MemoryPlan`; ``print(plan)`` shows its table.
@@ -170,12 +180,33 @@ def plan(
     state = _abstract_state(build(), strategy)
     program = step_lib.build_train_program(spec)
 
+    def compile_at(b: int) -> Any:
+        """The step compiled at `b` rows, or the compiler's refusal of it for memory (the
+        TPU compiler checks the chip's as it compiles)."""
+        try:
+            return program.lower(state, None, *_abstract_batch(batch, b, strategy)).compile()
+        except jax.errors.JaxRuntimeError as e:
+            refusal = compiler_refusal(e)
+            if refusal is None:
+                raise
+            return refusal
+
     def peak_at(b: int) -> tuple[int, Any]:
-        compiled = program.lower(state, None, *_abstract_batch(batch, b, strategy)).compile()
+        compiled = compile_at(b)
+        if isinstance(compiled, CompilerRefusal):
+            return _refused_peak(compiled, budget), compiled
         return compiled_peak(compiled), compiled
 
-    peak, compiled = peak_at(rows)
-    figures = _figures(state, compiled, peak)
+    compiled = compile_at(rows)
+    refusal = compiled if isinstance(compiled, CompilerRefusal) else None
+    if refusal is not None:
+        if refusal.available is not None:
+            # The compiler's budget is the chip's: the verdict and the search use it.
+            budget = min(budget, refusal.available)
+        peak = _refused_peak(refusal, budget)
+    else:
+        peak = compiled_peak(compiled)
+    figures = _figures(state, compiled, peak, _abstract_batch(batch, rows, strategy)[0])
     largest, caveat = None, ""
     if find_largest_batch:
         largest, caveat = largest_batch(peak_at, rows, peak, budget, strategy.batch_multiple)
@@ -189,6 +220,7 @@ def plan(
         searched=find_largest_batch,
         largest_batch_caveat=caveat,
         advice=(),
+        compiler_refusal=refusal,
         **figures,
     )
     if found.fits:
@@ -417,7 +449,16 @@ def _bytes(tree: Any) -> tuple[int, int]:
     return device, host
 
 
-def _figures(state: Any, compiled: Any, peak: int) -> dict[str, int]:
+def _refused_peak(refusal: CompilerRefusal, budget: int) -> int:
+    """The peak of a step the compiler refused: its figure, and over `budget` whatever
+    that says (a refused step never fits)."""
+    return max(refusal.required or 0, budget + 1)
+
+
+def _figures(state: Any, compiled: Any, peak: int, batch: Any) -> dict[str, int]:
+    """The plan's figures from the state's shapes and the compiled program; from the shapes
+    alone where the compiler refused it (`compiled` a `CompilerRefusal`: its figure is the
+    peak)."""
     params = _bytes(state.params)[0]
     opt = _bytes(state.opt_state)[0]
     total, total_host = _bytes(state)
@@ -432,9 +473,14 @@ def _figures(state: Any, compiled: Any, peak: int) -> dict[str, int]:
         * leaf.dtype.itemsize
         for leaf in jax.tree.leaves(state.params)
     )
-    arguments = hlo.device_arguments_bytes(compiled)
-    inputs = max(0, arguments - total)
-    in_host_memory = arguments < compiled.memory_analysis().argument_size_in_bytes
+    if isinstance(compiled, CompilerRefusal):
+        inputs = _bytes(batch)[0]
+        arguments = total + inputs
+        in_host_memory = True  # no program to say otherwise: the strategy's layout
+    else:
+        arguments = hlo.device_arguments_bytes(compiled)
+        inputs = max(0, arguments - total)
+        in_host_memory = arguments < compiled.memory_analysis().argument_size_in_bytes
     if total_host and not in_host_memory:
         # CentralStorage: the gradient program takes the host copy whole on each replica
         # (an offloading strategy's program takes its host leaves in host memory).

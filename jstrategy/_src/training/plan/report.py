@@ -10,6 +10,8 @@ import dataclasses
 import enum
 from typing import Literal
 
+from jstrategy._src.training.plan.refusal import CompilerRefusal
+
 __all__ = ["Advice", "Fix", "MemoryPlan", "Remat", "advise", "format_bytes"]
 
 #: Whether a step can rematerialize (`advise`'s ``remat``).
@@ -98,6 +100,12 @@ class MemoryPlan:
         grew between two compiled sizes, so a larger batch may fit past them; or the
         search stopped at its compile limit first). `largest_batch_is_lower_bound` says
         whether there is one.
+      compiler_refusal: None when the step compiled; else the compiler's refusal for
+        memory (the TPU compiler checks the chip's HBM as it compiles, on compile-only
+        devices too): the step does not fit, `peak` is the compiler's figure (what it
+        said the program needs), `device_memory` at most what it said the chip has, and
+        the figures from `parameters` to `inputs` are the state's and the batch's
+        shapes' (the rest of the peak is `activations`).
 
     Example:
 
@@ -132,11 +140,12 @@ class MemoryPlan:
     advice: tuple[Advice, ...]
     searched: bool = True
     largest_batch_caveat: str = ""
+    compiler_refusal: CompilerRefusal | None = None
 
     @property
     def fits(self) -> bool:
-        """Whether the step's peak fits `device_memory`."""
-        return self.peak <= self.device_memory
+        """Whether the step compiled and its peak fits `device_memory`."""
+        return self.compiler_refusal is None and self.peak <= self.device_memory
 
     @property
     def largest_batch_is_lower_bound(self) -> bool:
@@ -170,6 +179,8 @@ class MemoryPlan:
         share = self.peak / self.device_memory if self.device_memory else float("inf")
         verdict = "fits" if self.fits else "DOES NOT FIT"
         lines.append(f"  {verdict} ({share:.0%} of device memory)")
+        if self.compiler_refusal is not None:
+            lines.append(f"  the compiler refused it: {self.compiler_refusal.message}")
         largest = "none" if self.largest_batch is None else str(self.largest_batch)
         if not self.searched:
             largest = "not searched (find_largest_batch=False)"
