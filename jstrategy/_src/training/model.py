@@ -94,6 +94,16 @@ class Model(SavingMixin, CustomLoopMixin):
     (2, (8, 1))
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Keras's functional API, ``Model(inputs, outputs)``, makes a `Functional` (as
+        # ``keras.Model`` does); a module makes a Model of that module.
+        if cls is Model:
+            from jstrategy._src.training import functional
+
+            if functional.is_functional_call(args, kwargs):
+                return super().__new__(functional.Functional)
+        return super().__new__(cls)
+
     def __init__(
         self,
         module: Any,
@@ -804,10 +814,12 @@ def _check_keras_compile_options(
     if loss_weights is not None:
         raise ValueError(
             f"`loss_weights` weighs the losses of a multi-output Keras model; got "
-            f"{loss_weights!r}, but jstrategy's compile takes one loss over the module's "
-            "whole output (a dict or tuple output goes to one loss function). Weigh inside "
-            "the loss: loss=lambda y, p: 0.7 * loss_a(y['a'], p['a']) + 0.3 * "
-            "loss_b(y['b'], p['b']) (a def, to save the model), and pass loss_weights=None."
+            f"{loss_weights!r}, but this model's compile takes one loss over the module's "
+            "whole output (a dict or tuple output goes to one loss function). Build the "
+            "model with Keras's functional API, jstrategy.Model(inputs, outputs), whose "
+            "compile takes a loss per output and loss_weights; or weigh inside the loss: "
+            "loss=lambda y, p: 0.7 * loss_a(y['a'], p['a']) + 0.3 * loss_b(y['b'], p['b']) "
+            "(a def, to save the model), and pass loss_weights=None."
         )
     if run_eagerly is not False:
         raise ValueError(
