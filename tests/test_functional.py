@@ -283,3 +283,10 @@ def test_model_arguments_are_checked_with_the_fix():
         model.predict([*xs, xs[0]], verbose=0)
     with pytest.raises(ValueError, match=r"has 2 outputs .*y is one array"):
         model.fit(xs, ys[0], verbose=0)
+
+
+def test_a_model_is_not_called_as_a_layer_of_another():
+    x = jstrategy.Input((4,))
+    inner = jstrategy.Model(x, L.Dense(2)(x))
+    with pytest.raises(TypeError, match=r"not called as a layer of a functional model"):
+        inner(jstrategy.Input((4,)))

@@ -21,7 +21,14 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-__all__ = ["KerasTensor", "Node", "contains_symbolic", "input_tensor", "symbolic_call"]
+__all__ = [
+    "KerasTensor",
+    "Node",
+    "contains_symbolic",
+    "input_layer_of",
+    "input_tensor",
+    "symbolic_call",
+]
 
 _FIX = (
     "Use a jstrategy.layers layer for it, wrap the computation in jstrategy.layers.Lambda(fn) "
@@ -115,6 +122,14 @@ class KerasTensor:
 def contains_symbolic(args: Any, kwargs: Any = None) -> bool:
     """Whether `args` / `kwargs` hold a `KerasTensor` anywhere."""
     return any(isinstance(leaf, KerasTensor) for leaf in jax.tree.leaves((args, kwargs)))
+
+
+def input_layer_of(value: Any) -> Any:
+    """The `InputLayer` of a `jstrategy.Input` tensor; anything else as it is (a list of
+    layers may start with ``jstrategy.Input(...)``, as Keras's Sequential's does)."""
+    if isinstance(value, KerasTensor) and not value.node.inputs and value.node.structure is None:
+        return value.node.layer
+    return value
 
 
 def input_tensor(layer: Any) -> KerasTensor:

@@ -23,6 +23,7 @@ from jstrategy._src.layers.base import Layer
 from jstrategy._src.layers.core import Input
 from jstrategy._src.layers.core import InputLayer
 from jstrategy._src.layers.symbolic import KerasTensor
+from jstrategy._src.layers.symbolic import input_layer_of
 from jstrategy._src.precision import policy as mp
 from jstrategy._src.registry import register_saveable
 from jstrategy._src.training import functional_graph
@@ -304,7 +305,11 @@ class Functional(KerasLayers, Model):
         """The functional model a saved config describes (`module`: None, or its layers
         in the saved order when their config was not saved)."""
         if isinstance(module, (list, tuple, Functional)):
-            layers = module.layers if isinstance(module, Functional) else list(module)
+            layers = (
+                module.layers
+                if isinstance(module, Functional)
+                else [input_layer_of(layer) for layer in module]
+            )
         elif module is None and config.get("layers") is not None:
             layers = [serialization.deserialize(entry) for entry in config["layers"]]
         else:
@@ -378,14 +383,3 @@ def _replay(graph: dict[str, Any], layers: list[Any]) -> tuple[Any, Any]:
         out = layer(tree(args)) if training is None else layer(tree(args), training=training)
         tensors.extend(jax.tree.leaves(out))
     return inputs, tree(graph["outputs"])
-
-
-def is_functional_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether ``Model(*args, **kwargs)`` is Keras's ``Model(inputs, outputs)``: inputs
-    by keyword, or symbolic tensors (or a list/dict of them) first."""
-    if "inputs" in kwargs or "outputs" in kwargs:
-        return True
-    if not args:
-        return False
-    leaves = jax.tree.leaves(args[0], is_leaf=lambda v: not isinstance(v, (list, tuple, dict)))
-    return bool(leaves) and all(isinstance(leaf, KerasTensor) for leaf in leaves)

@@ -29,6 +29,7 @@ from jstrategy._src.layers.base import auto_name
 from jstrategy._src.layers.base import call_layer
 from jstrategy._src.layers.core import InputLayer
 from jstrategy._src.layers.symbolic import KerasTensor
+from jstrategy._src.layers.symbolic import input_layer_of
 from jstrategy._src.precision import policy as mp
 from jstrategy._src.registry import register_saveable
 from jstrategy._src.training.model import Model
@@ -303,7 +304,7 @@ class Sequential(KerasLayers, Model):
         if isinstance(module, Sequential):
             layers: list[Any] = module.layers
         elif isinstance(module, (list, tuple)):
-            layers = list(module)
+            layers = [input_layer_of(layer) for layer in module]
         elif module is None and config.get("layers") is not None:
             layers = _rebuilt_layers(config, path)
         else:

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jstrategy._src.layers import serialization
+from jstrategy._src.layers import symbolic
 from jstrategy._src.registry import saveable_name
 from jstrategy._src.registry import saved_class
 from jstrategy._src.training import losses as losses_lib
@@ -581,7 +582,7 @@ def _given_layers(module: Any) -> list[Any] | None:
     """The layers `load_model` was given for a `Sequential` (a list, or a `Sequential`
     whose ``layers`` they are), or None for a module."""
     if isinstance(module, (list, tuple)):
-        return list(module)
+        return [symbolic.input_layer_of(layer) for layer in module]
     if isinstance(module, nn.Module):  # a Flax module, Flax's own nn.Sequential included
         return None
     layers = getattr(module, "layers", None)
