@@ -8,6 +8,8 @@ by name), several outputs with a loss each, shared layers, Keras's order of laye
 weights, summary's "Connected to", saving the graph, and the errors that name the fix.
 """
 
+import json
+
 import flax.linen as nn
 import jax
 import numpy as np
@@ -206,6 +208,13 @@ def test_save_and_load_rebuild_the_graph(tmp_path):
     labels = list(_data()[2:])
     logs = model.evaluate([a, b], labels, return_dict=True, verbose=0)
     assert compiled.evaluate([a, b], labels, return_dict=True, verbose=0) == logs
+    # A damaged file names the field.
+    file = tmp_path / "model" / "jstrategy_model.json"
+    config = json.loads(file.read_text())
+    config["compile"]["outputs"]["loss_weights"] = {"cls": "heavy"}
+    file.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"`compile.outputs.loss_weights` must be an object"):
+        jstrategy.models.load_model(tmp_path / "model")
     # A single-output model, compiled, comes back compiled.
     x = jstrategy.Input((6,))
     single = jstrategy.Model(x, L.Dense(2)(L.Dense(4, activation="relu")(x)))

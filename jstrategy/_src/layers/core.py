@@ -182,7 +182,7 @@ class Lambda(Layer):
 
     @nn.compact
     def __call__(self, inputs: Any, training: bool | None = None) -> Any:
-        return self.function(self.cast_inputs(inputs) if self.dtype else inputs)
+        return self.function(jax.tree.map(self.cast_inputs, inputs))
 
 
 @register_saveable(kind="layer")

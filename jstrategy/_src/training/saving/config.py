@@ -436,11 +436,14 @@ def _check_compile(fields: _Fields, compiled: dict[str, Any]) -> None:
     )
 
 
+def _is_dict(value: Any) -> bool:
+    return isinstance(value, dict)
+
+
 def _check_outputs(fields: _Fields, outputs: dict[str, Any]) -> None:
     """A multi-output functional model's ``compile.outputs``: dicts by output name."""
-    is_dict = lambda v: isinstance(v, dict)  # noqa: E731
     for name, entry in fields.get(
-        outputs, "loss", "compile.outputs.loss", "an object", is_dict
+        outputs, "loss", "compile.outputs.loss", "an object", _is_dict
     ).items():
         _check_entry(fields, entry, f"compile.outputs.loss.{name}", "loss")
     fields.get(
@@ -448,7 +451,7 @@ def _check_outputs(fields: _Fields, outputs: dict[str, Any]) -> None:
         "loss_weights",
         "compile.outputs.loss_weights",
         "an object of numbers",
-        lambda v: is_dict(v) and all(isinstance(w, (int, float)) for w in v.values()),
+        lambda v: _is_dict(v) and all(isinstance(w, (int, float)) for w in v.values()),
     )
     for field in ("metrics", "weighted_metrics"):
         where = f"compile.outputs.{field}"
@@ -457,7 +460,7 @@ def _check_outputs(fields: _Fields, outputs: dict[str, Any]) -> None:
             field,
             where,
             "an object of lists",
-            lambda v: is_dict(v) and all(isinstance(e, list) for e in v.values()),
+            lambda v: _is_dict(v) and all(isinstance(e, list) for e in v.values()),
         )
         for name, entries in lists.items():
             for i, entry in enumerate(entries):
