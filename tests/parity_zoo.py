@@ -16,6 +16,9 @@ way of annotating a model for a mesh:
 * ``keras_1d``: a `jstrategy.Sequential` of Keras's layers over sequences: Embedding,
   Conv1D (causal, then same), BatchNormalization, ReLU, MaxPooling1D, Dropout,
   AveragePooling1D, GlobalAveragePooling1D, Dense.
+* ``functional``: a model of Keras's functional API (``jstrategy.Model(inputs, outputs)``):
+  Dense, BatchNormalization, ReLU, Dropout, a shared Dense called on two branches,
+  Concatenate and Add.
 * ``linen``: a linen module with Flax's ``nn.BatchNorm`` and ``nn.Dropout``.
 * ``linen_annotated``: a linen module annotated for a ``("data", "model")`` mesh:
   ``nn.with_partitioning``, ``nn.with_logical_partitioning`` and
@@ -55,6 +58,7 @@ from jstrategy import layers as L
 from jstrategy import training
 from jstrategy._src import dispatch
 from jstrategy._src.input.placement import distribute_batch
+from jstrategy._src.training import functional_graph as functional_graph_lib
 
 ROWS = 64
 BATCH = 16  # 4 steps an epoch: one execution of steps_per_execution=4
@@ -118,6 +122,19 @@ KERAS_LAYERS: dict[str, Callable[[], list[Any]]] = {
     "keras": keras_layers,
     "keras_1d": keras_1d_layers,
 }
+
+
+def functional_graph() -> tuple[Any, Any]:
+    """The ``functional`` model's inputs and outputs (Keras's functional API)."""
+    x = jstrategy.Input((FEATURES,))
+    h = L.Dropout(0.25)(L.ReLU()(L.BatchNormalization()(L.Dense(16, use_bias=False)(x))))
+    shared = L.Dense(8, activation="tanh")
+    h = L.Concatenate()([shared(h), shared(L.Dense(16)(x))])
+    return x, L.Dense(CLASSES)(L.Add()([h, L.Dense(16)(x)]))
+
+
+#: The models written in Keras's functional API, and their graphs.
+FUNCTIONAL: dict[str, Callable[[], tuple[Any, Any]]] = {"functional": functional_graph}
 
 
 class LinenNet(nn.Module):
@@ -209,6 +226,8 @@ def keras3_net() -> nn.Module:
 def _linen(model: str) -> nn.Module:
     if model in KERAS_LAYERS:
         return KerasLayersNet(model)
+    if model in FUNCTIONAL:  # the module jstrategy.Model(inputs, outputs) trains
+        return functional_graph_lib.trace(*FUNCTIONAL[model]()).module
     return {
         "linen": LinenNet,
         "linen_annotated": AnnotatedNet,
@@ -225,7 +244,16 @@ def make_nnx(outside: bool) -> nnx.Module:
         return NnxNet(nnx.Rngs(0))
 
 
-MODELS = ("keras", "keras_1d", "linen", "linen_annotated", "nnx", "repeated", "keras3")
+MODELS = (
+    "keras",
+    "keras_1d",
+    "functional",
+    "linen",
+    "linen_annotated",
+    "nnx",
+    "repeated",
+    "keras3",
+)
 
 
 # Strategies ----------------------------------------------------------------------------
@@ -316,6 +344,8 @@ def _compiled_model(model: str, strategy: jstrategy.Strategy, outside: bool, spe
         made = (
             KERAS_LAYERS[model]()
             if model in KERAS_LAYERS
+            else FUNCTIONAL[model]()
+            if model in FUNCTIONAL
             else make_nnx(True)
             if model == "nnx"
             else _linen(model)
@@ -323,6 +353,8 @@ def _compiled_model(model: str, strategy: jstrategy.Strategy, outside: bool, spe
     with strategy.scope():
         if model in KERAS_LAYERS:
             m = jstrategy.Sequential(made if made is not None else KERAS_LAYERS[model]())
+        elif model in FUNCTIONAL:
+            m = jstrategy.Model(*(made if made is not None else FUNCTIONAL[model]()))
         elif model == "nnx":
             m = jstrategy.Model(made if made is not None else make_nnx(False))
         else:

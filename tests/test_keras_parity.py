@@ -147,7 +147,7 @@ def test_set_random_seed_seeds_models_made_without_a_seed():
         (jstrategy.layers, "LSTM", r"flax.linen.RNN\(flax.linen.OptimizedLSTMCell"),
         (jstrategy.layers, "Conv3D", r"flax.linen.Conv\(filters, kernel_size=\(k, k, k\)\)"),
         (jstrategy.layers, "Softmax", r"Activation\('softmax'\)"),
-        (jstrategy.layers, "Multiply", r"a Flax module whose __call__ combines its branches"),
+        (jstrategy.layers, "Multiply", r"jstrategy.layers.Lambda\(lambda t: t\[0\] \* t\[1\]\)"),
         (jstrategy.utils, "plot_model", r"model.summary\(\)"),
         (jstrategy.optimizers, "LossScaleOptimizer", r"mixed_float16"),
         (jstrategy.models, "Sequential", r"jstrategy.Sequential"),

@@ -40,9 +40,12 @@ def test_every_public_class_of_a_kind_is_registered_once_by_its_name(kind, names
 
 
 def test_models_are_a_kind_of_the_same_registry():
+    x = jstrategy.Input((2,))
     assert registry.saveable_classes("model") == {
         "Model": jstrategy.Model,
         "Sequential": jstrategy.Sequential,
+        # What jstrategy.Model(inputs, outputs) makes, as keras.Model does.
+        "Functional": type(jstrategy.Model(x, jstrategy.layers.Dense(1)(x))),
     }
 
 

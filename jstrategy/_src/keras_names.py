@@ -34,9 +34,9 @@ def _layer(use: str) -> str:
 def _combine(use: str) -> str:
     """Advice for a Keras layer that combines several inputs."""
     return (
-        "A jstrategy.Sequential is a single chain; write the model as a Flax module whose "
-        f"__call__ combines its branches ({use}; jstrategy.layers.Add and Concatenate merge a "
-        "list of them) and train it with jstrategy.Model(module, input_shape=...)."
+        "Combine the branches of a functional model (jstrategy.Model(inputs, outputs)) with "
+        f"jstrategy.layers.Add or Concatenate, or jstrategy.layers.Lambda({use}) on a list "
+        "of them; or write the model as a Flax module whose __call__ combines them."
     )
 
 
@@ -99,7 +99,7 @@ MISSING: dict[str, dict[str, str]] = {
             "pass them to fit."
         ),
         "preprocessing": "Not provided: preprocess with NumPy before fit, or in a Flax module.",
-        "Functional": _combine("its __call__ holds the graph"),
+        "Functional": "Use jstrategy.Model(inputs, outputs): Keras's functional API.",
         "clear_session": (
             "Nothing to clear: each jstrategy.Sequential names its layers dense, dense_1, "
             "... on its own."
@@ -132,7 +132,6 @@ MISSING: dict[str, dict[str, str]] = {
         "MultiHeadAttention": _layer(
             "flax.linen.MultiHeadDotProductAttention(num_heads, qkv_features=...)"
         ),
-        "Lambda": _layer("the function itself, e.g. Sequential([..., lambda x: x * 2, ...])"),
         "Softmax": "Use Activation('softmax').",
         "ELU": "Use Activation('elu').",
         "LeakyReLU": (
@@ -147,9 +146,9 @@ MISSING: dict[str, dict[str, str]] = {
         ),
         "ZeroPadding2D": _layer("lambda x: jax.numpy.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))"),
         "GroupNormalization": _layer("flax.linen.GroupNorm(num_groups)"),
-        "Multiply": _combine("a * b"),
-        "Average": _combine("(a + b) / 2"),
-        "Dot": _combine("jax.numpy.einsum"),
+        "Multiply": _combine("lambda t: t[0] * t[1]"),
+        "Average": _combine("lambda t: (t[0] + t[1]) / 2"),
+        "Dot": _combine("lambda t: jax.numpy.einsum(..., *t)"),
         "Masking": (
             "Masks are not propagated between layers: weight padded positions with "
             "sample_weight (e.g. a (batch, time) mask) instead."

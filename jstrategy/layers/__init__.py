@@ -27,6 +27,7 @@ from jstrategy._src.layers.core import Dropout
 from jstrategy._src.layers.core import Embedding
 from jstrategy._src.layers.core import Input
 from jstrategy._src.layers.core import InputLayer
+from jstrategy._src.layers.core import Lambda
 from jstrategy._src.layers.merging import Add
 from jstrategy._src.layers.merging import Concatenate
 from jstrategy._src.layers.normalization import BatchNormalization
@@ -61,6 +62,7 @@ __all__ = [
     "GlobalMaxPooling2D",
     "Input",
     "InputLayer",
+    "Lambda",
     "Layer",
     "LayerNormalization",
     "MaxPooling1D",

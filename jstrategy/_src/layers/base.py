@@ -21,6 +21,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import itertools
 import re
 from typing import Any
 from typing import ClassVar
@@ -29,6 +30,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
+from jstrategy._src.layers import symbolic
 from jstrategy._src.precision import policy as mp
 from jstrategy._src.registry import register_kind
 from jstrategy._src.validation import check_bool
@@ -38,6 +40,7 @@ __all__ = [
     "TRAIN_KEYWORDS",
     "Layer",
     "LayerArgumentError",
+    "auto_name",
     "call_layer",
     "keras_name",
     "train_keyword",
@@ -92,6 +95,9 @@ _ROW_SHAPE_ALIASES = (
 )
 
 
+_MADE = itertools.count()
+
+
 class LayerArgumentError(TypeError, ValueError):
     """A keyword argument a `jstrategy.layers` layer does not take.
 
@@ -114,6 +120,29 @@ def keras_name(class_name: str) -> str:
     name = re.sub(r"\W+", "", class_name)
     name = re.sub(r"(.)([A-Z][a-z]+)", r"\1_\2", name)
     return re.sub(r"([a-z])([A-Z])", r"\1_\2", name).lower()
+
+
+def auto_name(layer: Any, taken: Any) -> str:
+    """A name for `layer` as Keras makes one, unique among the names `taken`.
+
+    Keras counts the names it made for each class (``dense``, ``dense_1``, ...); names
+    given explicitly take no number.
+
+    Example:
+
+    >>> import jstrategy
+    >>> auto_name(jstrategy.layers.Dense(2), {"dense", "dense_1", "out"})
+    'dense_2'
+    """
+    base = keras_name(type(layer).__name__)
+    names = {name for name in taken if isinstance(name, str)}
+    made = re.compile(rf"{re.escape(base)}(_\d+)?")
+    index = sum(1 for name in names if made.fullmatch(name))
+    name = base if index == 0 else f"{base}_{index}"
+    while name in names:
+        index += 1
+        name = f"{base}_{index}"
+    return name
 
 
 def _python_scalars(value: Any) -> Any:
@@ -245,6 +274,17 @@ class Layer(nn.Module):
             init(self, *args, **_keras_arguments(type(self), kwargs))
 
         cls.__init__ = __init__  # type: ignore[method-assign]
+        call = cls.__dict__.get("__call__")
+        if call is not None:
+            # Called before any model binds it, on the symbolic tensors of the functional
+            # API (`jstrategy.Input`), the layer records the call instead of running.
+            @functools.wraps(call)
+            def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+                if self.scope is None and symbolic.contains_symbolic(args, kwargs):
+                    return symbolic.symbolic_call(self, args, kwargs)
+                return call(self, *args, **kwargs)
+
+            cls.__call__ = __call__  # type: ignore[method-assign]
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -257,6 +297,9 @@ class Layer(nn.Module):
         if shape is not None:
             object.__setattr__(self, "input_shape", check_row_shape(shape, "input_shape"))
         check_bool(self.trainable, "trainable")
+        # When the layer was made: a functional model names its unnamed layers in this
+        # order, as Keras names layers when they are made (``dense`` before ``dense_1``).
+        object.__setattr__(self, "_made", next(_MADE))
         self._check_dtype()
         type(self).validate(self)
         super().__post_init__()

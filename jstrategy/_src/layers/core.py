@@ -20,6 +20,7 @@ from jstrategy._src import batch_region
 from jstrategy._src.layers import activations
 from jstrategy._src.layers import initializers
 from jstrategy._src.layers import regularizers
+from jstrategy._src.layers import symbolic
 from jstrategy._src.layers import weights
 from jstrategy._src.layers.base import Layer
 from jstrategy._src.registry import register_saveable
@@ -28,7 +29,7 @@ from jstrategy._src.validation import check_positive_int
 from jstrategy._src.validation import check_row_shape
 from jstrategy._src.validation import is_int
 
-__all__ = ["Activation", "Dense", "Dropout", "Embedding", "Input", "InputLayer"]
+__all__ = ["Activation", "Dense", "Dropout", "Embedding", "Input", "InputLayer", "Lambda"]
 
 
 @register_saveable(kind="layer")
@@ -54,8 +55,8 @@ class InputLayer(Layer):
 
     >>> import jstrategy
     >>> from jstrategy.layers import Dense, Input, InputLayer
-    >>> model = jstrategy.Sequential([Input(shape=(3,)), Dense(2)])
-    >>> isinstance(Input(shape=(3,)), InputLayer), [layer.name for layer in model.layers]
+    >>> model = jstrategy.Sequential([InputLayer(shape=(3,)), Dense(2)])
+    >>> isinstance(Input(shape=(3,)).node.layer, InputLayer), [layer.name for layer in model.layers]
     (True, ['dense'])
     """
 
@@ -108,10 +109,13 @@ def Input(
     dtype: Any = None,
     batch_shape: Any = None,
     name: str | None = None,
-) -> InputLayer:
-    """Keras's ``Input``: the row shape (and dtype) a `jstrategy.Sequential` starts from.
+) -> symbolic.KerasTensor:
+    """Keras's ``Input``: a symbolic tensor, the start of a functional model or of a
+    `jstrategy.Sequential`.
 
-    Also ``jstrategy.Input``, as ``keras.Input``.
+    Also ``jstrategy.Input``, as ``keras.Input``. Call `jstrategy.layers` on it to write a
+    model in Keras's functional API, then ``jstrategy.Model(inputs, outputs)``; or put it
+    first in a `jstrategy.Sequential` to give the shape of one row.
 
     Args:
       shape: the shape of one row, without the batch axis, e.g. ``(28, 28, 1)``.
@@ -119,10 +123,10 @@ def Input(
       dtype: the rows' dtype (default float32).
       batch_shape: instead of `shape`, the shape with the batch axis first (which may be
         None).
-      name: the input's name.
+      name: the input's name: the key of its array when the data is a dict.
 
     Returns:
-      An `InputLayer`.
+      A `KerasTensor` of shape ``(None, *shape)``, made by an `InputLayer`.
 
     Raises:
       ValueError: for a missing or non-concrete shape.
@@ -130,13 +134,55 @@ def Input(
     Example:
 
     >>> import jstrategy
+    >>> x = jstrategy.Input((3,))
+    >>> x.shape, jstrategy.layers.Dense(2)(x).shape
+    ((None, 3), (None, 2))
     >>> model = jstrategy.Sequential([jstrategy.Input((3,)), jstrategy.layers.Dense(2)])
     >>> model.count_params()
     8
     """
-    return InputLayer(
+    layer = InputLayer(
         shape=shape, batch_size=batch_size, batch_shape=batch_shape, dtype=dtype, name=name
     )
+    return symbolic.input_tensor(layer)
+
+
+@register_saveable(kind="layer")
+class Lambda(Layer):
+    """Keras's ``Lambda``: a function of the inputs as a layer (no weights).
+
+    What lets a functional model apply a JAX function (``jnp.tanh``, a slice, a sum of
+    two tensors) to symbolic tensors, which hold no values themselves.
+
+    Args:
+      function: a function of the inputs (an array, or the list/dict the layer is
+        called on) returning the outputs, e.g. ``lambda x: x[:, 0]``.
+
+    A model holding a Lambda saves its variables, but not the function (code): pass the
+    layers to `jstrategy.models.load_model`, or build the model and ``load_weights``.
+
+    Example:
+
+    >>> import jax.numpy as jnp, jstrategy
+    >>> x = jstrategy.Input((4,))
+    >>> jstrategy.layers.Lambda(lambda t: jnp.sum(t, axis=-1, keepdims=True))(x).shape
+    (None, 1)
+    """
+
+    function: Any
+    input_shape: Any = None
+
+    @staticmethod
+    def validate(self: Any) -> None:  # static: Flax does not wrap it (no bound scope yet)
+        if not callable(self.function):
+            raise ValueError(
+                f"`function` must be a function of the inputs, e.g. lambda x: x * 2; got "
+                f"{self.function!r}."
+            )
+
+    @nn.compact
+    def __call__(self, inputs: Any, training: bool | None = None) -> Any:
+        return self.function(jax.tree.map(self.cast_inputs, inputs))
 
 
 @register_saveable(kind="layer")

@@ -9,6 +9,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from jstrategy._src.training import functional  # noqa: F401  (registers "Functional" for load_model)
 from jstrategy._src.training.model import Model
 from jstrategy._src.training.saving import config as saved_config
 from jstrategy._src.training.saving import model_dir as saving

@@ -21,9 +21,11 @@ import optax
 from flax import nnx
 
 from jstrategy._src import devices as devices_lib
+from jstrategy._src.layers.symbolic import KerasTensor
 from jstrategy._src.precision import policy as mp
 from jstrategy._src.registry import register_kind
 from jstrategy._src.registry import register_saveable
+from jstrategy._src.registry import saveable_class
 from jstrategy._src.strategy import Strategy
 from jstrategy._src.strategy import get_strategy
 from jstrategy._src.training import data_adapters
@@ -61,6 +63,10 @@ class Model(SavingMixin, CustomLoopMixin):
     keeps its variables as that strategy places them (one copy per replica for
     `MirroredStrategy`). Then `compile`, `fit`, `evaluate` and `predict` as in Keras.
 
+    ``jstrategy.Model(inputs, outputs)`` is Keras's functional API instead: a model of
+    `jstrategy.layers` called on `jstrategy.Input` tensors (several inputs and outputs,
+    shared layers), with this same surface (`jstrategy._src.training.functional`).
+
     Args:
       module: a `flax.linen.Module` (initialized here, from `input_shape` or the first
         data) or an initialized `flax.nnx.Module`.
@@ -95,6 +101,16 @@ class Model(SavingMixin, CustomLoopMixin):
     >>> len(history.history["loss"]), model.predict(x, verbose=0).shape
     (2, (8, 1))
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Keras's functional API, ``Model(inputs, outputs)``, makes a `Functional` (as
+        # ``keras.Model`` does); a module makes a Model of that module.
+        # Found in the registry, where `Functional` registers itself (importing
+        # jstrategy imports it): its module imports this one.
+        functional = saveable_class("model", "Functional")
+        if cls is Model and functional is not None and _is_functional_call(args, kwargs):
+            return super().__new__(functional)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -831,10 +847,12 @@ def _check_keras_compile_options(
     if loss_weights is not None:
         raise ValueError(
             f"`loss_weights` weighs the losses of a multi-output Keras model; got "
-            f"{loss_weights!r}, but jstrategy's compile takes one loss over the module's "
-            "whole output (a dict or tuple output goes to one loss function). Weigh inside "
-            "the loss: loss=lambda y, p: 0.7 * loss_a(y['a'], p['a']) + 0.3 * "
-            "loss_b(y['b'], p['b']) (a def, to save the model), and pass loss_weights=None."
+            f"{loss_weights!r}, but this model's compile takes one loss over the module's "
+            "whole output (a dict or tuple output goes to one loss function). Build the "
+            "model with Keras's functional API, jstrategy.Model(inputs, outputs), whose "
+            "compile takes a loss per output and loss_weights; or weigh inside the loss: "
+            "loss=lambda y, p: 0.7 * loss_a(y['a'], p['a']) + 0.3 * loss_b(y['b'], p['b']) "
+            "(a def, to save the model), and pass loss_weights=None."
         )
     if run_eagerly is not False:
         raise ValueError(
@@ -858,6 +876,17 @@ def _check_keras_compile_options(
             "float16 compute dtype (Keras's LossScaleOptimizer). Keep auto_scale_loss=True, "
             "or train with dtype_policy='mixed_bfloat16', which needs no loss scale."
         )
+
+
+def _is_functional_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``Model(*args, **kwargs)`` is Keras's ``Model(inputs, outputs)``: inputs
+    by keyword, or symbolic tensors (or a list/dict of them) first."""
+    if "inputs" in kwargs or "outputs" in kwargs:
+        return True
+    if not args:
+        return False
+    leaves = jax.tree.leaves(args[0], is_leaf=lambda v: not isinstance(v, (list, tuple, dict)))
+    return bool(leaves) and all(isinstance(leaf, KerasTensor) for leaf in leaves)
 
 
 def _validation_epochs(validation_freq: Any) -> Callable[[int], bool]:

@@ -21,6 +21,7 @@ from typing import Any
 import jax
 
 from jstrategy._src import context
+from jstrategy._src.layers import symbolic
 from jstrategy._src.tracked import TrainableHolder
 from jstrategy._src.training.state.train_state import TrainState
 
@@ -174,6 +175,13 @@ class CustomLoopMixin:
         >>> model(np.ones((4, 3), np.float32)).shape
         (4, 2)
         """
+        if symbolic.contains_symbolic(x):
+            raise TypeError(
+                "A jstrategy model is not called as a layer of a functional model (Keras's "
+                "nested models): call its layers on the symbolic tensors instead, e.g. "
+                "for layer in model.layers: h = layer(h), or write the whole model as one "
+                "Flax module."
+            )
         return call_model(
             self._model_variables(),
             x,

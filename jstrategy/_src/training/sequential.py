@@ -15,7 +15,6 @@ first needed (``summary``, ``count_params``, ``fit``, ...), else from the first 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import Any
 from typing import ClassVar
@@ -26,9 +25,11 @@ import numpy as np
 
 from jstrategy._src.layers import serialization
 from jstrategy._src.layers.base import Layer
+from jstrategy._src.layers.base import auto_name
 from jstrategy._src.layers.base import call_layer
-from jstrategy._src.layers.base import keras_name
 from jstrategy._src.layers.core import InputLayer
+from jstrategy._src.layers.symbolic import KerasTensor
+from jstrategy._src.layers.symbolic import input_layer_of
 from jstrategy._src.precision import policy as mp
 from jstrategy._src.registry import register_saveable
 from jstrategy._src.training.model import Model
@@ -36,7 +37,7 @@ from jstrategy._src.training.saving import config as saved_config
 from jstrategy._src.validation import check_bool
 from jstrategy._src.validation import check_row_shape
 
-__all__ = ["Sequential", "SequentialModule"]
+__all__ = ["KerasLayers", "Sequential", "SequentialModule"]
 
 
 class SequentialModule(nn.Module):
@@ -60,8 +61,76 @@ class SequentialModule(nn.Module):
         return x
 
 
+class KerasLayers:
+    """What Keras's models of layers share (`Sequential`, the functional `Functional`):
+    ``trainable`` setting every layer's flag, ``layers`` and ``get_layer``, over
+    ``_layers``."""
+
+    _layers: list[Any]
+    _trainable: bool
+
+    @property
+    def trainable(self) -> bool:
+        """Keras's ``model.trainable``: setting it sets every layer's ``trainable`` too,
+        as Keras does (so a frozen model's `BatchNormalization` layers run in inference
+        mode); read when the model is compiled."""
+        return self._trainable
+
+    @trainable.setter
+    def trainable(self, value: bool) -> None:
+        self._trainable = check_bool(value, "trainable")
+        for layer in self._layers:
+            if isinstance(layer, Layer):
+                layer.trainable = value
+
+    @property
+    def layers(self) -> list[Any]:
+        """The layers, in order, with the names they carry in the model (Keras's ``layers``:
+        a `Sequential`'s Input is not one, a functional model's inputs are)."""
+        return list(self._layers)
+
+    def get_layer(self, name: str | None = None, index: int | None = None) -> Any:
+        """A layer by name or by index (Keras's ``get_layer``).
+
+        Raises:
+          ValueError: for neither or both, or an unknown name or index.
+
+        Example:
+
+        >>> import jstrategy
+        >>> model = jstrategy.Sequential([jstrategy.layers.Dense(2), jstrategy.layers.Dense(1)])
+        >>> model.get_layer("dense_1").units, model.get_layer(index=0).name
+        (1, 'dense')
+        """
+        if (name is None) == (index is None):
+            raise ValueError("Pass get_layer a `name` or an `index`, one of them.")
+        if index is not None:
+            if not isinstance(index, int) or not -len(self._layers) <= index < len(self._layers):
+                raise ValueError(
+                    f"`index` must be in [0, {len(self._layers)}) for this model's "
+                    f"{len(self._layers)} layers; got {index!r}."
+                )
+            return self._layers[index]
+        for layer in self._layers:
+            if getattr(layer, "name", None) == name:
+                return layer
+        names = [getattr(layer, "name", None) for layer in self._layers]
+        raise ValueError(f"No such layer: {name!r}. Existing layers are: {names}.")
+
+    def _with_layer_configs(self, config: dict[str, Any]) -> dict[str, Any]:
+        """`config` with ``layer_classes`` and ``layers`` (each layer's config, or None
+        when one has none, with ``layers_not_saved`` saying why)."""
+        config["layer_classes"] = [serialization.class_name(layer) for layer in self._layers]
+        try:
+            config["layers"] = [serialization.serialize(layer) for layer in self._layers]
+        except serialization.NotSerializable as e:
+            config["layers"] = None
+            config["layers_not_saved"] = str(e)
+        return config
+
+
 @register_saveable(kind="model")
-class Sequential(Model):
+class Sequential(KerasLayers, Model):
     """Keras's ``Sequential``: a stack of layers, built, compiled and trained as a `Model`.
 
     Create it inside ``strategy.scope()`` (it captures the strategy, as every `Model`),
@@ -128,39 +197,13 @@ class Sequential(Model):
         if not trainable:
             self.trainable = False
 
-    @property
-    def trainable(self) -> bool:
-        """Keras's ``model.trainable``: setting it sets every layer's ``trainable`` too,
-        as Keras does (so a frozen model's `BatchNormalization` layers run in inference
-        mode); read when the model is compiled."""
-        return self._trainable
-
-    @trainable.setter
-    def trainable(self, value: bool) -> None:
-        self._trainable = check_bool(value, "trainable")
-        for layer in self._layers:
-            if isinstance(layer, Layer):
-                layer.trainable = value
-
     # Layers -------------------------------------------------------------------------------
-    def _auto_name(self, layer: Any) -> str:
-        # Keras counts the names it made for each class (explicit names take no number).
-        base = keras_name(type(layer).__name__)
-        taken = {getattr(existing, "name", None) for existing in self._layers}
-        made = re.compile(rf"{re.escape(base)}(_\d+)?")
-        index = sum(1 for name in taken if isinstance(name, str) and made.fullmatch(name))
-        name = base if index == 0 else f"{base}_{index}"
-        while name in taken:
-            index += 1
-            name = f"{base}_{index}"
-        return name
-
     def add(self, layer: Any) -> None:
         """Appends `layer` (Keras's ``add``), naming it as Keras does unless it has a name.
 
         Args:
           layer: a `jstrategy.layers` layer, a Flax linen module, a plain function of one
-            array, or (first only) a `jstrategy.layers.Input`.
+            array, or (first only) a `jstrategy.Input` (or an `InputLayer`).
 
         Raises:
           ValueError: after the model has variables (``summary``, ``fit``, ...: add every
@@ -173,6 +216,15 @@ class Sequential(Model):
                 "summary, count_params, fit, ... from the layers so far). Add every layer "
                 "first, then build: Sequential([...]) or model.add(...) before model.summary()."
             )
+        if isinstance(layer, KerasTensor):
+            if not isinstance(layer.node.layer, InputLayer):
+                raise TypeError(
+                    f"`layer` must be a layer; got a symbolic tensor, the output of "
+                    f"{type(layer.node.layer).__name__} {layer.name!r}. A Sequential takes "
+                    "layers (and an Input first); a model of layer calls on tensors is a "
+                    "functional model: jstrategy.Model(inputs, outputs)."
+                )
+            layer = layer.node.layer
         if isinstance(layer, InputLayer):
             if self._layers or self._input_shape is not None:
                 raise ValueError(
@@ -203,7 +255,7 @@ class Sequential(Model):
                 self._input_shape = check_row_shape(shape, "input_shape")
                 dtype = layer.sample_dtype if isinstance(layer, Layer) else "float32"
                 self._input_dtype = np.dtype(dtype)
-        name = layer.name or self._auto_name(layer)
+        name = layer.name or auto_name(layer, [getattr(e, "name", None) for e in self._layers])
         if any(getattr(existing, "name", None) == name for existing in self._layers):
             raise ValueError(
                 f"All layers of a Sequential must have unique names; {name!r} is already "
@@ -218,43 +270,9 @@ class Sequential(Model):
         self._layers.append(layer)
         self.module = SequentialModule(tuple(self._layers))
 
-    @property
-    def layers(self) -> list[Any]:
-        """The layers, in order, with the names they carry in the model (Keras's ``layers``;
-        an `Input` is not one)."""
-        return list(self._layers)
-
     def _user_layers(self) -> dict[tuple[str, ...], Any]:
         # A Sequential's layers are the objects its module calls, at their names.
         return {(str(layer.name),): layer for layer in self._layers if isinstance(layer, nn.Module)}
-
-    def get_layer(self, name: str | None = None, index: int | None = None) -> Any:
-        """A layer by name or by index (Keras's ``get_layer``).
-
-        Raises:
-          ValueError: for neither or both, or an unknown name or index.
-
-        Example:
-
-        >>> import jstrategy
-        >>> model = jstrategy.Sequential([jstrategy.layers.Dense(2), jstrategy.layers.Dense(1)])
-        >>> model.get_layer("dense_1").units, model.get_layer(index=0).name
-        (1, 'dense')
-        """
-        if (name is None) == (index is None):
-            raise ValueError("Pass get_layer a `name` or an `index`, one of them.")
-        if index is not None:
-            if not isinstance(index, int) or not -len(self._layers) <= index < len(self._layers):
-                raise ValueError(
-                    f"`index` must be in [0, {len(self._layers)}) for this model's "
-                    f"{len(self._layers)} layers; got {index!r}."
-                )
-            return self._layers[index]
-        for layer in self._layers:
-            if getattr(layer, "name", None) == name:
-                return layer
-        names = [getattr(layer, "name", None) for layer in self._layers]
-        raise ValueError(f"No such layer: {name!r}. Existing layers are: {names}.")
 
     # Building -----------------------------------------------------------------------------
     def _maybe_build(self) -> None:
@@ -286,7 +304,7 @@ class Sequential(Model):
         if isinstance(module, Sequential):
             layers: list[Any] = module.layers
         elif isinstance(module, (list, tuple)):
-            layers = list(module)
+            layers = [input_layer_of(layer) for layer in module]
         elif module is None and config.get("layers") is not None:
             layers = _rebuilt_layers(config, path)
         else:
@@ -316,14 +334,7 @@ class Sequential(Model):
         `load_model` then), ``layers_not_saved`` (why ``layers`` is None) and
         ``layer_classes`` (the layers' class names, which `load_model` checks the layers
         it is given against)."""
-        config = super().get_config()
-        config["layer_classes"] = [serialization.class_name(layer) for layer in self._layers]
-        try:
-            config["layers"] = [serialization.serialize(layer) for layer in self._layers]
-        except serialization.NotSerializable as e:
-            config["layers"] = None
-            config["layers_not_saved"] = str(e)
-        return config
+        return self._with_layer_configs(super().get_config())
 
 
 def _rebuilt_layers(config: dict[str, Any], path: str) -> list[Any]:

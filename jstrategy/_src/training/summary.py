@@ -25,7 +25,15 @@ from jstrategy._src.names import path_str
 from jstrategy._src.names import snake_case
 from jstrategy._src.strategy import REPLICA_AXIS
 
-__all__ = ["count_params", "direct_layers", "layout_table", "model_table", "summarize"]
+__all__ = [
+    "Count",
+    "count_params",
+    "direct_layers",
+    "layout_table",
+    "model_table",
+    "render",
+    "summarize",
+]
 
 
 @dataclasses.dataclass
@@ -38,9 +46,19 @@ class _Row:
 
 
 @dataclasses.dataclass
-class _Count:
+class Count:
+    """A number of scalars and their bytes (a summary's parameter counts)."""
+
     size: int = 0
     nbytes: int = 0
+
+    @classmethod
+    def of(cls, tree: Any) -> Count:
+        """The count of the arrays (or shape-dtype structs) in `tree`."""
+        count = cls()
+        for leaf in jax.tree.leaves(tree):
+            count.add(leaf)
+        return count
 
     def add(self, leaf: Any) -> None:
         shape = getattr(leaf, "shape", None)
@@ -51,11 +69,11 @@ class _Count:
         self.size += size
         self.nbytes += size * np.dtype(dtype).itemsize
 
-    def __add__(self, other: _Count) -> _Count:
-        return _Count(self.size + other.size, self.nbytes + other.nbytes)
+    def __add__(self, other: Count) -> Count:
+        return Count(self.size + other.size, self.nbytes + other.nbytes)
 
-    def __sub__(self, other: _Count) -> _Count:
-        return _Count(self.size - other.size, self.nbytes - other.nbytes)
+    def __sub__(self, other: Count) -> Count:
+        return Count(self.size - other.size, self.nbytes - other.nbytes)
 
 
 def _readable_size(nbytes: float) -> str:
@@ -88,23 +106,28 @@ def _record_call(rows: dict, counter: Any, path: tuple[str, ...], type_name: str
     return row
 
 
-def _render(
+def render(
     name: str,
-    rows: list[tuple[str, str, int]],
-    total: _Count,
-    trainable: _Count,
+    rows: list[tuple[Any, ...]],
+    total: Count,
+    trainable: Count,
 ) -> str:
-    non_trainable = _Count(total.size - trainable.size, total.nbytes - trainable.nbytes)
-    headers = ("Layer (type)", "Output Shape", "Param #")
-    cells = [(layer, shape, f"{count:,}") for layer, shape, count in rows]
+    """A summary table: rows of ``(layer, output shape, param count)``, with a fourth
+    column, Keras's functional "Connected to", when the rows have one; then the totals."""
+    non_trainable = Count(total.size - trainable.size, total.nbytes - trainable.nbytes)
+    headers: tuple[str, ...] = ("Layer (type)", "Output Shape", "Param #")
+    cells = [(layer, shape, f"{count:,}", *rest) for layer, shape, count, *rest in rows]
+    mins = [28, 26, 10]
+    if cells and len(cells[0]) == 4:
+        headers += ("Connected to",)
+        mins.append(20)
     widths = [
-        max(28, *(len(c[0]) + 2 for c in cells)) if cells else 28,
-        max(26, *(len(c[1]) + 2 for c in cells)) if cells else 26,
-        max(10, *(len(c[2]) + 1 for c in cells)) if cells else 10,
+        max(low, *(len(c[i]) + (1 if i == 2 else 2) for c in cells)) if cells else low
+        for i, low in enumerate(mins)
     ]
     width = 1 + sum(widths)
 
-    def line(values: tuple[str, str, str]) -> str:
+    def line(values: tuple[str, ...]) -> str:
         return (" " + "".join(v.ljust(w) for v, w in zip(values, widths, strict=True))).rstrip()
 
     out = [f'Model: "{name}"', "_" * width, line(headers), "=" * width]
@@ -155,13 +178,6 @@ def _trace(fn: Any, state: Any, args: tuple, kwargs: dict) -> None:
 
 # Collections that are bookkeeping of one forward pass, not model state.
 _NOT_WEIGHTS = ("intermediates",)
-
-
-def _linen_count(tree: Any) -> _Count:
-    count = _Count()
-    for leaf in jax.tree.leaves(tree):
-        count.add(leaf)
-    return count
 
 
 def _subtree(collection: Any, path: tuple[str, ...]) -> Any:
@@ -215,19 +231,19 @@ def _summarize_linen(
         if not row.path:
             continue
         called_tops.add(row.path[0])
-        count = sum((_linen_count(_subtree(tree, row.path)) for tree in weights.values()), _Count())
+        count = sum((Count.of(_subtree(tree, row.path)) for tree in weights.values()), Count())
         table.append((_layer_label(row.path, row.type_name, row.method), row.output, count.size))
     # Variables no call accounts for: the root's own (self.param in a compact root) and
     # submodules that exist but were not called with these inputs.
-    own = _Count()
+    own = Count()
     for tree in weights.values():
         for key, value in tree.items():
             if key in called_tops:
                 continue
             if isinstance(value, Mapping):
-                table.append((f"{key} (not called)", "-", _linen_count(value).size))
+                table.append((f"{key} (not called)", "-", Count.of(value).size))
             else:
-                own += _linen_count(value)
+                own += Count.of(value)
     if own.size:
         root_output = rows[()].output if () in rows else "?"
         table.append((f"(own variables) ({type(module).__name__})", root_output, own.size))
@@ -235,12 +251,12 @@ def _summarize_linen(
     params = weights.get("params", {})
     # Frozen layers' parameters (Keras's trainable=False) count as non-trainable.
     outermost = [p for p in frozen if not any(q != p and p[: len(q)] == q for q in frozen)]
-    trainable = _linen_count(params)
+    trainable = Count.of(params)
     for prefix in outermost:
-        trainable -= _linen_count(_subtree(params, prefix))
-    total = _linen_count(weights)
+        trainable -= Count.of(_subtree(params, prefix))
+    total = Count.of(weights)
     name = module.name or snake_case(type(module).__name__)
-    return _render(name, table, total, trainable)
+    return render(name, table, total, trainable)
 
 
 _nnx_recorder = threading.local()
@@ -305,8 +321,8 @@ def _summarize_nnx(module: nnx.Module, state: Any, args: tuple, kwargs: dict) ->
     finally:
         _nnx_recorder.record = None
 
-    def count_under(prefix: tuple[str, ...]) -> _Count:
-        count = _Count()
+    def count_under(prefix: tuple[str, ...]) -> Count:
+        count = Count()
         for path, _, value in flat:
             if path[: len(prefix)] == prefix:
                 count.add(value)
@@ -318,20 +334,20 @@ def _summarize_nnx(module: nnx.Module, state: Any, args: tuple, kwargs: dict) ->
             label = _layer_label(row.path, row.type_name, row.method)
             table.append((label, row.output, count_under(row.path).size))
     called = {row.path for row in rows.values()}
-    own = _Count()
+    own = Count()
     for path, _, value in flat:
         if not any(path[: len(p)] == p for p in called if p):
             own.add(value)
     if own.size:
         table.append((f"(other variables) ({type(module).__name__})", "-", own.size))
 
-    total, trainable = _Count(), _Count()
+    total, trainable = Count(), Count()
     for _, is_param, value in flat:
         total.add(value)
         if is_param:
             trainable.add(value)
     name = snake_case(type(module).__name__)
-    return _render(name, table, total, trainable)
+    return render(name, table, total, trainable)
 
 
 def summarize(

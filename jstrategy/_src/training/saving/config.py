@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jstrategy._src.layers import serialization
+from jstrategy._src.layers import symbolic
 from jstrategy._src.registry import saveable_name
 from jstrategy._src.registry import saved_class
 from jstrategy._src.training import losses as losses_lib
@@ -173,6 +174,24 @@ class CompiledModel(Protocol):
     def remat(self) -> Any: ...
 
 
+def _serialize_outputs(per_output: Any, custom: list[tuple[str, Any, Any]]) -> dict[str, Any]:
+    """A multi-output functional model's ``compile.outputs``: its losses, loss weights and
+    metrics by output name (its `PerOutput`); custom objects are added to `custom`."""
+    out: dict[str, Any] = {
+        "loss": {k: _serialize_loss(v) for k, v in per_output.losses.items()},
+        "loss_weights": dict(per_output.loss_weights),
+    }
+    for name, obj in per_output.losses.items():
+        custom.append((f"the loss compile.outputs.loss.{name}", out["loss"][name], obj))
+    for field in ("metrics", "weighted_metrics"):
+        out[field] = {}
+        for name, objs in getattr(per_output, field).items():
+            out[field][name] = [_serialize_metric(m) for m in objs]
+            for i, (entry, obj) in enumerate(zip(out[field][name], objs, strict=True)):
+                custom.append((f"the metric compile.outputs.{field}.{name}[{i}]", entry, obj))
+    return out
+
+
 def serialize_compile(model: CompiledModel) -> dict[str, Any]:
     """The ``compile`` section of the file for compiled `model`.
 
@@ -180,25 +199,31 @@ def serialize_compile(model: CompiledModel) -> dict[str, Any]:
       ValueError: if two different custom objects (functions, optax transformations, your
         own classes) would be saved under one name.
     """
-    loss = model.loss
+    # A functional model of several outputs: its loss and metrics by output name.
+    per_output = getattr(model, "output_compile", None)
+    loss = None if per_output is not None else model.loss
+    metrics = [] if per_output is not None else model.metrics
+    weighted_metrics = [] if per_output is not None else model.weighted_metrics
     compiled: dict[str, Any] = {
         "optimizer": _serialize_optimizer(model.optimizer),
         "loss": None if loss is None else _serialize_loss(loss),
-        "metrics": [_serialize_metric(m) for m in model.metrics],
+        "metrics": [_serialize_metric(m) for m in metrics],
         "steps_per_execution": model.steps_per_execution,
         "gradient_accumulation_steps": model.gradient_accumulation_steps,
         "sync_batch_norm": model.sync_batch_norm.value,
-        "weighted_metrics": [_serialize_metric(m) for m in model.weighted_metrics],
+        "weighted_metrics": [_serialize_metric(m) for m in weighted_metrics],
         "remat": remat_lib.policy_name(model.remat),
     }
     custom = [("the optimizer (compile.optimizer)", compiled["optimizer"], model.optimizer)]
     if loss is not None:
         custom.append(("the loss (compile.loss)", compiled["loss"], loss))
-    for i, (entry, metric) in enumerate(zip(compiled["metrics"], model.metrics, strict=True)):
+    for i, (entry, metric) in enumerate(zip(compiled["metrics"], metrics, strict=True)):
         custom.append((f"the metric compile.metrics[{i}]", entry, metric))
-    weighted = zip(compiled["weighted_metrics"], model.weighted_metrics, strict=True)
+    weighted = zip(compiled["weighted_metrics"], weighted_metrics, strict=True)
     for i, (entry, metric) in enumerate(weighted):
         custom.append((f"the weighted metric compile.weighted_metrics[{i}]", entry, metric))
+    if per_output is not None:
+        compiled["outputs"] = _serialize_outputs(per_output, custom)
     _check_names_apart(
         [(field, e["name"], obj) for field, e, obj in custom if e.get("class_name") == CUSTOM]
     )
@@ -391,6 +416,16 @@ def _check_compile(fields: _Fields, compiled: dict[str, Any]) -> None:
     )
     for i, entry in enumerate(weighted):
         _check_entry(fields, entry, f"compile.weighted_metrics[{i}]", "metric")
+    outputs = fields.get(
+        compiled,
+        "outputs",
+        "compile.outputs",
+        "a JSON object or null",
+        lambda v: v is None or isinstance(v, dict),
+        default=None,
+    )
+    if outputs is not None:
+        _check_outputs(fields, outputs)
     fields.get(
         compiled,
         "remat",
@@ -399,6 +434,37 @@ def _check_compile(fields: _Fields, compiled: dict[str, Any]) -> None:
         lambda v: v is None or v == CUSTOM or v in remat_lib.POLICY_NAMES,
         default=None,
     )
+
+
+def _is_dict(value: Any) -> bool:
+    return isinstance(value, dict)
+
+
+def _check_outputs(fields: _Fields, outputs: dict[str, Any]) -> None:
+    """A multi-output functional model's ``compile.outputs``: dicts by output name."""
+    for name, entry in fields.get(
+        outputs, "loss", "compile.outputs.loss", "an object", _is_dict
+    ).items():
+        _check_entry(fields, entry, f"compile.outputs.loss.{name}", "loss")
+    fields.get(
+        outputs,
+        "loss_weights",
+        "compile.outputs.loss_weights",
+        "an object of numbers",
+        lambda v: _is_dict(v) and all(isinstance(w, (int, float)) for w in v.values()),
+    )
+    for field in ("metrics", "weighted_metrics"):
+        where = f"compile.outputs.{field}"
+        lists = fields.get(
+            outputs,
+            field,
+            where,
+            "an object of lists",
+            lambda v: _is_dict(v) and all(isinstance(e, list) for e in v.values()),
+        )
+        for name, entries in lists.items():
+            for i, entry in enumerate(entries):
+                _check_entry(fields, entry, f"{where}.{name}[{i}]", "metric")
 
 
 def read_config(path: str) -> dict[str, Any]:
@@ -473,6 +539,10 @@ def read_config(path: str) -> dict[str, Any]:
     return config
 
 
+#: The model classes saved as a list of layers (`load_model` takes the layers for them).
+_OF_LAYERS = ("Sequential", "Functional")
+
+
 def check_module(
     config: dict[str, Any], module: Any, path: str, *, allow_other_module: bool
 ) -> None:
@@ -491,12 +561,13 @@ def check_module(
     if layers is not None:
         _check_layer_classes(config, layers, path, allow_other_module=allow_other_module)
         return
-    if config.get("class_name") == "Sequential":
+    if config.get("class_name") in _OF_LAYERS:
         raise ValueError(
             f"{os.path.join(path, CONFIG_FILE)}: `class_name` says the model is a "
-            f"jstrategy.Sequential, but load_model got a {type(module).__name__}. Pass its "
-            "layers: load_model(path, [layer, ...]) (new layers of the saved classes, in the "
-            "saved order), or nothing when their config was saved: load_model(path)."
+            f"jstrategy.{config['class_name']}, but load_model got a {type(module).__name__}. "
+            "Pass its layers: load_model(path, [layer, ...]) (new layers of the saved "
+            "classes, in the saved order), or nothing when their config was saved: "
+            "load_model(path)."
         )
     saved, given = config["module"], type(module).__name__
     if saved == given or allow_other_module:
@@ -514,10 +585,11 @@ def _given_layers(module: Any) -> list[Any] | None:
     """The layers `load_model` was given for a `Sequential` (a list, or a `Sequential`
     whose ``layers`` they are), or None for a module."""
     if isinstance(module, (list, tuple)):
-        return list(module)
+        return [symbolic.input_layer_of(layer) for layer in module]
     if isinstance(module, nn.Module):  # a Flax module, Flax's own nn.Sequential included
         return None
-    if type(module).__name__ == "Sequential" and isinstance(getattr(module, "layers", None), list):
+    layers = getattr(module, "layers", None)
+    if type(module).__name__ in _OF_LAYERS and isinstance(layers, list):
         return list(module.layers)
     return None
 
@@ -528,21 +600,22 @@ def _check_layer_classes(
     """Refuses layers for a model that is not a `Sequential`, or of other classes than the
     saved layers (``layer_classes``), unless allowed."""
     file = os.path.join(path, CONFIG_FILE)
-    if config.get("class_name", "Model") != "Sequential":
+    if config.get("class_name", "Model") not in _OF_LAYERS:
         raise ValueError(
             f"{file}: `class_name` says the model is a {config.get('class_name', 'Model')} "
             f"of a {config['module']} module, but load_model got a list of layers (the "
-            f"route for a jstrategy.Sequential). Pass the module: load_model(path, "
+            f"route for a jstrategy.Sequential or a functional model). Pass the module: load_model(path, "
             f"{config['module']}(...))."
         )
     saved = config.get("layer_classes")
     # An Input given first describes the rows; the model's layers follow it.
     given = [serialization.class_name(layer) for layer in layers]
-    given = given[1:] if given[:1] == ["jstrategy.layers.InputLayer"] else given
+    if config.get("class_name") == "Sequential" and given[:1] == ["jstrategy.layers.InputLayer"]:
+        given = given[1:]
     if saved is None or saved == given or allow_other_module:
         return
     raise ValueError(
-        f"{file}: `layer_classes` says the Sequential was saved with layers {saved}, but "
+        f"{file}: `layer_classes` says the {config['class_name']} was saved with layers {saved}, but "
         f"load_model got {given}. Pass new layers of the saved classes, in the saved order, "
         "or allow_other_module=True if these are meant to take the saved variables."
     )
@@ -645,6 +718,24 @@ def compile_arguments(compiled: dict[str, Any], custom_objects: Any, path: str) 
         _metric(entry, loss, custom_objects, f"compile.metrics[{i}]", file)
         for i, entry in enumerate(compiled["metrics"])
     ]
+    outputs = compiled.get("outputs")
+    extra: dict[str, Any] = {}
+    if outputs is not None:  # a multi-output functional model: by output name
+        loss = {
+            k: _loss(e, custom_objects, f"compile.outputs.loss.{k}", file)
+            for k, e in outputs["loss"].items()
+        }
+        extra["loss_weights"] = dict(outputs["loss_weights"])
+        for field in ("metrics", "weighted_metrics"):
+            extra[field] = {
+                k: [
+                    _metric(
+                        e, loss.get(k), custom_objects, f"compile.outputs.{field}.{k}[{i}]", file
+                    )
+                    for i, e in enumerate(entries)
+                ]
+                for k, entries in outputs[field].items()
+            }
     return {
         "optimizer": _optimizer(compiled["optimizer"], custom_objects, file),
         "loss": loss,
@@ -657,6 +748,7 @@ def compile_arguments(compiled: dict[str, Any], custom_objects: Any, path: str) 
             for i, entry in enumerate(compiled.get("weighted_metrics", []))
         ],
         "remat": _remat(compiled.get("remat"), custom_objects, file),
+        **extra,
     }
 
 
