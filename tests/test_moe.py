@@ -174,6 +174,7 @@ def test_bad_settings_are_refused_when_the_layer_is_made(kwargs, pattern):
 
 # Training -----------------------------------------------------------------------------------
 VOCAB, TOKENS, DIM, ROWS, BATCH = 11, 6, 8, 40, 16  # 40 rows: a padded last batch
+EXPERTS = 8  # every expert degree of 8 devices divides it
 
 
 class Decoder(nn.Module):
@@ -185,7 +186,7 @@ class Decoder(nn.Module):
     def __call__(self, tokens):
         h = nn.Embed(VOCAB, DIM)(tokens)
         h = h + MoE(
-            num_experts=4,
+            num_experts=EXPERTS,
             top_k=2,
             hidden_dim=12,
             capacity_factor=self.capacity_factor,
@@ -201,7 +202,7 @@ class NNXDecoder(nnx.Module):
         self.norm = nnx.LayerNorm(DIM, rngs=rngs)
         self.moe = NNXMoE(
             DIM,
-            num_experts=4,
+            num_experts=EXPERTS,
             top_k=2,
             hidden_dim=12,
             capacity_factor=capacity_factor,

@@ -4,7 +4,8 @@ Tokens reach their experts by the dense dispatch of MaxText's CPU path (an einsu
 ``[rows, tokens, experts, capacity]`` dispatch mask) and come back weighted by the combine
 mask. The expert weights are stacked on a leading ``experts`` axis:
 ``wi_0, wi_1: [experts, features, hidden]``, ``wo: [experts, hidden, features]``; each
-expert is a SwiGLU MLP, ``(silu(x @ wi_0) * (x @ wi_1)) @ wo``.
+expert is a SwiGLU MLP, ``(silu(x @ wi_0) * (x @ wi_1)) @ wo``. Under a mesh with an
+expert axis the experts are split over it (`parallel.expert_parallel`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jstrategy._src.moe.axis import expert_degree
+from jstrategy._src.moe.parallel import dense_experts
+from jstrategy._src.moe.parallel import expert_parallel
 from jstrategy._src.moe.routing import Routing
 from jstrategy._src.moe.routing import route
 
@@ -43,16 +47,17 @@ def moe_forward(
     """``(output shaped like x, the routing)`` of the experts on `x`."""
     tokens, shape = as_tokens(x)
     dtype = jnp.result_type(tokens, wi_0)
-    logits = jnp.einsum("btd,de->bte", tokens, router.astype(dtype))
+    tokens = tokens.astype(dtype)
+    router, wi_0, wi_1, wo = (w.astype(dtype) for w in (router, wi_0, wi_1, wo))
+    degree = expert_degree()
+    if degree > 1:
+        y, routing = expert_parallel(tokens, router, (wi_0, wi_1, wo), settings, degree)
+        return y.reshape(shape), routing
+    logits = jnp.einsum("btd,de->bte", tokens, router)
     routing = route(
         logits,
         top_k=settings["top_k"],
         capacity_factor=settings["capacity_factor"],
         softmax=settings["softmax"],
     )
-    slots = jnp.einsum("btd,btec->ebcd", tokens, routing.dispatch.astype(dtype))
-    gate = jnp.einsum("ebcd,edf->ebcf", slots, wi_0.astype(dtype))
-    up = jnp.einsum("ebcd,edf->ebcf", slots, wi_1.astype(dtype))
-    out = jnp.einsum("ebcf,efd->ebcd", jax.nn.silu(gate) * up, wo.astype(dtype))
-    y = jnp.einsum("ebcd,btec->btd", out, routing.combine.astype(dtype))
-    return y.reshape(shape), routing
+    return dense_experts(tokens, routing, wi_0, wi_1, wo).reshape(shape), routing

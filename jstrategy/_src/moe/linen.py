@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from jstrategy._src.layers.base import Layer
 from jstrategy._src.moe import losses
+from jstrategy._src.moe.axis import EXPERT_AXIS
 from jstrategy._src.moe.config import check_settings
 from jstrategy._src.moe.experts import moe_forward
 
@@ -52,11 +53,12 @@ class MoE(Layer):
 
     Example:
 
-    >>> import jax, jax.numpy as jnp
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
     >>> layer = MoE(num_experts=4, top_k=2, hidden_dim=8)
     >>> x = jnp.ones((2, 3, 5))                       # 2 rows of 3 tokens, 5 features
     >>> variables = layer.init(jax.random.key(0), x)
-    >>> jax.tree.map(jnp.shape, variables["params"])
+    >>> params = nn.unbox(variables["params"])  # the experts' axis is annotated
+    >>> jax.tree.map(jnp.shape, params)
     {'router': (5, 4), 'wi_0': (4, 5, 8), 'wi_1': (4, 5, 8), 'wo': (4, 8, 5)}
     >>> layer.apply(variables, x).shape
     (2, 3, 5)
@@ -86,9 +88,11 @@ class MoE(Layer):
         features = inputs.shape[-1]
         experts, hidden = self.num_experts, self.hidden_dim
         router = self.param("router", router_init, (features, experts), jnp.float32)
-        wi_0 = self.param("wi_0", expert_init, (experts, features, hidden), jnp.float32)
-        wi_1 = self.param("wi_1", expert_init, (experts, features, hidden), jnp.float32)
-        wo = self.param("wo", expert_init, (experts, hidden, features), jnp.float32)
+        # The experts' axis is the expert axis's, where a strategy has one (`axis`).
+        init: Any = nn.with_partitioning(expert_init, (EXPERT_AXIS, None, None))
+        wi_0 = self.param("wi_0", init, (experts, features, hidden), jnp.float32)
+        wi_1 = self.param("wi_1", init, (experts, features, hidden), jnp.float32)
+        wo = self.param("wo", init, (experts, hidden, features), jnp.float32)
         if self.dtype is not None:
             dtype = self.compute_dtype(inputs, wi_0)
             router, wi_0, wi_1, wo = (w.astype(dtype) for w in (router, wi_0, wi_1, wo))

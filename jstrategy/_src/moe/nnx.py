@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jstrategy._src.moe import losses
+from jstrategy._src.moe.axis import EXPERT_AXIS
 from jstrategy._src.moe.config import check_settings
 from jstrategy._src.moe.experts import moe_forward
 from jstrategy._src.moe.linen import expert_init
@@ -60,13 +61,15 @@ class NNXMoE(nnx.Module):
         )
         e, f = self.settings["num_experts"], self.settings["hidden_dim"]
 
-        def param(init: Any, shape: tuple[int, ...]) -> nnx.Param:
-            return nnx.Param(init(rngs.params(), shape, jnp.float32))
+        def param(init: Any, shape: tuple[int, ...], **metadata: Any) -> nnx.Param:
+            return nnx.Param(init(rngs.params(), shape, jnp.float32), **metadata)
 
         self.router = param(router_init, (in_features, e))
-        self.wi_0 = param(expert_init, (e, in_features, f))
-        self.wi_1 = param(expert_init, (e, in_features, f))
-        self.wo = param(expert_init, (e, f, in_features))
+        # The experts' axis is the expert axis's, where a strategy has one (`axis`).
+        experts = {"out_sharding": (EXPERT_AXIS, None, None)}
+        self.wi_0 = param(expert_init, (e, in_features, f), **experts)
+        self.wi_1 = param(expert_init, (e, in_features, f), **experts)
+        self.wo = param(expert_init, (e, f, in_features), **experts)
 
     def routing(self, x: jax.Array) -> Routing:
         """The routing of `x` (``dropped`` per row, the unweighted per-row losses)."""
