@@ -127,7 +127,7 @@ def test_the_linen_and_nnx_layers_match_the_reference(softmax, capacity_factor):
     )
     variables = layer.init(jax.random.key(0), x)
     y, state = layer.apply(variables, x, mutable=["intermediates"])
-    params = {k: np.asarray(v, np.float64) for k, v in variables["params"].items()}
+    params = {k: np.asarray(v, np.float64) for k, v in nn.unbox(variables["params"]).items()}
     want, dropped, _, _ = reference_layer(x, params, 2, capacity_factor, softmax == "after_top_k")
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-5)
     assert moe_dropped_fraction(state["intermediates"]) == dropped.sum() / (3 * 8 * 2)

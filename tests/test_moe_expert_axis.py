@@ -164,3 +164,13 @@ def test_the_drops_at_an_expert_degree_are_one_devices():
         compiled = jax.jit(intermediates).lower(variables, x).compile().as_text()
     assert "all-to-all" in compiled  # the expert-parallel path ran
     assert 0 < got == want
+
+
+def test_an_nnx_layer_made_outside_the_scope_is_split_over_the_expert_axis():
+    module = base.NNXDecoder(0.5, nnx.Rngs(0))
+    with FSDP(experts=4, min_shard_size=NEVER).scope():
+        state = training.create_nnx_train_state(module, optax.adam(1e-2))
+    for name in ("wi_0", "wi_1", "wo"):
+        weight = state.params["moe"][name][...]
+        assert weight.shape[0] == base.EXPERTS
+        assert {s.data.shape[0] for s in weight.addressable_shards} == {base.EXPERTS // 4}

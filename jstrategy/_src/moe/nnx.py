@@ -66,7 +66,8 @@ class NNXMoE(nnx.Module):
 
         self.router = param(router_init, (in_features, e))
         # The experts' axis is the expert axis's, where a strategy has one (`axis`).
-        experts = {"out_sharding": (EXPERT_AXIS, None, None)}
+        # Not placed now (no mesh need exist): the strategy places it from the annotation.
+        experts = {"out_sharding": (EXPERT_AXIS, None, None), "eager_sharding": False}
         self.wi_0 = param(expert_init, (e, in_features, f), **experts)
         self.wi_1 = param(expert_init, (e, in_features, f), **experts)
         self.wo = param(expert_init, (e, f, in_features), **experts)
