@@ -57,7 +57,7 @@ class MoE(Layer):
     >>> layer = MoE(num_experts=4, top_k=2, hidden_dim=8)
     >>> x = jnp.ones((2, 3, 5))                       # 2 rows of 3 tokens, 5 features
     >>> variables = layer.init(jax.random.key(0), x)
-    >>> params = nn.unbox(variables["params"])  # the experts' axis is annotated
+    >>> params = nn.unbox(variables["params"])  # the experts' axis is annotated "expert"
     >>> jax.tree.map(jnp.shape, params)
     {'router': (5, 4), 'wi_0': (4, 5, 8), 'wi_1': (4, 5, 8), 'wo': (4, 8, 5)}
     >>> layer.apply(variables, x).shape
@@ -88,8 +88,10 @@ class MoE(Layer):
         features = inputs.shape[-1]
         experts, hidden = self.num_experts, self.hidden_dim
         router = self.param("router", router_init, (features, experts), jnp.float32)
-        # The experts' axis is the expert axis's, where a strategy has one (`axis`).
-        init: Any = nn.with_partitioning(expert_init, (EXPERT_AXIS, None, None))
+        # The experts' axis, by its logical name: a strategy with an expert axis maps it
+        # there (`FSDPStrategy(experts=k)`'s rule); for any other the name maps to
+        # nothing and the weights are laid as the strategy lays any variable.
+        init: Any = nn.with_logical_partitioning(expert_init, (EXPERT_AXIS, None, None))
         wi_0 = self.param("wi_0", init, (experts, features, hidden), jnp.float32)
         wi_1 = self.param("wi_1", init, (experts, features, hidden), jnp.float32)
         wo = self.param("wo", init, (experts, hidden, features), jnp.float32)

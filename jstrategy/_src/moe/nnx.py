@@ -65,7 +65,9 @@ class NNXMoE(nnx.Module):
             return nnx.Param(init(rngs.params(), shape, jnp.float32), **metadata)
 
         self.router = param(router_init, (in_features, e))
-        # The experts' axis is the expert axis's, where a strategy has one (`axis`).
+        # The experts' axis is the expert axis's, where a strategy has one (`axis`). NNX
+        # keeps a name no rule maps as a mesh axis: under `ModelParallelStrategy`, whose
+        # mesh lacks it, pass logical_axis_rules=[("expert", None)] (or a LayoutMap entry).
         # Not placed now (no mesh need exist): the strategy places it from the annotation.
         experts = {"out_sharding": (EXPERT_AXIS, None, None), "eager_sharding": False}
         self.wi_0 = param(expert_init, (e, in_features, f), **experts)

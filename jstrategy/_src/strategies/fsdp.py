@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+from typing import Any
 
 import jax
 import numpy as np
@@ -236,6 +237,19 @@ class FSDPStrategy(ShardedStrategy):
         spec = [None] * len(shape)
         spec[best] = self._split_axes
         return NamedSharding(self.mesh, P(*spec))
+
+    @property
+    def logical_axis_rules(self) -> tuple[tuple[str, Any], ...]:
+        """With an expert axis, the logical name ``"expert"`` (the expert layers' experts)
+        maps to it; otherwise no rule.
+
+        Example:
+
+        >>> import jstrategy
+        >>> jstrategy.experimental.FSDPStrategy(experts=2).logical_axis_rules
+        (('expert', 'expert'),)
+        """
+        return ((EXPERT_AXIS, EXPERT_AXIS),) if self._experts > 1 else ()
 
     @property
     def expert_parallelism(self) -> int:
