@@ -223,6 +223,19 @@ def keras3_net() -> nn.Module:
     return KerasModule(keras.Model(inputs, outputs))
 
 
+class MoENet(nn.Module):
+    """A row's features as 3 tokens of 2, a residual expert block that drops tokens
+    (`jstrategy.experimental.MoE`, its aux losses added to the loss), pooled to classes."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(8)(x.reshape(x.shape[0], 3, FEATURES // 3))
+        moe = jstrategy.experimental.MoE(
+            num_experts=4, top_k=2, hidden_dim=8, capacity_factor=0.5, load_balance_weight=0.1
+        )
+        return nn.Dense(CLASSES)(jnp.mean(h + moe(nn.LayerNorm()(h)), axis=1))
+
+
 def _linen(model: str) -> nn.Module:
     if model in KERAS_LAYERS:
         return KerasLayersNet(model)
@@ -233,6 +246,7 @@ def _linen(model: str) -> nn.Module:
         "linen_annotated": AnnotatedNet,
         "repeated": RepeatedNet,
         "keras3": keras3_net,
+        "moe": MoENet,
     }[model]()
 
 
@@ -253,6 +267,7 @@ MODELS = (
     "nnx",
     "repeated",
     "keras3",
+    "moe",
 )
 
 

@@ -5,7 +5,7 @@ and `FSDPStrategy` go beyond tf.distribute: variables split over the devices
 (`HybridStrategy`: replicas x FSDP x tensor on one mesh, split across hosts);
 `PipelineStrategy` splits a `Repeated` block's layers (`NNXRepeated` for Flax NNX) over
 pipeline stages; `dot_product_attention` is ring attention over a sharded strategy's
-``"context"`` axis. `plan` compiles a train step from shapes alone and says whether it
+``"context"`` axis; `MoE` and `NNXMoE` are mixture-of-experts layers. `plan` compiles a train step from shapes alone and says whether it
 fits the devices, and what to change if not.
 """
 
@@ -17,6 +17,11 @@ from jstrategy._src.collective_util import CommunicationOptions
 from jstrategy._src.context_parallel.attention import dot_product_attention
 from jstrategy._src.layout_map import LayoutMap
 from jstrategy._src.mesh import DeviceMesh
+from jstrategy._src.moe.linen import MoE
+from jstrategy._src.moe.losses import dropped_fraction as moe_dropped_fraction
+from jstrategy._src.moe.nnx import NNXMoE
+from jstrategy._src.moe.routing import RouterSoftmax
+from jstrategy._src.moe.routing import expert_capacity
 from jstrategy._src.offload import OffloadPolicy
 from jstrategy._src.parameter_server.strategy import ParameterServerStrategy
 from jstrategy._src.pipeline.nnx_repeated import NNXRepeated
@@ -54,8 +59,10 @@ __all__ = [
     "HybridStrategy",
     "LayoutMap",
     "MemoryPlan",
+    "MoE",
     "ModelParallelStrategy",
     "MultiWorkerMirroredStrategy",
+    "NNXMoE",
     "NNXRepeated",
     "OffloadPolicy",
     "ParameterServerStrategy",
@@ -63,9 +70,12 @@ __all__ = [
     "PipelineStrategy",
     "PreemptionCheckpointHandler",
     "Repeated",
+    "RouterSoftmax",
     "TPUStrategy",
     "ValueContext",
     "dot_product_attention",
+    "expert_capacity",
+    "moe_dropped_fraction",
     "partitioners",
     "plan",
     "topology_devices",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+from typing import Any
 
 import jax
 import numpy as np
@@ -29,6 +30,7 @@ from jstrategy._src import devices as devices_lib
 from jstrategy._src import flax_annotations
 from jstrategy._src.collective_util import CommunicationOptions
 from jstrategy._src.context_parallel.axis import CONTEXT_AXIS
+from jstrategy._src.moe.axis import EXPERT_AXIS
 from jstrategy._src.offload import OffloadPolicy
 from jstrategy._src.strategies.sharded import ShardedStrategy
 from jstrategy._src.strategy import REPLICA_AXIS
@@ -88,6 +90,15 @@ class FSDPStrategy(ShardedStrategy):
         compiled step: ``offload=OffloadPolicy()``.
       offload: a `jstrategy.experimental.OffloadPolicy`: which variables (optimizer
         state, parameters, chosen by path) live in host memory between steps.
+      experts: the expert-parallel degree k. The mesh is then ``(replicas, experts)``
+        with axes ``("replica", "expert")`` (each replica k neighbouring devices),
+        `num_replicas_in_sync` is the devices over k, and the stacked weights of
+        `jstrategy.experimental.MoE` / `NNXMoE` (annotated ``"expert"`` on their experts'
+        axis) are split over the ``"expert"`` axis, each device holding ``1/k`` of the
+        experts (and FSDP's split of those over the replicas); other variables are split
+        over all the devices. In a train step each expert layer sends its tokens to their
+        experts' devices and back with ``all_to_all`` over the ``"expert"`` axis. k must
+        divide every expert layer's ``num_experts`` (checked when the step is traced).
 
     Raises:
       ValueError: if `devices` is invalid, `min_shard_size` is not a non-negative int,
@@ -121,7 +132,21 @@ class FSDPStrategy(ShardedStrategy):
         context: int = 1,
         offload_optimizer: bool = False,
         offload: OffloadPolicy | None = None,
+        experts: int = 1,
     ):
+        check_number(
+            experts,
+            "experts",
+            integer=True,
+            low=1,
+            expected="a positive int (how many devices split each expert layer's experts)",
+            fix="Pass e.g. experts=2, or 1 (the default) for no expert parallelism.",
+        )
+        if experts > 1 and context > 1:
+            raise ValueError(
+                f"`experts`={experts} and `context`={context} cannot be combined: an "
+                "FSDPStrategy has one axis besides its replicas. Pass one of them."
+            )
         check_number(
             context,
             "context",
@@ -143,18 +168,28 @@ class FSDPStrategy(ShardedStrategy):
                 f"a divisor of {len(resolved)}, e.g. context="
                 f"{max(d for d in range(1, context) if len(resolved) % d == 0)}."
             )
+        if len(resolved) % experts:
+            raise ValueError(
+                f"`experts` must divide the number of devices, {len(resolved)} (each replica "
+                f"is `experts` devices splitting the experts); got experts={experts}. Pass "
+                f"a divisor of {len(resolved)}, e.g. experts="
+                f"{max(d for d in range(1, experts) if len(resolved) % d == 0)}."
+            )
         mesh: Sequence[jax.Device] | Mesh = resolved
-        if context > 1:
+        second = CONTEXT_AXIS if context > 1 else EXPERT_AXIS if experts > 1 else None
+        if second is not None:
             mesh = Mesh(
-                np.array(tuple(resolved), dtype=object).reshape(-1, context),
-                (REPLICA_AXIS, CONTEXT_AXIS),
+                np.array(tuple(resolved), dtype=object).reshape(-1, max(context, experts)),
+                (REPLICA_AXIS, second),
                 axis_types=(AxisType.Auto, AxisType.Auto),
             )
         super().__init__(mesh, cross_device_ops=cross_device_ops)
         self._set_offload(offload, offload_optimizer)
         self._min_shard_size = min_shard_size
-        # Variables split over every device: over the context axis too, as MaxText's FSDP.
-        self._split_axes = (REPLICA_AXIS, CONTEXT_AXIS) if context > 1 else REPLICA_AXIS
+        self._experts = experts
+        # Variables split over every device: over the context (or expert) axis too, as
+        # MaxText's FSDP.
+        self._split_axes = (REPLICA_AXIS, second) if second is not None else REPLICA_AXIS
 
     @property
     def min_shard_size(self) -> int:
@@ -182,6 +217,16 @@ class FSDPStrategy(ShardedStrategy):
         """
         n = self.mesh.size
         shape = tuple(leaf.shape)
+        expert_dim = self._expert_dim(path, shape)
+        if expert_dim is not None:
+            # Each device holds its experts; FSDP splits those over the replicas.
+            spec: list[str | tuple[str, ...] | None] = [None] * len(shape)
+            spec[expert_dim] = EXPERT_AXIS
+            replicas = self.num_replicas_in_sync
+            best = shard_dim(shape, replicas, self._min_shard_size, exclude=(expert_dim,))
+            if best is not None:
+                spec[best] = REPLICA_AXIS
+            return NamedSharding(self.mesh, P(*spec))
         annotated = flax_annotations.data_dim(self, path, shape, (*_DATA_AXES, self.axis_name))
         if annotated is not None and self.num_replicas_in_sync > 1:
             axes = self._split_axes if shape[annotated] % n == 0 else self.axis_name
@@ -189,13 +234,53 @@ class FSDPStrategy(ShardedStrategy):
         best = shard_dim(shape, n, self._min_shard_size)
         if best is None:
             return self.replicated_sharding()
-        spec: list[str | tuple[str, ...] | None] = [None] * len(shape)
+        spec = [None] * len(shape)
         spec[best] = self._split_axes
         return NamedSharding(self.mesh, P(*spec))
+
+    @property
+    def logical_axis_rules(self) -> tuple[tuple[str, Any], ...]:
+        """With an expert axis, the logical name ``"expert"`` (the expert layers' experts)
+        maps to it; otherwise no rule.
+
+        Example:
+
+        >>> import jstrategy
+        >>> jstrategy.experimental.FSDPStrategy(experts=2).logical_axis_rules
+        (('expert', 'expert'),)
+        """
+        return ((EXPERT_AXIS, EXPERT_AXIS),) if self._experts > 1 else ()
+
+    @property
+    def expert_parallelism(self) -> int:
+        """The expert-parallel degree: the size of the ``"expert"`` axis (1 without one).
+
+        Example:
+
+        >>> import jstrategy
+        >>> jstrategy.experimental.FSDPStrategy(experts=4).expert_parallelism
+        4
+        """
+        return self._experts
+
+    def _expert_dim(self, path: tuple[str, ...], shape: tuple[int, ...]) -> int | None:
+        """The dimension an expert layer annotated ``"expert"`` (its experts), when this
+        strategy has an expert axis that divides it; else None."""
+        if self._experts == 1:
+            return None
+        found = flax_annotations.annotation(self, path)
+        if found is None:
+            return None
+        for dim, entry in enumerate(found[1]):
+            named = (entry,) if isinstance(entry, str) else tuple(entry or ())
+            if EXPERT_AXIS in named and dim < len(shape) and shape[dim] % self._experts == 0:
+                return dim
+        return None
 
     def __repr__(self) -> str:
         context = self.context_parallelism
         extra = f", context={context}" if context > 1 else ""
+        extra += f", experts={self._experts}" if self._experts > 1 else ""
         return f"{super().__repr__()[:-1]}, min_shard_size={self._min_shard_size}{extra})"
 
 

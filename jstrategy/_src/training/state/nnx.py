@@ -28,6 +28,7 @@ from flax import nnx
 from flax import struct
 
 from jstrategy._src import flax_annotations
+from jstrategy._src.moe import losses as moe_losses
 from jstrategy._src.placement import create_placed
 from jstrategy._src.placement import in_device_memory
 from jstrategy._src.placement import place_state
@@ -154,16 +155,19 @@ class NNXTrainState(struct.PyTreeNode):
         sync_batch_norm: BatchNormSync = BatchNormSync.GLOBAL,
         row_mask: Any = None,
     ) -> tuple[Any, Any, Any]:
-        # NNX modules add no losses the step collects (jstrategy.layers are linen).
-        y_pred, model_state = self.forward(
-            params,
-            x,
-            train=train,
-            axis_name=axis_name,
-            sync_batch_norm=sync_batch_norm,
-            row_mask=row_mask,
-        )
-        return y_pred, model_state, None
+        # NNX layers hand their losses (the expert layers' auxiliary losses) to the
+        # forward pass that collects them: sowing would change the state's structure.
+        with moe_losses.collecting() as sown:
+            y_pred, model_state = self.forward(
+                params,
+                x,
+                train=train,
+                axis_name=axis_name,
+                sync_batch_norm=sync_batch_norm,
+                row_mask=row_mask,
+            )
+        total = sum(jnp.sum(v.astype(jnp.float32)) for v in sown) if sown else None
+        return y_pred, model_state, total
 
     def apply_update(self, grads: Any, model_state: Any) -> NNXTrainState:
         model = nnx.merge(self.graphdef, _fresh(self.params), _fresh(model_state))

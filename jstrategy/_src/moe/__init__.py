@@ -1,0 +1,1 @@
+"""Mixture-of-experts layers (`jstrategy.experimental.MoE`, `NNXMoE`): routing, experts, losses."""

@@ -1,0 +1,91 @@
+"""Expert parallelism: each device computes its own experts on the tokens sent to it.
+
+Inside a step traced under a mesh with an expert axis of size k (`axis.expert_degree`),
+`expert_parallel` runs the layer in ``jax.shard_map`` over the mesh (the step's ``vmap``
+over the replicas keeps each replica's rows on its devices; XLA gathers FSDP's slices of
+the weights at the boundary, as it does for any layer). Each of the k devices of a replica takes ``1/k`` of the rows it is given (rows padded to a
+multiple of k: a row is routed on its own, so padding rows change nothing) and:
+
+1. routes its rows (`routing.route`) and fills each expert's slots, ``[E, rows, C, D]``;
+2. sends expert group g's slots to device g: ``all_to_all`` over the expert axis;
+3. runs its ``E / k`` experts (the weights' slice it holds) on every device's slots;
+4. sends the results back (``all_to_all``) and combines them with its routing weights.
+
+The routing of a row is the dense path's, so the trajectory is one device's whatever k.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jstrategy._src.moe.axis import EXPERT_AXIS
+from jstrategy._src.moe.axis import check_divides
+from jstrategy._src.moe.routing import Routing
+from jstrategy._src.moe.routing import route
+
+__all__ = ["expert_parallel"]
+
+
+def _swiglu(slots: jax.Array, wi_0: jax.Array, wi_1: jax.Array, wo: jax.Array) -> jax.Array:
+    """Experts ``e`` of `wi_0`... on their slots ``[..., e, rows, C, D]``."""
+    gate = jnp.einsum("...ebcd,edf->...ebcf", slots, wi_0)
+    up = jnp.einsum("...ebcd,edf->...ebcf", slots, wi_1)
+    return jnp.einsum("...ebcf,efd->...ebcd", jax.nn.silu(gate) * up, wo)
+
+
+def dense_experts(
+    tokens: jax.Array, routing: Routing, wi_0: jax.Array, wi_1: jax.Array, wo: jax.Array
+) -> jax.Array:
+    """Every expert on this device: dispatch, SwiGLU, combine (``[rows, tokens, D]``)."""
+    slots = jnp.einsum("btd,btec->ebcd", tokens, routing.dispatch.astype(tokens.dtype))
+    out = _swiglu(slots, wi_0, wi_1, wo)
+    return jnp.einsum("ebcd,btec->btd", out, routing.combine.astype(tokens.dtype))
+
+
+def expert_parallel(
+    tokens: jax.Array,
+    router: jax.Array,
+    weights: tuple[jax.Array, jax.Array, jax.Array],
+    settings: dict[str, Any],
+    degree: int,
+) -> tuple[jax.Array, Routing]:
+    """The layer on `tokens` (``[rows, tokens, D]``) with its experts split `degree` ways
+    over the expert axis: ``(output, routing)``, the routing without dispatch masks."""
+    num_experts = settings["num_experts"]
+    check_divides(num_experts, degree)
+    rows = tokens.shape[0]
+    padded = -(-rows // degree) * degree
+    if padded != rows:
+        tokens = jnp.pad(tokens, ((0, padded - rows), (0, 0), (0, 0)))
+
+    def local(x: jax.Array, router: jax.Array, wi_0: jax.Array, wi_1: jax.Array, wo: jax.Array):
+        logits = jnp.einsum("btd,de->bte", x, router)
+        routing = route(
+            logits,
+            top_k=settings["top_k"],
+            capacity_factor=settings["capacity_factor"],
+            softmax=settings["softmax"],
+        )
+        slots = jnp.einsum("btd,btec->ebcd", x, routing.dispatch.astype(x.dtype))
+        groups = slots.reshape(degree, num_experts // degree, *slots.shape[1:])
+        # Group g of every device's slots to device g; it returns them computed.
+        received = jax.lax.all_to_all(groups, EXPERT_AXIS, 0, 0, tiled=True)
+        computed = _swiglu(received, wi_0, wi_1, wo)
+        returned = jax.lax.all_to_all(computed, EXPERT_AXIS, 0, 0, tiled=True)
+        out = returned.reshape(slots.shape)
+        y = jnp.einsum("ebcd,btec->btd", out, routing.combine.astype(x.dtype))
+        return y, routing.dropped, routing.load_balance, routing.z_loss
+
+    split = P(EXPERT_AXIS)
+    y, dropped, balance, z = jax.shard_map(
+        local,
+        in_specs=(split, P(), split, split, split),
+        out_specs=(split, split, split, split),
+        check_vma=False,
+    )(tokens, router, *weights)
+    empty = jnp.zeros((rows, tokens.shape[1], 0, 0), jnp.float32)  # masks stay on devices
+    return y[:rows], Routing(empty, empty, dropped[:rows], balance[:rows], z[:rows])
