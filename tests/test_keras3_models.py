@@ -335,6 +335,16 @@ def test_importing_jstrategy_does_not_import_keras():
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+def test_jstrategy_keras_runs_keras_on_jax_where_no_backend_was_chosen():
+    # Keras's default backend is TensorFlow, which is not installed here (`make docs`
+    # imports jstrategy.keras with no KERAS_BACKEND set).
+    code = "import jstrategy.keras, keras; print(keras.backend.backend())"
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "jax"
+
+
 def test_a_non_jax_keras_backend_is_refused_with_the_fix():
     code = "import jstrategy.keras"
     env = {**os.environ, "KERAS_BACKEND": "numpy"}

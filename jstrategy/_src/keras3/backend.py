@@ -39,11 +39,16 @@ def require_keras(feature: str) -> ModuleType:
       ImportError: Keras is not installed, or older than 3.10.
       ValueError: Keras runs on another backend.
     """
+    if "keras" not in sys.modules:
+        # The route runs Keras on JAX only: where nobody chose a backend, choose JAX rather
+        # than Keras's default (TensorFlow, which fails to import where it is not installed).
+        os.environ.setdefault("KERAS_BACKEND", "jax")
     try:
         import keras
     except ImportError as e:
         raise ImportError(
-            f"{feature} needs Keras 3 (JAX backend): pip install 'jstrategy[keras]'."
+            f"{feature} needs Keras 3 (JAX backend): pip install 'jstrategy[keras]' "
+            f"(importing keras failed: {e})."
         ) from e
     version = tuple(int(p) for p in keras.__version__.split(".")[:2] if p.isdigit())
     if version < MIN_KERAS:
