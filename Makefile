@@ -25,7 +25,8 @@ OLDEST_LANE ?= tests/test_jax_compat.py tests/test_strategy.py tests/test_train_
 	tests/test_golden_trajectories.py tests/test_model.py tests/test_checkpoint.py \
 	tests/test_launch.py tests/test_multi_worker.py tests/test_central_storage.py \
 	tests/test_sharded.py tests/test_parameter_server.py tests/test_notebooks.py \
-	tests/test_pipeline.py tests/test_batch_region.py tests/test_flax_annotations.py
+	tests/test_pipeline.py tests/test_batch_region.py tests/test_flax_annotations.py \
+	tests/test_keras3_models.py
 
 .PHONY: demo test test-fast test-lane-a test-lane-b test-lane-c test-lane-d test-oldest test-tpu-compile lint bench format clean docs
 
