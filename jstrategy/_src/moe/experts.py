@@ -19,7 +19,7 @@ from jstrategy._src.moe.axis import expert_degree
 from jstrategy._src.moe.parallel import dense_experts
 from jstrategy._src.moe.parallel import expert_parallel
 from jstrategy._src.moe.routing import Routing
-from jstrategy._src.moe.routing import route
+from jstrategy._src.moe.routing import route_tokens
 
 __all__ = ["as_tokens", "moe_forward"]
 
@@ -53,11 +53,5 @@ def moe_forward(
     if degree > 1:
         y, routing = expert_parallel(tokens, router, (wi_0, wi_1, wo), settings, degree)
         return y.reshape(shape), routing
-    logits = jnp.einsum("btd,de->bte", tokens, router)
-    routing = route(
-        logits,
-        top_k=settings["top_k"],
-        capacity_factor=settings["capacity_factor"],
-        softmax=settings["softmax"],
-    )
+    routing = route_tokens(tokens, router, settings)
     return dense_experts(tokens, routing, wi_0, wi_1, wo).reshape(shape), routing

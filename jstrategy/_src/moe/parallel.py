@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from jstrategy._src.moe.axis import EXPERT_AXIS
 from jstrategy._src.moe.axis import check_divides
 from jstrategy._src.moe.routing import Routing
-from jstrategy._src.moe.routing import route
+from jstrategy._src.moe.routing import route_tokens
 
 __all__ = ["expert_parallel"]
 
@@ -63,13 +63,7 @@ def expert_parallel(
         tokens = jnp.pad(tokens, ((0, padded - rows), (0, 0), (0, 0)))
 
     def local(x: jax.Array, router: jax.Array, wi_0: jax.Array, wi_1: jax.Array, wo: jax.Array):
-        logits = jnp.einsum("btd,de->bte", x, router)
-        routing = route(
-            logits,
-            top_k=settings["top_k"],
-            capacity_factor=settings["capacity_factor"],
-            softmax=settings["softmax"],
-        )
+        routing = route_tokens(x, router, settings)
         slots = jnp.einsum("btd,btec->ebcd", x, routing.dispatch.astype(x.dtype))
         groups = slots.reshape(degree, num_experts // degree, *slots.shape[1:])
         # Group g of every device's slots to device g; it returns them computed.

@@ -34,7 +34,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["RouterSoftmax", "Routing", "expert_capacity", "route"]
+__all__ = ["RouterSoftmax", "Routing", "expert_capacity", "route", "route_tokens"]
 
 
 class RouterSoftmax(enum.Enum):
@@ -134,3 +134,16 @@ def route(
     load_balance = num_experts * jnp.sum(fraction * jnp.mean(probs, axis=1), axis=-1)
     z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)), axis=1)
     return Routing(dispatch, combine, dropped, load_balance, z_loss)
+
+
+def route_tokens(tokens: jax.Array, router: jax.Array, settings: dict[str, Any]) -> Routing:
+    """`route` of `tokens` ``(rows, tokens, d)`` through the ``(d, experts)`` `router`
+    weights, with the layer's `settings` (``top_k``, ``capacity_factor``, ``softmax``): the
+    one routing the dense and the expert-parallel paths share."""
+    logits = jnp.einsum("btd,de->bte", tokens, router)
+    return route(
+        logits,
+        top_k=settings["top_k"],
+        capacity_factor=settings["capacity_factor"],
+        softmax=settings["softmax"],
+    )
