@@ -6,6 +6,7 @@ functions here, where each variable lives; a variable's path is named by `names.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 from typing import Any
@@ -266,14 +267,21 @@ def in_device_memory(tree: Any) -> Any:
         targets = [x.sharding.with_memory_kind("device") for x in moving]
         # The copy is written in the program (an identity would keep the host memory space
         # in the outputs' types).
-        moved = jax.jit(_moved, static_argnums=1, out_shardings=targets)(moving, tuple(targets))
+        moved = _mover(tuple(targets))(moving)
         for i, x in zip(where, moved, strict=True):
             leaves[i] = x
     return jax.tree.unflatten(treedef, leaves)
 
 
-def _moved(xs: list, shardings: tuple) -> list:
-    return [jax.device_put(x, s) for x, s in zip(xs, shardings, strict=True)]
+@functools.lru_cache(maxsize=64)
+def _mover(targets: tuple) -> Any:
+    """The program that copies arrays to `targets` (one per layout: CentralStorage runs it
+    every step, so it is built once, not wrapped anew by `jax.jit` each call)."""
+
+    def moved(xs: list) -> list:
+        return [jax.device_put(x, s) for x, s in zip(xs, targets, strict=True)]
+
+    return jax.jit(moved, out_shardings=list(targets))
 
 
 def moved_to_device(tree: Any, shardings: Any) -> Any:
