@@ -295,6 +295,15 @@ STRATEGIES: dict[str, Callable[[], jstrategy.Strategy]] = {
         replicas=2, fsdp=2, tensor=2, dcn_replicas=2, min_shard_size=0
     ),
     "pipeline_2": lambda: jstrategy.experimental.PipelineStrategy(num_stages=2, num_microbatches=2),
+    # One spec of degrees (issue 47): replicas x experts x tensor, the expert axis splitting
+    # rows and FSDP's variables for the models without experts, the experts for "moe".
+    "parallel_2x2x2_experts": lambda: jstrategy.experimental.ParallelStrategy(
+        replicas=2, experts=2, tensor=2, min_shard_size=0
+    ),
+    # Pipeline x tensor (x replicas) in the same spec: the Repeated model's stages.
+    "parallel_2x2x2_stages": lambda: jstrategy.experimental.ParallelStrategy(
+        replicas=2, stages=2, tensor=2, num_microbatches=2, min_shard_size=0
+    ),
 }
 
 #: How a cell trains: (where the model is created, the path).
@@ -309,6 +318,14 @@ WAYS = (
 REFUSED: dict[tuple[str, str], tuple[str, str]] = {
     **{
         (model, "pipeline_2"): (
+            r"has none: no variable is stacked by jstrategy.experimental.Repeated",
+            "a pipeline splits a Repeated block over its stages; this model has none",
+        )
+        for model in MODELS
+        if model != "repeated"
+    },
+    **{
+        (model, "parallel_2x2x2_stages"): (
             r"has none: no variable is stacked by jstrategy.experimental.Repeated",
             "a pipeline splits a Repeated block over its stages; this model has none",
         )

@@ -299,12 +299,22 @@ def _oracle(path, kind, capacity_factor):
     ],
 )
 def test_a_moe_decoder_follows_one_device(strategy, path, kind, capacity_factor):
+    assert_follows_one_device(STRATEGIES[strategy](), path, kind, capacity_factor)
+
+
+def assert_follows_one_device(strategy, path, kind, capacity_factor):
+    """`path`'s losses and final weights under `strategy` are one device's (1e-5)."""
     want_losses, want_weights = _oracle(path, kind, capacity_factor)
-    losses, weights = path(STRATEGIES[strategy](), kind, capacity_factor)
+    losses, weights = path(strategy, kind, capacity_factor)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5, atol=1e-5)
     assert len(weights) == len(want_weights)
     for a, b in zip(weights, want_weights, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def cell_ids(cells):
+    """Test ids of ``(strategy, path, kind, capacity_factor)`` cells."""
+    return [f"{s}-{p.__name__[1:]}-{k}-{'drops' if c else 'dropless'}" for s, p, k, c in cells]
 
 
 @pytest.mark.parametrize("kind", ["linen", "nnx"])

@@ -45,17 +45,12 @@ CELLS = [
 @pytest.mark.parametrize(
     ("strategy", "path", "kind", "capacity_factor"),
     CELLS,
-    ids=[f"{s}-{p.__name__[1:]}-{k}-{'drops' if c else 'dropless'}" for s, p, k, c in CELLS],
+    ids=base.cell_ids(CELLS),
 )
 def test_the_moe_decoder_follows_one_device_at_every_expert_degree(
     strategy, path, kind, capacity_factor
 ):
-    want_losses, want_weights = base._oracle(path, kind, capacity_factor)
-    losses, weights = path(STRATEGIES[strategy](), kind, capacity_factor)
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-5, atol=1e-5)
-    assert len(weights) == len(want_weights)
-    for a, b in zip(weights, want_weights, strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    base.assert_follows_one_device(STRATEGIES[strategy](), path, kind, capacity_factor)
 
 
 def _state_and_step(strategy):

@@ -22,6 +22,7 @@ strategy decides the annotation of a path.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import threading
 import weakref
@@ -37,8 +38,10 @@ from flax.core import spmd as flax_spmd
 from flax.linen import spmd as linen_spmd
 from jax.sharding import PartitionSpec as P
 
+from jstrategy._src import axes
 from jstrategy._src.layout_map import NNX_VALUE
 from jstrategy._src.layout_map import matches_path
+from jstrategy._src.layout_map import misfit
 from jstrategy._src.names import path_names
 
 if TYPE_CHECKING:
@@ -46,11 +49,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DATA_AXES",
+    "FoundLayout",
     "PARAMS",
     "annotation",
     "candidate_paths",
     "check_layout_keys",
     "data_dim",
+    "find_layout",
     "logical_rules",
     "nnx_specs",
     "prepare",
@@ -73,7 +78,7 @@ _RECORDED: weakref.WeakKeyDictionary[Any, dict[str, P]] = weakref.WeakKeyDiction
 #: The mesh axis names that mean data parallelism in the annotations users write (Flax's
 #: guides' ``"data"``, MaxText's ``"fsdp"``, ``"batch"``): a sharded strategy reads them
 #: as its own data axis.
-DATA_AXES = ("data", "fsdp", "batch")
+DATA_AXES = axes.DATA_AXES
 
 
 def logical_rules(strategy: StrategyLike | None) -> tuple[tuple[str, Any], ...]:
@@ -265,6 +270,70 @@ def annotation(strategy: StrategyLike, names: Sequence[str]) -> tuple[str, P] | 
         if spec is not None:
             return candidate, spec
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class FoundLayout:
+    """Where a leaf's layout comes from (`find_layout`).
+
+    Attributes:
+      path: the path the layout was found by (the leaf's, or its parameter's).
+      layout: the layout, as the `LayoutMap` or the annotation names its axes.
+      from_map: whether a `LayoutMap` key gave it (else a Flax annotation).
+      source: how a message names it.
+      is_parameter: whether the leaf is a parameter (not an optimizer moment or a statistic).
+    """
+
+    path: str
+    layout: P
+    from_map: bool
+    source: str
+    is_parameter: bool
+
+    def fitted(
+        self,
+        layout: P,
+        shape: Sequence[int],
+        mesh_shape: Any,
+        *,
+        strict: bool,
+        shown: str | None = None,
+    ) -> P | None:
+        """`layout` (this one, its axes read on a mesh) if it fits `shape` on a mesh of
+        `mesh_shape`; else None, or for a parameter (under `strict`) the error naming the
+        path (`shown`, by default the path it was found by), the shape, the source and
+        the fix."""
+        problem = misfit(layout, tuple(shape), mesh_shape)
+        if problem is None:
+            return layout
+        if strict and self.is_parameter:
+            raise ValueError(
+                f"Variable {(shown or self.path)!r} of shape {tuple(shape)} does not fit "
+                f"{self.source}: {problem}. Change the layout, or the variable's shape."
+            )
+        return None  # an annotation for another mesh, or a moment of another shape
+
+
+def find_layout(
+    strategy: StrategyLike, layout_map: Any, names: Sequence[str]
+) -> FoundLayout | None:
+    """The layout of the leaf at `names`: the first `LayoutMap` key matching one of its
+    `candidate_paths`, else the Flax annotation recorded for it; None without either.
+
+    The one lookup of the strategies that lay variables out by a map and annotations
+    (`ModelParallelStrategy`, `ParallelStrategy`).
+    """
+    is_parameter, candidates = candidate_paths(names)
+    for candidate in candidates if layout_map is not None else ():
+        key, layout = layout_map.lookup(candidate)
+        if layout is not None:
+            source = f"the layout {tuple(layout)} of LayoutMap key {key!r}"
+            return FoundLayout(candidate, layout, True, source, is_parameter)
+    found = annotation(strategy, names)
+    if found is None:
+        return None
+    source = f"its Flax sharding annotation {tuple(found[1])}"
+    return FoundLayout(found[0], found[1], False, source, is_parameter)
 
 
 def data_dim(

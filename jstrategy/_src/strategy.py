@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jstrategy._src import axes
 from jstrategy._src import context
 from jstrategy._src import dispatch
 from jstrategy._src import staging
@@ -48,7 +49,7 @@ __all__ = ["REPLICA_AXIS", "Strategy", "ValueContext", "get_strategy"]
 #: Mirrored, TPU, ..., and FSDP) are laid. Use it for collectives in your own code, e.g.
 #: ``nn.BatchNorm(axis_name=jstrategy.REPLICA_AXIS)``; `Strategy.axis_name` is the same
 #: name for any strategy (``batch_dim_name`` for `ModelParallelStrategy`).
-REPLICA_AXIS = "replica"
+REPLICA_AXIS = axes.REPLICA_AXIS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,6 +35,7 @@ from jstrategy._src.strategies.model_parallel import ModelParallelStrategy
 from jstrategy._src.strategies.multi_worker import (
     _DeprecatedMultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
 )
+from jstrategy._src.strategies.parallel import ParallelStrategy
 from jstrategy._src.strategies.tpu import TPUStrategy
 from jstrategy._src.strategy import ValueContext
 from jstrategy._src.training.plan.planner import plan
@@ -65,6 +66,7 @@ __all__ = [
     "NNXMoE",
     "NNXRepeated",
     "OffloadPolicy",
+    "ParallelStrategy",
     "ParameterServerStrategy",
     "PipelineSchedule",
     "PipelineStrategy",

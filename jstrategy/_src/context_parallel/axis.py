@@ -40,6 +40,8 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jstrategy._src import axes
+
 if TYPE_CHECKING:
     from jstrategy._src.strategy_like import StrategyLike
 
@@ -59,7 +61,7 @@ __all__ = [
 ]
 
 #: The mesh axis name the sharded strategies split the sequence over.
-CONTEXT_AXIS = "context"
+CONTEXT_AXIS = axes.CONTEXT_AXIS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,12 +74,20 @@ class ContextAxis:
       size: how many shards the sequence has (the axis's size).
       data_axis: the step's data axis: the ``spmd_axis_name`` of the map over the replicas
         the forward pass runs in, which an attention region inside it makes manual too.
+      rows: the mesh's other axes a batch's rows are split over (`axes.ROW_AXES`:
+        ``"fsdp"``, ``"expert"``), after the data axis.
     """
 
     mesh: Mesh
     name: str
     size: int
     data_axis: str
+    rows: tuple[str, ...] = ()
+
+    @property
+    def row_spec(self) -> str | tuple[str, ...]:
+        """The `PartitionSpec` entry of a batch's rows: the data axis, then `rows`."""
+        return (self.data_axis, *self.rows) if self.rows else self.data_axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +120,10 @@ def of_mesh(mesh: Mesh, data_axis: str) -> ContextAxis | None:
     if CONTEXT_AXIS not in mesh.axis_names or data_axis == CONTEXT_AXIS:
         return None
     size = int(mesh.shape[CONTEXT_AXIS])
-    return ContextAxis(mesh, CONTEXT_AXIS, size, data_axis) if size > 1 else None
+    if size == 1:
+        return None
+    rows = tuple(a for a in axes.ROW_AXES if a in mesh.axis_names and a != data_axis)
+    return ContextAxis(mesh, CONTEXT_AXIS, size, data_axis, rows)
 
 
 def of_strategy(strategy: StrategyLike) -> ContextAxis | None:
@@ -298,7 +311,7 @@ def split_sequence(batch: Any, axis: ContextAxis) -> Any:
     become so by a local slice per device, no communication.
     """
     check_sequence(batch, axis.size)
-    sharding = NamedSharding(axis.mesh, P(axis.data_axis, axis.name))
+    sharding = NamedSharding(axis.mesh, P(axis.row_spec, axis.name))
 
     def split(leaf: Any, carries: bool) -> Any:
         return jax.lax.with_sharding_constraint(leaf, sharding) if carries else leaf

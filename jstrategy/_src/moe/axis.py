@@ -11,10 +11,16 @@ from __future__ import annotations
 
 import jax
 
-__all__ = ["EXPERT_AXIS", "check_divides", "expert_degree"]
+from jstrategy._src import axes
+
+__all__ = ["EXPERT_AXIS", "EXPERT_HIDDEN", "check_divides", "expert_degree", "tensor_degree"]
 
 #: The mesh axis the experts are split over.
-EXPERT_AXIS = "expert"
+EXPERT_AXIS = axes.EXPERT_AXIS
+
+#: The logical name of the experts' hidden units: a strategy with a tensor axis maps it
+#: there (`ParallelStrategy`'s rule), splitting each expert Megatron-style.
+EXPERT_HIDDEN = "expert_hidden"
 
 
 def expert_degree() -> int:
@@ -29,6 +35,20 @@ def expert_degree() -> int:
     if mesh.empty or EXPERT_AXIS not in mesh.axis_names:
         return 1
     return int(mesh.shape[EXPERT_AXIS])
+
+
+def tensor_degree() -> int:
+    """The size of the tensor axis of the mesh being traced under (1 without one).
+
+    Example:
+
+    >>> tensor_degree()
+    1
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or axes.TENSOR_AXIS not in mesh.axis_names:
+        return 1
+    return int(mesh.shape[axes.TENSOR_AXIS])
 
 
 def check_divides(num_experts: int, degree: int) -> None:

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jstrategy._src.layers.base import Layer
 from jstrategy._src.moe import losses
 from jstrategy._src.moe.axis import EXPERT_AXIS
+from jstrategy._src.moe.axis import EXPERT_HIDDEN
 from jstrategy._src.moe.config import check_settings
 from jstrategy._src.moe.experts import moe_forward
 
@@ -91,10 +92,15 @@ class MoE(Layer):
         # The experts' axis, by its logical name: a strategy with an expert axis maps it
         # there (`FSDPStrategy(experts=k)`'s rule); for any other the name maps to
         # nothing and the weights are laid as the strategy lays any variable.
-        init: Any = nn.with_logical_partitioning(expert_init, (EXPERT_AXIS, None, None))
-        wi_0 = self.param("wi_0", init, (experts, features, hidden), jnp.float32)
-        wi_1 = self.param("wi_1", init, (experts, features, hidden), jnp.float32)
-        wo = self.param("wo", init, (experts, hidden, features), jnp.float32)
+        # Their hidden units likewise (`EXPERT_HIDDEN`: a tensor axis, under
+        # `ParallelStrategy`).
+        init_in: Any = nn.with_logical_partitioning(expert_init, (EXPERT_AXIS, None, EXPERT_HIDDEN))
+        init_out: Any = nn.with_logical_partitioning(
+            expert_init, (EXPERT_AXIS, EXPERT_HIDDEN, None)
+        )
+        wi_0 = self.param("wi_0", init_in, (experts, features, hidden), jnp.float32)
+        wi_1 = self.param("wi_1", init_in, (experts, features, hidden), jnp.float32)
+        wo = self.param("wo", init_out, (experts, hidden, features), jnp.float32)
         if self.dtype is not None:
             dtype = self.compute_dtype(inputs, wi_0)
             router, wi_0, wi_1, wo = (w.astype(dtype) for w in (router, wi_0, wi_1, wo))

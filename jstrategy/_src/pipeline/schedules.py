@@ -38,10 +38,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jstrategy._src import axes
 from jstrategy._src.names import path_names
+from jstrategy._src.validation import check_positive_int
 
 __all__ = [
     "STACKED_KEY",
+    "check_pipeline",
     "STAGE_AXIS",
     "PipelineConfig",
     "PipelineSchedule",
@@ -52,7 +55,7 @@ __all__ = [
 ]
 
 #: The mesh axis the stages are laid along.
-STAGE_AXIS = "stage"
+STAGE_AXIS = axes.STAGE_AXIS
 
 #: The key under which a repeated block keeps its stacked variables (leading dimension:
 #: the layers), the key `PipelineStrategy` finds them by.
@@ -115,7 +118,7 @@ class PipelineConfig:
     @property
     def num_replicas(self) -> int:
         """The replicas, each of which runs the stages on its own rows."""
-        return self.mesh.devices.size // self.num_stages
+        return int(self.mesh.shape[axes.REPLICA_AXIS])
 
     def check_step(self, params: Any, rows: int) -> None:
         """The pre-flight checks of a pipelined train step, before the model is traced:
@@ -147,6 +150,38 @@ class PipelineConfig:
             )
 
 
+def check_pipeline(
+    stages: Any, microbatches: Any, schedule: Any, repeats: Any
+) -> tuple[int, int, PipelineSchedule, int]:
+    """A pipeline's settings checked, as the strategies that take them check them:
+    ``(num_stages, num_microbatches, schedule, num_repeats)``.
+
+    Raises:
+      ValueError, TypeError: naming the argument, what was given and the fix.
+
+    Example:
+
+    >>> check_pipeline(2, 4, "1f1b", 1)
+    (2, 4, <PipelineSchedule.ONE_F_ONE_B: '1f1b'>, 1)
+    """
+    stages = check_positive_int(stages, "num_stages", "E.g. num_stages=2.")
+    micro = check_positive_int(
+        microbatches, "num_microbatches", f"E.g. num_microbatches={2 * stages}."
+    )
+    schedule = PipelineSchedule.of(schedule)
+    repeats = check_positive_int(
+        repeats, "num_repeats", "E.g. num_repeats=2 (1: no virtual stages)."
+    )
+    if repeats > 1 and micro % stages:
+        raise ValueError(
+            f"With num_repeats={repeats}, `num_microbatches` must be a multiple of "
+            f"num_stages={stages} (the circular schedule sends the microbatches round "
+            f"the stages in groups of num_stages); got num_microbatches={micro}. Pass "
+            f"e.g. num_microbatches={stages * max(1, -(-micro // stages))}."
+        )
+    return stages, micro, schedule, repeats
+
+
 def layers_error(what: str, layers: int, config: PipelineConfig) -> str:
     """The refusal of `what`, a repeated block's `layers` that `config`'s (virtual)
     stages do not divide."""
@@ -176,10 +211,14 @@ def _shift(mesh: Mesh, stages: int, *, step: int = 1) -> Callable[[Any], Any]:
     def shift(tree: Any) -> Any:
         return jax.tree.map(lambda v: jax.lax.ppermute(v, STAGE_AXIS, perm), tree)
 
-    # Manual over every axis: traced inside the replicas' ``vmap`` (whose
-    # ``spmd_axis_name`` adds the data axis to the specs), each device then holds its
-    # stage's slice of its replica's microbatch.
-    return jax.shard_map(shift, mesh=mesh, in_specs=P(STAGE_AXIS), out_specs=P(STAGE_AXIS))
+    # Manual over the stages and the replicas: traced inside the replicas' ``vmap``
+    # (whose ``spmd_axis_name`` adds the data axis to the specs), each device then holds
+    # its stage's slice of its replica's microbatch; the mesh's other axes (a tensor or
+    # FSDP split of the microbatch) stay as they are.
+    manual = frozenset({STAGE_AXIS, axes.REPLICA_AXIS} & set(mesh.axis_names))
+    return jax.shard_map(
+        shift, mesh=mesh, in_specs=P(STAGE_AXIS), out_specs=P(STAGE_AXIS), axis_names=manual
+    )
 
 
 def gpipe(

@@ -25,6 +25,7 @@ from jstrategy._src.mesh import DeviceMesh
 from jstrategy._src.pipeline.schedules import STAGE_AXIS
 from jstrategy._src.pipeline.schedules import PipelineConfig
 from jstrategy._src.pipeline.schedules import PipelineSchedule
+from jstrategy._src.pipeline.schedules import check_pipeline
 from jstrategy._src.pipeline.schedules import is_stacked
 from jstrategy._src.pipeline.schedules import layers_error
 from jstrategy._src.strategies.fsdp import DEFAULT_MIN_SHARD_SIZE
@@ -119,29 +120,16 @@ class PipelineStrategy(ShardedStrategy):
         cluster_resolver: ClusterResolver | None = None,
         communication_options: CommunicationOptions | None = None,
     ):
-        stages = check_positive_int(num_stages, "num_stages", "E.g. num_stages=2.")
-        micro = check_positive_int(
-            num_microbatches, "num_microbatches", f"E.g. num_microbatches={2 * stages}."
+        stages, micro, schedule, repeats = check_pipeline(
+            num_stages, num_microbatches, schedule, num_repeats
         )
-        schedule = PipelineSchedule.of(schedule)
-        repeats = check_positive_int(
-            num_repeats, "num_repeats", "E.g. num_repeats=2 (1: no virtual stages)."
-        )
-        if repeats > 1 and micro % stages:
-            raise ValueError(
-                f"With num_repeats={repeats}, `num_microbatches` must be a multiple of "
-                f"num_stages={stages} (the circular schedule sends the microbatches round "
-                f"the stages in groups of num_stages); got num_microbatches={micro}. Pass "
-                f"e.g. num_microbatches={stages * max(1, -(-micro // stages))}."
-            )
         check_bool(shard_over_replicas, "shard_over_replicas", error=TypeError)
         min_shard_size = (
             check_positive_int(min_shard_size, "min_shard_size") if min_shard_size else 0
         )
-        cross_device_ops = None
-        if devices is None or cluster_resolver is not None or communication_options is not None:
-            cross_device_ops = self._join_job(cluster_resolver, communication_options)
-        resolved = jax.devices() if devices is None else devices_lib.resolve_devices(devices)
+        cross_device_ops, resolved = self._join_and_resolve(
+            devices, cluster_resolver, communication_options
+        )
         if len(resolved) % stages:
             raise ValueError(
                 f"`num_stages`={stages} must divide the number of devices, {len(resolved)}: "

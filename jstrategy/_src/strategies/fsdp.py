@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from jstrategy._src import devices as devices_lib
 from jstrategy._src import flax_annotations
+from jstrategy._src.axes import DATA_AXES
 from jstrategy._src.collective_util import CommunicationOptions
 from jstrategy._src.context_parallel.axis import CONTEXT_AXIS
 from jstrategy._src.moe.axis import EXPERT_AXIS
@@ -44,9 +45,6 @@ __all__ = ["DEFAULT_MIN_SHARD_SIZE", "FSDPStrategy", "check_min_shard_size", "sh
 #: Variables with fewer elements stay replicated: gathering a bias or a norm's scale costs
 #: a collective per use and saves next to nothing.
 DEFAULT_MIN_SHARD_SIZE = 1024
-
-#: The mesh axis names of a Flax annotation that FSDP honours: its own data axis's.
-_DATA_AXES = ("data", "fsdp", "batch")
 
 
 class FSDPStrategy(ShardedStrategy):
@@ -156,11 +154,9 @@ class FSDPStrategy(ShardedStrategy):
             fix="Pass e.g. context=2, or 1 (the default) to keep sequences whole.",
         )
         check_min_shard_size(min_shard_size)
-        cross_device_ops = None  # across processes, when it joins a job of several
-        if devices is None or cluster_resolver is not None or communication_options is not None:
-            cross_device_ops = self._join_job(cluster_resolver, communication_options)
-        # After joining, JAX's devices are every worker's.
-        resolved = jax.devices() if devices is None else devices_lib.resolve_devices(devices)
+        cross_device_ops, resolved = self._join_and_resolve(
+            devices, cluster_resolver, communication_options
+        )
         if len(resolved) % context:
             raise ValueError(
                 f"`context` must divide the number of devices, {len(resolved)} (each replica "
@@ -227,7 +223,7 @@ class FSDPStrategy(ShardedStrategy):
             if best is not None:
                 spec[best] = REPLICA_AXIS
             return NamedSharding(self.mesh, P(*spec))
-        annotated = flax_annotations.data_dim(self, path, shape, (*_DATA_AXES, self.axis_name))
+        annotated = flax_annotations.data_dim(self, path, shape, (*DATA_AXES, self.axis_name))
         if annotated is not None and self.num_replicas_in_sync > 1:
             axes = self._split_axes if shape[annotated] % n == 0 else self.axis_name
             return NamedSharding(self.mesh, P(*([None] * annotated), axes))

@@ -23,7 +23,6 @@ from jstrategy._src import mesh as mesh_lib
 from jstrategy._src.context_parallel.axis import CONTEXT_AXIS
 from jstrategy._src.cross_device_ops import CrossDeviceOps
 from jstrategy._src.layout_map import LayoutMap
-from jstrategy._src.layout_map import misfit
 from jstrategy._src.mesh import DeviceMesh
 from jstrategy._src.offload import OffloadPolicy
 from jstrategy._src.strategies.sharded import ShardedStrategy
@@ -185,39 +184,25 @@ class ModelParallelStrategy(ShardedStrategy):
             names the path, the shape and the size), or two keys match its path.
         """
         names = tuple(str(k) for k in path)
-        is_parameter, candidates = flax_annotations.candidate_paths(names)
-        for candidate in candidates:
-            key, layout = self._layout_map.lookup(candidate)
-            if layout is not None:
-                source = f"the layout {tuple(layout)} of LayoutMap key {key!r}"
-                break
-        else:
-            found = flax_annotations.annotation(self, names)
-            if found is None:
-                return self.replicated_sharding()
-            candidate, layout = found
-            source = f"its Flax sharding annotation {tuple(layout)}"
-            missing = self._missing_axes(layout)
-            if missing and is_parameter:
-                raise ValueError(
-                    f"Variable {candidate!r} is annotated (nn.with_partitioning, "
-                    f"nnx.with_partitioning or logical names mapped by logical axis rules) "
-                    f"with {tuple(layout)}, which names mesh axes {missing} that the mesh "
-                    f"lacks; its axes are {self.mesh.axis_names}. Name the mesh's axes in "
-                    "the annotation, map logical names to them with logical_axis_rules=, or "
-                    "override the variable's layout with a LayoutMap entry."
-                )
-            if missing:
-                return self.replicated_sharding()
-        problem = misfit(layout, tuple(leaf.shape), self.mesh.shape)
-        if problem is None:
-            return NamedSharding(self.mesh, layout)
-        if is_parameter:
+        found = flax_annotations.find_layout(self, self._layout_map, names)
+        if found is None:
+            return self.replicated_sharding()
+        missing = [] if found.from_map else self._missing_axes(found.layout)
+        if missing and found.is_parameter:
             raise ValueError(
-                f"Variable {candidate!r} of shape {tuple(leaf.shape)} does not fit "
-                f"{source}: {problem}. Change the layout, or the variable's shape."
+                f"Variable {found.path!r} is annotated (nn.with_partitioning, "
+                f"nnx.with_partitioning or logical names mapped by logical axis rules) "
+                f"with {tuple(found.layout)}, which names mesh axes {missing} that the mesh "
+                f"lacks; its axes are {self.mesh.axis_names}. Name the mesh's axes in "
+                "the annotation, map logical names to them with logical_axis_rules=, or "
+                "override the variable's layout with a LayoutMap entry."
             )
-        return self.replicated_sharding()
+        fitted = None
+        if not missing:
+            fitted = found.fitted(found.layout, tuple(leaf.shape), self.mesh.shape, strict=True)
+        if fitted is None:
+            return self.replicated_sharding()
+        return NamedSharding(self.mesh, fitted)
 
     def _missing_axes(self, layout: P) -> list[str]:
         axes = [

@@ -16,12 +16,14 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from collections.abc import Iterator
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
 
 import jax
 from flax.core import spmd as flax_spmd
 
+from jstrategy._src import devices as devices_lib
 from jstrategy._src import flax_annotations
 from jstrategy._src import placement
 from jstrategy._src import staging
@@ -138,6 +140,22 @@ class ShardedStrategy(Strategy):
         if self._cluster.num_workers == 1:
             return None
         return CollectiveAllReduce(options.implementation, options.bytes_per_pack)
+
+    def _join_and_resolve(
+        self,
+        devices: Sequence[devices_lib.DeviceSpec] | None,
+        cluster_resolver: ClusterResolver | None,
+        communication_options: CommunicationOptions | None,
+    ) -> tuple[CollectiveAllReduce | None, list[jax.Device]]:
+        """``(collectives across processes or None, the devices)``: the job joined
+        (`_join_job`) where no devices are given or a job is named, then `devices`
+        resolved, None meaning every device of every process of the job."""
+        cross = None
+        if devices is None or cluster_resolver is not None or communication_options is not None:
+            cross = self._join_job(cluster_resolver, communication_options)
+        # After joining, JAX's devices are every worker's.
+        resolved = jax.devices() if devices is None else devices_lib.resolve_devices(devices)
+        return cross, list(resolved)
 
     @property
     def logical_axis_rules(self) -> tuple[tuple[str, Any], ...]:

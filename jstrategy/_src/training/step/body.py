@@ -27,6 +27,7 @@ and counts of real rows go to `accumulation.accumulate`, which updates every k-t
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -664,9 +665,15 @@ def apply_update(spec: StepSpec, state: TrainStateProtocol, grads: Any, model_st
 
 
 def eval_sums(
-    spec: StepSpec, state: TrainStateProtocol, batch: Any, mask: jax.Array
+    spec: StepSpec,
+    state: TrainStateProtocol,
+    batch: Any,
+    mask: jax.Array,
+    *,
+    across_replicas: bool = True,
 ) -> dict[str, jax.Array]:
-    """One evaluation step on one replica: the loss and metric sums, combined across replicas."""
+    """One evaluation step on one replica: the loss and metric sums, combined across
+    replicas (`across_replicas`; a global-view program's batch is every replica's)."""
     strategy = spec.strategy
     x, y, w = unpack_batch(batch)
     if y is None:
@@ -681,9 +688,10 @@ def eval_sums(
     sums = _sums(spec, y, y_pred, maskf, loss_sum, w)
     if spec.check_numerics:
         sums.update(check_numerics.step_flags(spec, y, y_pred, maskf, loss_sum))
-    sums = strategy.cross_device_ops.all_reduce(
-        ReduceOp.SUM, sums, mesh=strategy.mesh, axis_name=strategy.axis_name
-    )
+    if across_replicas:
+        sums = strategy.cross_device_ops.all_reduce(
+            ReduceOp.SUM, sums, mesh=strategy.mesh, axis_name=strategy.axis_name
+        )
     return {**sums, **check_numerics.loss_scale_flags(spec)}  # the train step's keys
 
 
@@ -767,6 +775,16 @@ def build_eval_program(spec: StepSpec) -> Callable[..., Any]:
         acc = sums if acc is None else jax.tree.map(jnp.add, acc, sums)
         return acc, means(acc)
 
+    if _global_view(strategy):
+
+        def global_eval(state: Any, acc: Any, batch: Any, mask: Any) -> tuple[Any, Any]:
+            sums = eval_sums(spec, state, batch, mask, across_replicas=False)
+            acc = sums if acc is None else jax.tree.map(jnp.add, acc, sums)
+            return acc, means(acc)
+
+        return _ReadingState(
+            _UnderMesh(jax.jit(global_eval, donate_argnums=(1,)), strategy), strategy
+        )
     rows = row_spec(strategy)
     program = jax.jit(
         replica_map(strategy, eval_program, in_specs=(P(), P(), rows, rows), out_specs=(P(), P())),
@@ -782,5 +800,44 @@ def build_predict_program(strategy: Strategy, policy: mp.Policy = _FLOAT32) -> C
     def predict(state: Any, x: Any) -> Any:
         return predict_outputs(policy, state, x)
 
+    if _global_view(strategy):
+        by_rows = strategy.batch_sharding()
+        return _ReadingState(
+            _UnderMesh(jax.jit(predict, out_shardings=by_rows), strategy), strategy
+        )
     program = jax.jit(replica_map(strategy, predict, in_specs=(P(), rows), out_specs=rows))
     return _ReadingState(program, strategy)
+
+
+def _global_view(strategy: Strategy) -> bool:
+    """Whether evaluation and prediction run in the global view, as the train step does:
+    where a batch's rows are split over more than the data axis (``"fsdp"``, ``"expert"``).
+
+    Inference is row by row, so one ``jax.jit`` over the global batch computes what the
+    replicas' map would. The map (manual over the data axis, the row axes automatic)
+    is not used there: XLA's partitioner aborts on a gather in it whose operand and
+    indices are both split over an automatic axis (an embedding lookup under FSDP's
+    split: "Check failed: partition_group_list.num_replica_groups() * ...").
+    """
+    rows = strategy.batch_sharding().spec[0]
+    return isinstance(rows, tuple) and len(rows) > 1
+
+
+class _UnderMesh:
+    """A program called (hence traced) under its strategy's mesh and logical rules."""
+
+    def __init__(self, program: Any, strategy: Strategy):
+        self._program = program
+        self._strategy = strategy
+
+    def _context(self) -> Any:
+        enter = getattr(self._strategy, "mesh_context", None)
+        return contextlib.nullcontext() if enter is None else enter()
+
+    def __call__(self, *args: Any) -> Any:
+        with self._context():
+            return self._program(*args)
+
+    def lower(self, *args: Any) -> Any:
+        with self._context():
+            return self._program.lower(*args)
