@@ -221,12 +221,19 @@ def test_evaluate_and_predict_an_embedding_under_fsdp_rows_follow_one_device():
         np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["expert_2_x_tensor_2", "context_2_x_tensor_2"])
+@pytest.mark.parametrize(
+    "name", ["expert_2_x_tensor_2", "context_2_x_tensor_2", "stages_2_x_fsdp_2_x_tensor_2"]
+)
 def test_plan_compiles_the_combined_step_and_reads_each_share(name):
     if name in MOE:
         strategy, model = MOE[name](), moe.Decoder(0.5)
         x, y = moe._data()
         loss = moe._loss()
+    elif name in PIPELINES:
+        strategy = Parallel(**PIPELINES[name], layout_map=_block_layout())
+        model = pl.Net(axis_name=strategy.axis_name)
+        x, y = (a[0] for a in pl._data(steps=1))
+        loss = pl._loss
     else:
         strategy, model = CONTEXT[name](), cp._decoder()
         x, y = cp._data(8, 32)
@@ -313,3 +320,33 @@ def test_pipeline_settings_are_refused_before_any_work():
         Parallel(stages=2, experts=2, num_microbatches=4)
     with pytest.raises(ValueError, match=r"`num_microbatches` must be a multiple of"):
         Parallel(stages=2, num_microbatches=3, num_repeats=2)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jstrategy.experimental.HybridStrategy(
+            replicas=2, fsdp=2, tensor=2, min_shard_size=0
+        ),
+        MOE["expert_2_x_tensor_2"],
+    ],
+    ids=["hybrid_2x2x2", "expert_2_x_tensor_2"],
+)
+def test_run_computes_each_replicas_rows_with_the_variables_split(make):
+    # Before, an embedding lookup inside `run`'s map (manual over the replicas, the rows
+    # split over "fsdp"/"expert" too) aborted XLA's partitioner.
+    strategy, module = make(), moe.Decoder(0.5)
+    x, _ = moe._data()
+    with strategy.scope():
+        state = training.create_train_state(module, optax.adam(1e-2), x[:1], rng=0)
+    (batch,) = list(strategy.experimental_distribute_dataset([x[:8]]))
+
+    def replica_fn(params, rows):
+        out = module.apply({"params": params}, rows)
+        return jstrategy.get_replica_context().all_reduce("sum", jnp.sum(out)), rows.shape[0]
+
+    total, rows = strategy.run(replica_fn, args=(state.params, batch))
+    whole = float(jnp.sum(module.apply({"params": jax.device_get(state.params)}, x[:8])))
+    assert strategy.experimental_local_results(rows) == (4, 4)
+    for value in strategy.experimental_local_results(total):
+        assert float(value) == pytest.approx(whole, rel=1e-5)

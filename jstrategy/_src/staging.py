@@ -109,6 +109,26 @@ def row_spec(strategy: StrategyLike, lead: int = 0) -> P:
     return P(*([None] * lead), strategy.axis_name)
 
 
+def rows_beyond_data_axis(strategy: StrategyLike) -> bool:
+    """Whether a batch's rows are split over more than the data axis (``"fsdp"``,
+    ``"expert"``: `HybridStrategy`, `ParallelStrategy`, `FSDPStrategy(experts=k)`).
+
+    In a program manual over the data axis (`replica_map`, `Strategy.run`), the rest of
+    such a split is automatic, and XLA's partitioner aborts on a gather whose operand and
+    indices are both split over one automatic axis (an embedding lookup whose table FSDP
+    splits: "Check failed: partition_group_list.num_replica_groups() * ..."). Evaluation
+    and prediction then run in the global view; `run` takes each replica's rows whole.
+
+    Example:
+
+    >>> import jstrategy
+    >>> rows_beyond_data_axis(jstrategy.MirroredStrategy())
+    False
+    """
+    rows = strategy.batch_sharding().spec[0]
+    return isinstance(rows, tuple) and len(rows) > 1
+
+
 def replica_map(
     strategy: StrategyLike, fn: Callable[..., Any], in_specs: Any, out_specs: Any
 ) -> Any:

@@ -77,16 +77,24 @@ def expert_parallel(
     # The rows' axes: inside the step's map over the replicas (its axis bound) the map
     # adds the replicas' axis itself; elsewhere (prediction, evaluation) the rows stay
     # split over it as they arrive.
+    # (Axes of size one are left out: XLA's partitioner aborts on some of these maps
+    # whose specs name one in a tuple of axes.)
     row_axes = tuple(
         a
         for a in axes.ROW_AXES
-        if a in mesh.axis_names and not (a == axes.REPLICA_AXIS and _bound(a))
+        if int(dict(mesh.shape).get(a, 1)) > 1 and not (a == axes.REPLICA_AXIS and _bound(a))
     )
     split = math.prod(int(mesh.shape[a]) for a in row_axes)
     rows = tokens.shape[0]
     padded = -(-rows // split) * split
     if padded != rows:
         tokens = jnp.pad(tokens, ((0, padded - rows), (0, 0), (0, 0)))
+    if mesh.manual_axes:
+        # Inside `strategy.run`'s map (manual over the replicas), the tokens enter whole:
+        # left to propagation, a split the map asks of an embedding lookup's output made
+        # XLA's partitioner abort (the lookup's table split by FSDP, see
+        # `staging.rows_beyond_data_axis`).
+        tokens = jax.lax.with_sharding_constraint(tokens, P())
     tensor = tensor_degree()
     tensor = tensor if tensor > 1 and weights[0].shape[-1] % tensor == 0 else 1
 
@@ -113,5 +121,7 @@ def expert_parallel(
         out_specs=(by_rows, by_rows, by_rows, by_rows),
         check_vma=False,
     )(tokens, router, *weights)
+    if mesh.manual_axes:
+        y, dropped, balance, z = jax.lax.with_sharding_constraint((y, dropped, balance, z), P())
     empty = jnp.zeros((rows, tokens.shape[1], 0, 0), jnp.float32)  # masks stay on devices
     return y[:rows], Routing(empty, empty, dropped[:rows], balance[:rows], z[:rows])

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jstrategy._src import context
 from jstrategy._src import dispatch
+from jstrategy._src import staging
 from jstrategy._src import tracked
 from jstrategy._src.context_parallel import axis as context_axis
 from jstrategy._src.run import mirrored_check
@@ -307,6 +308,9 @@ def _build(strategy: StrategyLike, fn, treedef, kinds, statics, has_mask, exampl
     # Manual over the data axis only: a mesh's other axes stay automatic, so variables
     # split over them keep their layout inside `fn` and XLA partitions the math.
     shard_map = functools.partial(jax.shard_map, mesh=strategy.mesh, axis_names=frozenset({data}))
+    # Where rows are split beyond the data axis, each replica takes its rows whole inside
+    # (see `staging.rows_beyond_data_axis`: XLA aborts on an embedding lookup otherwise).
+    whole_rows = staging.rows_beyond_data_axis(strategy)
 
     def call(values, frame, *, shared=False):
         row_mask = values[-1] if has_mask else None
@@ -322,6 +326,8 @@ def _build(strategy: StrategyLike, fn, treedef, kinds, statics, has_mask, exampl
                     value = value[0]
                 elif kind == _WHOLE and not shared:
                     value = _per_replica_copy(value, data)
+                if whole_rows and kind in (_STACKED, _SPLIT):
+                    value = jax.lax.with_sharding_constraint(value, P())
                 leaves.append(value)
         args, kwargs = jax.tree.unflatten(treedef, leaves)
         # A context axis splits no sequence here: the attention refuses to run whole.

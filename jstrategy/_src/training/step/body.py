@@ -60,6 +60,7 @@ from jstrategy._src.staging import StepFunctions
 from jstrategy._src.staging import TrainProgram
 from jstrategy._src.staging import replica_map
 from jstrategy._src.staging import row_spec
+from jstrategy._src.staging import rows_beyond_data_axis
 from jstrategy._src.training import losses as losses_lib
 from jstrategy._src.training import metrics as metrics_lib
 from jstrategy._src.training.data_adapters import unpack_batch
@@ -775,7 +776,7 @@ def build_eval_program(spec: StepSpec) -> Callable[..., Any]:
         acc = sums if acc is None else jax.tree.map(jnp.add, acc, sums)
         return acc, means(acc)
 
-    if _global_view(strategy):
+    if rows_beyond_data_axis(strategy):
 
         def global_eval(state: Any, acc: Any, batch: Any, mask: Any) -> tuple[Any, Any]:
             sums = eval_sums(spec, state, batch, mask, across_replicas=False)
@@ -800,27 +801,13 @@ def build_predict_program(strategy: Strategy, policy: mp.Policy = _FLOAT32) -> C
     def predict(state: Any, x: Any) -> Any:
         return predict_outputs(policy, state, x)
 
-    if _global_view(strategy):
+    if rows_beyond_data_axis(strategy):
         by_rows = strategy.batch_sharding()
         return _ReadingState(
             _UnderMesh(jax.jit(predict, out_shardings=by_rows), strategy), strategy
         )
     program = jax.jit(replica_map(strategy, predict, in_specs=(P(), rows), out_specs=rows))
     return _ReadingState(program, strategy)
-
-
-def _global_view(strategy: Strategy) -> bool:
-    """Whether evaluation and prediction run in the global view, as the train step does:
-    where a batch's rows are split over more than the data axis (``"fsdp"``, ``"expert"``).
-
-    Inference is row by row, so one ``jax.jit`` over the global batch computes what the
-    replicas' map would. The map (manual over the data axis, the row axes automatic)
-    is not used there: XLA's partitioner aborts on a gather in it whose operand and
-    indices are both split over an automatic axis (an embedding lookup under FSDP's
-    split: "Check failed: partition_group_list.num_replica_groups() * ...").
-    """
-    rows = strategy.batch_sharding().spec[0]
-    return isinstance(rows, tuple) and len(rows) > 1
 
 
 class _UnderMesh:
