@@ -43,6 +43,9 @@ Layouts (8 devices):
   more layers than stages make MaxText's pipeline circular); jstrategy
   ``PipelineStrategy(num_stages=4, num_microbatches=8)`` with the layers in a ``Repeated``
   block (GPipe), the non-repeated variables replicated over the 2 replicas on both.
+* ``moe``, ``moe_ep4``, ``moe_ep8`` (not run unless named): a Mixtral-shaped decoder (the
+  MLP a mixture of 8 SwiGLU experts, top-2, capacity factor 1.25) under FSDP 8, expert 4 x
+  fsdp 2 and expert 8, with the fraction of tokens each side drops: ``_maxtext_moe``.
 
 Layers ``scanned`` (MaxText ``scan_layers=true``; jstrategy ``nn.scan``) or ``unrolled``
 (``scan_layers=false``; L separate layers). jstrategy's ``Repeated`` always scans the
@@ -90,6 +93,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from typing import ClassVar
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
@@ -108,6 +112,9 @@ from jstrategy import training
 from jstrategy.experimental import PipelineStrategy
 from jstrategy.experimental import Repeated
 
+# One module whether run as a script or imported: `_maxtext_moe` imports it by this name.
+sys.modules.setdefault("maxtext_compare", sys.modules[__name__])
+
 INSTALL = """\
     python3.12 -m venv /work/venvs/maxtext
     /work/venvs/maxtext/bin/pip install maxtext==0.2.5
@@ -116,7 +123,7 @@ generated_requirements/decoupled-requirements.txt
     /work/venvs/maxtext/bin/pip install -e . --no-deps
     DECOUPLE_GCLOUD=TRUE /work/venvs/maxtext/bin/python benchmarks/maxtext_compare.py"""
 
-LAYOUTS = ("fsdp", "tp", "pipeline")
+LAYOUTS = ("fsdp", "tp", "pipeline", "moe", "moe_ep4", "moe_ep8")  # moe*: `_maxtext_moe`
 SCANS = ("scanned", "unrolled")
 STAGES, MICROBATCHES = 4, 8
 
@@ -207,21 +214,33 @@ class Decoder(nn.Module):
     shape: Shape
     layers: str = "scanned"
 
+    # What a decoder of other layers changes (`_maxtext_moe`'s): the layer, and the
+    # collections its layers fill, each scanned with the parameters.
+    layer_class: ClassVar[type[nn.Module]] = Layer
+    scanned_collections: ClassVar[tuple[str, ...]] = ("params",)
+
+    def layer(self, block: Any, scanned: bool, **kwargs: Any) -> Any:
+        """`block` (the layer class, wrapped) built for this decoder's shape."""
+        return block(self.shape.heads, self.shape.mlp, scanned, **kwargs)
+
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         s = self.shape
         x = nn.Embed(s.vocab, s.d_model, name="token_embedder")(tokens)
         if self.layers == "scanned":
-            block = training.remat(Layer, prevent_cse=False)
-            scan = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                           length=s.layers)  # fmt: skip
-            x, _ = scan(s.heads, s.mlp, True, name="layers")(x, None)
+            block = training.remat(self.layer_class, prevent_cse=False)
+            axes = dict.fromkeys(self.scanned_collections, 0)
+            # An annotated variable (a MoE's experts) gains a leading unnamed axis.
+            scan = nn.scan(block, variable_axes=axes, split_rngs={"params": True},
+                           length=s.layers, metadata_params={nn.PARTITION_NAME: None})  # fmt: skip
+            x, _ = self.layer(scan, True, name="layers")(x, None)
         elif self.layers == "repeated":
-            x = Repeated(training.remat(Layer)(s.heads, s.mlp), num_layers=s.layers)(x)
+            block = training.remat(self.layer_class)
+            x = Repeated(self.layer(block, False), num_layers=s.layers)(x)
         else:
-            block = training.remat(Layer)
+            block = training.remat(self.layer_class)
             for i in range(s.layers):
-                x = block(s.heads, s.mlp, name=f"layers_{i}")(x)
+                x = self.layer(block, False, name=f"layers_{i}")(x)
         x = nn.RMSNorm(epsilon=1e-5, name="decoder_norm")(x)
         return nn.Dense(s.vocab, use_bias=False, name="logits_dense")(x)
 
@@ -266,6 +285,7 @@ class Side:
     memory: dict[str, int]  # the compiled step's memory_analysis (`analysed`)
     step: Callable[[int], Any] | None  # None once timed (its state freed)
     samples: list[float] = dataclasses.field(default_factory=list)
+    note: str = ""  # printed in the row's note column
 
     @property
     def peak(self) -> int:
@@ -289,10 +309,14 @@ def analysed(compiled: Any) -> dict[str, int]:
     }
 
 
-def jstrategy_side(shape: Shape, layout: str, scan: str, rows: np.ndarray) -> Side:
-    strategy = jstrategy_strategy(layout, scan)
+def jstrategy_side(
+    shape: Shape, layout: str, scan: str, rows: np.ndarray, *,
+    model: nn.Module | None = None, strategy: jstrategy.Strategy | None = None,
+) -> Side:  # fmt: skip
+    """The layout's step; `model` and `strategy` given replace the layout's (MoE rows)."""
+    strategy = strategy or jstrategy_strategy(layout, scan)
     layers = "repeated" if layout == "pipeline" else scan
-    model = Decoder(shape, layers=layers)
+    model = model or Decoder(shape, layers=layers)
     tx = optax.adamw(LEARNING_RATE, **ADAMW)
     with strategy.scope():
         state = training.create_train_state(model, tx, jnp.zeros((1, shape.seq), jnp.int32))
@@ -362,7 +386,12 @@ def maxtext_overrides(shape: Shape, layout: str, scan: str, batch: int) -> list[
     return [f"{key}={value}" for key, value in settings.items()]
 
 
-def maxtext_side(shape: Shape, layout: str, scan: str, rows: np.ndarray) -> Side:
+def maxtext_side(
+    shape: Shape, layout: str, scan: str, rows: np.ndarray, *,
+    overrides: list[str] | None = None, inspect: Callable[..., None] | None = None,
+) -> Side:  # fmt: skip
+    """The layout's step; `overrides` given replace the layout's settings (MoE rows), and
+    `inspect` is called with MaxText's model, mesh and logical axis rules."""
     import maxtext
     from flax import nnx
     from flax.core.spmd import logical_axis_rules
@@ -373,7 +402,8 @@ def maxtext_side(shape: Shape, layout: str, scan: str, rows: np.ndarray) -> Side
     from maxtext.utils import train_utils
 
     config_file = Path(maxtext.__file__).parent / "configs" / "decoupled_base_test.yml"
-    argv = ["maxtext_compare", str(config_file), *maxtext_overrides(shape, layout, scan, len(rows))]
+    overrides = overrides or maxtext_overrides(shape, layout, scan, len(rows))
+    argv = ["maxtext_compare", str(config_file), *overrides]
     config = pyconfig.initialize(argv)
     # What train.initialize sets from the config (the partitioner); its PRNG change is for
     # dropout, which is off here.
@@ -382,6 +412,8 @@ def maxtext_side(shape: Shape, layout: str, scan: str, rows: np.ndarray) -> Side
         config, None
     )
     parameters = sum(leaf.size for leaf in jax.tree.leaves(nnx.state(state.model, nnx.Param)))
+    if inspect is not None:
+        inspect(state.model, mesh, config.logical_axis_rules)
     graphdef, state = nnx.split(state)
     params_shardings, state_shardings = sharding.maybe_update_params_sharding_with_opt(
         config, state_shardings
@@ -445,14 +477,19 @@ class Row:
 def measure(shape: Shape, layout: str, scan: str, args: argparse.Namespace) -> Row:
     batch, steps, rounds = args.batch, args.steps, args.rounds
     row = Row(layout, shape.layers, scan)
+    maxtext_fn, jstrategy_fn = maxtext_side, jstrategy_side
+    if layout.startswith("moe"):
+        import _maxtext_moe
+
+        maxtext_fn, jstrategy_fn = _maxtext_moe.maxtext_side, _maxtext_moe.jstrategy_side
     rows = np.random.default_rng(0).integers(0, shape.vocab, size=(batch, shape.seq + 1))
     rows = rows.astype(np.int32)
     try:
-        row.maxtext = maxtext_side(shape, layout, scan, rows)
+        row.maxtext = maxtext_fn(shape, layout, scan, rows)
     except Exception as error:  # MaxText's own failures: printed, the row goes on
         row.error = f"MaxText: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
         traceback.print_exc()
-    row.jstrategy = jstrategy_side(shape, layout, scan, rows)
+    row.jstrategy = jstrategy_fn(shape, layout, scan, rows)
     expected = shape.parameters()
     for name, side in (("jstrategy", row.jstrategy), ("MaxText", row.maxtext)):
         if side is not None:
@@ -494,8 +531,13 @@ def format_row(row: Row) -> str:
         median, low, high = _common.paired_ratio(j.samples, m.samples)
         time_ratio = f"{median:.2f}x ({low:.2f}-{high:.2f})"
     layout = {"fsdp": "FSDP 8", "tp": "data 2 x tensor 4", "pipeline": "pipeline 4 x M 8"}
+    if row.layout.startswith("moe"):
+        import _maxtext_moe
+
+        layout.update(_maxtext_moe.LABELS)
+    note = "; ".join(n for n in (row.error, *(s.note for s in (j, m) if s is not None)) if n)
     cells = [layout[row.layout], str(row.layers), row.scan, _mib(j), _mib(m), peak_ratio,
-             _ms(j), _ms(m), time_ratio, row.error]  # fmt: skip
+             _ms(j), _ms(m), time_ratio, note]  # fmt: skip
     return "| " + " | ".join(cells) + " |"
 
 
@@ -506,10 +548,18 @@ HEADER = (
 )
 
 
+def _shape(layers: int, layout: str) -> Shape:
+    if layout.startswith("moe"):
+        import _maxtext_moe
+
+        return _maxtext_moe.MoEShape(layers)
+    return Shape(layers)
+
+
 def main(argv: list[str] | None = None) -> list[Row]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 16])
-    parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
+    parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS[:3]))
     parser.add_argument("--scan", nargs="+", choices=SCANS, default=list(SCANS))
     parser.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     parser.add_argument("--steps", type=int, default=2, help="steps per timing")
@@ -540,7 +590,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         for layout in args.layouts:
             for scan in args.scan:
                 print(f"{layout}, {layers} layers, {scan}:", flush=True)
-                row = measure(Shape(layers), layout, scan, args)
+                row = measure(_shape(layers, layout), layout, scan, args)
                 print(format_row(row), flush=True)
                 results.append(row)
                 gc.collect()

@@ -8,6 +8,7 @@ checks both sides against), and the script must say how to install MaxText and s
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import subprocess
 import sys
@@ -16,6 +17,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
+
+from jstrategy.experimental import moe_dropped_fraction
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "maxtext_compare.py"
@@ -60,3 +63,50 @@ def test_without_maxtext_it_names_the_install_command():
     assert "needs MaxText 0.2.5" in result.stderr
     assert "pip install maxtext==0.2.5" in result.stderr
     assert "decoupled-requirements.txt" in result.stderr
+
+
+def _load_moe(name: str):
+    """`benchmarks/<name>.py` (the MoE rows' modules), after the script they extend."""
+    _load()
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+
+@pytest.mark.parametrize("layers", ["scanned", "unrolled"])
+def test_the_moe_decoder_has_maxtext_s_parameter_count_and_reports_its_drops(layers):
+    moe = _load_moe("_maxtext_moe")
+    shape = moe.MoEShape(2, seq=16)
+    model = moe.Decoder(shape, layers=layers)
+    tokens = jax.random.randint(jax.random.key(1), (4, shape.seq), 0, shape.vocab)
+    variables = model.init(jax.random.key(0), tokens[:1])
+    counted = sum(leaf.size for leaf in jax.tree.leaves(variables["params"]))
+    # 2 * 1024 * 256 + 2 * (2 * 256 + 4 * 256**2 + 256 * 8 + 8 * 3 * 256 * 1024) + 256
+    assert counted == shape.parameters() == 13_636_864
+    _, state = model.apply(variables, tokens, mutable=["intermediates", "losses"])
+    # Each layer's drop counts and load-balancing term reach the collections, scanned too.
+    assigned = sum(float(jnp.sum(leaf)) for leaf in _find(state["intermediates"], "assigned"))
+    assert assigned == shape.layers * len(tokens) * shape.seq * shape.top_k
+    assert 0 < moe_dropped_fraction(state["intermediates"]) < 1
+    assert sum(leaf.size for leaf in jax.tree.leaves(state["losses"])) == shape.layers
+
+
+def _find(tree, key: str) -> list:
+    """The leaves under every `key` in a nested mapping."""
+    if not hasattr(tree, "items"):
+        return []
+    return [x for k, v in tree.items() for x in (jax.tree.leaves(v) if k == key else _find(v, key))]
+
+
+def test_the_topology_row_s_decoder_is_mixtral_8x7b_sized():
+    topology = _load_moe("maxtext_moe_topology")
+    shape = topology.mixtral_8x7b(32, 4096)
+    init = jax.eval_shape(
+        topology.moe.Decoder(shape, "scanned").init,
+        jax.random.key(0),
+        jax.ShapeDtypeStruct((1, 8), jnp.int32),
+    )
+    counted = sum(leaf.size for leaf in jax.tree.leaves(init["params"]))
+    assert counted == shape.parameters() == 46_702_792_704  # Mixtral 8x7B's count

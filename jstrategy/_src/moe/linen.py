@@ -47,8 +47,9 @@ class MoE(Layer):
         (the default): dropless.
       softmax: a `RouterSoftmax` or its value: ``"before_top_k"`` (default) or
         ``"after_top_k"``.
-      load_balance_weight: the load-balancing loss's weight (MaxText's
-        ``load_balance_loss_weight``, default 0.01); 0 adds none.
+      load_balance_weight: the load-balancing loss's weight (default 0.01); 0 adds
+        none. MaxText's ``load_balance_loss_weight=w`` is ``w / (top_k * layers)`` here
+        (`jstrategy._src.moe.routing`).
       z_loss_weight: the router z-loss's weight (default 0.001, ST-MoE's); 0 adds none.
       input_shape: the shape of one input row, for the first layer of a `Sequential`.
 

@@ -12,10 +12,13 @@ Transformer, with the group of tokens that shares a capacity being ONE example r
   ``capacity`` assignments it gets and drops the rest (MaxText's cumulative sum over the
   fused ``seq * top_k`` axis). A dropped assignment adds nothing to the token's output
   (the kept weights are not renormalized).
-* Load balance (Switch, as MaxText scales it): per row, ``num_experts * sum_e f_e * P_e``
+* Load balance (Switch): per row, ``num_experts * sum_e f_e * P_e``
   with ``f_e`` the mean over the row's tokens of how many of its top-k picks are expert
   ``e`` (summing to ``top_k``) and ``P_e`` the mean router probability (the softmax over
-  all experts); a balanced router scores ``top_k``.
+  all experts); a balanced router scores ``top_k``. MaxText 0.2.5 divides ``f_e`` by
+  ``top_k`` and averages its layers' terms where the train step sums them: a weight of
+  ``w / (top_k * layers)`` here adds its ``load_balance_loss_weight=w`` term
+  (docs/benchmarks.md, "Mixture of experts beside MaxText").
 * Router z-loss (ST-MoE): per row, the mean over its tokens of ``logsumexp(logits) ** 2``.
 
 Because a row's routing depends only on that row, the drops, outputs and losses of a
