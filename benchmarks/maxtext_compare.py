@@ -160,7 +160,8 @@ def rotary(x: jax.Array, max_timescale: float = 10_000.0) -> jax.Array:
     angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] / timescale
     sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
     first, second = jnp.split(x, 2, axis=-1)
-    return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    return rotated.astype(x.dtype)  # bfloat16 stays bfloat16 (mixed precision), as MaxText's
 
 
 class Attention(nn.Module):

@@ -249,16 +249,22 @@ def test_each_strategy_names_the_axes_it_splits_rows_over():
 def test_placed_blocks_train_as_one_device(layers):
     # Constraints move data, never change it; the placed class keeps the block's name, so
     # Flax's names (``_Unscanned_0``...) and the parameters are the block's.
+    # The hybrid mesh has a tensor axis: its blocks' features are placed over it too.
     results = []
-    for strategy in (jstrategy.OneDeviceStrategy("cpu:0"), jstrategy.experimental.FSDPStrategy()):
+    for strategy in (
+        jstrategy.OneDeviceStrategy("cpu:0"),
+        jstrategy.experimental.FSDPStrategy(),
+        jstrategy.experimental.HybridStrategy(replicas=2, fsdp=2, tensor=2),
+    ):
         state, step, batch = _step(strategy, _Decoder(layers), None, optax.sgd(0.1))
         state, logs = step(state, batch)
         results.append((float(logs["loss"]), jax.tree.map(np.asarray, state.params)))
-    (loss, params), (fsdp_loss, fsdp_params) = results
-    assert fsdp_loss == pytest.approx(loss, rel=1e-6)
-    assert jax.tree.structure(fsdp_params) == jax.tree.structure(params)
-    for a, b in zip(jax.tree.leaves(fsdp_params), jax.tree.leaves(params), strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-5)
+    (loss, params), *placed = results
+    for placed_loss, placed_params in placed:
+        assert placed_loss == pytest.approx(loss, rel=1e-6)
+        assert jax.tree.structure(placed_params) == jax.tree.structure(params)
+        for a, b in zip(jax.tree.leaves(placed_params), jax.tree.leaves(params), strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 def test_place_leaves_manual_regions_and_rows_that_do_not_divide_alone():
