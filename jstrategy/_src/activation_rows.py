@@ -20,7 +20,8 @@ features, split over that axis, as MaxText's rules split each layer's input
 (``activation_embed`` on ``tensor``). Left to itself, XLA kept every layer's input whole
 on each device of the tensor axis, and a scan saved all of them for the backward pass:
 llama2-7B under data 2 x tensor 8 on a v5p-32 peaked at 24.22 GiB a chip, 1.42x MaxText's
-17.07 (`benchmarks/maxtext_topology.py`); split, each chip keeps an eighth of them.
+17.07 (`benchmarks/maxtext_topology.py`); split, 16.99 GiB (each chip keeps an eighth of
+the saved inputs: 1 GiB, not 8).
 
 The forward pass runs inside the replicas' ``vmap``, whose ``spmd_axis_name`` (the data
 axis) lays the mapped replicas out: the constraint names the other row axes only
