@@ -166,6 +166,12 @@ def applying(policy: Policy | None) -> Iterator[_Active | None]:
         _ACTIVE.reset(token)
 
 
+def active_policy() -> Policy | None:
+    """The checkpoint policy a step traces the model under (`applying`), or None."""
+    active = _ACTIVE.get()
+    return None if active is None else active.policy
+
+
 class RematUnusedError(ValueError):
     """A train step with ``remat`` set traced a model that never called `remat`
     (`check_used`); `jstrategy.experimental.plan` reads it as "this model cannot take
