@@ -73,7 +73,14 @@ generated_requirements/decoupled-requirements.txt"
         /work/venvs/maxtext/bin/python benchmarks/maxtext_compare.py \
         --layers 4 --layouts fsdp --scan scanned --steps 2 --rounds 3
 
-(the script sets both environment variables itself when they are unset). The model is as
+(the script sets both environment variables itself when they are unset).
+
+At real size, ``--topology v5p:2x2x4`` (llama2-7B rows on a v5p-32) or ``--topology
+v5p:4x4x4`` (70B-shaped rows on a v5p-128) compiles both sides for every chip of a TPU slice
+with the TPU compiler, without a TPU and nothing allocated (`maxtext_topology`; it needs
+``pip install libtpu==0.0.52`` in this environment besides; ``--lock FILE`` queues each
+compile behind other libtpu users of the machine, ``--precision mixed_bfloat16`` the
+mixed-precision rows). The model is as
 written, without sharding constraints: MaxText's layers pin each layer's input to the
 batch's split, and jstrategy's sharded train step does the same by itself for the layers
 the model marks with `jstrategy.training.remat` (`Strategy.activation_rows`; see
@@ -160,13 +167,16 @@ def rotary(x: jax.Array, max_timescale: float = 10_000.0) -> jax.Array:
     angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] / timescale
     sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
     first, second = jnp.split(x, 2, axis=-1)
-    return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    return rotated.astype(x.dtype)  # bfloat16 stays bfloat16 (mixed precision), as MaxText's
 
 
 class Attention(nn.Module):
-    """Causal multi-head attention; kernels shaped as MaxText's."""
+    """Causal multi-head attention; kernels shaped as MaxText's. `context`: jstrategy's
+    attention, ring attention over a context axis (`FSDPStrategy(context=k)`)."""
 
     heads: int
+    context: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -176,7 +186,10 @@ class Attention(nn.Module):
             return nn.DenseGeneral((self.heads, head_dim), use_bias=False, name=name)(x)
 
         q, k, v = rotary(project("query")), rotary(project("key")), project("value")
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        if self.context:
+            y = jstrategy.experimental.dot_product_attention(q, k, v, causal=True)
+        else:
+            y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
         return nn.DenseGeneral(x.shape[-1], axis=(-2, -1), use_bias=False, name="out")(y)
 
 
@@ -198,21 +211,25 @@ class Layer(nn.Module):
     heads: int
     mlp: int
     scanned: bool = False
+    context: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, _: Any = None) -> Any:
         norm = lambda name: nn.RMSNorm(epsilon=1e-5, name=name)  # noqa: E731
-        x = x + Attention(self.heads, name="self_attention")(norm("pre_self_attention_norm")(x))
+        attention = Attention(self.heads, self.context, name="self_attention")
+        x = x + attention(norm("pre_self_attention_norm")(x))
         x = x + Mlp(self.mlp, name="mlp")(norm("post_self_attention_norm")(x))
         return (x, None) if self.scanned else x
 
 
 class Decoder(nn.Module):
     """Embedding, `layers` decoder layers (``"scanned"``, ``"unrolled"`` or ``"repeated"``:
-    a `Repeated` block, the pipeline's), final RMSNorm, output projection."""
+    a `Repeated` block, the pipeline's), final RMSNorm, output projection. `context`: ring
+    attention over a context axis (`Attention`)."""
 
     shape: Shape
     layers: str = "scanned"
+    context: bool = False
 
     # What a decoder of other layers changes (`_maxtext_moe`'s): the layer, and the
     # collections its layers fill, each scanned with the parameters.
@@ -221,7 +238,7 @@ class Decoder(nn.Module):
 
     def layer(self, block: Any, scanned: bool, **kwargs: Any) -> Any:
         """`block` (the layer class, wrapped) built for this decoder's shape."""
-        return block(self.shape.heads, self.shape.mlp, scanned, **kwargs)
+        return block(self.shape.heads, self.shape.mlp, scanned, self.context, **kwargs)
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -251,9 +268,10 @@ def token_loss(targets: jax.Array, logits: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean(axis=-1)
 
 
-def megatron_strategy(scanned: bool) -> jstrategy.experimental.ModelParallelStrategy:
-    """data 2 x tensor 4, split as MaxText's logical rules split over ``tensor``."""
-    mesh = jstrategy.experimental.DeviceMesh((2, 4), ("batch", "model"))
+def megatron_layout(
+    mesh: jstrategy.experimental.DeviceMesh, scanned: bool
+) -> jstrategy.experimental.LayoutMap:
+    """What MaxText's logical rules put on ``tensor``, on `mesh`'s ``"model"`` axis."""
     layout = jstrategy.experimental.LayoutMap(mesh)
     lead: tuple[None, ...] = (None,) if scanned else ()
     layout["self_attention/(query|key|value)/kernel"] = (*lead, None, "model", None)
@@ -262,7 +280,15 @@ def megatron_strategy(scanned: bool) -> jstrategy.experimental.ModelParallelStra
     layout["mlp/wo/kernel"] = (*lead, "model", None)
     layout["token_embedder/embedding"] = ("model", None)
     layout["logits_dense/kernel"] = (None, "model")
-    return jstrategy.experimental.ModelParallelStrategy(layout)
+    return layout
+
+
+def megatron_strategy(
+    scanned: bool, shape: tuple[int, int] = (2, 4), devices: Any = None
+) -> jstrategy.experimental.ModelParallelStrategy:
+    """data x tensor (2 x 4 here), split as MaxText's logical rules split over ``tensor``."""
+    mesh = jstrategy.experimental.DeviceMesh(shape, ("batch", "model"), devices=devices)
+    return jstrategy.experimental.ModelParallelStrategy(megatron_layout(mesh, scanned))
 
 
 def jstrategy_strategy(layout: str, scan: str) -> jstrategy.Strategy:
@@ -348,7 +374,14 @@ def maxtext_overrides(shape: Shape, layout: str, scan: str, batch: int) -> list[
             "num_pipeline_repeats": 1,
         },
     }[layout]
-    settings: dict[str, Any] = {
+    settings = {**maxtext_settings(shape, scan, batch / devices), **parallel}
+    return [f"{key}={value}" for key, value in settings.items()]
+
+
+def maxtext_settings(shape: Shape, scan: str, per_device_batch: float) -> dict[str, Any]:
+    """MaxText's overrides for this decoder, its optimizer and remat, on the CPU; the
+    layout's ``ici_*`` degrees go beside them."""
+    return {
         "hardware": "cpu",
         "skip_jax_distributed_system": "true",
         "run_name": "maxtext_compare",
@@ -363,7 +396,7 @@ def maxtext_overrides(shape: Shape, layout: str, scan: str, batch: int) -> list[
         "base_num_decoder_layers": shape.layers,
         "vocab_size": shape.vocab,
         "max_target_length": shape.seq,
-        "per_device_batch_size": batch / devices,
+        "per_device_batch_size": per_device_batch,
         "dtype": "float32",
         "weight_dtype": "float32",
         "logits_dot_in_fp32": "true",
@@ -381,9 +414,7 @@ def maxtext_overrides(shape: Shape, layout: str, scan: str, batch: int) -> list[
         "gradient_clipping_threshold": 0.0,
         "sharding_tolerance": 1.0,
         "steps": 1000,
-        **parallel,
     }
-    return [f"{key}={value}" for key, value in settings.items()]
 
 
 def maxtext_side(
@@ -557,6 +588,12 @@ def _shape(layers: int, layout: str) -> Shape:
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(arg.split("=")[0] in ("--topology", "--rows") for arg in argv):
+        import maxtext_topology  # the real-size rows, compiled for a TPU topology
+
+        maxtext_topology.main(argv)
+        return []
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 16])
     parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS[:3]))

@@ -324,3 +324,39 @@ def test_bad_repeats_are_refused_by_name():
         ),
     ):
         training.create_train_state(Net(layers=4), optax.adam(0.01), jnp.ones((1, FEATURES)), rng=0)
+
+
+class _WideBlock(nn.Module):
+    """A residual block whose wide intermediate is what remat recomputes."""
+
+    @nn.compact
+    def __call__(self, h):
+        return h + nn.Dense(h.shape[-1])(jnp.tanh(nn.Dense(32 * h.shape[-1])(h)))
+
+
+class _RematNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = Repeated(training.remat(_WideBlock)(), num_layers=8)(nn.Dense(32)(x))
+        return nn.Dense(1)(h)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("repeats", [1, 2], ids=["gpipe", "circular"])
+def test_the_steps_remat_applies_under_the_circular_schedule(repeats):
+    # The tick's checkpoint saved every value but the weights' selection, the layers' own
+    # remat's included: under 2 repeats remat=True left the temporaries as they were
+    # (the benchmark decoder on 8 CPU devices: 32.9 MiB without, 33.7 with; GPipe 45.1 and
+    # 7.2); now a value is saved only where the step's policy saves it too.
+    x, y = np.ones((256, 16), np.float32), np.ones((256, 1), np.float32)
+
+    def temporaries(remat):
+        strategy = PipelineStrategy(num_stages=4, num_microbatches=4, num_repeats=repeats)
+        with strategy.scope():
+            state = training.create_train_state(_RematNet(), optax.sgd(0.1), x[:1])
+            step = training.make_train_step(lambda t, p: jnp.mean((t - p) ** 2, -1), remat=remat)
+        compiled = step.lower(state, distribute_batch(strategy, (x, y))).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    without, remat = temporaries(None), temporaries(True)
+    assert remat < 0.6 * without, (remat, without)

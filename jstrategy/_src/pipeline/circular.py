@@ -286,7 +286,7 @@ def _not_reselect(prim: Any, *_: Any, **__: Any) -> bool:
 
 
 def _one_repeat_reselected(
-    stage: Callable[[Any, jax.Array], jax.Array],
+    stage: Callable[[Any, jax.Array], jax.Array], remat: Any = None
 ) -> Callable[..., jax.Array]:
     """`_one_repeat` whose backward pass selects each tick's layers again.
 
@@ -307,8 +307,19 @@ def _one_repeat_reselected(
     def one(stage_params: Any, r: jax.Array, h: jax.Array) -> jax.Array:
         return run(jax.tree.map(lambda v: _reselect.bind(v, r), stage_params), h)
 
+    # Saving every other value would also save what the layers' own remat recomputes (at
+    # llama2-7B a layer's attention scores per microbatch and repeat: the step's remat had
+    # no effect, 127 GiB a v5p chip against MaxText's 35): under the step's remat policy a
+    # value is saved only where both policies save it.
+    active = remat
+    policy = _not_reselect
+    if active is not None:
+
+        def policy(prim: Any, *args: Any, **params: Any) -> bool:
+            return _not_reselect(prim) and bool(active(prim, *args, **params))
+
     # Inside a scan nothing can merge the recomputation into the forward pass: no barrier.
-    return jax.checkpoint(one, policy=_not_reselect, prevent_cse=False)
+    return jax.checkpoint(one, policy=policy, prevent_cse=False)
 
 
 def circular_gpipe(
@@ -318,6 +329,7 @@ def circular_gpipe(
     config: PipelineConfig,
     *,
     ticks: int | None = None,
+    remat: Any = None,
 ) -> jax.Array:
     """`schedules.gpipe` with ``config.num_repeats`` virtual stages per stage (the module
     docstring): ``R * M + S - 1`` ticks.
@@ -329,6 +341,7 @@ def circular_gpipe(
       config: the pipeline.
       ticks: None for all ticks; ``benchmarks/pipeline.py`` passes ``R * M``, the same
         work per tick without the fill and drain (its outputs are not the model's).
+      remat: the step's checkpoint policy (`repeated.Tracing.remat`), or None.
 
     Returns:
       What applying the virtual stages in order to `x` gives, ``(rows, ...)``.
@@ -338,7 +351,7 @@ def circular_gpipe(
     xs = x.reshape(micro, rows // micro, *x.shape[1:])
     on_stages = jax.sharding.NamedSharding(config.mesh, P(STAGE_AXIS))
     shift = _shift(config.mesh, stages)
-    run_stages = _one_repeat_reselected(stage)
+    run_stages = _one_repeat_reselected(stage, remat)
     microbatch, repeat = _items(config)
     stage_ids = jnp.arange(stages)
     items = repeats * micro

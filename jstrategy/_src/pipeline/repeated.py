@@ -88,10 +88,13 @@ class Tracing:
     Attributes:
       config: the pipeline.
       split: the `Split` repeated blocks follow now, or None (they run the pipeline).
+      remat: the step's checkpoint policy (``jax.checkpoint``'s ``policy``), or None:
+        the circular schedule's own checkpoint saves only what it saves too.
     """
 
     config: PipelineConfig
     split: Split | None = None
+    remat: Any = None
 
     @contextlib.contextmanager
     def splitting(self, record: Split) -> Iterator[Split]:
@@ -109,16 +112,19 @@ _CURRENT: contextvars.ContextVar[Tracing | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def applying(config: PipelineConfig | None, params: Any, rows: int) -> Iterator[Tracing | None]:
+def applying(
+    config: PipelineConfig | None, params: Any, rows: int, *, remat: Any = None
+) -> Iterator[Tracing | None]:
     """Traces what runs inside with `config`'s pipeline in effect for `Repeated` blocks
     (None: none in effect), after its pre-flight checks (`PipelineConfig.check_step`) of
     the step's `params` and one replica's `rows`.
 
-    Yields the `Tracing` the blocks read (None without a pipeline).
+    Yields the `Tracing` the blocks read (None without a pipeline); `remat` is the step's
+    checkpoint policy (`Tracing.remat`).
     """
     if config is not None:
         config.check_step(params, rows)
-    tracing = None if config is None else Tracing(config)
+    tracing = None if config is None else Tracing(config, remat=remat)
     token = _CURRENT.set(tracing)
     try:
         yield tracing
@@ -257,8 +263,10 @@ class Repeated(nn.Module):
             record.captured.append(Captured(tuple(self.scope.path), stage, x))
             return x
         stage_params = jax.tree.map(lambda v: stage_layout(v, config), stacked)
-        run = gpipe if config.num_repeats == 1 else circular_gpipe
-        return run(self._stage(template, args, kwargs), stage_params, x, config)
+        stage = self._stage(template, args, kwargs)
+        if config.num_repeats == 1:
+            return gpipe(stage, stage_params, x, config)
+        return circular_gpipe(stage, stage_params, x, config, remat=tracing.remat)
 
     def _apply(self, template: nn.Module, params: Any, h: jax.Array, args, kwargs, rngs=None):
         out = template.apply({"params": params}, h, *args, rngs=rngs, **kwargs)

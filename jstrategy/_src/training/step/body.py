@@ -431,7 +431,12 @@ def _replica_loss(
     def local_loss(params: Any) -> tuple[jax.Array, tuple[Any, Any, Any]]:
         with (
             remat_lib.applying(spec.remat) as active,
-            repeated.applying(pipeline, params, maskf.shape[0]) as tracing,
+            repeated.applying(
+                pipeline,
+                params,
+                maskf.shape[0],
+                remat=None if active is None else active.policy,
+            ) as tracing,
         ):
             if one_f_one_b:
                 assert tracing is not None
