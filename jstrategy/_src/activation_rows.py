@@ -14,8 +14,8 @@ the other dimensions stay XLA's choice (unconstrained), so a sequence split over
 context axis is kept.
 
 Under a tensor layout (a mesh axis named ``"model"``, as ModelParallelStrategy's
-Keras-style meshes name it, or ``"tensor"``, HybridStrategy's, of more than one device) a
-sequence model's block input (three dimensions or more) also has its last dimension, the
+Keras-style meshes name it, or ``"tensor"``, HybridStrategy's, of more than one device), in
+a step with ``remat`` set (`placing`'s ``features``), a sequence model's block input (three dimensions or more) also has its last dimension, the
 features, split over that axis, as MaxText's rules split each layer's input
 (``activation_embed`` on ``tensor``). Left to itself, XLA kept every layer's input whole
 on each device of the tensor axis, and a scan saved all of them for the backward pass:
@@ -69,10 +69,15 @@ def _axes(entry: Any) -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def placing(mesh: Any, rows: Any, mapped: str) -> Iterator[None]:
+def placing(mesh: Any, rows: Any, mapped: str, *, features: bool = True) -> Iterator[None]:
     """Within: `place` splits rows over `rows` (a `PartitionSpec` entry: a mesh axis, a
     tuple of them, or None for nothing placed), less `mapped`, the axis of the replicas'
-    ``vmap`` (its ``spmd_axis_name``), which the map puts back on the replicas' dimension.
+    ``vmap`` (its ``spmd_axis_name``), which the map puts back on the replicas' dimension;
+    with `features`, a sequence model's features over the tensor axis too. The step asks
+    for the features' split under remat only: there the blocks' inputs are what the
+    backward pass keeps, and an eighth of each is the gain; without it the split only adds
+    collectives (a Megatron layer's all-reduce becomes an all-gather and a reduce-scatter
+    around it), beside a hand-written step that has none.
     """
     value = None
     if rows is not None:
@@ -80,7 +85,7 @@ def placing(mesh: Any, rows: Any, mapped: str) -> Iterator[None]:
         tensor = [
             a
             for a in TENSOR_AXES
-            if a in mesh.shape and int(mesh.shape[a]) > 1 and a not in _axes(rows)
+            if features and a in mesh.shape and int(mesh.shape[a]) > 1 and a not in _axes(rows)
         ]
         value = (mesh, row_axes, tensor[0] if tensor else None)
     token = _CURRENT.set(value)

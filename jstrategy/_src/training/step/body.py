@@ -634,7 +634,9 @@ def global_gradients(
 
     # The marked blocks' inputs split by rows as the batch is (`activation_rows`): left to
     # itself, XLA gathered every replica's activations inside a scan over FSDP's layers.
-    with activation_rows.placing(strategy.mesh, strategy.activation_rows, axis):
+    # The features over a tensor axis too, where a remat policy keeps the blocks' inputs.
+    features = spec.remat is not None
+    with activation_rows.placing(strategy.mesh, strategy.activation_rows, axis, features=features):
         (_, (sums, model_state)), grads = jax.value_and_grad(total, has_aux=True)(params)
     sums = {k: jnp.sum(v, axis=0) for k, v in sums.items()}
     model_state = jax.tree.map(lambda x: x[0], model_state)  # the same on every replica
