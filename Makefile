@@ -70,22 +70,23 @@ test-fast: $(VENV)/.dev
 	$(BIN)/python -m pytest -n $(WORKERS) -q -m "not multiprocess and not slow" $(PYTEST_ARGS)
 
 # CI splits `make test` in four lanes on its two cores (each under 15 minutes): the
-# multi-process and the heaviest numerical files and the parallelism spec's combinations
-# (B), the pipelines, long sequences, memory plans, activation placement and the expert
-# axis (C), the parity matrix, the N-D meshes and offload (D), then everything else (A).
+# multi-process and the heaviest numerical files (B), the pipelines, long sequences, memory
+# plans, activation placement and the expert axis (C), the parity matrix, the N-D meshes
+# (the parallelism spec's combinations) and offload (D), then everything else (A).
 LANE_B ?= tests/test_multi_worker.py tests/test_multi_worker_checkpoints.py \
 	tests/test_fault_tolerance.py tests/test_custom_training_tutorial.py \
 	tests/test_parameter_server.py tests/test_parameter_server_tutorial.py \
 	tests/test_ray_backend.py tests/test_launch.py tests/test_rendezvous.py \
 	tests/test_losses_metrics_keras.py \
 	tests/test_global_batch.py tests/test_remat.py tests/test_batch_region.py \
-	tests/test_keras_checkpoints.py tests/test_keras3_models.py tests/test_parallel_spec.py
+	tests/test_keras_checkpoints.py tests/test_keras3_models.py
 
 LANE_C ?= tests/test_pipeline.py tests/test_pipeline_circular.py tests/test_pipeline_nnx.py \
 	tests/test_context_parallel.py tests/test_activation_rows.py tests/test_plan.py \
 	tests/test_moe_expert_axis.py
 
-LANE_D ?= tests/test_parity_matrix.py tests/test_hybrid.py tests/test_offload.py
+LANE_D ?= tests/test_parity_matrix.py tests/test_hybrid.py tests/test_offload.py \
+	tests/test_parallel_spec.py
 
 test-lane-a: $(VENV)/.dev
 	$(BIN)/python -m pytest -n $(WORKERS) -q $(PYTEST_ARGS) \
