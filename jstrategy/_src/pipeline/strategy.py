@@ -1,12 +1,13 @@
-"""`PipelineStrategy`: a model's repeated layers split over stages, the batch over replicas.
+"""`PipelineStrategy`: a model's repeated layers split over stages, the batch over replicas;
+a preset of `ParallelStrategy` with a ``("stage", "replica")`` mesh.
 
-A 2-D mesh ``("stage", "replica")``. What differs from `FSDPStrategy` is where a repeated
-block's stacked variables live (split over ``"stage"`` along their layers dimension, so
-each stage holds ``1 / num_stages`` of the layers) and what it declares to the train step:
-its `pipeline` (a `PipelineConfig`, read once into `StepSpec.pipeline`), on which the step
-runs the block as a pipeline (`schedules`), microbatches handed from stage to stage with
-``jax.lax.ppermute`` inside the one compiled step. Replicas, `run`, the data axis and the
-staging are the sharded strategies' (`ShardedStrategy`).
+What differs from `FSDPStrategy` is where a repeated block's stacked variables live (split
+over ``"stage"`` along their layers dimension, so each stage holds ``1 / num_stages`` of the
+layers) and what it declares to the train step: its `pipeline` (a `PipelineConfig`, read
+once into `StepSpec.pipeline`), on which the step runs the block as a pipeline
+(`schedules`), microbatches handed from stage to stage with ``jax.lax.ppermute`` inside the
+one compiled step. Placement (`ParallelStrategy.variable_sharding`), replicas, `run` and
+the staging are the spec's.
 """
 
 from __future__ import annotations
@@ -14,24 +15,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import jax
-import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
-
 from jstrategy._src import devices as devices_lib
-from jstrategy._src import flax_annotations
-from jstrategy._src.mesh import DeviceMesh
-from jstrategy._src.pipeline.schedules import STAGE_AXIS
+from jstrategy._src.axes import REPLICA_AXIS
 from jstrategy._src.pipeline.schedules import PipelineConfig
 from jstrategy._src.pipeline.schedules import PipelineSchedule
 from jstrategy._src.pipeline.schedules import check_pipeline
-from jstrategy._src.pipeline.schedules import is_stacked
-from jstrategy._src.pipeline.schedules import layers_error
-from jstrategy._src.strategies.fsdp import DEFAULT_MIN_SHARD_SIZE
-from jstrategy._src.strategies.fsdp import shard_dim
-from jstrategy._src.strategies.sharded import ShardedStrategy
-from jstrategy._src.strategy import REPLICA_AXIS
+from jstrategy._src.strategies.parallel import DEFAULT_MIN_SHARD_SIZE
+from jstrategy._src.strategies.parallel import MeshPlan
+from jstrategy._src.strategies.parallel import ParallelStrategy
 from jstrategy._src.validation import check_bool
 from jstrategy._src.validation import check_positive_int
 
@@ -42,7 +33,17 @@ if TYPE_CHECKING:
 __all__ = ["PipelineStrategy"]
 
 
-class PipelineStrategy(ShardedStrategy):
+def _plan(shard_over_replicas: bool) -> MeshPlan:
+    """``("stage", "replica")``; FSDP's split over the replicas where asked."""
+    return MeshPlan(
+        order=("stages", "replicas"),
+        kept=frozenset({"stages", "replicas"}),
+        fsdp=REPLICA_AXIS if shard_over_replicas else None,
+        rows=(REPLICA_AXIS,),
+    )
+
+
+class PipelineStrategy(ParallelStrategy):
     """Pipeline parallelism over a ``"stage"`` axis, data parallelism over ``"replica"``.
 
     The model marks its repeated block with `jstrategy.experimental.Repeated` (NNX:
@@ -136,82 +137,42 @@ class PipelineStrategy(ShardedStrategy):
                 "each stage is a group of replicas. Pick num_stages among its divisors, or "
                 "pass devices= with a multiple of num_stages devices."
             )
-        grid = np.asarray(resolved, dtype=object).reshape(stages, len(resolved) // stages)
-        mesh = DeviceMesh(grid.shape, (STAGE_AXIS, REPLICA_AXIS), devices=grid)
-        super().__init__(mesh, cross_device_ops=cross_device_ops, data_axis=REPLICA_AXIS)
-        self._config = PipelineConfig(stages, micro, schedule, self.mesh, repeats)
-        self._shard_over_replicas = shard_over_replicas
-        self._min_shard_size = min_shard_size
-
-    @property
-    def batch_multiple(self) -> int:
-        """Each replica's rows divide into `num_microbatches`: replicas x microbatches."""
-        return self.num_replicas_in_sync * self.num_microbatches
+        self._build(
+            _plan(shard_over_replicas),
+            {"stages": stages, "replicas": len(resolved) // stages},
+            [resolved],
+            cross_device_ops,
+            pipeline=(stages, micro, schedule, repeats),
+            min_shard_size=min_shard_size,
+        )
 
     @property
     def pipeline(self) -> PipelineConfig:
         """The pipeline the train step runs a `Repeated` block on: read once into
         `StepSpec.pipeline`, it checks the step's state and rows before the model is
         traced, and every `Repeated` block traced in the step runs its schedule."""
-        return self._config
+        assert self._pipeline is not None
+        return self._pipeline
 
     @property
     def num_stages(self) -> int:
         """The pipeline stages."""
-        return self._config.num_stages
+        return self.pipeline.num_stages
 
     @property
     def num_microbatches(self) -> int:
         """The microbatches each replica's rows are cut into."""
-        return self._config.num_microbatches
+        return self.pipeline.num_microbatches
 
     @property
     def num_repeats(self) -> int:
         """The virtual stages each stage holds (1: none; see `num_repeats` above)."""
-        return self._config.num_repeats
+        return self.pipeline.num_repeats
 
     @property
     def schedule(self) -> PipelineSchedule:
         """The pipeline schedule."""
-        return self._config.schedule
-
-    def variable_sharding(
-        self, leaf: jax.ShapeDtypeStruct | jax.Array, path: tuple[str, ...] = ()
-    ) -> jax.sharding.Sharding:
-        """A repeated block's stacked variable split over the stages; others replicated
-        (or, with ``shard_over_replicas``, split over the replicas as by FSDP).
-
-        Raises:
-          ValueError: if a stacked parameter's layers do not divide by `num_stages` (times
-            `num_repeats`).
-        """
-        names = tuple(str(k) for k in path)
-        shape = tuple(leaf.shape)
-        spec: list[str | None] = [None] * len(shape)
-        stacked = is_stacked(names) and len(shape) >= 1
-        if stacked and shape[0] % (self.num_stages * self.num_repeats):
-            is_parameter, candidates = flax_annotations.candidate_paths(names)
-            if is_parameter:
-                what = (
-                    f"The repeated block's variable {candidates[0]!r} stacks {shape[0]} "
-                    "layers, which"
-                )
-                raise ValueError(layers_error(what, shape[0], self._config))
-            stacked = False  # an optimizer leaf shaped otherwise: replicated
-        if stacked:
-            spec[0] = STAGE_AXIS
-        if self._shard_over_replicas:
-            dim = shard_dim(
-                shape,
-                self.num_replicas_in_sync,
-                self._min_shard_size,
-                exclude=(0,) if stacked else (),
-            )
-            if dim is not None:
-                spec[dim] = self.axis_name
-        if not any(spec):
-            return self.replicated_sharding()
-        return NamedSharding(self.mesh, P(*spec))
+        return self.pipeline.schedule
 
     def __repr__(self) -> str:
         return (

@@ -14,7 +14,7 @@ from jstrategy._src import devices as devices_lib
 from jstrategy._src.collective_util import CommunicationOptions
 from jstrategy._src.layout_map import LayoutMap
 from jstrategy._src.offload import OffloadPolicy
-from jstrategy._src.strategies.fsdp import DEFAULT_MIN_SHARD_SIZE
+from jstrategy._src.strategies.parallel import DEFAULT_MIN_SHARD_SIZE
 from jstrategy._src.strategies.parallel import ParallelStrategy
 
 if TYPE_CHECKING:

@@ -183,7 +183,9 @@ class ModelParallelStrategy(ShardedStrategy):
             splits a dimension that does not divide by its mesh axes' size (the message
             names the path, the shape and the size), or two keys match its path.
         """
-        names = tuple(str(k) for k in path)
+        return self._in_memory(self._layout(leaf, tuple(str(k) for k in path)), leaf, path)
+
+    def _layout(self, leaf: Any, names: tuple[str, ...]) -> jax.sharding.Sharding:
         found = flax_annotations.find_layout(self, self._layout_map, names)
         if found is None:
             return self.replicated_sharding()

@@ -53,16 +53,25 @@ from jstrategy._src.pipeline.schedules import PipelineSchedule
 from jstrategy._src.pipeline.schedules import check_pipeline
 from jstrategy._src.pipeline.schedules import is_stacked
 from jstrategy._src.pipeline.schedules import layers_error
-from jstrategy._src.strategies.fsdp import DEFAULT_MIN_SHARD_SIZE
-from jstrategy._src.strategies.fsdp import check_min_shard_size
-from jstrategy._src.strategies.fsdp import shard_dim
 from jstrategy._src.strategies.sharded import ShardedStrategy
 from jstrategy._src.validation import check_number
 
 if TYPE_CHECKING:
     from jstrategy._src.cluster.resolver import ClusterResolver
+    from jstrategy._src.cross_device_ops import CollectiveAllReduce
 
-__all__ = ["FSDP_AXIS", "TENSOR_AXIS", "ParallelStrategy"]
+__all__ = [
+    "DEFAULT_MIN_SHARD_SIZE",
+    "FSDP_AXIS",
+    "TENSOR_AXIS",
+    "ParallelStrategy",
+    "check_min_shard_size",
+    "shard_dim",
+]
+
+#: Variables with fewer elements stay whole: gathering a bias or a norm's scale costs a
+#: collective per use and saves next to nothing.
+DEFAULT_MIN_SHARD_SIZE = 1024
 
 #: The degrees in mesh order (the argument's name, its mesh axis); an optional axis is in
 #: the mesh only when its degree is above one.
@@ -75,6 +84,37 @@ _DEGREES = (
     ("tensor", TENSOR_AXIS),
 )
 _OPTIONAL = ("stages", "experts", "context")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshPlan:
+    """What a preset's mesh holds and what its axes do; the rest of the strategy is shared.
+
+    Attributes:
+      order: the degrees in mesh order (names as `ParallelStrategy`'s arguments).
+      kept: the degrees whose axis is in the mesh even at degree one.
+      fsdp: the mesh axis FSDP's split runs over (``"fsdp"``; ``"replica"`` where the
+        replicas hold slices, as `FSDPStrategy`'s); None for no FSDP split.
+      rows: the mesh axes a batch's rows are split over (those in the mesh).
+    """
+
+    order: tuple[str, ...]
+    kept: frozenset[str]
+    fsdp: str | None
+    rows: tuple[str, ...]
+
+    def axes(self, degrees: dict[str, int]) -> tuple[str, ...]:
+        """The mesh's axis names for `degrees`."""
+        return tuple(_AXIS_OF[k] for k in self.order if k in self.kept or degrees[k] > 1)
+
+
+_AXIS_OF = dict(_DEGREES)
+_SPEC = MeshPlan(
+    order=tuple(name for name, _ in _DEGREES),
+    kept=frozenset({"replicas", "fsdp", "tensor"}),
+    fsdp=FSDP_AXIS,
+    rows=(REPLICA_AXIS, FSDP_AXIS, EXPERT_AXIS),
+)
 
 #: What another mesh's axis names mean here (annotations, layout maps, logical rules): a
 #: model axis is the tensor axis; a data axis is FSDP's (variables are never split over the
@@ -251,8 +291,6 @@ class ParallelStrategy(ShardedStrategy):
         cross_device_ops, resolved = self._join_and_resolve(
             devices, cluster_resolver, communication_options
         )
-        self._layout_map = layout_map
-        self._layouts = _mapped_layouts(layout_map)
         n = len(resolved)
         if rest:
             known = math.prod(v for v in degrees.values() if v != -1)
@@ -294,7 +332,42 @@ class ParallelStrategy(ShardedStrategy):
                     "dcn_tensor=)."
                 )
         hosts = _host_groups(resolved, math.prod(dcn.values()), processes, dcn)
-        mesh = _mesh(hosts, degrees, dcn)
+        self._build(
+            _SPEC,
+            degrees,
+            hosts,
+            cross_device_ops,
+            dcn=dcn,
+            pipeline=self._pipeline_settings,
+            layout_map=layout_map,
+            min_shard_size=min_shard_size,
+            offload=offload,
+            offload_optimizer=offload_optimizer,
+        )
+
+    def _build(
+        self,
+        plan: MeshPlan,
+        degrees: dict[str, int],
+        hosts: list[list[jax.Device]],
+        cross_device_ops: CollectiveAllReduce | None,
+        *,
+        dcn: dict[str, int] | None = None,
+        pipeline: tuple[int, int, PipelineSchedule, int] | None = None,
+        layout_map: LayoutMap | None = None,
+        min_shard_size: int,
+        offload: OffloadPolicy | None = None,
+        offload_optimizer: bool = False,
+    ) -> None:
+        """The strategy over `hosts` (device groups; one for a preset that does not place
+        degrees across hosts) with `degrees` (every degree's, resolved) laid out as `plan`
+        says: the one construction of this strategy and its presets, after their checks."""
+        degrees = {name: degrees.get(name, 1) for name, _ in _DEGREES}
+        dcn = dcn or dict.fromkeys(degrees, 1)
+        self._plan = plan
+        self._layout_map = layout_map
+        self._layouts = _mapped_layouts(layout_map)
+        mesh = _mesh(hosts, degrees, dcn, plan)
         super().__init__(mesh, cross_device_ops=cross_device_ops, data_axis=REPLICA_AXIS)
         self._hosts = tuple(tuple(d.id for d in host) for host in hosts)
         self._min_shard_size = min_shard_size
@@ -302,10 +375,8 @@ class ParallelStrategy(ShardedStrategy):
         self._dcn = dcn
         self._set_offload(offload, offload_optimizer)
         self._pipeline: PipelineConfig | None = None
-        if self._pipeline_settings is not None:
-            self._pipeline = PipelineConfig(
-                *self._pipeline_settings[:3], self.mesh, self._pipeline_settings[3]
-            )
+        if pipeline is not None:
+            self._pipeline = PipelineConfig(*pipeline[:3], self.mesh, pipeline[3])
 
     @staticmethod
     def _shown(degrees: dict[str, int]) -> dict[str, int]:
@@ -323,7 +394,10 @@ class ParallelStrategy(ShardedStrategy):
         """Each degree, -1 resolved: ``{"replicas": r, "fsdp": f, "tensor": t}``, with
         ``"experts"`` and ``"context"`` where above one."""
         order = ("replicas", "fsdp", "tensor", "experts", "context", "stages")
-        return {k: self._degrees[k] for k in order if k in self._shown(self._degrees)}
+        kept, degrees = self._plan.kept, self._degrees
+        return {
+            k: degrees[k] for k in order if k in kept or (k in self._plan.order and degrees[k] > 1)
+        }
 
     @property
     def dcn_degrees(self) -> dict[str, int]:
@@ -377,7 +451,7 @@ class ParallelStrategy(ShardedStrategy):
 
     @property
     def _row_axes(self) -> tuple[str, ...]:
-        return tuple(a for a in (REPLICA_AXIS, FSDP_AXIS, EXPERT_AXIS) if a in self.mesh.shape)
+        return tuple(a for a in self._plan.rows if a in self.mesh.shape)
 
     @property
     def batch_multiple(self) -> int:
@@ -423,55 +497,72 @@ class ParallelStrategy(ShardedStrategy):
         if name in self.mesh.axis_names:
             return name
         alias = _AXIS_ALIASES.get(name)
+        if alias == FSDP_AXIS:  # a data axis: the one FSDP's split runs over, if any
+            alias = self._plan.fsdp
         return alias if alias in self.mesh.axis_names else None
 
     def variable_sharding(
         self, leaf: jax.ShapeDtypeStruct | jax.Array, path: tuple[str, ...] = ()
     ) -> jax.sharding.Sharding:
-        """The tensor layout (`layout_map`'s, else the Flax annotation's), plus FSDP's split.
+        """Where the variable lives: a fold of the per-axis rules, each on what the last
+        left free. A `Repeated` block's stacked layers over ``"stage"``; the tensor layout
+        (`layout_map`'s, else the Flax annotation's); FSDP's split on the largest free
+        dimension that divides (`shard_dim`), over the FSDP axis and the expert and context
+        axes the layout leaves free; then the offload policy's memory kind.
 
         Args:
           leaf: the variable's shape and dtype.
           path: the variable's keys in the state (a parameter's optimizer moments follow it).
 
         Returns:
-          ``NamedSharding(mesh, spec)``, never split over ``"replica"``.
+          ``NamedSharding(mesh, spec)``, split over ``"replica"`` only where the replicas
+          are FSDP's axis (`FSDPStrategy`, `PipelineStrategy(shard_over_replicas=True)`).
 
         Raises:
           ValueError: if a parameter's `layout_map` layout does not fit its shape (the
-            message names the path, the shape and the axis).
+            message names the path, the shape and the axis), or a stacked parameter's
+            layers do not divide by the (virtual) stages.
         """
-        shape = tuple(leaf.shape)
         names = tuple(str(k) for k in path)
+        return self._in_memory(self._layout(tuple(leaf.shape), names), leaf, path)
+
+    def _layout(self, shape: tuple[int, ...], names: tuple[str, ...]) -> NamedSharding:
         if self._stacked(names, shape):
             # A Repeated block's layers over the stages; each layer's own layout after.
             spec = [STAGE_AXIS, *self._tensor_layout(names, shape[1:])]
         else:
             spec = self._tensor_layout(names, shape)
+        fsdp = self._plan.fsdp
         taken = {a for entry in spec if entry is not None for a in _axes(entry)}
         used = tuple(i for i, entry in enumerate(spec) if entry is not None)
-        if FSDP_AXIS in taken:
-            return NamedSharding(self.mesh, P(*spec))
         # FSDP's split spans the expert and context axes a layout leaves free (MaxText's
         # ``embed`` rule), where a dimension divides by all of them; else FSDP's alone.
         # (Axes of size one left out: XLA's partitioner fails on some programs that split
         # a dimension over a tuple of axes holding one of size one.)
         wide = tuple(
             a
-            for a in (FSDP_AXIS, EXPERT_AXIS, CONTEXT_AXIS)
-            if a not in taken and int(self.mesh.shape.get(a, 1)) > 1
+            for a in (fsdp, EXPERT_AXIS, CONTEXT_AXIS)
+            if a is not None and (a == fsdp or a not in taken) and self._size(a) > 1
         )
-        for split in (wide, (FSDP_AXIS,)):
-            if not split:
-                continue
-            size = math.prod(int(self.mesh.shape[a]) for a in split)
-            dim = shard_dim(shape, size, self._min_shard_size, exclude=used)
-            if dim is not None and size > 1:
-                spec[dim] = split[0] if len(split) == 1 else split
-                break
+        if fsdp in taken:
+            # A dimension the layout splits over FSDP's axis alone: widened where it divides.
+            dim = spec.index(fsdp) if fsdp in spec else None
+            widened = fsdp in wide and len(wide) > 1
+            if dim is not None and widened and shape[dim] % self._size(*wide) == 0:
+                spec[dim] = wide
+        elif fsdp is not None:
+            for split in (wide, (fsdp,)):
+                size = self._size(*split)
+                dim = shard_dim(shape, size, self._min_shard_size, exclude=used)
+                if dim is not None and size > 1:
+                    spec[dim] = split[0] if len(split) == 1 else split
+                    break
         if all(entry is None for entry in spec):
             return self.replicated_sharding()
         return NamedSharding(self.mesh, P(*spec))
+
+    def _size(self, *axes: str) -> int:
+        return math.prod(int(self.mesh.shape.get(a, 1)) for a in axes)
 
     def _stacked(self, names: tuple[str, ...], shape: tuple[int, ...]) -> bool:
         """Whether the leaf is a `Repeated` block's stacked variable split over the stages.
@@ -515,7 +606,8 @@ class ParallelStrategy(ShardedStrategy):
         if entry is None:
             return None
         mapped = tuple(dict.fromkeys(a for a in map(self.annotation_axis, _axes(entry)) if a))
-        mapped = tuple(a for a in mapped if a != REPLICA_AXIS)  # replicas hold whole copies
+        # Replicas hold whole copies, unless they are FSDP's axis (`FSDPStrategy`).
+        mapped = tuple(a for a in mapped if a != REPLICA_AXIS or a == self._plan.fsdp)
         if not mapped:
             return None
         return mapped[0] if len(mapped) == 1 else mapped
@@ -668,10 +760,12 @@ def _host_groups(
     return groups
 
 
-def _mesh(hosts: list[list[jax.Device]], degrees: dict[str, int], dcn: dict[str, int]) -> Mesh:
+def _mesh(
+    hosts: list[list[jax.Device]], degrees: dict[str, int], dcn: dict[str, int], plan: MeshPlan
+) -> Mesh:
     """The mesh: the hosts on a ``dcn`` grid, each host's devices on the within-host grid,
-    as `mesh_utils.create_hybrid_device_mesh`; the optional axes only where above one."""
-    order = [name for name, _ in _DEGREES]
+    as `mesh_utils.create_hybrid_device_mesh`; `plan`'s axes, in its order."""
+    order = list(plan.order)
     ici = [degrees[k] // dcn[k] for k in order]
     # Host h is cell h of the dcn grid (row-major), its devices its ici grid (row-major).
     flat = np.empty(sum(len(h) for h in hosts), dtype=object)
@@ -681,7 +775,40 @@ def _mesh(hosts: list[list[jax.Device]], degrees: dict[str, int], dcn: dict[str,
     k = len(order)
     pairs = [i for axis in range(k) for i in (axis, k + axis)]
     devices = cells.transpose(pairs).reshape([degrees[name] for name in order])
-    kept = [i for i, name in enumerate(order) if name not in _OPTIONAL or degrees[name] > 1]
-    devices = devices.reshape([degrees[order[i]] for i in kept])
-    names = tuple(_DEGREES[i][1] for i in kept)
+    names = plan.axes(degrees)
+    devices = devices.reshape([degrees[name] for name in order if _AXIS_OF[name] in names])
     return Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def check_min_shard_size(min_shard_size: int) -> int:
+    """`min_shard_size` if it is a non-negative int, else the `ValueError` with the fix."""
+    return check_number(
+        min_shard_size,
+        "min_shard_size",
+        integer=True,
+        low=0,
+        expected="a non-negative int (the fewest elements a variable needs to be sharded)",
+        fix=f"Pass e.g. min_shard_size={DEFAULT_MIN_SHARD_SIZE}, or 0 to shard every "
+        "variable that divides.",
+    )
+
+
+def shard_dim(
+    shape: tuple[int, ...], n: int, min_shard_size: int, *, exclude: tuple[int, ...] = ()
+) -> int | None:
+    """The dimension FSDP splits a variable of `shape` along over `n` devices, or None.
+
+    The largest dimension (the first of equally large ones) that divides by `n`, not in
+    `exclude`, when the variable has at least `min_shard_size` elements.
+
+    Example:
+
+    >>> shard_dim((12, 16), 8, 64), shard_dim((16,), 8, 64), shard_dim((4, 8, 8), 8, 0, exclude=(1,))
+    (1, None, 2)
+    """
+    if n == 1 or math.prod(shape) < max(min_shard_size, 1):
+        return None
+    dims = [i for i, d in enumerate(shape) if d >= n and d % n == 0 and i not in exclude]
+    if not dims:
+        return None
+    return max(dims, key=lambda i: (shape[i], -i))

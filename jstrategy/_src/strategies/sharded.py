@@ -1,7 +1,8 @@
 """The common base of strategies whose variables are split across devices.
 
-`FSDPStrategy` and `ModelParallelStrategy` differ in where each variable lives
-(`Strategy.variable_sharding`); how their train steps are staged is the same
+`ParallelStrategy` (and its presets) and `ModelParallelStrategy` differ in where each
+variable lives (`Strategy.variable_sharding`, whose last rule, the offload policy's memory
+kind, is `_in_memory` here); how their train steps are staged is the same
 (`staging.sharded_train_program`), and so is how they join a multi-process job, how they
 read a model's sharding annotations (`annotation_axis`) and what their programs are traced
 under: JAX's mesh (`jax.set_mesh`) and the logical axis rules read on their mesh
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Sequence
@@ -65,35 +65,22 @@ class ShardedStrategy(Strategy):
     #: Which variables live in host memory between steps (`_set_offload`); None: none.
     _offload: OffloadPolicy | None = None
 
-    # Optimizer state in host memory ------------------------------------------------------
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        # Every subclass's own `variable_sharding` (its layout: FSDP's split, a LayoutMap's,
-        # a hybrid mesh's) is wrapped so that the leaves the `OffloadPolicy` chooses get
-        # that layout in host memory: placement, creation, checkpoint restores and the
-        # step's `out_shardings` all ask `variable_sharding`, and a sharded strategy
-        # written later inherits offloading without calling anything itself.
-        super().__init_subclass__(**kwargs)
-        own = cls.__dict__.get("variable_sharding")
-        if own is None:
-            return
-
-        @functools.wraps(own)
-        def variable_sharding(
-            self: ShardedStrategy, leaf: Any, path: tuple[str, ...] = ()
-        ) -> jax.sharding.Sharding:
-            sharding = own(self, leaf, path)
-            # Idempotent: a subclass's override that calls its base's is wrapped twice.
-            policy = self._offload
-            if policy is None or not policy.offloads(leaf, path):
-                return sharding
-            return sharding.with_memory_kind(HOST_MEMORY_KIND)
-
-        cls.variable_sharding = variable_sharding  # type: ignore[method-assign,assignment]
-
+    # Variables in host memory ------------------------------------------------------------
     def _set_offload(self, offload: OffloadPolicy | None, offload_optimizer: bool) -> None:
         """Checks and keeps the constructor's ``offload=`` / ``offload_optimizer=``
         (`offload.resolve_offload`); call it in the constructor, after the mesh is set."""
         self._offload = resolve_offload(offload, offload_optimizer, self.devices)
+
+    def _in_memory(
+        self, sharding: jax.sharding.Sharding, leaf: Any, path: tuple[str, ...]
+    ) -> jax.sharding.Sharding:
+        """`sharding` in host memory where the offload policy chooses the leaf: the last
+        rule of every sharded strategy's `variable_sharding` (placement, creation, restores
+        and the step's `out_shardings` all ask it)."""
+        policy = self._offload
+        if policy is None or not policy.offloads(leaf, path):
+            return sharding
+        return sharding.with_memory_kind(HOST_MEMORY_KIND)
 
     @property
     def offload(self) -> OffloadPolicy | None:
