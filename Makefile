@@ -83,7 +83,7 @@ LANE_B ?= tests/test_multi_worker.py tests/test_multi_worker_checkpoints.py \
 
 LANE_C ?= tests/test_pipeline.py tests/test_pipeline_circular.py tests/test_pipeline_nnx.py \
 	tests/test_context_parallel.py tests/test_activation_rows.py tests/test_plan.py \
-	tests/test_moe_expert_axis.py
+	tests/test_moe_expert_axis.py tests/test_parity_matrix_spec.py
 
 LANE_D ?= tests/test_parity_matrix.py tests/test_hybrid.py tests/test_offload.py \
 	tests/test_parallel_spec.py

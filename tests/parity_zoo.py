@@ -27,6 +27,8 @@ way of annotating a model for a mesh:
   for that mesh.
 * ``repeated``: `jstrategy.layers.BatchNormalization` and ``Dropout`` before a
   `jstrategy.experimental.Repeated` block (what `PipelineStrategy` splits over its stages).
+* ``attention``: a linen module whose causal self-attention runs through
+  `jstrategy.experimental.dot_product_attention` (a ring over a ``"context"`` axis).
 * ``keras3``: a Keras 3 functional ``keras.Model`` with BatchNormalization and Dropout, as
   a `jstrategy.keras.KerasModule`.
 """
@@ -42,6 +44,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")  # before Keras is imported
 
 import contextlib
 import dataclasses
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -236,6 +239,19 @@ class MoENet(nn.Module):
         return nn.Dense(CLASSES)(jnp.mean(h + moe(nn.LayerNorm()(h)), axis=1))
 
 
+class AttentionNet(nn.Module):
+    """A row's features as a sequence of 6 tokens, causal self-attention through
+    `jstrategy.experimental.dot_product_attention` (ring attention over a context axis)."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(8)(x[..., None])  # (B, 6, 8): the sequence along dimension 1
+        attend = functools.partial(jstrategy.experimental.dot_product_attention, causal=True)
+        attention = nn.MultiHeadDotProductAttention(num_heads=2, attention_fn=attend)
+        h = h + attention(nn.LayerNorm()(h), deterministic=True)
+        return nn.Dense(CLASSES)(jnp.mean(h, axis=1))
+
+
 def _linen(model: str) -> nn.Module:
     if model in KERAS_LAYERS:
         return KerasLayersNet(model)
@@ -247,6 +263,7 @@ def _linen(model: str) -> nn.Module:
         "repeated": RepeatedNet,
         "keras3": keras3_net,
         "moe": MoENet,
+        "attention": AttentionNet,
     }[model]()
 
 
@@ -268,6 +285,7 @@ MODELS = (
     "repeated",
     "keras3",
     "moe",
+    "attention",
 )
 
 
@@ -304,6 +322,18 @@ STRATEGIES: dict[str, Callable[[], jstrategy.Strategy]] = {
     "parallel_2x2x2_stages": lambda: jstrategy.experimental.ParallelStrategy(
         replicas=2, stages=2, tensor=2, num_microbatches=2, min_shard_size=0
     ),
+    # Pipeline x FSDP x tensor: the stages' layers split over "fsdp" and "tensor" too.
+    "parallel_2x2x2_stages_fsdp": lambda: jstrategy.experimental.ParallelStrategy(
+        replicas=1, stages=2, fsdp=2, tensor=2, num_microbatches=2, min_shard_size=0
+    ),
+    # Context x tensor (x replicas), and context x FSDP x tensor: each sequence (the
+    # features' dimension 1) split over "context", attention a ring over it.
+    "parallel_2x2x2_context": lambda: jstrategy.experimental.ParallelStrategy(
+        replicas=2, context=2, tensor=2, min_shard_size=0
+    ),
+    "parallel_2x2x2_context_fsdp": lambda: jstrategy.experimental.ParallelStrategy(
+        replicas=1, fsdp=2, context=2, tensor=2, min_shard_size=0
+    ),
 }
 
 #: How a cell trains: (where the model is created, the path).
@@ -314,23 +344,42 @@ WAYS = (
     ("outside", "factory"),
 )
 
+#: The spec's combinations (issue 47) and the model they brought: their cells run in
+#: `test_parity_matrix_spec.py` (CI's lane C, beside the pipelines and long sequences), two
+#: ways each, the two that cross where the model is made with how it trains.
+COMBINATIONS = (
+    "parallel_2x2x2_stages_fsdp",
+    "parallel_2x2x2_context",
+    "parallel_2x2x2_context_fsdp",
+)
+COMBINATION_MODELS = ("attention",)
+COMBINATION_WAYS = (("inside", "fit_1"), ("outside", "factory"))
+
+
+def cells(*, combinations: bool) -> list[tuple[str, str, str, str]]:
+    """The matrix's ``(model, strategy, where, path)`` cells that train (the refused are
+    checked once, whatever the way): those of the spec's combinations, or the others."""
+    found = []
+    for model in MODELS:
+        for strategy in STRATEGIES:
+            new = strategy in COMBINATIONS or model in COMBINATION_MODELS
+            if strategy == "one_device" or new != combinations or refusal(model, strategy):
+                continue
+            ways = COMBINATION_WAYS if new else WAYS
+            found += [(model, strategy, where, path) for where, path in ways]
+    return found
+
+
 #: The cells refused before any work, with a pattern of their error and why.
 REFUSED: dict[tuple[str, str], tuple[str, str]] = {
     **{
-        (model, "pipeline_2"): (
+        (model, stages): (
             r"has none: no variable is stacked by jstrategy.experimental.Repeated",
             "a pipeline splits a Repeated block over its stages; this model has none",
         )
         for model in MODELS
         if model != "repeated"
-    },
-    **{
-        (model, "parallel_2x2x2_stages"): (
-            r"has none: no variable is stacked by jstrategy.experimental.Repeated",
-            "a pipeline splits a Repeated block over its stages; this model has none",
-        )
-        for model in MODELS
-        if model != "repeated"
+        for stages in ("pipeline_2", "parallel_2x2x2_stages", "parallel_2x2x2_stages_fsdp")
     },
 }
 

@@ -41,15 +41,7 @@ def _assert_follows(got: parity_zoo.Result, want: parity_zoo.Result) -> None:
         np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
 
 
-CELLS = [
-    pytest.param(model, strategy, where, path, id=f"{model}-{strategy}-{where}-{path}")
-    for model in parity_zoo.MODELS
-    for strategy in parity_zoo.STRATEGIES
-    if strategy != "one_device"
-    for where, path in parity_zoo.WAYS
-    # A refused cell is refused whatever the way: checked once, below.
-    if parity_zoo.refusal(model, strategy) is None
-]
+CELLS = [pytest.param(*cell, id="-".join(cell)) for cell in parity_zoo.cells(combinations=False)]
 
 
 @pytest.mark.slow
