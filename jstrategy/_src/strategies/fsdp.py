@@ -70,7 +70,8 @@ class FSDPStrategy(ParallelStrategy):
       context: the context-parallel degree: how many devices split each sequence. The
         mesh is then ``(replicas, context)`` with axes ``("replica", "context")`` (each
         replica ``context`` neighbouring devices), `num_replicas_in_sync` is the devices
-        over ``context``, variables are split over all the devices, and a train step
+        over ``context``, variables are split over all the devices (over the replicas
+        where no dimension divides by all), and a train step
         (``make_train_step``, ``Model.fit``) splits the batch arrays that carry the
         sequence (dimension 1 equal to the inputs' sequence length, the longest dimension
         1 of ``x``'s arrays; a ``(B, 3)`` label stays whole) along it over the
