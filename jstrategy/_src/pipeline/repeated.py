@@ -264,10 +264,10 @@ class Repeated(nn.Module):
             return x
         stage_params = jax.tree.map(lambda v: stage_layout(v, config), stacked)
         stage = self._stage(template, args, kwargs)
+        layer = self._layer(template, args, kwargs)
         if config.num_repeats == 1:
-            layer = self._layer(template, args, kwargs)
             return gpipe(stage, stage_params, x, config, layer=layer, remat=tracing.remat)
-        return circular_gpipe(stage, stage_params, x, config, remat=tracing.remat)
+        return circular_gpipe(stage, stage_params, x, config, remat=tracing.remat, layer=layer)
 
     def _apply(self, template: nn.Module, params: Any, h: jax.Array, args, kwargs, rngs=None):
         out = template.apply({"params": params}, h, *args, rngs=rngs, **kwargs)
