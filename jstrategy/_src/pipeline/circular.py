@@ -52,6 +52,7 @@ from jstrategy._src.pipeline.schedules import STAGE_AXIS
 from jstrategy._src.pipeline.schedules import PipelineConfig
 from jstrategy._src.pipeline.schedules import _at
 from jstrategy._src.pipeline.schedules import _initial_carry
+from jstrategy._src.pipeline.schedules import _layer_reselected
 from jstrategy._src.pipeline.schedules import _on_stage_axis
 from jstrategy._src.pipeline.schedules import _put
 from jstrategy._src.pipeline.schedules import _shift
@@ -366,23 +367,6 @@ ad.primitive_transposes[_relayer] = _relayer_transpose
 batching.primitive_batchers[_relayer] = _relayer_batch
 
 
-def _layer_relayered(layer: Callable[[Any, jax.Array], jax.Array], remat: Any = None) -> Any:
-    """``(stage params (S, R, K, ...), r, k, microbatches) -> microbatches``: layer `k` of
-    each stage's repeat ``r[s]``, checkpointed with everything saved but the selection
-    (where the step's remat policy saves it too), as `_one_repeat_reselected`."""
-    run = jax.vmap(layer)
-
-    def one(stage_params: Any, r: jax.Array, k: jax.Array, h: jax.Array) -> jax.Array:
-        return run(jax.tree.map(lambda v: _relayer.bind(v, r, k), stage_params), h)
-
-    def policy(prim: Any, *args: Any, **params: Any) -> bool:
-        if prim is _relayer:
-            return False
-        return remat is None or bool(remat(prim, *args, **params))
-
-    return jax.checkpoint(one, policy=policy, prevent_cse=False)
-
-
 def _circular_by_layer(
     layer: Callable[[Any, jax.Array], jax.Array],
     stage_params: Any,
@@ -402,7 +386,7 @@ def _circular_by_layer(
     xs = x.reshape(micro, rows // micro, *x.shape[1:])
     on_stages = jax.sharding.NamedSharding(config.mesh, P(STAGE_AXIS))
     shift = _shift(config.mesh, stages)
-    run_layer = _layer_relayered(layer, remat)
+    run_layer = _layer_reselected(layer, remat, select=_relayer)
     microbatch, repeat = _items(config)
     stage_ids = jnp.arange(stages)
     items = repeats * micro

@@ -380,8 +380,8 @@ batching.primitive_batchers[_layer_at] = _layer_at_batch
 
 
 def _layer_reselected(
-    layer: Callable[[Any, jax.Array], jax.Array], remat: Any = None
-) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
+    layer: Callable[[Any, jax.Array], jax.Array], remat: Any = None, select: Any = None
+) -> Callable[..., jax.Array]:
     """``(stage params (S, K, ...), k, microbatches (S, ...)) -> (S, ...)``: layer `k`
     of every stage, whose backward pass selects the layer's weights again.
 
@@ -389,14 +389,18 @@ def _layer_reselected(
     for the backward pass (a matmul's input gradient reads its weights): every layer's
     weights once per tick. Checkpointed with everything saved but the selection, the
     backward pass selects it again from the loop's constant. Under the step's remat
-    policy a value is saved only where that policy saves it too (as `circular`'s)."""
+    policy a value is saved only where that policy saves it too (as `circular`'s).
+    `select` (a primitive, default `_layer_at`) takes the params and the indices that
+    precede the microbatches: the circular schedule's selects a repeat too."""
     run = jax.vmap(layer)
+    select = _layer_at if select is None else select
 
-    def one(stage_params: Any, k: jax.Array, h: jax.Array) -> jax.Array:
-        return run(jax.tree.map(lambda v: _layer_at.bind(v, k), stage_params), h)
+    def one(stage_params: Any, *indices_and_h: jax.Array) -> jax.Array:
+        *indices, h = indices_and_h
+        return run(jax.tree.map(lambda v: select.bind(v, *indices), stage_params), h)
 
     def policy(prim: Any, *args: Any, **params: Any) -> bool:
-        if prim is _layer_at:
+        if prim is select:
             return False
         return remat is None or bool(remat(prim, *args, **params))
 
