@@ -231,6 +231,40 @@ def _wide_step(micro, repeats, stages=4):
 
 
 @pytest.mark.slow
+def test_circular_gpipe_adds_each_layers_gradient_to_one_accumulator():
+    # As GPipe's (test_pipeline): one loop over (tick, layer) in place of a loop over a
+    # virtual stage's layers inside the loop over the ticks, whose backward pass summed
+    # each tick's virtual stage's gradient in a buffer of its own; the same values.
+    config = PipelineStrategy(num_stages=4, num_microbatches=4, num_repeats=2).pipeline
+    width, depth = 256, 4  # a virtual stage's 4 layers: 1 MiB of gradients
+    weights = jax.random.normal(jax.random.key(0), (4, 2, depth, width, width)) / width
+    on_stages = jax.sharding.NamedSharding(config.mesh, jax.sharding.PartitionSpec("stage"))
+    weights = jax.device_put(weights, on_stages)
+    x = jax.random.normal(jax.random.key(1), (8, width))
+
+    def layer(w, h):
+        return h + jnp.tanh(h @ w)
+
+    def stage(ws, h):
+        return jax.lax.scan(lambda h, w: (layer(w, h), None), h, ws)[0]
+
+    def compiled(**by):
+        def loss(ws, x):
+            return jnp.sum(circular.circular_gpipe(stage, ws, x, config, **by) ** 2)
+
+        return jax.jit(jax.value_and_grad(loss)).lower(weights, x).compile()
+
+    ticks, layers = compiled(), compiled(layer=layer)
+    (value, grad), (expected, expected_grad) = layers(weights, x), ticks(weights, x)
+    np.testing.assert_allclose(value, expected, rtol=1e-5)
+    np.testing.assert_allclose(grad, expected_grad, rtol=1e-5, atol=1e-7)
+    gradient = depth * width * width * 4  # a virtual stage's, on each device
+    saved = ticks.memory_analysis().temp_size_in_bytes - layers.memory_analysis().temp_size_in_bytes
+    # 2.60 MB against 0.72 measured on the CPU: the tick loop also kept its selection's
+    # gradient, zero-padded to the stage's repeats, beside the virtual stage's.
+    assert saved >= gradient, (saved, gradient)
+
+
 def test_circular_gpipe_keeps_no_copy_of_the_weights_per_tick():
     # The forward tick loop used to save every tick's selected virtual stage for the
     # backward pass (R * M + S - 1 copies): 4,811 KiB of temporaries at M = 8 and 7,935 KiB

@@ -469,6 +469,62 @@ def test_fsdp_over_every_device_is_not_advised_more_fsdp():
     assert "More FSDP: split the variables over more of the 8 devices" in str(planned)
 
 
+class _PipelinedBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + jnp.tanh(nn.Dense(x.shape[-1])(x))
+
+
+class _Pipelined(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = jstrategy.experimental.Repeated(_PipelinedBlock(), num_layers=8)(nn.Dense(64)(x))
+        return nn.Dense(10)(h)
+
+
+def test_a_pipeline_that_does_not_fit_is_advised_a_pipelines_fixes_not_fsdp():
+    # 2 stages x 4 replicas, GPipe with 4 microbatches: each stage's replicas hold whole
+    # copies of its layers. The fixes a pipeline takes, not FSDPStrategy's.
+    strategy = jstrategy.experimental.PipelineStrategy(num_stages=2, num_microbatches=4)
+    planned = plan(_Pipelined(), strategy, _batch(64), optimizer=optax.adam(1e-3),
+                   loss=memory_benchmark._loss, device_memory=MIB // 8,
+                   find_largest_batch=False)  # fmt: skip
+    assert not planned.fits
+    text = str(planned)
+    assert "FSDPStrategy" not in text and "More FSDP" not in text
+    assert Fix.OFFLOAD_OPTIMIZER not in planned.fixes
+    assert {Fix.MORE_STAGES, Fix.FSDP, Fix.PIPELINE_MICROBATCHES, Fix.SCHEDULE} <= set(
+        planned.fixes
+    )
+    assert "More stages: num_stages=4 (now 2)" in text
+    assert "shard_over_replicas=True (PipelineStrategy): split each stage's variables " in text
+    assert "over its 4 replicas" in text
+    assert "More microbatches: num_microbatches=8 (now 4)" in text
+    assert "schedule='1f1b': a stage keeps the inputs of at most 3 microbatches" in text
+    # What the strategy does already, or its batch cannot take, is not advised: its
+    # stages split over their replicas already, 1F1B already, 8 rows a replica.
+    taken = jstrategy.experimental.PipelineStrategy(
+        num_stages=4,
+        num_microbatches=8,
+        schedule="1f1b",
+        shard_over_replicas=True,
+        min_shard_size=0,
+    )
+    planned = plan(_Pipelined(), taken, _batch(16), optimizer=optax.adam(1e-3),
+                   loss=memory_benchmark._loss, device_memory=MIB // 64,
+                   find_largest_batch=False)  # fmt: skip
+    assert not planned.fits
+    assert Fix.MORE_STAGES in planned.fixes
+    assert not set(planned.fixes) & {Fix.FSDP, Fix.PIPELINE_MICROBATCHES, Fix.SCHEDULE}
+    # A stage a device: more devices; 1F1B would keep up to 15 of the 8 microbatches.
+    every = jstrategy.experimental.PipelineStrategy(num_stages=8, num_microbatches=8)
+    advice = advise(planned, split=8, device_count=8, remat="on", accumulation_steps=1,
+                    multiple=8, pipeline=every.pipeline)  # fmt: skip
+    assert {a.fix for a in advice} == {Fix.MORE_DEVICES, Fix.PIPELINE_MICROBATCHES}
+    (more,) = [a.message for a in advice if a.fix is Fix.MORE_DEVICES]
+    assert "split over the 8 stages and their replicas already" in more
+
+
 # The compiler's refusal for memory (issue 46, item 4) --------------------------------------
 # The TPU compiler's own words: the issue's (a v5p chip) and libtpu 0.0.52's on a v5e chip.
 # tests/test_tpu_compile.py has the compiler refuse a real program; here, its text is read.

@@ -52,6 +52,7 @@ from jstrategy._src.pipeline.schedules import STAGE_AXIS
 from jstrategy._src.pipeline.schedules import PipelineConfig
 from jstrategy._src.pipeline.schedules import _at
 from jstrategy._src.pipeline.schedules import _initial_carry
+from jstrategy._src.pipeline.schedules import _layer_reselected
 from jstrategy._src.pipeline.schedules import _on_stage_axis
 from jstrategy._src.pipeline.schedules import _put
 from jstrategy._src.pipeline.schedules import _shift
@@ -322,6 +323,100 @@ def _one_repeat_reselected(
     return jax.checkpoint(one, policy=policy, prevent_cse=False)
 
 
+def _layer_picked(v: jax.Array, r: jax.Array, k: jax.Array) -> jax.Array:
+    """Layer `k` of each stage's repeat ``r[s]``: ``(S, R, K, ...)`` -> ``(S, ...)``."""
+    return _pick(jax.lax.dynamic_index_in_dim(v, k, axis=2, keepdims=False), r)
+
+
+# `_layer_picked` as one primitive, for the checkpoint policy (as `_reselect`).
+_relayer = Primitive("jstrategy_circular_layer")
+_relayer.def_impl(_layer_picked)
+_relayer.def_abstract_eval(
+    lambda v, r, k: v.update(shape=(v.shape[0], *v.shape[3:]), weak_type=False)
+)
+mlir.register_lowering(_relayer, mlir.lower_fun(_layer_picked, multiple_results=False))
+
+
+def _relayer_jvp(primals: Any, tangents: Any) -> tuple[jax.Array, Any]:
+    (v, r, k), (dv, _, _) = primals, tangents
+    out = _relayer.bind(v, r, k)
+    if type(dv) is ad.Zero:
+        return out, ad.Zero(dv.aval.update(shape=out.shape))
+    return out, _relayer.bind(dv, r, k)
+
+
+def _relayer_transpose(ct: Any, v: Any, r: jax.Array, k: jax.Array) -> list[Any]:
+    assert ad.is_undefined_primal(v)
+    if type(ct) is ad.Zero:
+        return [ad.Zero(v.aval), None, None]
+    repeats = v.aval.shape[1]
+    pick = jnp.arange(repeats)[None, :] == r[:, None]
+    pick = pick.reshape(pick.shape + (1,) * (ct.ndim - 1))
+    layer = jnp.where(pick, ct[:, None], jnp.zeros((), ct.dtype))  # (S, R, ...)
+    # Added by the loop to its one accumulator: XLA writes layer k's slices in place.
+    zeros = jnp.zeros(v.aval.shape, ct.dtype)
+    return [jax.lax.dynamic_update_index_in_dim(zeros, layer, k, axis=2), None, None]
+
+
+def _relayer_batch(args: Any, dims: Any) -> tuple[jax.Array, int]:
+    return jax.vmap(_layer_picked, in_axes=dims)(*args), 0
+
+
+ad.primitive_jvps[_relayer] = _relayer_jvp
+ad.primitive_transposes[_relayer] = _relayer_transpose
+batching.primitive_batchers[_relayer] = _relayer_batch
+
+
+def _circular_by_layer(
+    layer: Callable[[Any, jax.Array], jax.Array],
+    stage_params: Any,
+    x: jax.Array,
+    config: PipelineConfig,
+    *,
+    ticks: int | None = None,
+    remat: Any = None,
+) -> jax.Array:
+    """`circular_gpipe` one layer a step (step ``j``: layer ``j % K`` of tick ``j // K``),
+    so that the backward pass adds each layer's gradient to one accumulator of the
+    stage's gradients (`schedules._gpipe_by_layer`), where the tick loop summed each
+    tick's virtual stage's in a buffer of its own."""
+    stages, micro, repeats = config.num_stages, config.num_microbatches, config.num_repeats
+    depth = jax.tree.leaves(stage_params)[0].shape[2]
+    rows = x.shape[0]
+    xs = x.reshape(micro, rows // micro, *x.shape[1:])
+    on_stages = jax.sharding.NamedSharding(config.mesh, P(STAGE_AXIS))
+    shift = _shift(config.mesh, stages)
+    run_layer = _layer_reselected(layer, remat, select=_relayer)
+    microbatch, repeat = _items(config)
+    stage_ids = jnp.arange(stages)
+    items = repeats * micro
+
+    def step(carry: Any, j: jax.Array) -> tuple[Any, None]:
+        buffer, outputs = carry
+        t, k = j // depth, j % depth
+        r = repeat(t - stage_ids)  # each stage's repeat
+        feed = jax.lax.dynamic_index_in_dim(xs, microbatch(t), keepdims=False)
+        buffer = buffer.at[0].set(jnp.where((r[0] == 0) & (k == 0), feed, buffer[0]))
+        buffer = jax.lax.with_sharding_constraint(buffer, on_stages)
+        out = run_layer(stage_params, r, k, buffer)
+        out = jax.lax.with_sharding_constraint(out, on_stages)
+        last_layer = k == depth - 1
+        last = t - (stages - 1)  # the item the last stage finished at this tick
+        m = microbatch(last)
+        done = last_layer & (last >= 0) & (last < items) & (r[stages - 1] == repeats - 1)
+        kept = jax.lax.dynamic_index_in_dim(outputs, m, keepdims=False)
+        outputs = jax.lax.dynamic_update_index_in_dim(
+            outputs, jnp.where(done, out[stages - 1], kept), m, 0
+        )
+        return (jax.lax.cond(last_layer, shift, lambda v: v, out), outputs), None
+
+    buffer = jnp.zeros((stages, *xs.shape[1:]), x.dtype)
+    outputs = jnp.zeros_like(xs)
+    count = (items + stages - 1 if ticks is None else ticks) * depth
+    (_, outputs), _ = jax.lax.scan(step, (buffer, outputs), jnp.arange(count))
+    return outputs.reshape(x.shape)
+
+
 def circular_gpipe(
     stage: Callable[[Any, jax.Array], jax.Array],
     stage_params: Any,
@@ -330,6 +425,7 @@ def circular_gpipe(
     *,
     ticks: int | None = None,
     remat: Any = None,
+    layer: Callable[[Any, jax.Array], jax.Array] | None = None,
 ) -> jax.Array:
     """`schedules.gpipe` with ``config.num_repeats`` virtual stages per stage (the module
     docstring): ``R * M + S - 1`` ticks.
@@ -342,10 +438,14 @@ def circular_gpipe(
       ticks: None for all ticks; ``benchmarks/pipeline.py`` passes ``R * M``, the same
         work per tick without the fill and drain (its outputs are not the model's).
       remat: the step's checkpoint policy (`repeated.Tracing.remat`), or None.
+      layer: ``(one layer's params, microbatch) -> microbatch`` (`schedules.gpipe`'s);
+        given, the loop runs one layer a step (`_circular_by_layer`).
 
     Returns:
       What applying the virtual stages in order to `x` gives, ``(rows, ...)``.
     """
+    if layer is not None:
+        return _circular_by_layer(layer, stage_params, x, config, ticks=ticks, remat=remat)
     stages, micro, repeats = config.num_stages, config.num_microbatches, config.num_repeats
     rows = x.shape[0]
     xs = x.reshape(micro, rows // micro, *x.shape[1:])

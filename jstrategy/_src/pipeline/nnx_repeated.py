@@ -130,15 +130,16 @@ class NNXRepeated(nnx.Module):
             record.returned = True
             return record.output
         check_pipelined(_OWNER, x, args, kwargs, self.num_layers, config)
-        params, stage = self._stage(args, kwargs)
+        params, stage, one = self._stage(args, kwargs)
         if record is not None:  # the layers before the block: record it, return its input
             # An NNX module does not know its path: the 1F1B step finds it from the one
             # stacked block's parameters (path None).
             record.captured.append(Captured(None, stage, x))
             return x
         stage_params = jax.tree.map(lambda v: stage_layout(v, config), params)
-        run = gpipe if config.num_repeats == 1 else circular_gpipe
-        return run(stage, stage_params, x, config)
+        if config.num_repeats == 1:
+            return gpipe(stage, stage_params, x, config, layer=one, remat=tracing.remat)
+        return circular_gpipe(stage, stage_params, x, config)
 
     def _in_order(self, x: jax.Array, args: Any, kwargs: Any) -> jax.Array:
         """The layers one after the other (``nnx.scan``: streams and state per layer)."""
@@ -153,10 +154,14 @@ class NNXRepeated(nnx.Module):
         out: jax.Array = layer(x, self._layers)
         return out
 
-    def _stage(self, args: Any, kwargs: Any) -> tuple[nnx.State, Callable[..., jax.Array]]:
-        """The stacked parameters, and ``(one stage's stacked parameters, microbatch) ->
+    def _stage(
+        self, args: Any, kwargs: Any
+    ) -> tuple[nnx.State, Callable[..., jax.Array], Callable[[Any, jax.Array], jax.Array]]:
+        """The stacked parameters; ``(one stage's stacked parameters, microbatch) ->
         microbatch``: its layers in order, a pure function of its arguments (a 1F1B step
-        traces it outside the model's call). Refuses a block holding other variables."""
+        traces it outside the model's call); and ``(one layer's parameters, microbatch)
+        -> microbatch`` (`schedules.gpipe`'s `layer`). Refuses a block holding other
+        variables."""
         name = type(self._layers).__name__
         for _, node in nnx.iter_graph(self._layers):
             if isinstance(node, nnx.Dropout) and node.rate > 0 and not node.deterministic:
@@ -185,11 +190,11 @@ class NNXRepeated(nnx.Module):
                     "(its `wrt` filter). Train the whole block, or use schedule='gpipe'."
                 )
 
-            def layer(h: jax.Array, p: Any) -> tuple[jax.Array, None]:
-                out = nnx.merge(graphdef, p)(h, *args, **kwargs)
-                check_output(name, h, out, _OWNER)
-                return out, None
+            return jax.lax.scan(lambda h, p: (one(p, h), None), h, stage_params)[0]
 
-            return jax.lax.scan(layer, h, stage_params)[0]
+        def one(p: Any, h: jax.Array) -> jax.Array:
+            out = nnx.merge(graphdef, p)(h, *args, **kwargs)
+            check_output(name, h, out, _OWNER)
+            return out
 
-        return params, stage
+        return params, stage, one

@@ -264,9 +264,10 @@ class Repeated(nn.Module):
             return x
         stage_params = jax.tree.map(lambda v: stage_layout(v, config), stacked)
         stage = self._stage(template, args, kwargs)
+        layer = self._layer(template, args, kwargs)
         if config.num_repeats == 1:
-            return gpipe(stage, stage_params, x, config)
-        return circular_gpipe(stage, stage_params, x, config, remat=tracing.remat)
+            return gpipe(stage, stage_params, x, config, layer=layer, remat=tracing.remat)
+        return circular_gpipe(stage, stage_params, x, config, remat=tracing.remat, layer=layer)
 
     def _apply(self, template: nn.Module, params: Any, h: jax.Array, args, kwargs, rngs=None):
         out = template.apply({"params": params}, h, *args, rngs=rngs, **kwargs)
@@ -295,25 +296,35 @@ class Repeated(nn.Module):
         only), so a 1F1B step may trace it outside the model's ``apply``. Its keyword
         `wrap` maps the loop's body, ``(h, one layer's params) -> (h, None)``: a 1F1B step
         gathers there each layer split over the replicas where it is read."""
-        name = type(self.block).__name__
+        apply = self._layer(template, args, kwargs)
 
         def stage(
             params: Any, h: jax.Array, *, wrap: Callable[[Any], Any] | None = None
         ) -> jax.Array:
             def layer(h: jax.Array, p: Any) -> tuple[jax.Array, None]:
+                return apply(p, h), None
+
+            return jax.lax.scan(layer if wrap is None else wrap(layer), h, params)[0]
+
+        return stage
+
+    def _layer(self, template, args, kwargs):
+        """``(one layer's params, microbatch) -> microbatch``: one of the block's layers,
+        a pure function of its arguments as `_stage` is (`schedules.gpipe`'s `layer`)."""
+        name = type(self.block).__name__
+
+        def layer(p: Any, h: jax.Array) -> jax.Array:
+            # A stage's rows are a microbatch and its layout the schedule's (mapped over
+            # the stages): the step's placement of a marked block's input stays out.
+            with activation_rows.suspended():
                 try:
                     out = template.apply({"params": p}, h, *args, **kwargs)
                 except flax.errors.InvalidRngError as e:
                     raise dropout_refused("Repeated", name) from e
-                check_output(name, h, out)
-                return out, None
+            check_output(name, h, out)
+            return out
 
-            # A stage's rows are a microbatch and its layout the schedule's (mapped over
-            # the stages): the step's placement of a marked block's input stays out.
-            with activation_rows.suspended():
-                return jax.lax.scan(layer if wrap is None else wrap(layer), h, params)[0]
-
-        return stage
+        return layer
 
 
 def check_output(name: str, h: jax.Array, out: Any, owner: str = "Repeated") -> None:

@@ -35,6 +35,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad
+from jax.interpreters import batching
+from jax.interpreters import mlir
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -228,6 +232,8 @@ def gpipe(
     config: PipelineConfig,
     *,
     ticks: int | None = None,
+    layer: Callable[[Any, jax.Array], jax.Array] | None = None,
+    remat: Any = None,
 ) -> jax.Array:
     """`stage` applied by every stage in turn to `x`, microbatch by microbatch (GPipe).
 
@@ -241,10 +247,18 @@ def gpipe(
         ``benchmarks/pipeline.py`` passes fewer: ``M`` ticks are the same work per tick
         without the pipeline's fill and drain, the no-bubble limit it times the step
         against (their outputs are not the model's).
+      layer: ``(one layer's params, microbatch) -> microbatch``, where `stage` applies
+        the layers stacked in its params (each leaf ``(K, ...)``) in order; given, the
+        loop runs one layer a step (`_gpipe_by_layer`), so that the backward pass adds
+        each layer's gradient to the one accumulator of the stage's gradients.
+      remat: with `layer`, the step's checkpoint policy (`repeated.Tracing.remat`), or
+        None (see `_layer_reselected`).
 
     Returns:
       What applying the stages in order to `x` gives, ``(rows, ...)``.
     """
+    if layer is not None:
+        return _gpipe_by_layer(layer, stage_params, x, config, ticks=ticks, remat=remat)
     stages, micro = config.num_stages, config.num_microbatches
     rows = x.shape[0]
     xs = x.reshape(micro, rows // micro, *x.shape[1:])
@@ -270,6 +284,128 @@ def gpipe(
     count = micro + stages - 1 if ticks is None else ticks
     (_, outputs), _ = jax.lax.scan(tick, (buffer, outputs), jnp.arange(count))
     return outputs.reshape(x.shape)
+
+
+def _gpipe_by_layer(
+    layer: Callable[[Any, jax.Array], jax.Array],
+    stage_params: Any,
+    x: jax.Array,
+    config: PipelineConfig,
+    *,
+    ticks: int | None = None,
+    remat: Any = None,
+) -> jax.Array:
+    """`gpipe` one layer a step: step ``j`` is layer ``j % K`` of tick ``j // K``.
+
+    A tick's loop over its stage's layers inside the loop over the ticks makes JAX's
+    backward pass sum each tick's gradients of the ``K`` layers in a zeroed buffer of the
+    stage's whole gradient before adding it to the ticks' sum: two stage gradients live
+    at once (at llama2-7B, 4 stages: 6 GiB more a device than one). One loop over
+    ``(tick, layer)``, each step reading its layer's slice of the stage's params, has
+    one accumulator, to which each step's gradient is added in place. A tick's first
+    layer takes the stage's input (stage 0: the next microbatch); its last writes the
+    last stage's output and hands every stage's output to the next stage.
+    """
+    stages, micro = config.num_stages, config.num_microbatches
+    depth = jax.tree.leaves(stage_params)[0].shape[1]
+    rows = x.shape[0]
+    xs = x.reshape(micro, rows // micro, *x.shape[1:])
+    on_stages = jax.sharding.NamedSharding(config.mesh, P(STAGE_AXIS))
+    shift = _shift(config.mesh, stages)
+    run_layer = _layer_reselected(layer, remat)
+
+    def step(carry: Any, j: jax.Array) -> tuple[Any, None]:
+        buffer, outputs = carry
+        t, k = j // depth, j % depth
+        feed = jax.lax.dynamic_index_in_dim(xs, jnp.minimum(t, micro - 1), keepdims=False)
+        first = jnp.where(k == 0, feed, buffer[0])
+        buffer = jax.lax.with_sharding_constraint(buffer.at[0].set(first), on_stages)
+        out = jax.lax.with_sharding_constraint(run_layer(stage_params, k, buffer), on_stages)
+        last = k == depth - 1
+        # The last stage finishes microbatch t - (S - 1) at a tick's last layer; elsewhere
+        # the slot is written with what it holds (in place: no copy of the outputs).
+        done = jnp.maximum(t - (stages - 1), 0)
+        held = jax.lax.dynamic_index_in_dim(outputs, done, keepdims=False)
+        outputs = jax.lax.dynamic_update_index_in_dim(
+            outputs, jnp.where(last, out[stages - 1], held), done, 0
+        )
+        return (jax.lax.cond(last, shift, lambda v: v, out), outputs), None
+
+    buffer = jnp.zeros((stages, *xs.shape[1:]), x.dtype)
+    outputs = jnp.zeros_like(xs)
+    count = (micro + stages - 1 if ticks is None else ticks) * depth
+    (_, outputs), _ = jax.lax.scan(step, (buffer, outputs), jnp.arange(count))
+    return outputs.reshape(x.shape)
+
+
+def _layer_of(v: jax.Array, k: jax.Array) -> jax.Array:
+    """Layer `k` of every stage: ``v[:, k]`` of a stacked variable ``(S, K, ...)``."""
+    return jax.lax.dynamic_index_in_dim(v, k, axis=1, keepdims=False)
+
+
+# `_layer_of` as one primitive, so that a checkpoint policy can tell it from the layer's
+# own operations (a policy sees one operation at a time; jnp's selection is several).
+_layer_at = Primitive("jstrategy_pipeline_layer")
+_layer_at.def_impl(_layer_of)
+_layer_at.def_abstract_eval(
+    lambda v, k: v.update(shape=(v.shape[0], *v.shape[2:]), weak_type=False)
+)
+mlir.register_lowering(_layer_at, mlir.lower_fun(_layer_of, multiple_results=False))
+
+
+def _layer_at_jvp(primals: Any, tangents: Any) -> tuple[jax.Array, Any]:
+    (v, k), (dv, _) = primals, tangents
+    out = _layer_at.bind(v, k)
+    if type(dv) is ad.Zero:
+        return out, ad.Zero(dv.aval.update(shape=out.shape))
+    return out, _layer_at.bind(dv, k)
+
+
+def _layer_at_transpose(ct: Any, v: Any, k: jax.Array) -> list[Any]:
+    assert ad.is_undefined_primal(v) and not ad.is_undefined_primal(k)
+    if type(ct) is ad.Zero:
+        return [ad.Zero(v.aval), None]
+    # Added by the loop to its one accumulator: XLA writes layer k's slice in place.
+    zeros = jnp.zeros(v.aval.shape, ct.dtype)
+    return [jax.lax.dynamic_update_index_in_dim(zeros, ct, k, axis=1), None]
+
+
+def _layer_at_batch(args: Any, dims: Any) -> tuple[jax.Array, int]:
+    return jax.vmap(_layer_of, in_axes=dims)(*args), 0
+
+
+ad.primitive_jvps[_layer_at] = _layer_at_jvp
+ad.primitive_transposes[_layer_at] = _layer_at_transpose
+batching.primitive_batchers[_layer_at] = _layer_at_batch
+
+
+def _layer_reselected(
+    layer: Callable[[Any, jax.Array], jax.Array], remat: Any = None, select: Any = None
+) -> Callable[..., jax.Array]:
+    """``(stage params (S, K, ...), k, microbatches (S, ...)) -> (S, ...)``: layer `k`
+    of every stage, whose backward pass selects the layer's weights again.
+
+    A step's selection depends on the step, so ``scan`` would keep a copy of it per step
+    for the backward pass (a matmul's input gradient reads its weights): every layer's
+    weights once per tick. Checkpointed with everything saved but the selection, the
+    backward pass selects it again from the loop's constant. Under the step's remat
+    policy a value is saved only where that policy saves it too (as `circular`'s).
+    `select` (a primitive, default `_layer_at`) takes the params and the indices that
+    precede the microbatches: the circular schedule's selects a repeat too."""
+    run = jax.vmap(layer)
+    select = _layer_at if select is None else select
+
+    def one(stage_params: Any, *indices_and_h: jax.Array) -> jax.Array:
+        *indices, h = indices_and_h
+        return run(jax.tree.map(lambda v: select.bind(v, *indices), stage_params), h)
+
+    def policy(prim: Any, *args: Any, **params: Any) -> bool:
+        if prim is select:
+            return False
+        return remat is None or bool(remat(prim, *args, **params))
+
+    # Inside a scan nothing can merge the recomputation into the forward pass: no barrier.
+    return jax.checkpoint(one, policy=policy, prevent_cse=False)
 
 
 # ---------------------------------------------------------------------------------------

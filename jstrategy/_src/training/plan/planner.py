@@ -235,6 +235,7 @@ def plan(
         ),
         accumulation_steps=spec.accumulation_steps,
         multiple=strategy.batch_multiple,
+        pipeline=strategy.pipeline,
     )
     return dataclasses.replace(found, advice=advice)
 

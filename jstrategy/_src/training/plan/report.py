@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import TYPE_CHECKING
 from typing import Literal
 
 from jstrategy._src.training.plan.refusal import CompilerRefusal
+
+if TYPE_CHECKING:
+    from jstrategy._src.pipeline.schedules import PipelineConfig
 
 __all__ = ["Advice", "Fix", "MemoryPlan", "Remat", "advise", "format_bytes"]
 
@@ -34,6 +38,9 @@ class Fix(enum.Enum):
     MICROBATCHES = "microbatches"  # gradient accumulation over smaller batches
     SMALLER_BATCH = "smaller_batch"
     MORE_DEVICES = "more_devices"  # a larger mesh, where the state is split over all of it
+    MORE_STAGES = "more_stages"  # a pipeline's layers over more stages
+    PIPELINE_MICROBATCHES = "pipeline_microbatches"  # a pipeline's rows in more microbatches
+    SCHEDULE = "schedule"  # a pipeline's 1F1B schedule, which keeps fewer microbatches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +208,7 @@ def advise(
     remat: Remat,
     accumulation_steps: int,
     multiple: int,
+    pipeline: PipelineConfig | None = None,
 ) -> tuple[Advice, ...]:
     """What to change when `plan` does not fit, from its figures and what the model and
     strategy can take: nothing that cannot be followed.
@@ -223,13 +231,20 @@ def advise(
         ``remat=True`` is refused).
       accumulation_steps: the step's ``gradient_accumulation_steps``.
       multiple: what a global batch's rows divide by (``strategy.batch_multiple``).
+      pipeline: the strategy's pipeline (``strategy.pipeline``), or None: a pipeline's
+        state falls with more stages or with its stages' variables split over their
+        replicas, its activations with more microbatches or the 1F1B schedule, not
+        with a larger FSDP degree (`_pipeline_advice`).
     """
     if plan.fits:
         return ()
     state = plan.parameters + plan.optimizer_state + plan.gradients
     over = plan.peak - plan.device_memory
-    state_advice = []
-    if split >= device_count:
+    state_advice: list[Advice] = []
+    pipeline_batch: list[Advice] = []
+    if pipeline is not None:
+        state_advice, pipeline_batch = _pipeline_advice(plan, pipeline, split, device_count)
+    elif split >= device_count:
         # Split over every device already (or one device): no larger FSDP degree exists.
         state_advice.append(
             Advice(
@@ -263,7 +278,8 @@ def advise(
             )
         )
     # Offloaded already, the optimizer state left in device memory is its scalars.
-    if plan.optimizer_state * 100 >= plan.peak:
+    # (A pipeline's strategy keeps its optimizer state on the devices.)
+    if pipeline is None and plan.optimizer_state * 100 >= plan.peak:
         state_advice.append(
             Advice(
                 Fix.OFFLOAD_OPTIMIZER,
@@ -287,6 +303,8 @@ def advise(
                 "backward pass.",
             )
         )
+    if pipeline is not None:
+        batch_advice += pipeline_batch
     largest = plan.largest_batch
     if largest:
         k = _accumulation_for(plan.batch_size, largest, multiple)
@@ -307,6 +325,66 @@ def advise(
         )
     state_bound = state >= plan.activations + plan.inputs
     return tuple(state_advice + batch_advice if state_bound else batch_advice + state_advice)
+
+
+def _pipeline_advice(
+    plan: MemoryPlan, pipeline: PipelineConfig, split: int, device_count: int
+) -> tuple[list[Advice], list[Advice]]:
+    """A pipeline's own fixes, ``(for its state, for its activations)``: more stages, its
+    stages' variables split over their replicas, more microbatches, the 1F1B schedule;
+    only those its mesh and batch can take."""
+    stages, micro = pipeline.num_stages, pipeline.num_microbatches
+    replicas = pipeline.num_replicas
+    state = plan.parameters + plan.optimizer_state + plan.gradients
+    state_advice = []
+    if device_count % (2 * stages) == 0:
+        state_advice.append(
+            Advice(
+                Fix.MORE_STAGES,
+                f"More stages: num_stages={2 * stages} (now {stages}) gives each device "
+                f"half of its stage's layers and their state ({format_bytes(state)} per "
+                "device now); the repeated block's num_layers must divide by it.",
+            )
+        )
+    if replicas > 1 and split <= stages:
+        # Split no further than over the stages: each stage's replicas hold whole copies.
+        state_advice.append(
+            Advice(
+                Fix.FSDP,
+                "shard_over_replicas=True (PipelineStrategy): split each stage's "
+                f"variables over its {replicas} replicas as FSDP does, the state "
+                f"({format_bytes(state)} per device now) about {replicas}x smaller.",
+            )
+        )
+    if not state_advice:
+        state_advice.append(
+            Advice(
+                Fix.MORE_DEVICES,
+                f"More devices: the state ({format_bytes(state)} per device) is split "
+                f"over the {stages} stages and their replicas already; only a mesh of "
+                "more devices (more stages or replicas) splits it further.",
+            )
+        )
+    batch_advice = []
+    rows = plan.batch_size // max(1, replicas)
+    if rows % (2 * micro) == 0:
+        batch_advice.append(
+            Advice(
+                Fix.PIPELINE_MICROBATCHES,
+                f"More microbatches: num_microbatches={2 * micro} (now {micro}): each "
+                f"microbatch's temporaries halve ({format_bytes(plan.activations)} of "
+                "activations and temporaries per device now), and so does the bubble.",
+            )
+        )
+    if pipeline.schedule.value == "gpipe" and micro > 2 * stages - 1:
+        batch_advice.append(
+            Advice(
+                Fix.SCHEDULE,
+                f"schedule='1f1b': a stage keeps the inputs of at most {2 * stages - 1} "
+                f"microbatches for the backward pass instead of all {micro} (GPipe's).",
+            )
+        )
+    return state_advice, batch_advice
 
 
 def _accumulation_for(batch: int, largest: int, multiple: int) -> int | None:
