@@ -9,8 +9,10 @@ before the training layer was split (issue 11), and re-recorded when the program
 Dense bias in front of BatchNorm (whose zero gradient Adam turned into rounding noise that
 moved evaluation by 0.5% between XLA versions), and again when the multi-replica cases
 began to follow one device (dropout masks by global row, BatchNorm over the global batch)
-and ``"adam"`` became Keras's update formula (issue 21). A refactor that changes any bit
-fails here.
+and ``"adam"`` became Keras's update formula (issue 21), and again (all cases, under jax
+0.12.1) when the manual region began to differentiate the mean loss as the global view does
+(issue 47: one way to differentiate; the step cases moved by float rounding, up to 5e-6
+relative). A refactor that changes any bit fails here.
 
 On the CPU model and the JAX, jaxlib, Flax, Optax and NumPy versions the file was recorded
 with, the comparison is exact. XLA generates code for the host CPU (vector width, FMA), JAX

@@ -40,22 +40,20 @@ and the step enters it.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["current", "place", "placing", "suspended"]
+from jstrategy._src import trace_context
 
-# The constraint in the replicas' map: (mesh, the row axes other than the map's, the axis
-# the features split over or None).
-_CURRENT: contextvars.ContextVar[tuple[Any, tuple[str, ...], str | None] | None] = (
-    contextvars.ContextVar("jstrategy_activation_rows", default=None)
-)
+__all__ = ["Placement", "current", "place", "placement", "placing", "suspended"]
+
+#: The constraint in the replicas' map (`trace_context.TraceContext.activation_rows`):
+#: (mesh, the row axes other than the map's, the axis the features split over or None).
+Placement = tuple[Any, tuple[str, ...], str | None]
 
 #: The names of a tensor-parallel axis: ModelParallelStrategy's (Keras's ``"model"``) and
 #: HybridStrategy's (``"tensor"``).
@@ -68,42 +66,40 @@ def _axes(entry: Any) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-@contextlib.contextmanager
-def placing(mesh: Any, rows: Any, mapped: str, *, features: bool = True) -> Iterator[None]:
-    """Within: `place` splits rows over `rows` (a `PartitionSpec` entry: a mesh axis, a
-    tuple of them, or None for nothing placed), less `mapped`, the axis of the replicas'
-    ``vmap`` (its ``spmd_axis_name``), which the map puts back on the replicas' dimension;
-    with `features`, a sequence model's features over the tensor axis too. The step asks
-    for the features' split under remat only: there the blocks' inputs are what the
-    backward pass keeps, and an eighth of each is the gain; without it the split only adds
-    collectives (a Megatron layer's all-reduce becomes an all-gather and a reduce-scatter
-    around it), beside a hand-written step that has none.
+def placement(mesh: Any, rows: Any, mapped: str, *, features: bool = True) -> Placement | None:
+    """What `place` reads while a step traces its replicas' forward pass: rows split over
+    `rows` (a `PartitionSpec` entry: a mesh axis, a tuple of them, or None for nothing
+    placed), less `mapped`, the axis of the replicas' ``vmap`` (its ``spmd_axis_name``),
+    which the map puts back on the replicas' dimension; with `features`, a sequence model's
+    features over the tensor axis too. The step asks for the features' split under remat
+    only: there the blocks' inputs are what the backward pass keeps, and an eighth of each
+    is the gain; without it the split only adds collectives (a Megatron layer's all-reduce
+    becomes an all-gather and a reduce-scatter around it), beside a hand-written step that
+    has none.
     """
-    value = None
-    if rows is not None:
-        row_axes = tuple(a for a in _axes(rows) if a != mapped)
-        tensor = [
-            a
-            for a in TENSOR_AXES
-            if features and a in mesh.shape and int(mesh.shape[a]) > 1 and a not in _axes(rows)
-        ]
-        value = (mesh, row_axes, tensor[0] if tensor else None)
-    token = _CURRENT.set(value)
-    try:
-        yield
-    finally:
-        _CURRENT.reset(token)
+    if rows is None:
+        return None
+    row_axes = tuple(a for a in _axes(rows) if a != mapped)
+    tensor = [
+        a
+        for a in TENSOR_AXES
+        if features and a in mesh.shape and int(mesh.shape[a]) > 1 and a not in _axes(rows)
+    ]
+    return (mesh, row_axes, tensor[0] if tensor else None)
 
 
-@contextlib.contextmanager
-def suspended() -> Iterator[None]:
+def placing(
+    mesh: Any, rows: Any, mapped: str, *, features: bool = True
+) -> contextlib.AbstractContextManager[Any]:
+    """Within: `place` places as `placement` says (the step sets it in its one
+    `trace_context.TraceContext`; this is that field alone)."""
+    return trace_context.replaced(activation_rows=placement(mesh, rows, mapped, features=features))
+
+
+def suspended() -> contextlib.AbstractContextManager[Any]:
     """Within: `place` constrains nothing (a pipeline's stages: their rows are microbatches,
     their leading dimension the stages)."""
-    token = _CURRENT.set(None)
-    try:
-        yield
-    finally:
-        _CURRENT.reset(token)
+    return trace_context.replaced(activation_rows=None)
 
 
 def current() -> bool:
@@ -114,7 +110,7 @@ def current() -> bool:
     >>> current()
     False
     """
-    return _CURRENT.get() is not None
+    return trace_context.current().activation_rows is not None
 
 
 def place(x: Any) -> Any:
@@ -122,7 +118,7 @@ def place(x: Any) -> Any:
     layout, a sequence model's features, its last dimension, over the tensor axis), its
     other dimensions left to XLA; `x` as it is where nothing is placed (see the module's
     docstring)."""
-    value = _CURRENT.get()
+    value = trace_context.current().activation_rows
     if value is None or not isinstance(x, jax.Array) or x.ndim == 0:
         return x
     if jax.sharding.get_abstract_mesh().manual_axes:

@@ -22,10 +22,8 @@ This module is core: the layers (`jstrategy.layers`) read it, and the training l
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import math
-from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.random import threefry2x32_p
+
+from jstrategy._src import trace_context
 
 __all__ = [
     "Region",
@@ -65,26 +65,15 @@ class Region:
     row_mask: Any = None
 
 
-# Read by layers while a step traces its forward pass (a context variable: each thread, and
-# each nested trace, sees the region it entered).
-_REGION: contextvars.ContextVar[Region | None] = contextvars.ContextVar(
-    "jstrategy_batch_region", default=None
-)
-
-
 def current() -> Region | None:
-    """The region of the forward pass being traced, or None outside one."""
-    return _REGION.get()
+    """The region of the forward pass being traced, or None outside one (the field of the
+    step's `trace_context.TraceContext`)."""
+    return trace_context.current().region  # type: ignore[no-any-return]
 
 
-@contextlib.contextmanager
-def entered(region: Region | None) -> Iterator[Region | None]:
+def entered(region: Region | None) -> contextlib.AbstractContextManager[Any]:
     """Within: `current` is `region` (None: no region, e.g. an evaluation step)."""
-    token = _REGION.set(region)
-    try:
-        yield region
-    finally:
-        _REGION.reset(token)
+    return trace_context.replaced(region=region)
 
 
 def axis_bound(axis_name: str) -> bool:

@@ -29,7 +29,6 @@ raises rather than compute full attention on every device of a context group.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -41,6 +40,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jstrategy._src import axes
+from jstrategy._src import trace_context
 
 if TYPE_CHECKING:
     from jstrategy._src.strategy_like import StrategyLike
@@ -99,14 +99,6 @@ class _Refusal:
     where: str
 
 
-_CURRENT: contextvars.ContextVar[ContextAxis | None] = contextvars.ContextVar(
-    "jstrategy_context_axis", default=None
-)
-_REFUSED: contextvars.ContextVar[_Refusal | None] = contextvars.ContextVar(
-    "jstrategy_context_refused", default=None
-)
-
-
 def of_mesh(mesh: Mesh, data_axis: str) -> ContextAxis | None:
     """The context axis of `mesh`: its `CONTEXT_AXIS` when larger than one, else None.
 
@@ -131,14 +123,10 @@ def of_strategy(strategy: StrategyLike) -> ContextAxis | None:
     return of_mesh(strategy.mesh, strategy.axis_name)
 
 
-@contextlib.contextmanager
-def applying(axis: ContextAxis | None) -> Iterator[None]:
-    """`axis` is the current context axis while the body runs (a train step's trace)."""
-    token = _CURRENT.set(axis)
-    try:
-        yield
-    finally:
-        _CURRENT.reset(token)
+def applying(axis: ContextAxis | None) -> contextlib.AbstractContextManager[Any]:
+    """`axis` is the current context axis while the body runs (a train step's trace: the
+    field of its `trace_context.TraceContext`)."""
+    return trace_context.replaced(context_axis=axis)
 
 
 def current() -> ContextAxis | None:
@@ -149,7 +137,7 @@ def current() -> ContextAxis | None:
     >>> current() is None
     True
     """
-    return _CURRENT.get()
+    return trace_context.current().context_axis  # type: ignore[no-any-return]
 
 
 @contextlib.contextmanager
@@ -161,11 +149,10 @@ def refusing(strategy: StrategyLike, where: str) -> Iterator[None]:
     if axis is None:
         yield
         return
-    token = _REFUSED.set(_Refusal(type(strategy).__name__, axis.size, where))
-    try:
+    with trace_context.replaced(
+        context_refusal=_Refusal(type(strategy).__name__, axis.size, where)
+    ):
         yield
-    finally:
-        _REFUSED.reset(token)
 
 
 def refused(what: str) -> None:
@@ -179,7 +166,7 @@ def refused(what: str) -> None:
 
     >>> refused("dot_product_attention")  # outside any program: nothing to refuse
     """
-    refusal = _REFUSED.get()
+    refusal = trace_context.current().context_refusal
     if refusal is None or current() is not None:
         return
     raise ValueError(

@@ -43,17 +43,69 @@ import jax.numpy as jnp
 from jax.extend.core import Literal
 
 from jstrategy._src.names import path_names
+from jstrategy._src.pipeline import repeated
 from jstrategy._src.pipeline.circular import interleaved_one_f_one_b
 from jstrategy._src.pipeline.circular import layer_layout
 from jstrategy._src.pipeline.circular import stage_layout
 from jstrategy._src.pipeline.repeated import Captured
 from jstrategy._src.pipeline.repeated import Split
-from jstrategy._src.pipeline.repeated import Tracing
 from jstrategy._src.pipeline.schedules import STACKED_KEY
+from jstrategy._src.pipeline.schedules import PipelineConfig
+from jstrategy._src.pipeline.schedules import PipelineSchedule
 from jstrategy._src.pipeline.schedules import is_stacked
 from jstrategy._src.pipeline.schedules import one_f_one_b
 
-__all__ = ["ReplicaSlices", "after_block_refused", "microbatch", "one_f_one_b_loss"]
+__all__ = [
+    "ReplicaLoss",
+    "ReplicaSlices",
+    "after_block_refused",
+    "microbatch",
+    "one_f_one_b_loss",
+    "replica_loss",
+    "whole_batch_loss",
+]
+
+#: One replica's differentiated loss: ``(params, x, *, forward, cast, loss_sum, penalty,
+#: scaled, slices) -> (value, (loss sum, y_pred, model_state))`` (`one_f_one_b_loss`
+#: documents the arguments).
+ReplicaLoss = Callable[..., tuple[jax.Array, tuple[jax.Array, Any, Any]]]
+
+
+def replica_loss(config: PipelineConfig | None) -> ReplicaLoss:
+    """How a train step's replica computes its loss under the pipeline `config` (None:
+    none): `one_f_one_b_loss` under a 1F1B schedule, which runs each microbatch's loss
+    inside the pipeline; `whole_batch_loss` otherwise (GPipe's schedules run inside the
+    model's forward pass)."""
+    if config is not None and config.schedule is PipelineSchedule.ONE_F_ONE_B:
+        return one_f_one_b_loss
+    return whole_batch_loss
+
+
+def splits_replicas(config: PipelineConfig | None) -> bool:
+    """Whether a step in the global view hands each replica its `ReplicaSlices` (the
+    1F1B loss reduces their gradients over the replicas layer by layer)."""
+    return replica_loss(config) is one_f_one_b_loss
+
+
+def whole_batch_loss(
+    params: Any,
+    x: Any,
+    *,
+    forward: Callable[[Any, Any], tuple[Any, Any, Any]],
+    cast: Callable[[Any], Any],
+    loss_sum: Callable[[Any, Any], jax.Array],
+    penalty: Callable[[Any], jax.Array],
+    scaled: Callable[[jax.Array], jax.Array],
+    slices: tuple[ReplicaSlices, list[Any]] | None = None,
+) -> tuple[jax.Array, tuple[jax.Array, Any, Any]]:
+    """One replica's differentiated loss, the forward pass over its whole batch (the
+    arguments as `one_f_one_b_loss`'s; `loss_sum`'s microbatch is None: every row)."""
+    del cast, slices  # the forward pass casts, and every leaf is differentiated whole
+    y_pred, model_state, model_loss = forward(params, x)
+    total = loss_sum(y_pred, None)
+    if model_loss is not None:
+        total = total + penalty(model_loss)
+    return scaled(total), (total, y_pred, model_state)
 
 
 def microbatch(tree: Any, rows: int, m: Any, size: int) -> Any:
@@ -178,7 +230,6 @@ def after_block_refused(layer: str, what: str) -> ValueError:
 
 
 def one_f_one_b_loss(
-    tracing: Tracing,
     params: Any,
     x: Any,
     *,
@@ -191,14 +242,15 @@ def one_f_one_b_loss(
 ) -> tuple[jax.Array, tuple[jax.Array, Any, Any]]:
     """One replica's differentiated loss under a 1F1B pipeline (the module docstring).
 
+    The pipeline is the one the step traces the model on (`repeated.current`).
+
     Args:
-      tracing: the pipeline the step traces the model on (`repeated.applying`'s).
       params: the parameters (differentiated by the caller).
       x: the replica's inputs.
       forward: ``(params, inputs) -> (y_pred, model_state, model_loss)``, the training
         forward pass (under the step's precision policy).
       cast: parameters as the forward pass computes with them (the policy's dtype).
-      loss_sum: ``(microbatch m's y_pred, m) -> its loss sum``.
+      loss_sum: ``(microbatch m's y_pred, m) -> its loss sum`` (m None: every row's).
       penalty: the model's own losses -> what they add to the loss sum.
       scaled: a loss sum -> what is differentiated (loss scaling).
       slices: in the global view, the `ReplicaSlices` and this replica's slices (their
@@ -210,6 +262,8 @@ def one_f_one_b_loss(
       ``(value, (loss sum, y_pred, model_state))`` as the step's ``local_loss`` returns
       them: `value`'s gradient with respect to `params` is the scaled loss sum's.
     """
+    tracing = repeated.current()
+    assert tracing is not None, "a 1F1B loss is traced inside its step's pipeline"
     config = tracing.config
     micro = config.num_microbatches
     frozen = jax.lax.stop_gradient(params)

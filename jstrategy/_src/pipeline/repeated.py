@@ -13,7 +13,6 @@ and evaluation and prediction, apply the layers one after the other in a ``lax.s
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 from collections.abc import Callable
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jstrategy._src import activation_rows
+from jstrategy._src import trace_context
 from jstrategy._src.pipeline.circular import circular_gpipe
 from jstrategy._src.pipeline.circular import stage_layout
 from jstrategy._src.pipeline.schedules import STACKED_KEY
@@ -44,6 +44,7 @@ __all__ = [
     "check_pipelined",
     "current",
     "dropout_refused",
+    "tracing_for",
 ]
 
 
@@ -106,41 +107,42 @@ class Tracing:
             self.split = previous
 
 
-_CURRENT: contextvars.ContextVar[Tracing | None] = contextvars.ContextVar(
-    "jstrategy_pipeline", default=None
-)
+def tracing_for(
+    config: PipelineConfig | None, params: Any, rows: int, *, remat: Any = None
+) -> Tracing | None:
+    """The `Tracing` a train step traces its model with under `config`'s pipeline (None
+    without one), after its pre-flight checks (`PipelineConfig.check_step`) of the step's
+    `params` and one replica's `rows`; `remat` is the step's checkpoint policy
+    (`Tracing.remat`). The step puts it in its `trace_context.TraceContext`."""
+    if config is None:
+        return None
+    config.check_step(params, rows)
+    return Tracing(config, remat=remat)
 
 
 @contextlib.contextmanager
 def applying(
     config: PipelineConfig | None, params: Any, rows: int, *, remat: Any = None
 ) -> Iterator[Tracing | None]:
-    """Traces what runs inside with `config`'s pipeline in effect for `Repeated` blocks
-    (None: none in effect), after its pre-flight checks (`PipelineConfig.check_step`) of
-    the step's `params` and one replica's `rows`.
+    """Traces what runs inside with `tracing_for`'s `Tracing` in effect for `Repeated`
+    blocks (the pipeline field of the `trace_context.TraceContext` alone).
 
-    Yields the `Tracing` the blocks read (None without a pipeline); `remat` is the step's
-    checkpoint policy (`Tracing.remat`).
+    Yields the `Tracing` the blocks read (None without a pipeline).
     """
-    if config is not None:
-        config.check_step(params, rows)
-    tracing = None if config is None else Tracing(config, remat=remat)
-    token = _CURRENT.set(tracing)
-    try:
+    tracing = tracing_for(config, params, rows, remat=remat)
+    with trace_context.replaced(pipeline=tracing):
         yield tracing
-    finally:
-        _CURRENT.reset(token)
 
 
 def current() -> Tracing | None:
-    """The `Tracing` in effect (`applying`'s), or None outside a pipelined train step."""
-    return _CURRENT.get()
+    """The `Tracing` in effect, or None outside a pipelined train step."""
+    return trace_context.current().pipeline  # type: ignore[no-any-return]
 
 
 def after_block() -> bool:
     """Whether a 1F1B step is now tracing the layers after a repeated block (the block
     has returned a microbatch's output): layers there see one microbatch."""
-    tracing = _CURRENT.get()
+    tracing = current()
     return tracing is not None and tracing.split is not None and tracing.split.returned
 
 
@@ -247,7 +249,7 @@ class Repeated(nn.Module):
             return nn.meta.unbox(variables["params"])
 
         stacked = self.param(STACKED_KEY, init)
-        tracing = _CURRENT.get()
+        tracing = current()
         if self.is_initializing() or tracing is None:
             return self._in_order(template, stacked, x, args, kwargs, layers)
         record, config = tracing.split, tracing.config

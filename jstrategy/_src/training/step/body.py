@@ -6,20 +6,19 @@ update, `ParameterServerStrategy`'s `fit` (the gradients on a worker) and evalua
 same loss and metric sums, without gradients). How the step becomes programs is the
 strategy's decision (`Strategy.stage_train_step`); what it computes is decided here.
 
-Inside, each replica differentiates the mask-weighted *sum* of its per-example losses with
-respect to a per-replica (varying) copy of the parameters, so JAX inserts no implicit
-reduction; the gradients, the loss and metric sums, the count of real rows and any
-per-replica mutable state are then combined by ONE call to
-``strategy.cross_device_ops.all_reduce`` (so `HierarchicalCopyAllReduce` changes the
-program's communication, not the numbers). Dividing by the global count of real rows makes
-the loss the mean over real rows of the global batch: padding never skews it, and every
-strategy follows the same trajectory as `OneDeviceStrategy` up to float rounding.
+Inside, each replica computes the mask-weighted *sum* of its per-example losses; the step
+differentiates the replicas' sums times the reciprocal of the global count of real rows
+(`_gradients`), the mean over real rows of the global batch: padding never skews it, and
+every strategy follows the same trajectory as `OneDeviceStrategy` up to float rounding.
+How the replicas are traced and their gradients, sums and mutable state combined is the
+staging's (`views`: inside a region manual over the data axis, ONE call to
+``strategy.cross_device_ops.all_reduce``; in the global view, the replicas' ``vmap``).
 
 The step's options (`StepSpec`) act in two places. The precision policy casts the
 parameters and floating inputs to its compute dtype inside the differentiated function (so
 the gradients come back in the variable dtype) and the outputs to float32 before the loss
 and metrics (`_forward`). A `DynamicLossScale` in the state scales the loss before
-differentiating and unscales the all-reduced gradients (`replica_gradients`); the update
+differentiating and unscales the combined gradients (`_finish`); the update
 (`apply_update`) is skipped, the scale halved, when they are not finite, a decision taken
 on values identical on every replica. With ``accumulation_steps`` k > 1 the gradient sums
 and counts of real rows go to `accumulation.accumulate`, which updates every k-th step.
@@ -28,6 +27,7 @@ and counts of real rows go to `accumulation.accumulate`, which updates every k-t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jstrategy._src import activation_rows
+from jstrategy._src import trace_context
 from jstrategy._src.numerics import COUNT
 from jstrategy._src.numerics import WEIGHT_SUM
 from jstrategy._src.numerics import means
@@ -47,11 +47,9 @@ from jstrategy._src.numerics import weight_key
 from jstrategy._src.pipeline import repeated
 from jstrategy._src.pipeline.loss import ReplicaSlices
 from jstrategy._src.pipeline.loss import microbatch
-from jstrategy._src.pipeline.loss import one_f_one_b_loss
-from jstrategy._src.pipeline.schedules import PipelineSchedule
+from jstrategy._src.pipeline.loss import replica_loss
 from jstrategy._src.placement import abstract
 from jstrategy._src.placement import create_placed
-from jstrategy._src.placement import variable_shardings
 from jstrategy._src.precision import policy as mp
 from jstrategy._src.precision.loss_scale import all_finite
 from jstrategy._src.precision.loss_scale import select_if_finite
@@ -75,12 +73,10 @@ from jstrategy._src.training.step import accumulation
 from jstrategy._src.training.step import check_numerics
 from jstrategy._src.training.step import probability_check
 from jstrategy._src.training.step import remat as remat_lib
-from jstrategy._src.training.step import replica_constraints
+from jstrategy._src.training.step import views
 from jstrategy._src.training.step.spec import Metric
 from jstrategy._src.training.step.spec import StepSpec
 from jstrategy._src.validation import check_positive_int
-from jstrategy._src.values import is_key
-from jstrategy._src.values import varying_axes
 
 if TYPE_CHECKING:
     from jstrategy._src.strategy import Strategy
@@ -236,17 +232,6 @@ def prepare_state(spec: StepSpec, state: TrainStateProtocol) -> Any:
 # ---------------------------------------------------------------------------------------
 # The per-replica body (traced inside `staging.replica_map`)
 # ---------------------------------------------------------------------------------------
-def _to_varying(tree: Any, axis_name: str) -> Any:
-    """Marks invariant leaves as per-replica, so their gradient is not implicitly summed."""
-
-    def cast(x: Any) -> Any:
-        if axis_name in varying_axes(x):
-            return x
-        return jax.lax.pcast(x, axis_name, to="varying")
-
-    return jax.tree.map(cast, tree)
-
-
 def _per_row(values: Any, rows: int, what: str) -> jax.Array:
     return per_example(values, rows, what).astype(jnp.float32)
 
@@ -381,12 +366,10 @@ def _replica_loss(
     The function maps the parameters to ``(scaled loss sum, (loss sum, y_pred,
     model_state))``: the forward pass over this replica's rows in training mode, the
     replicas named by ``spec.strategy.axis_name`` (dropout keys, synchronized BatchNorm).
-    The forward pass is traced inside the step's remat policy and its pipeline
-    (`StepSpec.remat`, `StepSpec.pipeline`); under a 1F1B pipeline the same pieces
-    (forward pass, per-microbatch loss sums, scaling) are run by
-    `pipeline.loss.one_f_one_b_loss`, which computes the gradients itself (in the global
-    view, `slices`: the repeated block's leaves split over the replicas, and this
-    replica's slices of them, through which their gradients come reduce-scattered).
+    How the forward pass and the loss sums are put together is the pipeline's
+    (`pipeline.loss.replica_loss`): the forward pass over the whole batch, or under a 1F1B
+    pipeline each microbatch's loss inside the schedule (`slices`: in the global view the
+    repeated block's leaves split over the replicas, and this replica's slices of them).
     """
     axis = spec.strategy.axis_name
     x, y, w = unpack_batch(batch)
@@ -412,11 +395,12 @@ def _replica_loss(
             scaled = scaled * spec.loss_scale_factor
         return scaled
 
-    def microbatch_loss(y_pred: Any, m: Any) -> jax.Array:
+    def loss_sum(y_pred: Any, m: Any) -> jax.Array:
+        if m is None:
+            return _loss_sum(spec, y, y_pred, maskf, w)
         # Microbatch m's rows of the labels, weights and mask (`one_f_one_b_loss`).
-        rows = maskf.shape[0]
         size = row_count(y_pred, "y_pred")
-        y_m, maskf_m, w_m = microbatch((y, maskf, w), rows, m, size)
+        y_m, maskf_m, w_m = microbatch((y, maskf, w), maskf.shape[0], m, size)
         return _loss_sum(spec, y_m, y_pred, maskf_m, w_m)
 
     def penalty(model_loss: Any) -> jax.Array:
@@ -425,38 +409,19 @@ def _replica_loss(
     def compute_params(params: Any) -> Any:
         return params if spec.policy == _FLOAT32 else mp.cast_to_compute(params, spec.policy)
 
-    pipeline = spec.pipeline
-    one_f_one_b = pipeline is not None and pipeline.schedule is PipelineSchedule.ONE_F_ONE_B
+    run = replica_loss(spec.pipeline)
 
     def local_loss(params: Any) -> tuple[jax.Array, tuple[Any, Any, Any]]:
-        with (
-            remat_lib.applying(spec.remat) as active,
-            repeated.applying(
-                pipeline,
-                params,
-                maskf.shape[0],
-                remat=None if active is None else active.policy,
-            ) as tracing,
-        ):
-            if one_f_one_b:
-                assert tracing is not None
-                out = one_f_one_b_loss(
-                    tracing,
-                    params,
-                    x,
-                    forward=forward,
-                    cast=compute_params,
-                    loss_sum=microbatch_loss,
-                    penalty=penalty,
-                    scaled=scaled_loss,
-                    slices=slices,
-                )
-            else:
-                y_pred, model_state, model_loss = forward(params, x)
-                loss_sum = _loss_sum(spec, y, y_pred, maskf, w, model_loss)
-                out = scaled_loss(loss_sum), (loss_sum, y_pred, model_state)
-        remat_lib.check_used(active)
-        return out
+        return run(
+            params,
+            x,
+            forward=forward,
+            cast=compute_params,
+            loss_sum=loss_sum,
+            penalty=penalty,
+            scaled=scaled_loss,
+            slices=slices,
+        )
 
     return local_loss, y, maskf
 
@@ -468,16 +433,15 @@ def _finish(
     sums: dict[str, jax.Array],
     scale: Any,
     *,
-    of_mean: bool = False,
+    of_mean: bool,
 ) -> Any:
     """The summed gradients as the update takes them: unscaled, then divided by the global
     count of real rows (or, accumulating, paired with it as `GradientSums`). Adds to `sums`
     whether apply_update will skip this step with the loss scale at its floor (fit warns).
 
-    `of_mean`: the gradients are already those of the mean loss (`global_gradients`
+    `of_mean`: the gradients are already those of the mean loss (`_gradients`
     differentiates the loss sum times the count's reciprocal), so they are not divided
-    again. The manual region keeps the division, the numbers its recorded trajectories
-    have."""
+    again."""
     if scale is not None:  # an overflow stays inf or NaN: apply_update sees it
         grads = jax.tree.map(lambda g: (g / scale).astype(g.dtype), grads)
     sums.update(check_numerics.loss_scale_flags(spec, rest.loss_scale, grads))
@@ -489,6 +453,77 @@ def _finish(
     return jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
 
 
+def _gradients(
+    spec: StepSpec,
+    view: views.View,
+    params: Any,
+    rest: TrainStateProtocol,
+    batch: Any,
+    mask: jax.Array | None,
+) -> tuple[Any, Any, dict[str, jax.Array]]:
+    """The step's gradients: ``(grads, model_state, sums)``, combined across replicas.
+
+    The gradients are those of the mean loss over the global batch's real rows with
+    respect to `params`; `rest` is the rest of the state (`TrainStateProtocol.replica_view`).
+    The new mutable state (e.g. BatchNorm statistics) is averaged over replicas, as
+    tf.distribute aggregates such variables with MEAN. With ``spec.accumulation_steps`` >
+    1 the gradients are `accumulation.GradientSums`: the gradient of the loss *sum* and the
+    count of real rows, which `apply_update` adds to the cycle's. The model is traced in
+    the step's one `trace_context.TraceContext`: its remat policy, its pipeline and where
+    the marked blocks' inputs are placed.
+    """
+    rows = _batch_rows(batch, mask)
+    scale = _loss_scale_factor(spec, rest, view.global_rows(rows))
+    # The mean over the global batch's real rows is differentiated, not the sum divided
+    # afterwards: the count depends on the mask alone, and a factor applied to every
+    # gradient after the backward pass made XLA keep every gradient shard until the last
+    # was produced (FSDP peaked at 0.50x one parameter copy where the hand-written step
+    # needs 0.43x, for models whose blocks' names sort before their head's), where the
+    # factor seeding the backward pass lets each update run as its gradient is ready.
+    # Not under a loss scale: its overflows must be those of the scaled loss *sum* (and
+    # its all-finite check waits for every gradient anyway), nor when accumulating (the
+    # cycle adds sums).
+    of_mean = spec.accumulation_steps == 1 and scale is None
+    count = view.count(rows, mask) if of_mean or mask is None else None
+    factor = None  # a full batch divides by its static size, a padded one by its count
+    if of_mean and count is not None:
+        factor = 1.0 / (count if mask is None else jnp.maximum(count, 1.0))
+
+    def one_replica(params: Any, slices: Any, batch: Any, mask: Any) -> tuple[jax.Array, Any]:
+        local_loss, y, maskf = _replica_loss(spec, rest, batch, mask, scale, slices)
+        scaled, (loss_sum, y_pred, model_state) = local_loss(params)
+        sums = _sums(spec, y, y_pred, maskf, loss_sum, unpack_batch(batch)[2])
+        if spec.check_numerics:
+            sums.update(check_numerics.step_flags(spec, y, y_pred, maskf, loss_sum))
+        return scaled, (sums, view.replica_state(model_state))
+
+    replicas, at = view.differentiable(one_replica, spec, params)
+
+    def total(params: Any) -> tuple[jax.Array, Any]:
+        scaled, aux = replicas(params, batch, mask)
+        return (scaled if factor is None else scaled * factor), aux
+
+    remat = remat_lib.record(spec.remat)
+    context = dataclasses.replace(
+        trace_context.current(),
+        remat=remat,
+        pipeline=repeated.tracing_for(
+            spec.pipeline,
+            params,
+            view.replica_rows(rows),
+            remat=None if remat is None else remat.policy,
+        ),
+        activation_rows=view.placement(spec),
+    )
+    with trace_context.tracing(context):
+        (_, (sums, model_state)), grads = jax.value_and_grad(total, has_aux=True)(at)
+    remat_lib.check_used(remat)
+    # Under loss scaling, overflowing gradients are expected: the step is skipped.
+    checked = spec.check_numerics and scale is None
+    grads, sums, model_state = view.reduce(grads, sums, model_state, count, checked)
+    return _finish(spec, rest, grads, sums, scale, of_mean=of_mean), model_state, sums
+
+
 def replica_gradients(
     spec: StepSpec,
     params: Any,
@@ -496,155 +531,16 @@ def replica_gradients(
     batch: Any,
     mask: jax.Array,
 ) -> tuple[Any, Any, dict[str, jax.Array]]:
-    """One replica's gradients: ``(grads, model_state, sums)``, combined across replicas.
-
-    Traced inside a region manual over the data axis (`staging.replica_map`). The gradients
-    are those of the mean loss over the global batch's real rows with respect to `params`;
-    `rest` is the rest of the state (`TrainStateProtocol.replica_view`). The new mutable
-    state (e.g. BatchNorm statistics) is averaged over replicas, as tf.distribute
-    aggregates such variables with MEAN. Everything it returns is identical on every
-    replica. With ``spec.accumulation_steps`` > 1 the gradients are
-    `accumulation.GradientSums`: the gradient of the loss *sum* and the count of real rows,
-    which `apply_update` adds to the cycle's.
-    """
-    strategy = spec.strategy
-    axis = strategy.axis_name
-    n = strategy.num_replicas_in_sync
-    scale = _loss_scale_factor(spec, rest, _batch_rows(batch, mask) * n)
-    local_loss, y, maskf = _replica_loss(spec, rest, batch, mask, scale)
-    varying_params = _to_varying(params, axis)
-    (_, (loss_sum, y_pred, model_state)), grads = jax.value_and_grad(local_loss, has_aux=True)(
-        varying_params
-    )
-    sums = _sums(spec, y, y_pred, maskf, loss_sum, unpack_batch(batch)[2])
-    if spec.check_numerics:
-        # Under loss scaling, overflowing gradients are expected: the step is skipped.
-        checked = grads if scale is None else None
-        sums.update(check_numerics.step_flags(spec, y, y_pred, maskf, loss_sum, checked))
-    # A full batch's count of real rows is static: nothing to all-reduce.
-    count = sums.pop(COUNT) * n if mask is None else None
-    leaves, tree = jax.tree.flatten(model_state)
-    varying = [i for i, leaf in enumerate(leaves) if axis in varying_axes(leaf)]
-    grads, sums, synced = strategy.cross_device_ops.all_reduce(
-        ReduceOp.SUM,
-        (grads, sums, [leaves[i] for i in varying]),
-        mesh=strategy.mesh,
-        axis_name=axis,
-    )
-    if count is not None:
-        sums[COUNT] = count
-    for i, leaf in zip(varying, synced, strict=True):
-        leaves[i] = (leaf / n).astype(leaves[i].dtype)
-    return _finish(spec, rest, grads, sums, scale), jax.tree.unflatten(tree, leaves), sums
-
-
-def _replica_mean(x: Any, axis: str, n: int) -> Any:
-    """A replica's mutable-state leaf averaged over the vmapped replicas, as `replica_gradients`
-    averages those that differ across replicas: a leaf the same on every replica (computed
-    from synchronized statistics, or untouched) is kept exactly, and PRNG keys as they are."""
-    if is_key(x):
-        return x
-    # Mutable state is not differentiated, but this runs inside the function that is:
-    # without the stop, JAX would need pmax's derivative, which it does not define.
-    x = jax.lax.stop_gradient(x)
-    mean = (jax.lax.psum(x, axis) / n).astype(x.dtype)
-    # pmax and pmin leave a value that does not vary over the replicas as it is, where
-    # psum would multiply it by n (and the division might not give it back exactly).
-    return jnp.where(jax.lax.pmax(x, axis) == jax.lax.pmin(x, axis), x, mean)
-
-
-def _replica_slices(spec: StepSpec, params: Any) -> ReplicaSlices | None:
-    """Under a 1F1B pipeline, the repeated block's leaves the strategy's `variable_sharding`
-    splits over the data axis: each replica gets its slices of them, so that their weight
-    gradients are reduced over the replicas layer by layer, as GPipe's transposed loop
-    reduces them, not summed in full on each replica until the step's reduction. None
-    without such leaves."""
-    pipeline = spec.pipeline
-    if pipeline is None or pipeline.schedule is not PipelineSchedule.ONE_F_ONE_B:
-        return None
-    strategy = spec.strategy
-    specs = [s.spec for s in jax.tree.leaves(variable_shardings(params, strategy))]
-    return ReplicaSlices.find(params, specs, strategy.axis_name, strategy.num_replicas_in_sync)
+    """One replica's `_gradients`, traced inside a region manual over the data axis
+    (`staging.replica_map`); everything it returns is identical on every replica."""
+    return _gradients(spec, views.Manual(spec.strategy), params, rest, batch, mask)
 
 
 def global_gradients(
     spec: StepSpec, params: Any, rest: TrainStateProtocol, batch: Any, mask: jax.Array
 ) -> tuple[Any, Any, dict[str, jax.Array]]:
-    """`replica_gradients`' results, traced in the global view (no manual mesh axis).
-
-    The same per-replica function (`_replica_loss`) runs on each replica's rows, the
-    replicas being a vmapped axis named ``strategy.axis_name`` (so dropout keys and
-    synchronized BatchNorm see replicas exactly as in `replica_gradients`) and laid out
-    over the data axis (``spmd_axis_name``); the loss sums are summed over that axis and
-    differentiated *outside* the map. The gradients are then global values, and XLA's
-    partitioner reduces each where backpropagation produces it (a reduce-scatter to a
-    variable split over the data axis), layer by layer, instead of after the whole
-    backward pass; parameters are gathered where they are read. ``(B, ...)`` batch
-    leaves become ``(replicas, B / replicas, ...)``: a view of the rows each device holds.
-    The input of each block the model marks (`jstrategy.training.remat`, `Repeated`'s
-    layers) is kept split by rows as the batch is (`Strategy.activation_rows`).
-    """
-    strategy = spec.strategy
-    axis = strategy.axis_name
-    n = strategy.num_replicas_in_sync
-    rows = _batch_rows(batch, mask)
-    scale = _loss_scale_factor(spec, rest, rows)
-
-    def per_replica(v: Any) -> Any:
-        return v.reshape(n, v.shape[0] // n, *v.shape[1:])
-
-    batch, mask = jax.tree.map(per_replica, (batch, mask))
-    split = _replica_slices(spec, params)
-
-    def one_replica(params: Any, slices: Any, batch: Any, mask: Any) -> tuple[jax.Array, Any]:
-        mine = None if split is None else (split, slices)
-        local_loss, y, maskf = _replica_loss(spec, rest, batch, mask, scale, mine)
-        scaled, (loss_sum, y_pred, model_state) = local_loss(params)
-        sums = _sums(spec, y, y_pred, maskf, loss_sum, unpack_batch(batch)[2])
-        if spec.check_numerics:
-            sums.update(check_numerics.step_flags(spec, y, y_pred, maskf, loss_sum))
-        model_state = jax.tree.map(lambda x: _replica_mean(x, axis, n), model_state)
-        return scaled, (sums, model_state)
-
-    # A model's constraints naming the data axis on its batch (``P("data", "model")``, as
-    # written for a global jit) mean the replicas' axis here: taken out, the map adds it back.
-    flags = (False, True, True, True)  # the slices are mapped, as the batch is
-    one_replica = replica_constraints.drop_data_axis(one_replica, axis, flags)
-    replicas = jax.vmap(one_replica, in_axes=(None, 0, 0, 0), axis_name=axis, spmd_axis_name=axis)
-
-    # The mean over the global batch's real rows is differentiated, not the sum divided
-    # afterwards: the count depends on the mask alone, and a factor applied to every
-    # gradient after the backward pass made XLA keep every gradient shard until the last
-    # was produced (FSDP peaked at 0.50x one parameter copy where the hand-written step
-    # needs 0.43x, for models whose blocks' names sort before their head's), where the
-    # factor seeding the backward pass lets each update run as its gradient is ready.
-    # Not under a loss scale: its overflows must be those of the scaled loss *sum* that
-    # every other staging differentiates (and its all-finite check waits for every
-    # gradient anyway), nor when accumulating (the cycle adds sums).
-    of_mean = spec.accumulation_steps == 1 and scale is None
-    # A full batch (no mask) divides by its static size: no count to all-reduce first.
-    factor = 1.0 / (rows if mask is None else jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0))
-
-    def total(params: Any) -> tuple[jax.Array, Any]:
-        # A reshape of the split leaves, no data moved: their gradients come back through
-        # it already reduced over the replicas, where the rest sum over the map.
-        slices = None if split is None else split.of(params)
-        scaled, aux = replicas(params, slices, batch, mask)
-        return (jnp.sum(scaled) * factor if of_mean else jnp.sum(scaled)), aux
-
-    # The marked blocks' inputs split by rows as the batch is (`activation_rows`): left to
-    # itself, XLA gathered every replica's activations inside a scan over FSDP's layers.
-    # The features over a tensor axis too, where a remat policy keeps the blocks' inputs.
-    features = spec.remat is not None
-    with activation_rows.placing(strategy.mesh, strategy.activation_rows, axis, features=features):
-        (_, (sums, model_state)), grads = jax.value_and_grad(total, has_aux=True)(params)
-    sums = {k: jnp.sum(v, axis=0) for k, v in sums.items()}
-    model_state = jax.tree.map(lambda x: x[0], model_state)  # the same on every replica
-    if spec.check_numerics and scale is None:
-        # The gradients exist only outside the replicas' map: counted here, once.
-        not_finite = jnp.logical_not(all_finite(grads)).astype(jnp.float32)
-        sums[check_numerics.GRADIENTS] = sums[check_numerics.GRADIENTS] + not_finite
-    return _finish(spec, rest, grads, sums, scale, of_mean=of_mean), model_state, sums
+    """`_gradients` traced in the global view (no manual mesh axis; see `views.Global`)."""
+    return _gradients(spec, views.Global(spec.strategy), params, rest, batch, mask)
 
 
 def apply_update(spec: StepSpec, state: TrainStateProtocol, grads: Any, model_state: Any) -> Any:

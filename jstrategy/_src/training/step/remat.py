@@ -24,7 +24,6 @@ blocks instead of gathering them (the model needs no sharding constraint).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -35,6 +34,7 @@ import flax.linen as nn
 import jax
 
 from jstrategy._src import activation_rows
+from jstrategy._src import trace_context
 
 __all__ = ["POLICY_NAMES", "RematUnusedError", "applying", "policy_name", "remat", "resolve_remat"]
 
@@ -135,35 +135,30 @@ def resolve_remat(value: Any, *, argument: str = "remat") -> Policy | None:
 
 
 @dataclasses.dataclass
-class _Active:
+class Active:
+    """The step's remat record (`trace_context.TraceContext.remat`): its policy, and
+    whether the model called `remat` while the step traced it (`check_used`)."""
+
     policy: Policy
     used: bool = False
 
 
-_ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar(
-    "jstrategy_remat", default=None
-)
+def record(policy: Policy | None) -> Active | None:
+    """The record a step traces its model with for `policy` (None: no policy in effect)."""
+    return None if policy is None else Active(policy)
 
 
 @contextlib.contextmanager
-def applying(policy: Policy | None) -> Iterator[_Active | None]:
-    """Traces what runs inside with `policy` in effect for `remat` (None: none in effect).
+def applying(policy: Policy | None) -> Iterator[Active | None]:
+    """Traces what runs inside with `policy` in effect for `remat` (None: none in effect):
+    the remat field of the `trace_context.TraceContext` alone (the step sets it with the
+    others).
 
     Yields the record whose ``used`` says whether the model called `remat`.
     """
-    if policy is None:
-        token = _ACTIVE.set(None)
-        try:
-            yield None
-        finally:
-            _ACTIVE.reset(token)
-        return
-    active = _Active(policy)
-    token = _ACTIVE.set(active)
-    try:
+    active = record(policy)
+    with trace_context.replaced(remat=active):
         yield active
-    finally:
-        _ACTIVE.reset(token)
 
 
 class RematUnusedError(ValueError):
@@ -172,7 +167,7 @@ class RematUnusedError(ValueError):
     ``remat=True``"."""
 
 
-def check_used(active: _Active | None) -> None:
+def check_used(active: Active | None) -> None:
     """Raises `RematUnusedError` if a step with ``remat`` set traced a model that never
     called `remat`."""
     if active is not None and not active.used:
@@ -276,7 +271,7 @@ def remat(
             f"not Block(...)); got {block!r} of type {type(block).__name__}. Pass the class "
             "and create the layers from the class remat returns."
         )
-    active = _ACTIVE.get()
+    active = trace_context.current().remat
     key: Any = block  # classes hash by identity
     if activation_rows.current():  # a sharded step: the block's input placed by rows
         key = _placed(key)
