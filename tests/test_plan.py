@@ -289,7 +289,7 @@ def test_plan_for_a_tpu_slice_this_process_does_not_have():
 # The largest batch (issue 50, items 1 and 2) -----------------------------------------------
 
 
-def _search(peak, rows, budget, multiple=8):
+def _search(peak, rows, budget, multiple=8, fixed=None):
     """`plan`'s largest-batch search over `peak`, bytes as a function of the rows, which
     fails as the compiled step does on rows the replicas cannot split; and the sizes it
     tried."""
@@ -301,7 +301,7 @@ def _search(peak, rows, budget, multiple=8):
         tried.append(b)
         return peak(b), None
 
-    return search.largest_batch(peak_at, rows, peak(rows), budget, multiple), tried
+    return search.largest_batch(peak_at, rows, peak(rows), budget, multiple, fixed), tried
 
 
 def _truth(peak, budget, multiple=8, top=1 << 14):
@@ -343,13 +343,7 @@ def test_the_state_s_bytes_place_the_second_size_near_the_answer():
         return 6_000_000 + 900 * b + b * b // 4
 
     for budget in (7_000_000, 9_000_000):
-        tried = []
-
-        def peak_at(b):
-            tried.append(b)
-            return bent(b), None
-
-        (largest, caveat) = search.largest_batch(peak_at, 64, bent(64), budget, 8, 6_000_000)
+        (largest, caveat), tried = _search(bent, 64, budget, fixed=6_000_000)
         line = (budget - 6_000_000) * 64 // (bent(64) - 6_000_000) // 8 * 8
         true = _truth(bent, budget)
         assert tried[0] == line and 0 <= true - largest <= true / 32 and caveat == "", tried
