@@ -12,7 +12,7 @@ row a chip; float32 weights, activations and AdamW state on both sides, as the C
   compiled for the topology's 16 chips, its ``memory_analysis()`` read.
 * **MaxText**: what its ``train_compile.py`` does (``compile_topology=v5p-32``, its
   ``get_topology_mesh``, ``get_shaped_inputs``, ``get_functional_train_with_signature``,
-  ``jit_and_compile``), with ``_maxtext_moe.maxtext_overrides`` (``decoder_block=mixtral``,
+  ``jit_and_compile``: `maxtext_topology.maxtext_train_compile`, the dense rows' too), with ``_maxtext_moe.maxtext_overrides`` (``decoder_block=mixtral``,
   ``sparse_matmul=false``: its dense-matmul path, which drops tokens as jstrategy's does)
   and ``ici_expert_parallelism=k ici_fsdp_parallelism=16/k``; ``hardware=tpu``.
 
@@ -45,6 +45,7 @@ import optax
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _maxtext_moe as moe
 import maxtext_compare as mc
+import maxtext_topology
 
 import jstrategy
 from jstrategy.experimental import plan
@@ -75,15 +76,6 @@ def jstrategy_row(shape: moe.MoEShape, topology: str, experts: int) -> dict[str,
 def maxtext_row(
     shape: moe.MoEShape, compile_topology: str, chips: int, experts: int
 ) -> dict[str, Any]:
-    import maxtext
-    from flax import nnx
-    from flax.core.spmd import logical_axis_rules
-    from maxtext.configs import pyconfig
-    from maxtext.trainers.pre_train import train
-    from maxtext.trainers.pre_train import train_compile as tc
-    from maxtext.utils import maxtext_utils
-    from maxtext.utils import sharding
-
     settings = dict(
         item.split("=", 1) for item in moe.maxtext_overrides(shape, "moe", "scanned", chips)
     )
@@ -95,27 +87,11 @@ def maxtext_row(
         ici_expert_parallelism=str(experts),
         ici_fsdp_parallelism=str(chips // experts),
     )
-    config_file = Path(maxtext.__file__).parent / "configs" / "decoupled_base_test.yml"
-    argv = ["maxtext_moe_topology", str(config_file), *(f"{k}={v}" for k, v in settings.items())]
-    config = pyconfig.initialize(argv)
-    jax.config.update("jax_use_shardy_partitioner", config.shardy)
-    mesh = tc.get_topology_mesh(config)
-    print("MaxText mesh:", {k: v for k, v in mesh.shape.items() if v > 1}, flush=True)
-    args, kwargs, state_shardings, _, model = tc.get_shaped_inputs(mesh, config)
-    parameters = sum(leaf.size for leaf in jax.tree.leaves(args[0]["model"].filter(nnx.Param)))
-    params_shardings, state_shardings = sharding.maybe_update_params_sharding_with_opt(
-        config, state_shardings
-    )
-    input_shardings = sharding.build_zero1_input_state_mesh_shardings(
-        config, state_shardings, params_shardings
-    )
-    data_sharding = sharding.get_input_data_sharding(config, mesh)
-    func, in_shard, out_shard, static, donate = maxtext_utils.get_functional_train_with_signature(
-        train.train_step, data_sharding, input_shardings, model, config, params_shardings
+    parameters, compile_step = maxtext_topology.maxtext_train_compile(
+        settings, "maxtext_moe_topology"
     )
     try:
-        compiled = tc.jit_and_compile(func, args, kwargs, mesh, in_shard, out_shard, static, donate,
-                                      config, logical_axis_rules(config.logical_axis_rules))  # fmt: skip
+        compiled = compile_step()
     except jax.errors.JaxRuntimeError as e:  # the TPU compiler's HBM check
         return {"peak": None, "parameters": parameters, "refused": str(e).splitlines()[0][:300]}
     memory = mc.analysed(compiled)

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -102,8 +103,18 @@ def _gib(size: float) -> str:
 
 
 # Each side, in its own process ----------------------------------------------------------
-def maxtext_compiled(row: TopologyRow, precision: str) -> dict[str, Any]:
-    """MaxText's train step compiled for the row's topology as ``train_compile.py`` does."""
+def maxtext_train_compile(
+    settings: dict[str, Any], program: str = "maxtext_topology"
+) -> tuple[int, Callable[[], Any]]:
+    """MaxText's train step for `settings` (overrides of its ``decoupled_base_test.yml``,
+    ``compile_topology`` among them) as its ``train_compile.py`` builds it: the topology's
+    mesh, the shaped state and batch, their shardings and the functional train step.
+
+    Returns the state's parameter count (-1 where MaxText's state is not laid out as read
+    here: the count is a check only) and a function that compiles the step under the
+    mesh and logical axis rules (raising what the TPU compiler raises, its refusal for
+    memory too). The dense rows' and `maxtext_moe_topology`'s MaxText side.
+    """
     import jax
     import maxtext
     from flax import nnx
@@ -114,16 +125,12 @@ def maxtext_compiled(row: TopologyRow, precision: str) -> dict[str, Any]:
     from maxtext.utils import maxtext_utils
     from maxtext.utils import sharding
 
-    settings = mc.maxtext_settings(row.shape, "scanned", row.batch / row.chips)
-    settings.update(hardware="tpu", compile_topology=row.maxtext_topology,
-                    compile_topology_num_slices=1, run_name="maxtext_topology", **row.maxtext)  # fmt: skip
-    if precision == "mixed_bfloat16":
-        settings["dtype"] = "bfloat16"
     config_file = Path(maxtext.__file__).parent / "configs" / "decoupled_base_test.yml"
     overrides = [f"{key}={value}" for key, value in settings.items()]
-    config = pyconfig.initialize(["maxtext_topology", str(config_file), *overrides])
+    config = pyconfig.initialize([program, str(config_file), *overrides])
     jax.config.update("jax_use_shardy_partitioner", config.shardy)  # as train.initialize
     mesh = train_compile.get_topology_mesh(config)
+    print("MaxText mesh:", {k: v for k, v in mesh.shape.items() if v > 1}, flush=True)
     args, kwargs, state_shardings, _, model = train_compile.get_shaped_inputs(mesh, config)
     params_shardings, state_shardings = sharding.maybe_update_params_sharding_with_opt(
         config, state_shardings
@@ -135,16 +142,30 @@ def maxtext_compiled(row: TopologyRow, precision: str) -> dict[str, Any]:
     func, in_shard, out_shard, static, donate = maxtext_utils.get_functional_train_with_signature(
         train.train_step, data_sharding, input_shardings, model, config, params_shardings
     )
-    compiled = train_compile.jit_and_compile(
-        func, args, kwargs, mesh, in_shard, out_shard, static, donate, config,
-        logical_axis_rules(config.logical_axis_rules),
-    )  # fmt: skip
     try:
         params = nnx.State(args[0]["model"]).filter(nnx.Param)
         parameters = sum(leaf.size for leaf in jax.tree.leaves(params))
     except Exception:  # the count is a check only; MaxText's state layout may change
         parameters = -1
-    memory = mc.analysed(compiled)
+
+    def compile_step() -> Any:
+        return train_compile.jit_and_compile(
+            func, args, kwargs, mesh, in_shard, out_shard, static, donate, config,
+            logical_axis_rules(config.logical_axis_rules),
+        )  # fmt: skip
+
+    return parameters, compile_step
+
+
+def maxtext_compiled(row: TopologyRow, precision: str) -> dict[str, Any]:
+    """MaxText's train step compiled for the row's topology as ``train_compile.py`` does."""
+    settings = mc.maxtext_settings(row.shape, "scanned", row.batch / row.chips)
+    settings.update(hardware="tpu", compile_topology=row.maxtext_topology,
+                    compile_topology_num_slices=1, run_name="maxtext_topology", **row.maxtext)  # fmt: skip
+    if precision == "mixed_bfloat16":
+        settings["dtype"] = "bfloat16"
+    parameters, compile_step = maxtext_train_compile(settings)
+    memory = mc.analysed(compile_step())
     peak = memory["arguments"] + memory["temporaries"] + memory["outputs"] - memory["aliased"]
     parts = ", ".join(f"{key} {_gib(value)}" for key, value in memory.items())
     return {"peak": peak, "parameters": parameters, "parts": parts}
@@ -221,19 +242,24 @@ def run_side(side: str, key: str, precision: str) -> None:
 def in_subprocess(side: str, key: str, precision: str, args: argparse.Namespace) -> dict:
     """One side compiled in a child process (libtpu's one-process lock), its log kept."""
     command = [sys.executable, __file__, "--side", side, "--row", key, "--precision", precision]
-    if args.lock:
-        command = ["flock", args.lock, *command]
+    return run_logged(command, args.lock, Path(args.log_dir) / f"{key}-{precision}-{side}.log")
+
+
+def run_logged(command: list[str], lock: str | None, log: Path, marker: str = RESULT) -> dict:
+    """`command` in a child process (under ``flock lock`` where given) that loads the TPU
+    plugin, its output kept in `log`; its last line starting with `marker`, parsed."""
+    if lock:
+        command = ["flock", lock, *command]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]),
                DECOUPLE_GCLOUD="TRUE")  # fmt: skip
     env.pop("JAX_PLATFORMS", None)  # the TPU plugin must load, for its topologies
-    log = Path(args.log_dir) / f"{key}-{precision}-{side}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
         subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, check=False)
-    lines = [line for line in log.read_text().splitlines() if line.startswith(RESULT)]
+    lines = [line for line in log.read_text().splitlines() if line.startswith(marker)]
     if not lines:
         return {"error": f"no result; see {log}", "seconds": float("nan")}
-    return json.loads(lines[-1][len(RESULT) :])
+    return json.loads(lines[-1][len(marker) :])
 
 
 HEADER = (
@@ -268,12 +294,21 @@ def main(argv: list[str]) -> list[str]:
     )
     parser.add_argument("--lock", help="run each compiling process under `flock LOCK`")
     parser.add_argument("--log-dir", default="/tmp/maxtext_topology", help="each side's log")
+    parser.add_argument("--largest-batch", action="store_true",
+                        help="jstrategy only: the largest batch a chip of --topology fits, "
+                        "for the 7B rows (`topology_largest_batch`)")  # fmt: skip
+    parser.add_argument("--verify", action="store_true",
+                        help="with --largest-batch: recompile at the batch found, compare")  # fmt: skip
     parser.add_argument("--side", choices=("maxtext", "jstrategy"), help=argparse.SUPPRESS)
     parser.add_argument("--row", choices=sorted(ROWS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.side:
         run_side(args.side, args.row, args.precision[0])
         return []
+    if args.largest_batch:
+        import topology_largest_batch
+
+        return topology_largest_batch.main(args)
     keys = args.rows or [key for key, row in ROWS.items() if row.topology == args.topology]
     if not keys:
         raise SystemExit(f"No rows on --topology {args.topology!r}; rows: "

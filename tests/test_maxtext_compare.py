@@ -110,3 +110,28 @@ def test_the_topology_row_s_decoder_is_mixtral_8x7b_sized():
     )
     counted = sum(leaf.size for leaf in jax.tree.leaves(init["params"]))
     assert counted == shape.parameters() == 46_702_792_704  # Mixtral 8x7B's count
+
+
+def test_the_largest_batch_option_needs_a_known_chip_and_says_what_does_not_fit():
+    """`maxtext_compare.py --topology v5e:4x4 --largest-batch`'s arguments and table, without
+    libtpu (the search itself compiles for the slice: docs/benchmarks.md has its table)."""
+    topology = _load_moe("maxtext_topology")
+    largest = _load_moe("topology_largest_batch")
+    with pytest.raises(SystemExit, match="needs --topology, e.g. v5e:4x4"):
+        topology.main(["--rows", "7b-fsdp", "--largest-batch"])
+    with pytest.raises(SystemExit, match="chip 'v9' has no HBM figure; known: v5p"):
+        topology.main(["--topology", "v9:4x4", "--largest-batch"])
+    row = largest.on_topology(topology.ROWS["7b-data-tensor"], "v5e:4x4")
+    assert (row.topology, row.chips, row.batch) == ("v5e:4x4", 16, 16)
+    gib = 2**30
+    found = {"largest": 48, "peak": 15 * gib, "compiles": 5, "seconds": 300.0, "caveat": "",
+             "verified_peak": 15 * gib}  # fmt: skip
+    assert "| v5e:4x4 (16 GiB) | float32 | 48 (3) | 15.00 | 5 | 300 | recompiled at 48: " in (
+        largest.format_row(row, "float32", found)
+    )
+    refused = {"largest": None, "peak": None, "compiles": 3, "seconds": 90.0, "caveat": "",
+               "peak_at_given": 17 * gib, "refused": "HLO temporaries (17.00G) exceeds 15.75G",
+               "advice": ["Shard the state over more devices"]}  # fmt: skip
+    text = largest.format_row(row, "float32", refused)
+    assert "| does not fit | - | 3 | 90 | 17.00 GiB at batch 16; the TPU compiler refused" in text
+    assert "advice: Shard the state over more devices" in text

@@ -148,10 +148,16 @@ def test_largest_batch_fits_and_the_next_step_does_not():
                     find_largest_batch=search, **options)  # fmt: skip
 
     budget = at(8, 1 << 30).peak + 40 * 64 * 4 * 3  # room for some more rows of activations
-    largest = at(8, budget, search=True).largest_batch
+    searched = at(8, budget, search=True)
+    largest = searched.largest_batch
     assert largest is not None and largest > 8
     # Compiled at the answer it fits; one step above (1/32 of it, at least a row) not.
     assert at(largest, budget).fits
+    # The peak it reports there is the program's compiled at that batch; each compile counted.
+    assert searched.largest_batch_peak == at(largest, budget).peak
+    assert searched.batch_peaks[0] == (8, at(8, budget).peak) == (8, searched.peak)
+    assert searched.compiles == len(searched.batch_peaks) > 2
+    assert f"{largest} (compiled peak " in str(searched)
     assert not at(largest + max(1, largest // 32), budget).fits
 
 
@@ -283,7 +289,7 @@ def test_plan_for_a_tpu_slice_this_process_does_not_have():
 # The largest batch (issue 50, items 1 and 2) -----------------------------------------------
 
 
-def _search(peak, rows, budget, multiple=8):
+def _search(peak, rows, budget, multiple=8, fixed=None):
     """`plan`'s largest-batch search over `peak`, bytes as a function of the rows, which
     fails as the compiled step does on rows the replicas cannot split; and the sizes it
     tried."""
@@ -295,7 +301,7 @@ def _search(peak, rows, budget, multiple=8):
         tried.append(b)
         return peak(b), None
 
-    return search.largest_batch(peak_at, rows, peak(rows), budget, multiple), tried
+    return search.largest_batch(peak_at, rows, peak(rows), budget, multiple, fixed), tried
 
 
 def _truth(peak, budget, multiple=8, top=1 << 14):
@@ -327,6 +333,20 @@ def test_the_batch_search_goes_past_a_peak_that_falls_and_says_so():
         (largest, caveat), tried = _search(falls, rows, budget)
         true = _truth(falls, budget)
         assert 0 <= true - largest <= true / 32 and caveat == "", (rows, largest, true, tried)
+
+
+def test_the_state_s_bytes_place_the_second_size_near_the_answer():
+    """Given the bytes that do not grow with the batch, the second size tried is where the
+    line through them and the batch given meets the budget; the answer is as good."""
+
+    def bent(b):  # the state, and activations that grow a little faster than the rows
+        return 6_000_000 + 900 * b + b * b // 4
+
+    for budget in (7_000_000, 9_000_000):
+        (largest, caveat), tried = _search(bent, 64, budget, fixed=6_000_000)
+        line = (budget - 6_000_000) * 64 // (bent(64) - 6_000_000) // 8 * 8
+        true = _truth(bent, budget)
+        assert tried[0] == line and 0 <= true - largest <= true / 32 and caveat == "", tried
 
 
 def test_a_lower_bound_is_labelled_in_the_plan():

@@ -191,11 +191,16 @@ def plan(
                 raise
             return refusal
 
+    tried: list[tuple[int, int]] = []  # each batch compiled and its peak, in order
+
     def peak_at(b: int) -> tuple[int, Any]:
         compiled = compile_at(b)
         if isinstance(compiled, CompilerRefusal):
-            return _refused_peak(compiled, budget), compiled
-        return compiled_peak(compiled), compiled
+            peak = _refused_peak(compiled, budget)
+        else:
+            peak = compiled_peak(compiled)
+        tried.append((b, peak))
+        return peak, compiled
 
     compiled = compile_at(rows)
     refusal = compiled if isinstance(compiled, CompilerRefusal) else None
@@ -206,10 +211,15 @@ def plan(
         peak = _refused_peak(refusal, budget)
     else:
         peak = compiled_peak(compiled)
+    tried.append((rows, peak))
     figures = _figures(state, compiled, peak, _abstract_batch(batch, rows, strategy)[0])
     largest, caveat = None, ""
     if find_largest_batch:
-        largest, caveat = largest_batch(peak_at, rows, peak, budget, strategy.batch_multiple)
+        # The state and its gradients stay whatever the batch: the second size's guess.
+        fixed = sum(figures[k] for k in ("parameters", "optimizer_state", "other_state"))
+        largest, caveat = largest_batch(
+            peak_at, rows, peak, budget, strategy.batch_multiple, fixed + figures["gradients"]
+        )
     found = MemoryPlan(
         strategy=repr(strategy),
         devices=strategy.mesh.size,
@@ -221,6 +231,7 @@ def plan(
         largest_batch_caveat=caveat,
         advice=(),
         compiler_refusal=refusal,
+        batch_peaks=tuple(tried),
         **figures,
     )
     if found.fits:

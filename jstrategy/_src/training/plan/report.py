@@ -113,6 +113,10 @@ class MemoryPlan:
         said the program needs), `device_memory` at most what it said the chip has, and
         the figures from `parameters` to `inputs` are the state's and the batch's
         shapes' (the rest of the peak is `activations`).
+      batch_peaks: each global batch the plan compiled, in order (the batch given first,
+        then the search's), with its compiled peak (where the compiler refused it for
+        memory, its figure, over `device_memory`): `compiles` and `largest_batch_peak`
+        read it.
 
     Example:
 
@@ -148,6 +152,18 @@ class MemoryPlan:
     searched: bool = True
     largest_batch_caveat: str = ""
     compiler_refusal: CompilerRefusal | None = None
+    batch_peaks: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def compiles(self) -> int:
+        """How many times the plan compiled the step (the batch given's, and the search's)."""
+        return len(self.batch_peaks)
+
+    @property
+    def largest_batch_peak(self) -> int | None:
+        """The compiled peak at `largest_batch` (None when none fits or it was not
+        searched): the program's ``memory_analysis()`` figure at that batch."""
+        return dict(self.batch_peaks).get(self.largest_batch) if self.largest_batch else None
 
     @property
     def fits(self) -> bool:
@@ -189,6 +205,8 @@ class MemoryPlan:
         if self.compiler_refusal is not None:
             lines.append(f"  the compiler refused it: {self.compiler_refusal.message}")
         largest = "none" if self.largest_batch is None else str(self.largest_batch)
+        if self.largest_batch_peak is not None:
+            largest += f" (compiled peak {format_bytes(self.largest_batch_peak)})"
         if not self.searched:
             largest = "not searched (find_largest_batch=False)"
         elif self.largest_batch_caveat:

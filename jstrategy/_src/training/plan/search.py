@@ -29,6 +29,7 @@ def largest_batch(
     peak: int,
     budget: int,
     multiple: int,
+    fixed: int | None = None,
 ) -> tuple[int | None, str]:
     """The largest multiple of `multiple` whose step's peak fits `budget` (None when none
     does), and why it is only a lower bound: "" when it is within one step of the
@@ -40,7 +41,11 @@ def largest_batch(
     a few more rows sometimes take fewer bytes (a Sequential of three Dense layers on two
     devices: 20,456,068 B at 7,168 rows, 19,894,788 B at 8,192). So:
 
-    - a second size is compiled (twice the batch given, or half when that does not fit);
+    - a second size is compiled: where the line through ``(0, fixed)`` and the batch
+      given reaches the budget, when `fixed` (the bytes that do not grow with the batch:
+      the state's) is known (at 7B each compile takes a minute, and a second size far
+      from the first makes the line through them, next, land within a few steps); else
+      twice the batch given, or half when that does not fit;
     - while every size tried fits, the line through the two largest predicts the answer;
       where the peak fell between them, the size doubles instead;
     - while none fits, the line through the two smallest, else the least batch there is
@@ -64,6 +69,8 @@ def largest_batch(
       peak: the step's peak at `rows`.
       budget: the bytes the peak must fit in.
       multiple: what every batch divides by (``strategy.batch_multiple``).
+      fixed: the bytes of the peak that do not grow with the batch, where known (the
+        state and its gradients); only the second size tried depends on it.
 
     Example:
 
@@ -75,6 +82,13 @@ def largest_batch(
     if peak > budget and rows == multiple:
         return None, ""  # the smallest batch there is does not fit
     second = 2 * rows if peak <= budget else max(multiple, _down(rows // 2, multiple))
+    if fixed is not None and peak > fixed:
+        # The state's bytes stay, the rest grows with the rows: where that line crosses.
+        second = _down(int(rows * (budget - fixed) / (peak - fixed)), multiple)
+        if peak <= budget:
+            second = min(max(second, rows + multiple), LIMIT * rows)
+        else:
+            second = min(max(second, multiple), rows - multiple)
     known[second] = peak_at(second)[0]
     limit = LIMIT * rows
     sides: list[bool] = []  # whether each narrowing guess fit, in order
