@@ -42,10 +42,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import Primitive
-from jax.interpreters import ad
-from jax.interpreters import batching
-from jax.interpreters import mlir
 from jax.sharding import PartitionSpec as P
 
 from jstrategy._src.pipeline.schedules import STAGE_AXIS
@@ -56,6 +52,7 @@ from jstrategy._src.pipeline.schedules import _layer_reselected
 from jstrategy._src.pipeline.schedules import _on_stage_axis
 from jstrategy._src.pipeline.schedules import _put
 from jstrategy._src.pipeline.schedules import _shift
+from jstrategy._src.pipeline.schedules import selection_primitive
 
 __all__ = [
     "circular_gpipe",
@@ -244,41 +241,13 @@ def _selected_transpose(ct: jax.Array, r: jax.Array, repeats: int) -> jax.Array:
     return jnp.where(pick, ct, jnp.zeros((), ct.dtype))
 
 
-# `_selected` as one primitive, so that a checkpoint policy can tell it from the stage's
-# own operations (a policy sees one operation at a time, and jnp's selection is several:
-# a recomputed value's inputs are saved unless recomputed too).
-_reselect = Primitive("jstrategy_circular_select")
-_reselect.def_impl(_selected)
-_reselect.def_abstract_eval(
-    lambda v, r: v.update(shape=(v.shape[2], v.shape[0], *v.shape[3:]), weak_type=False)
+# The selections as primitives, for the checkpoint policy (`selection_primitive`).
+_reselect = selection_primitive(
+    "jstrategy_circular_select",
+    _selected,
+    lambda s: (s[2], s[0], *s[3:]),
+    lambda ct, shape, r: _selected_transpose(ct, r, shape[1]),
 )
-mlir.register_lowering(_reselect, mlir.lower_fun(_selected, multiple_results=False))
-
-
-def _reselect_jvp(primals: Any, tangents: Any) -> tuple[jax.Array, Any]:
-    (v, r), (dv, _) = primals, tangents
-    out = _reselect.bind(v, r)
-    if type(dv) is ad.Zero:
-        return out, ad.Zero(dv.aval.update(shape=out.shape))
-    return out, _reselect.bind(dv, r)
-
-
-def _reselect_transpose(ct: Any, v: Any, r: jax.Array) -> list[Any]:
-    assert ad.is_undefined_primal(v) and not ad.is_undefined_primal(r)
-    if type(ct) is ad.Zero:
-        return [ad.Zero(v.aval), None]
-    return [_selected_transpose(ct, r, v.aval.shape[1]), None]
-
-
-def _reselect_batch(args: Any, dims: Any) -> tuple[jax.Array, int]:
-    # Unbatched in the train step (the replicas share the weights); plain operations
-    # otherwise, recomputed or saved as the policy decides for them.
-    return jax.vmap(_selected, in_axes=dims)(*args), 0
-
-
-ad.primitive_jvps[_reselect] = _reselect_jvp
-ad.primitive_transposes[_reselect] = _reselect_transpose
-batching.primitive_batchers[_reselect] = _reselect_batch
 
 
 def _not_reselect(prim: Any, *_: Any, **__: Any) -> bool:
@@ -328,43 +297,19 @@ def _layer_picked(v: jax.Array, r: jax.Array, k: jax.Array) -> jax.Array:
     return _pick(jax.lax.dynamic_index_in_dim(v, k, axis=2, keepdims=False), r)
 
 
-# `_layer_picked` as one primitive, for the checkpoint policy (as `_reselect`).
-_relayer = Primitive("jstrategy_circular_layer")
-_relayer.def_impl(_layer_picked)
-_relayer.def_abstract_eval(
-    lambda v, r, k: v.update(shape=(v.shape[0], *v.shape[3:]), weak_type=False)
-)
-mlir.register_lowering(_relayer, mlir.lower_fun(_layer_picked, multiple_results=False))
-
-
-def _relayer_jvp(primals: Any, tangents: Any) -> tuple[jax.Array, Any]:
-    (v, r, k), (dv, _, _) = primals, tangents
-    out = _relayer.bind(v, r, k)
-    if type(dv) is ad.Zero:
-        return out, ad.Zero(dv.aval.update(shape=out.shape))
-    return out, _relayer.bind(dv, r, k)
-
-
-def _relayer_transpose(ct: Any, v: Any, r: jax.Array, k: jax.Array) -> list[Any]:
-    assert ad.is_undefined_primal(v)
-    if type(ct) is ad.Zero:
-        return [ad.Zero(v.aval), None, None]
-    repeats = v.aval.shape[1]
-    pick = jnp.arange(repeats)[None, :] == r[:, None]
+def _layer_in_place(ct: jax.Array, shape: tuple[int, ...], r: jax.Array, k: jax.Array) -> jax.Array:
+    """The transpose of `_layer_picked`: `ct` into layer `k` of repeat ``r[s]``."""
+    pick = jnp.arange(shape[1])[None, :] == r[:, None]
     pick = pick.reshape(pick.shape + (1,) * (ct.ndim - 1))
     layer = jnp.where(pick, ct[:, None], jnp.zeros((), ct.dtype))  # (S, R, ...)
     # Added by the loop to its one accumulator: XLA writes layer k's slices in place.
-    zeros = jnp.zeros(v.aval.shape, ct.dtype)
-    return [jax.lax.dynamic_update_index_in_dim(zeros, layer, k, axis=2), None, None]
+    zeros = jnp.zeros(shape, ct.dtype)
+    return jax.lax.dynamic_update_index_in_dim(zeros, layer, k, axis=2)
 
 
-def _relayer_batch(args: Any, dims: Any) -> tuple[jax.Array, int]:
-    return jax.vmap(_layer_picked, in_axes=dims)(*args), 0
-
-
-ad.primitive_jvps[_relayer] = _relayer_jvp
-ad.primitive_transposes[_relayer] = _relayer_transpose
-batching.primitive_batchers[_relayer] = _relayer_batch
+_relayer = selection_primitive(
+    "jstrategy_circular_layer", _layer_picked, lambda s: (s[0], *s[3:]), _layer_in_place
+)
 
 
 def _circular_by_layer(

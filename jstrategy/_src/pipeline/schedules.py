@@ -56,6 +56,7 @@ __all__ = [
     "is_stacked",
     "layers_error",
     "one_f_one_b",
+    "selection_primitive",
 ]
 
 #: The mesh axis the stages are laid along.
@@ -343,40 +344,54 @@ def _layer_of(v: jax.Array, k: jax.Array) -> jax.Array:
     return jax.lax.dynamic_index_in_dim(v, k, axis=1, keepdims=False)
 
 
-# `_layer_of` as one primitive, so that a checkpoint policy can tell it from the layer's
-# own operations (a policy sees one operation at a time; jnp's selection is several).
-_layer_at = Primitive("jstrategy_pipeline_layer")
-_layer_at.def_impl(_layer_of)
-_layer_at.def_abstract_eval(
-    lambda v, k: v.update(shape=(v.shape[0], *v.shape[2:]), weak_type=False)
-)
-mlir.register_lowering(_layer_at, mlir.lower_fun(_layer_of, multiple_results=False))
+def selection_primitive(
+    name: str,
+    select: Callable[..., jax.Array],
+    shape: Callable[[tuple[int, ...]], tuple[int, ...]],
+    transpose: Callable[..., jax.Array],
+) -> Primitive:
+    """``select(weights, *indices)`` as one primitive, linear in the weights, so that a
+    checkpoint policy can tell it from the layers' own operations (a policy sees one
+    operation at a time; jnp's selection is several, and a recomputed value's inputs are
+    saved unless recomputed too). `shape` maps the weights' shape to the selection's;
+    `transpose(ct, weights' shape, *indices)` puts a cotangent back in place. Batched, it
+    is `select`'s plain operations."""
+    prim = Primitive(name)
+    prim.def_impl(select)
+    prim.def_abstract_eval(lambda v, *_: v.update(shape=shape(v.shape), weak_type=False))
+    mlir.register_lowering(prim, mlir.lower_fun(select, multiple_results=False))
+
+    def jvp(primals: Any, tangents: Any) -> tuple[jax.Array, Any]:
+        (v, *indices), dv = primals, tangents[0]
+        out = prim.bind(v, *indices)
+        if type(dv) is ad.Zero:
+            return out, ad.Zero(dv.aval.update(shape=out.shape))
+        return out, prim.bind(dv, *indices)
+
+    def transposed(ct: Any, v: Any, *indices: jax.Array) -> list[Any]:
+        assert ad.is_undefined_primal(v)
+        rest = [None] * len(indices)
+        if type(ct) is ad.Zero:
+            return [ad.Zero(v.aval), *rest]
+        return [transpose(ct, v.aval.shape, *indices), *rest]
+
+    def batched(args: Any, dims: Any) -> tuple[jax.Array, int]:
+        return jax.vmap(select, in_axes=dims)(*args), 0
+
+    ad.primitive_jvps[prim] = jvp
+    ad.primitive_transposes[prim] = transposed
+    batching.primitive_batchers[prim] = batched
+    return prim
 
 
-def _layer_at_jvp(primals: Any, tangents: Any) -> tuple[jax.Array, Any]:
-    (v, k), (dv, _) = primals, tangents
-    out = _layer_at.bind(v, k)
-    if type(dv) is ad.Zero:
-        return out, ad.Zero(dv.aval.update(shape=out.shape))
-    return out, _layer_at.bind(dv, k)
-
-
-def _layer_at_transpose(ct: Any, v: Any, k: jax.Array) -> list[Any]:
-    assert ad.is_undefined_primal(v) and not ad.is_undefined_primal(k)
-    if type(ct) is ad.Zero:
-        return [ad.Zero(v.aval), None]
+def _layer_in_place(ct: jax.Array, shape: tuple[int, ...], k: jax.Array) -> jax.Array:
     # Added by the loop to its one accumulator: XLA writes layer k's slice in place.
-    zeros = jnp.zeros(v.aval.shape, ct.dtype)
-    return [jax.lax.dynamic_update_index_in_dim(zeros, ct, k, axis=1), None]
+    return jax.lax.dynamic_update_index_in_dim(jnp.zeros(shape, ct.dtype), ct, k, axis=1)
 
 
-def _layer_at_batch(args: Any, dims: Any) -> tuple[jax.Array, int]:
-    return jax.vmap(_layer_of, in_axes=dims)(*args), 0
-
-
-ad.primitive_jvps[_layer_at] = _layer_at_jvp
-ad.primitive_transposes[_layer_at] = _layer_at_transpose
-batching.primitive_batchers[_layer_at] = _layer_at_batch
+_layer_at = selection_primitive(
+    "jstrategy_pipeline_layer", _layer_of, lambda s: (s[0], *s[2:]), _layer_in_place
+)
 
 
 def _layer_reselected(
