@@ -79,7 +79,8 @@ LANE_B ?= tests/test_multi_worker.py tests/test_multi_worker_checkpoints.py \
 	tests/test_ray_backend.py tests/test_launch.py tests/test_rendezvous.py \
 	tests/test_losses_metrics_keras.py \
 	tests/test_global_batch.py tests/test_remat.py tests/test_batch_region.py \
-	tests/test_keras_checkpoints.py tests/test_keras3_models.py
+	tests/test_keras_checkpoints.py tests/test_keras3_models.py \
+	tests/test_parity_matrix_sequence.py
 
 LANE_C ?= tests/test_pipeline.py tests/test_pipeline_circular.py tests/test_pipeline_nnx.py \
 	tests/test_context_parallel.py tests/test_activation_rows.py tests/test_plan.py \

@@ -130,7 +130,8 @@ generated_requirements/decoupled-requirements.txt
     /work/venvs/maxtext/bin/pip install -e . --no-deps
     DECOUPLE_GCLOUD=TRUE /work/venvs/maxtext/bin/python benchmarks/maxtext_compare.py"""
 
-LAYOUTS = ("fsdp", "tp", "pipeline", "moe", "moe_ep4", "moe_ep8")  # moe*: `_maxtext_moe`
+# tp_seq: tp with jstrategy's ``tensor_activations="sequence"`` (MaxText as tp).
+LAYOUTS = ("fsdp", "tp", "pipeline", "moe", "moe_ep4", "moe_ep8", "tp_seq")  # moe*: `_maxtext_moe`
 SCANS = ("scanned", "unrolled")
 STAGES, MICROBATCHES = 4, 8
 
@@ -284,18 +285,24 @@ def megatron_layout(
 
 
 def megatron_strategy(
-    scanned: bool, shape: tuple[int, int] = (2, 4), devices: Any = None
+    scanned: bool,
+    shape: tuple[int, int] = (2, 4),
+    devices: Any = None,
+    tensor_activations: str = "features",
 ) -> jstrategy.experimental.ModelParallelStrategy:
     """data x tensor (2 x 4 here), split as MaxText's logical rules split over ``tensor``."""
     mesh = jstrategy.experimental.DeviceMesh(shape, ("batch", "model"), devices=devices)
-    return jstrategy.experimental.ModelParallelStrategy(megatron_layout(mesh, scanned))
+    return jstrategy.experimental.ModelParallelStrategy(
+        megatron_layout(mesh, scanned), tensor_activations=tensor_activations
+    )
 
 
 def jstrategy_strategy(layout: str, scan: str) -> jstrategy.Strategy:
     if layout == "fsdp":
         return jstrategy.experimental.FSDPStrategy()
-    if layout == "tp":
-        return megatron_strategy(scan == "scanned")
+    if layout in ("tp", "tp_seq"):
+        split = "sequence" if layout == "tp_seq" else "features"
+        return megatron_strategy(scan == "scanned", tensor_activations=split)
     return PipelineStrategy(num_stages=STAGES, num_microbatches=MICROBATCHES)
 
 
@@ -365,6 +372,11 @@ def maxtext_overrides(shape: Shape, layout: str, scan: str, batch: int) -> list[
     parallel = {
         "fsdp": {"ici_fsdp_parallelism": devices},
         "tp": {"ici_data_parallelism": 2, "ici_tensor_parallelism": 4, "ici_fsdp_parallelism": 1},
+        "tp_seq": {
+            "ici_data_parallelism": 2,
+            "ici_tensor_parallelism": 4,
+            "ici_fsdp_parallelism": 1,
+        },
         "pipeline": {
             "ici_pipeline_parallelism": STAGES,
             "ici_data_parallelism": devices // STAGES,
@@ -562,6 +574,7 @@ def format_row(row: Row) -> str:
         median, low, high = _common.paired_ratio(j.samples, m.samples)
         time_ratio = f"{median:.2f}x ({low:.2f}-{high:.2f})"
     layout = {"fsdp": "FSDP 8", "tp": "data 2 x tensor 4", "pipeline": "pipeline 4 x M 8"}
+    layout["tp_seq"] = "data 2 x tensor 4, sequence-split"
     if row.layout.startswith("moe"):
         import _maxtext_moe
 

@@ -60,6 +60,7 @@ class TopologyRow:
     maxtext: dict[str, Any]  # MaxText's ici_* degrees (and pipeline settings)
     jstrategy: str  # fsdp | tensor | hybrid | gpipe | circular | context
     degrees: tuple[int, ...] = ()
+    tensor_activations: str = "features"  # jstrategy's split between blocks (tensor rows)
 
 
 _PIPE = {"ici_pipeline_parallelism": 4, "ici_data_parallelism": 4, "ici_fsdp_parallelism": 1}
@@ -75,6 +76,16 @@ ROWS = {
         TopologyRow("7b-fsdp-tensor", "llama2-7B, FSDP 4 x tensor 4", LLAMA2_7B, "v5p:2x2x4",
                     "v5p-32", 16, 16,
                     {"ici_fsdp_parallelism": 4, "ici_tensor_parallelism": 4}, "hybrid", (4, 4)),
+        # The same two rows with Megatron's sequence parallelism (jstrategy's
+        # ``tensor_activations="sequence"``); MaxText as above.
+        TopologyRow("7b-data-tensor-seq", "llama2-7B, data 2 x tensor 8, sequence-split",
+                    LLAMA2_7B, "v5p:2x2x4", "v5p-32", 16, 16,
+                    {"ici_data_parallelism": 2, "ici_tensor_parallelism": 8,
+                     "ici_fsdp_parallelism": 1}, "tensor", (2, 8), "sequence"),
+        TopologyRow("7b-fsdp-tensor-seq", "llama2-7B, FSDP 4 x tensor 4, sequence-split",
+                    LLAMA2_7B, "v5p:2x2x4", "v5p-32", 16, 16,
+                    {"ici_fsdp_parallelism": 4, "ici_tensor_parallelism": 4}, "hybrid", (4, 4),
+                    "sequence"),
         TopologyRow("7b-gpipe", "llama2-7B, pipeline 4 (GPipe, M 8) x data 4", LLAMA2_7B,
                     "v5p:2x2x4", "v5p-32", 16, 32,
                     {**_PIPE, "num_pipeline_microbatches": 8,
@@ -94,6 +105,10 @@ ROWS = {
         TopologyRow("70b-fsdp-tensor", "70B-shaped, FSDP 16 x tensor 4", SHAPE_70B, "v5p:4x4x4",
                     "v5p-128", 64, 64,
                     {"ici_fsdp_parallelism": 16, "ici_tensor_parallelism": 4}, "hybrid", (16, 4)),
+        TopologyRow("70b-fsdp-tensor-seq", "70B-shaped, FSDP 16 x tensor 4, sequence-split",
+                    SHAPE_70B, "v5p:4x4x4", "v5p-128", 64, 64,
+                    {"ici_fsdp_parallelism": 16, "ici_tensor_parallelism": 4}, "hybrid", (16, 4),
+                    "sequence"),
     )
 }  # fmt: skip
 
@@ -181,7 +196,8 @@ def jstrategy_strategy(row: TopologyRow) -> Any:
     if row.jstrategy == "context":
         return jx.FSDPStrategy(devices=devices, context=row.degrees[0])
     if row.jstrategy == "tensor":
-        return mc.megatron_strategy(True, shape=row.degrees, devices=devices)
+        return mc.megatron_strategy(True, shape=row.degrees, devices=devices,
+                                    tensor_activations=row.tensor_activations)  # fmt: skip
     if row.jstrategy == "hybrid":
         fsdp, tensor = row.degrees
         mesh = jx.DeviceMesh((fsdp, tensor), ("fsdp", "model"), devices=devices)
@@ -191,7 +207,8 @@ def jstrategy_strategy(row: TopologyRow) -> Any:
         hosts = len({device.process_index for device in devices})
         return jx.HybridStrategy(replicas=1, fsdp=fsdp, tensor=tensor, dcn_replicas=1,
                                  dcn_fsdp=hosts, devices=devices,
-                                 layout_map=mc.megatron_layout(mesh, True))  # fmt: skip
+                                 layout_map=mc.megatron_layout(mesh, True),
+                                 tensor_activations=row.tensor_activations)  # fmt: skip
     repeats = row.degrees[0] if row.degrees else 1
     return jx.PipelineStrategy(devices, num_stages=4, num_microbatches=8, num_repeats=repeats)
 

@@ -239,16 +239,27 @@ class MoENet(nn.Module):
         return nn.Dense(CLASSES)(jnp.mean(h + moe(nn.LayerNorm()(h)), axis=1))
 
 
+class AttentionBlock(nn.Module):
+    """Pre-norm causal self-attention through `jstrategy.experimental.dot_product_attention`
+    (ring attention over a context axis), with its residual."""
+
+    @nn.compact
+    def __call__(self, h):
+        attend = functools.partial(jstrategy.experimental.dot_product_attention, causal=True)
+        attention = nn.MultiHeadDotProductAttention(num_heads=2, attention_fn=attend)
+        return h + attention(nn.LayerNorm()(h), deterministic=True)
+
+
 class AttentionNet(nn.Module):
-    """A row's features as a sequence of 6 tokens, causal self-attention through
-    `jstrategy.experimental.dot_product_attention` (ring attention over a context axis)."""
+    """A row's features as a sequence of 6 tokens through an `AttentionBlock` marked with
+    `jstrategy.training.remat`: under a sharded strategy the step places the block's input
+    (its rows, and with ``tensor_activations="sequence"`` its sequence over the tensor
+    axis; `jstrategy._src.activation_rows`)."""
 
     @nn.compact
     def __call__(self, x):
         h = nn.Dense(8)(x[..., None])  # (B, 6, 8): the sequence along dimension 1
-        attend = functools.partial(jstrategy.experimental.dot_product_attention, causal=True)
-        attention = nn.MultiHeadDotProductAttention(num_heads=2, attention_fn=attend)
-        h = h + attention(nn.LayerNorm()(h), deterministic=True)
+        h = training.remat(AttentionBlock)()(h)
         return nn.Dense(CLASSES)(jnp.mean(h, axis=1))
 
 
@@ -334,6 +345,10 @@ STRATEGIES: dict[str, Callable[[], jstrategy.Strategy]] = {
     "parallel_2x2x2_context_fsdp": lambda: jstrategy.experimental.ParallelStrategy(
         replicas=1, fsdp=2, context=2, tensor=2, min_shard_size=0
     ),
+    # The activations between blocks split along the sequence over "tensor" (an option).
+    "hybrid_2x2x2_sequence": lambda: jstrategy.experimental.HybridStrategy(
+        replicas=2, fsdp=2, tensor=2, min_shard_size=0, tensor_activations="sequence"
+    ),
 }
 
 #: How a cell trains: (where the model is created, the path).
@@ -354,18 +369,25 @@ COMBINATIONS = (
 )
 COMBINATION_MODELS = ("attention",)
 COMBINATION_WAYS = (("inside", "fit_1"), ("outside", "factory"))
+#: The strategies whose cells run in a test file of their own, two ways each
+#: (`COMBINATION_WAYS`): the spec's combinations (with the attention model under every
+#: strategy; test_parity_matrix_spec.py) and the sequence-split activations
+#: (test_parity_matrix_sequence.py). The others run in test_parity_matrix.py.
+GROUPS = {"combinations": COMBINATIONS, "sequence": ("hybrid_2x2x2_sequence",)}
 
 
-def cells(*, combinations: bool) -> list[tuple[str, str, str, str]]:
+def cells(group: str | None) -> list[tuple[str, str, str, str]]:
     """The matrix's ``(model, strategy, where, path)`` cells that train (the refused are
-    checked once, whatever the way): those of the spec's combinations, or the others."""
+    checked once, whatever the way) of `group` (a key of `GROUPS`, or None: the rest)."""
     found = []
     for model in MODELS:
         for strategy in STRATEGIES:
-            new = strategy in COMBINATIONS or model in COMBINATION_MODELS
-            if strategy == "one_device" or new != combinations or refusal(model, strategy):
+            own = next((g for g, members in GROUPS.items() if strategy in members), None)
+            if own is None and model in COMBINATION_MODELS:
+                own = "combinations"
+            if strategy == "one_device" or own != group or refusal(model, strategy):
                 continue
-            ways = COMBINATION_WAYS if new else WAYS
+            ways = WAYS if own is None else COMBINATION_WAYS
             found += [(model, strategy, where, path) for where, path in ways]
     return found
 

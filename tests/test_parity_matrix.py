@@ -41,7 +41,7 @@ def _assert_follows(got: parity_zoo.Result, want: parity_zoo.Result) -> None:
         np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
 
 
-CELLS = [pytest.param(*cell, id="-".join(cell)) for cell in parity_zoo.cells(combinations=False)]
+CELLS = [pytest.param(*cell, id="-".join(cell)) for cell in parity_zoo.cells(None)]
 
 
 @pytest.mark.slow

@@ -49,6 +49,18 @@ class _Unrolled(nn.Module):
         return nn.Dense(8)(x)
 
 
+class _UnrolledUnnamed(nn.Module):
+    """Blocks Flax names after their class (``_Block_0``...), with or without the step's
+    remat (whose ``nn.remat`` class would otherwise name them ``Checkpoint_Block_0``)."""
+
+    @nn.compact
+    def __call__(self, x):
+        block = training.remat(_Block)
+        for _ in range(BLOCKS):
+            x, _ = block()(x)
+        return nn.Dense(8)(x)
+
+
 class _Plain(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -103,7 +115,9 @@ def test_remat_cuts_the_scanned_steps_temporaries(strategy):
     ],
     ids=["one_device", "mirrored", "fsdp"],
 )
-@pytest.mark.parametrize("module", [_Scanned, _Unrolled], ids=["scanned", "unrolled"])
+@pytest.mark.parametrize(
+    "module", [_Scanned, _Unrolled, _UnrolledUnnamed], ids=["scanned", "unrolled", "unnamed"]
+)
 def test_rematerialized_loss_and_gradients_are_the_same(strategy, module):
     batch = _batch()
     results = []

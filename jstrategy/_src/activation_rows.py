@@ -9,19 +9,27 @@ their inputs to the batch's split and gather the weights. So the step pins them 
 it traces the replicas' forward pass (`placing`), the input of every block the model marks
 (`jstrategy.training.remat`, and each layer of a `Repeated` block run in order) is
 constrained (`place`) to its rows' split over the axes the step splits the batch's rows
-over (`Strategy.activation_rows`). Only the rows, and under a tensor layout the features:
+over (`Strategy.activation_rows`). Only the rows, and under a tensor layout one more dimension:
 the other dimensions stay XLA's choice (unconstrained), so a sequence split over the
 context axis is kept.
 
-Under a tensor layout (a mesh axis named ``"model"``, as ModelParallelStrategy's
-Keras-style meshes name it, or ``"tensor"``, HybridStrategy's, of more than one device), in
-a step with ``remat`` set (`placing`'s ``features``), a sequence model's block input (three dimensions or more) also has its last dimension, the
-features, split over that axis, as MaxText's rules split each layer's input
-(``activation_embed`` on ``tensor``). Left to itself, XLA kept every layer's input whole
-on each device of the tensor axis, and a scan saved all of them for the backward pass:
-llama2-7B under data 2 x tensor 8 on a v5p-32 peaked at 24.22 GiB a chip, 1.42x MaxText's
-17.07 (`benchmarks/maxtext_topology.py`); split, 16.99 GiB (each chip keeps an eighth of
-the saved inputs: 1 GiB, not 8).
+Under a tensor layout (a mesh axis named ``"model"``, as ModelParallelStrategy's Keras-style
+meshes name it, or ``"tensor"``, HybridStrategy's, of more than one device) a sequence
+model's block input (three dimensions or more) is also split over that axis, as the
+strategy's ``tensor_activations`` says (`TensorActivations`):
+
+* ``FEATURES`` (the default), in a step with ``remat`` set: its last dimension, as MaxText's
+  rules split each layer's input (``activation_embed`` on ``tensor``). Left to itself, XLA
+  kept every layer's input whole on each device of the tensor axis, and a scan saved all
+  of them for the backward pass: llama2-7B under data 2 x tensor 8 on a v5p-32 peaked at
+  24.22 GiB a chip, 1.42x MaxText's 17.07 (`benchmarks/maxtext_topology.py`); split,
+  16.99 GiB (each chip keeps an eighth of the saved inputs: 1 GiB, not 8). Without remat
+  the split only adds collectives (a Megatron block's all-reduce becomes an all-gather and
+  a reduce-scatter around it), so the step leaves it out there.
+* ``SEQUENCE``, with or without remat: its second dimension, the sequence (Megatron's
+  sequence parallelism): the norms and residual adds between the tensor-split matmuls run
+  on a slice of the tokens, each block's all-reduce becoming a reduce-scatter into the
+  slice and an all-gather out of it.
 
 The forward pass runs inside the replicas' ``vmap``, whose ``spmd_axis_name`` (the data
 axis) lays the mapped replicas out: the constraint names the other row axes only
@@ -40,6 +48,7 @@ and the step enters it.
 from __future__ import annotations
 
 import contextlib
+import enum
 import math
 from typing import Any
 
@@ -49,11 +58,59 @@ from jax.sharding import PartitionSpec as P
 
 from jstrategy._src import trace_context
 
-__all__ = ["Placement", "current", "place", "placement", "placing", "suspended"]
+__all__ = [
+    "Placement",
+    "TensorActivations",
+    "current",
+    "place",
+    "placement",
+    "placing",
+    "suspended",
+]
+
+
+class TensorActivations(enum.Enum):
+    """Which dimension of the activations between a model's blocks a sharded train step
+    splits over the tensor axis (``tensor_activations=`` of `ParallelStrategy`,
+    `HybridStrategy` and `ModelParallelStrategy`).
+
+    Attributes:
+      FEATURES: the last dimension, in a step with ``remat`` set (MaxText's
+        ``activation_embed`` rule): the saved block inputs take a tensor degree's share.
+      SEQUENCE: the sequence (dimension 1), with or without remat (Megatron's sequence
+        parallelism): the norms and residual adds between blocks also run on a share.
+
+    Example:
+
+    >>> import jstrategy
+    >>> jstrategy.experimental.HybridStrategy(
+    ...     fsdp=4, tensor=2,
+    ...     tensor_activations=jstrategy.experimental.TensorActivations.SEQUENCE,
+    ... ).tensor_activations
+    <TensorActivations.SEQUENCE: 'sequence'>
+    """
+
+    FEATURES = "features"
+    SEQUENCE = "sequence"
+
+    @classmethod
+    def of(cls, value: Any) -> TensorActivations:
+        """`value` (a member or its name) as a member; a clear error for any other."""
+        if isinstance(value, cls):
+            return value
+        names = [m.value for m in cls]
+        if isinstance(value, str) and value.lower() in names:
+            return cls(value.lower())
+        raise ValueError(
+            f"`tensor_activations` must be one of {names} (or a jstrategy.experimental."
+            f"TensorActivations); got {value!r}. Pass e.g. tensor_activations='sequence'."
+        )
+
 
 #: The constraint in the replicas' map (`trace_context.TraceContext.activation_rows`):
-#: (mesh, the row axes other than the map's, the axis the features split over or None).
-Placement = tuple[Any, tuple[str, ...], str | None]
+#: (mesh, the row axes other than the map's, the tensor axis or None, the dimension it
+#: splits: -1 the features, 1 the sequence).
+Placement = tuple[Any, tuple[str, ...], str | None, int]
 
 #: The names of a tensor-parallel axis: ModelParallelStrategy's (Keras's ``"model"``) and
 #: HybridStrategy's (``"tensor"``).
@@ -66,16 +123,19 @@ def _axes(entry: Any) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def placement(mesh: Any, rows: Any, mapped: str, *, features: bool = True) -> Placement | None:
+def placement(
+    mesh: Any,
+    rows: Any,
+    mapped: str,
+    *,
+    split: TensorActivations | None = TensorActivations.FEATURES,
+) -> Placement | None:
     """What `place` reads while a step traces its replicas' forward pass: rows split over
     `rows` (a `PartitionSpec` entry: a mesh axis, a tuple of them, or None for nothing
     placed), less `mapped`, the axis of the replicas' ``vmap`` (its ``spmd_axis_name``),
-    which the map puts back on the replicas' dimension; with `features`, a sequence model's
-    features over the tensor axis too. The step asks for the features' split under remat
-    only: there the blocks' inputs are what the backward pass keeps, and an eighth of each
-    is the gain; without it the split only adds collectives (a Megatron layer's all-reduce
-    becomes an all-gather and a reduce-scatter around it), beside a hand-written step that
-    has none.
+    which the map puts back on the replicas' dimension; a sequence model's dimension that
+    `split` names over the tensor axis too (None: no tensor split). The step passes
+    ``FEATURES`` under remat only (see the module's docstring).
     """
     if rows is None:
         return None
@@ -83,17 +143,22 @@ def placement(mesh: Any, rows: Any, mapped: str, *, features: bool = True) -> Pl
     tensor = [
         a
         for a in TENSOR_AXES
-        if features and a in mesh.shape and int(mesh.shape[a]) > 1 and a not in _axes(rows)
+        if split is not None and a in mesh.shape and int(mesh.shape[a]) > 1 and a not in _axes(rows)
     ]
-    return (mesh, row_axes, tensor[0] if tensor else None)
+    dim = 1 if split is TensorActivations.SEQUENCE else -1
+    return (mesh, row_axes, tensor[0] if tensor else None, dim)
 
 
 def placing(
-    mesh: Any, rows: Any, mapped: str, *, features: bool = True
+    mesh: Any,
+    rows: Any,
+    mapped: str,
+    *,
+    split: TensorActivations | None = TensorActivations.FEATURES,
 ) -> contextlib.AbstractContextManager[Any]:
     """Within: `place` places as `placement` says (the step sets it in its one
     `trace_context.TraceContext`; this is that field alone)."""
-    return trace_context.replaced(activation_rows=placement(mesh, rows, mapped, features=features))
+    return trace_context.replaced(activation_rows=placement(mesh, rows, mapped, split=split))
 
 
 def suspended() -> contextlib.AbstractContextManager[Any]:
@@ -115,20 +180,19 @@ def current() -> bool:
 
 def place(x: Any) -> Any:
     """`x` with its rows (dimension 0) split over the step's row axes (and, under a tensor
-    layout, a sequence model's features, its last dimension, over the tensor axis), its
-    other dimensions left to XLA; `x` as it is where nothing is placed (see the module's
+    layout, a sequence model's features or sequence over the tensor axis), its other
+    dimensions left to XLA; `x` as it is where nothing is placed (see the module's
     docstring)."""
     value = trace_context.current().activation_rows
     if value is None or not isinstance(x, jax.Array) or x.ndim == 0:
         return x
     if jax.sharding.get_abstract_mesh().manual_axes:
         return x  # a shard_map's body: its values are per device
-    mesh, axes, tensor = value
+    mesh, axes, tensor, dim = value
     if x.shape[0] % math.prod(int(mesh.shape[a]) for a in axes):
         return x
-    rows = None if not axes else axes[0] if len(axes) == 1 else axes
-    rest: list[Any] = [P.UNCONSTRAINED] * (x.ndim - 1)
-    if tensor is not None and x.ndim >= 3 and x.shape[-1] % int(mesh.shape[tensor]) == 0:
-        rest[-1] = tensor
-    spec = P(rows, *rest)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    spec: list[Any] = [P.UNCONSTRAINED] * x.ndim
+    spec[0] = None if not axes else axes[0] if len(axes) == 1 else axes
+    if tensor is not None and x.ndim >= 3 and x.shape[dim] % int(mesh.shape[tensor]) == 0:
+        spec[dim] = tensor
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))

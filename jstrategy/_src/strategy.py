@@ -25,6 +25,7 @@ from jstrategy._src import axes
 from jstrategy._src import context
 from jstrategy._src import dispatch
 from jstrategy._src import staging
+from jstrategy._src.activation_rows import TensorActivations
 from jstrategy._src.cross_device_ops import CrossDeviceOps
 from jstrategy._src.cross_device_ops import NcclAllReduce
 from jstrategy._src.devices import canonical_name
@@ -693,6 +694,20 @@ class Strategy:
         None
         """
         return None
+
+    @property
+    def tensor_activations(self) -> TensorActivations:
+        """Which dimension of the activations between blocks the train step splits over a
+        tensor axis, where `activation_rows` places them (`TensorActivations`; the
+        sharded strategies with a tensor layout take it as ``tensor_activations=``).
+
+        Example:
+
+        >>> import jstrategy
+        >>> jstrategy.experimental.FSDPStrategy().tensor_activations
+        <TensorActivations.FEATURES: 'features'>
+        """
+        return TensorActivations.FEATURES
 
     @property
     def pipeline(self) -> Any:

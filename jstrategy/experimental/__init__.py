@@ -9,6 +9,7 @@ pipeline stages; `dot_product_attention` is ring attention over a sharded strate
 fits the devices, and what to change if not.
 """
 
+from jstrategy._src.activation_rows import TensorActivations
 from jstrategy._src.checkpoint.preemption import PreemptionCheckpointHandler
 from jstrategy._src.cluster.signals import PREEMPTION_EXIT_CODE
 from jstrategy._src.collective_util import CollectiveCommunication
@@ -69,6 +70,7 @@ __all__ = [
     "ParallelStrategy",
     "ParameterServerStrategy",
     "PipelineSchedule",
+    "TensorActivations",
     "PipelineStrategy",
     "PreemptionCheckpointHandler",
     "Repeated",

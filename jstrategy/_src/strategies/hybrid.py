@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from jstrategy._src import devices as devices_lib
+from jstrategy._src.activation_rows import TensorActivations
 from jstrategy._src.collective_util import CommunicationOptions
 from jstrategy._src.layout_map import LayoutMap
 from jstrategy._src.offload import OffloadPolicy
@@ -57,6 +58,9 @@ class HybridStrategy(ParallelStrategy):
       communication_options: `jstrategy.experimental.CommunicationOptions` for the job.
       offload_optimizer: keep the optimizer state in host memory between steps.
       offload: a `jstrategy.experimental.OffloadPolicy`.
+      tensor_activations: which dimension of the activations between blocks the step
+        splits over ``"tensor"``: ``"features"`` (under remat) or ``"sequence"``
+        (`TensorActivations`).
 
     Raises:
       ValueError, TypeError: as `ParallelStrategy`.
@@ -96,6 +100,7 @@ class HybridStrategy(ParallelStrategy):
         communication_options: CommunicationOptions | None = None,
         offload_optimizer: bool = False,
         offload: OffloadPolicy | None = None,
+        tensor_activations: TensorActivations | str = TensorActivations.FEATURES,
     ):
         super().__init__(
             replicas=replicas,
@@ -111,4 +116,5 @@ class HybridStrategy(ParallelStrategy):
             communication_options=communication_options,
             offload_optimizer=offload_optimizer,
             offload=offload,
+            tensor_activations=tensor_activations,
         )

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jstrategy._src import flax_annotations
 from jstrategy._src import mesh as mesh_lib
+from jstrategy._src.activation_rows import TensorActivations
 from jstrategy._src.context_parallel.axis import CONTEXT_AXIS
 from jstrategy._src.cross_device_ops import CrossDeviceOps
 from jstrategy._src.layout_map import LayoutMap
@@ -75,6 +76,9 @@ class ModelParallelStrategy(ShardedStrategy):
         out as above: ``offload=OffloadPolicy()``.
       offload: a `jstrategy.experimental.OffloadPolicy`: which variables live in host
         memory between steps.
+      tensor_activations: which dimension of the activations between a model's blocks
+        the train step splits over the ``"model"`` axis (a `TensorActivations` or its
+        name): ``"features"`` under remat, or ``"sequence"`` (sequence parallelism).
 
     Raises:
       TypeError: if `layout_map` is not a `LayoutMap`, or `offload` not an
@@ -111,7 +115,9 @@ class ModelParallelStrategy(ShardedStrategy):
         communication_options: CommunicationOptions | None = None,
         offload_optimizer: bool = False,
         offload: OffloadPolicy | None = None,
+        tensor_activations: TensorActivations | str = TensorActivations.FEATURES,
     ):
+        tensor_activations = TensorActivations.of(tensor_activations)
         if not isinstance(layout_map, LayoutMap):
             raise TypeError(
                 f"`layout_map` must be a jstrategy.experimental.LayoutMap; got "
@@ -144,6 +150,7 @@ class ModelParallelStrategy(ShardedStrategy):
                 cross_device_ops = across  # across processes, or None for one
         super().__init__(mesh, cross_device_ops=cross_device_ops, data_axis=batch_dim_name)
         self._set_offload(offload, offload_optimizer)
+        self._set_tensor_activations(tensor_activations)
         self._layout_map = layout_map
 
     @property

@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 from jstrategy._src import devices as devices_lib
 from jstrategy._src import flax_annotations
 from jstrategy._src import staging
+from jstrategy._src.activation_rows import TensorActivations
 from jstrategy._src.axes import CONTEXT_AXIS
 from jstrategy._src.axes import EXPERT_AXIS
 from jstrategy._src.axes import FSDP_AXIS
@@ -198,6 +199,10 @@ class ParallelStrategy(ShardedStrategy):
         ``offload=OffloadPolicy()``.
       offload: a `jstrategy.experimental.OffloadPolicy`: which variables live in host
         memory between steps.
+      tensor_activations: which dimension of the activations between a model's blocks
+        the train step splits over ``"tensor"`` (a `TensorActivations` or its name):
+        ``"features"`` under remat (MaxText's rule), or ``"sequence"`` (Megatron's
+        sequence parallelism; it needs ``tensor`` > 1 and no ``context``).
 
     Raises:
       ValueError: if a degree is not a positive int (or -1 where allowed), the degrees do
@@ -242,6 +247,7 @@ class ParallelStrategy(ShardedStrategy):
         communication_options: CommunicationOptions | None = None,
         offload_optimizer: bool = False,
         offload: OffloadPolicy | None = None,
+        tensor_activations: TensorActivations | str = TensorActivations.FEATURES,
     ):
         degrees = {"replicas": replicas, "fsdp": fsdp, "tensor": tensor}
         fixed = {"experts": experts, "context": context, "stages": stages}
@@ -281,6 +287,7 @@ class ParallelStrategy(ShardedStrategy):
                 fix=f"Pass e.g. {name}=1 to keep that degree within a host.",
             )
         check_min_shard_size(min_shard_size)
+        tensor_activations = TensorActivations.of(tensor_activations)
         if layout_map is not None and not isinstance(layout_map, LayoutMap):
             raise TypeError(
                 f"`layout_map` must be a jstrategy.experimental.LayoutMap or None; got "
@@ -343,6 +350,7 @@ class ParallelStrategy(ShardedStrategy):
             min_shard_size=min_shard_size,
             offload=offload,
             offload_optimizer=offload_optimizer,
+            tensor_activations=tensor_activations,
         )
 
     def _build(
@@ -358,6 +366,7 @@ class ParallelStrategy(ShardedStrategy):
         min_shard_size: int,
         offload: OffloadPolicy | None = None,
         offload_optimizer: bool = False,
+        tensor_activations: TensorActivations = TensorActivations.FEATURES,
     ) -> None:
         """The strategy over `hosts` (device groups; one for a preset that does not place
         degrees across hosts) with `degrees` (every degree's, resolved) laid out as `plan`
@@ -374,6 +383,7 @@ class ParallelStrategy(ShardedStrategy):
         self._degrees = degrees
         self._dcn = dcn
         self._set_offload(offload, offload_optimizer)
+        self._set_tensor_activations(tensor_activations)
         self._pipeline: PipelineConfig | None = None
         if pipeline is not None:
             self._pipeline = PipelineConfig(*pipeline[:3], self.mesh, pipeline[3])

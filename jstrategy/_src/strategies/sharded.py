@@ -27,6 +27,8 @@ from jstrategy._src import devices as devices_lib
 from jstrategy._src import flax_annotations
 from jstrategy._src import placement
 from jstrategy._src import staging
+from jstrategy._src.activation_rows import TENSOR_AXES
+from jstrategy._src.activation_rows import TensorActivations
 from jstrategy._src.cluster import join as cluster_lib
 from jstrategy._src.cluster.tf_config import TFConfigClusterResolver
 from jstrategy._src.collective_util import check_communication_options
@@ -64,12 +66,42 @@ class ShardedStrategy(Strategy):
     _cluster_resolver: ClusterResolver | None = None
     #: Which variables live in host memory between steps (`_set_offload`); None: none.
     _offload: OffloadPolicy | None = None
+    #: The activations' split over a tensor axis (`_set_tensor_activations`).
+    _tensor_activations: TensorActivations = TensorActivations.FEATURES
 
     # Variables in host memory ------------------------------------------------------------
     def _set_offload(self, offload: OffloadPolicy | None, offload_optimizer: bool) -> None:
         """Checks and keeps the constructor's ``offload=`` / ``offload_optimizer=``
         (`offload.resolve_offload`); call it in the constructor, after the mesh is set."""
         self._offload = resolve_offload(offload, offload_optimizer, self.devices)
+
+    def _set_tensor_activations(self, value: TensorActivations) -> None:
+        """Checks and keeps the constructor's ``tensor_activations=`` (already a member:
+        `TensorActivations.of`) against the mesh; call it after the mesh is set."""
+        if value is TensorActivations.SEQUENCE:
+            shape = dict(self.mesh.shape)
+            if not any(int(shape.get(a, 1)) > 1 for a in TENSOR_AXES):
+                raise ValueError(
+                    "`tensor_activations=TensorActivations.SEQUENCE` splits the activations "
+                    "between blocks over the tensor axis, which needs a mesh axis "
+                    f"{' or '.join(map(repr, TENSOR_AXES))} of more than one device; got a "
+                    f"mesh {shape}. Give a tensor degree above 1 (e.g. tensor=2), or leave "
+                    "tensor_activations at its default."
+                )
+            if self.context_parallelism > 1:
+                raise ValueError(
+                    "`tensor_activations=TensorActivations.SEQUENCE` cannot split the "
+                    "sequence over the tensor axis where the context axis already splits "
+                    f"it (context={self.context_parallelism}). Leave tensor_activations at "
+                    "its default (the features), or drop context=."
+                )
+        self._tensor_activations = value
+
+    @property
+    def tensor_activations(self) -> TensorActivations:
+        """Which dimension of the activations between blocks the train step splits over
+        the tensor axis (``tensor_activations=``; see `TensorActivations`)."""
+        return self._tensor_activations
 
     def _in_memory(
         self, sharding: jax.sharding.Sharding, leaf: Any, path: tuple[str, ...]
@@ -98,7 +130,10 @@ class ShardedStrategy(Strategy):
         return self._with_offload(super().__repr__())
 
     def _with_offload(self, text: str) -> str:
-        """A repr ``Name(...)`` with ``offload=`` added when a policy is set."""
+        """A repr ``Name(...)`` with ``tensor_activations=`` and ``offload=`` added where
+        they are not the defaults."""
+        if self._tensor_activations is not TensorActivations.FEATURES:
+            text = f"{text[:-1]}, tensor_activations={self._tensor_activations.value!r})"
         return text if self._offload is None else f"{text[:-1]}, offload={self._offload!r})"
 
     def read_on_replicas(self, tree: Any) -> Any:

@@ -210,9 +210,14 @@ def _placed(block: type[nn.Module]) -> type[nn.Module]:
 def _rematted(
     block: type[nn.Module], policy: Policy, prevent_cse: bool, static_argnums: tuple[int, ...]
 ) -> type[nn.Module]:
-    return nn.remat(  # type: ignore[no-any-return]
+    rematted = nn.remat(
         block, policy=policy, prevent_cse=prevent_cse, static_argnums=static_argnums
     )
+    # Flax names an unnamed instance after its class: ``nn.remat``'s is "CheckpointBlock",
+    # so unrolled blocks created without names would look for parameters ("CheckpointBlock_0")
+    # that the model, created without the step's remat, does not have ("Block_0").
+    rematted.__name__, rematted.__qualname__ = block.__name__, block.__qualname__
+    return rematted  # type: ignore[no-any-return]
 
 
 def remat(

@@ -183,10 +183,14 @@ class Global(View):
     def placement(self, spec: StepSpec) -> activation_rows.Placement | None:
         # Left to itself, XLA gathered every replica's activations inside a scan over
         # FSDP's layers. The features over a tensor axis too, where a remat policy keeps
-        # the blocks' inputs.
+        # the blocks' inputs (without one their split only adds collectives); the
+        # sequence wherever the strategy asks for it.
         strategy = self.strategy
+        split: activation_rows.TensorActivations | None = strategy.tensor_activations
+        if split is activation_rows.TensorActivations.FEATURES and spec.remat is None:
+            split = None
         return activation_rows.placement(
-            strategy.mesh, strategy.activation_rows, self.axis, features=spec.remat is not None
+            strategy.mesh, strategy.activation_rows, self.axis, split=split
         )
 
     def differentiable(
