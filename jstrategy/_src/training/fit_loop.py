@@ -71,7 +71,16 @@ def fit(
             progress.step = skip
             cbs.on_epoch_begin(epoch)
             # The model's state as the epoch begins (a callback may have set it).
-            run = FitEpoch(trainer, data, cbs, steps_per_epoch, trainer.state, progress, skip, sums)
+            run = FitEpoch(
+                trainer,
+                data,
+                cbs,
+                steps_per_epoch,
+                state=trainer.state,
+                progress=progress,
+                skip=skip,
+                sums=sums,
+            )
             result = trainer.fit_runner.run_epoch(run)
             skip, sums = 0, None
             if result is None:  # the data ran out
