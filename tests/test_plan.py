@@ -128,7 +128,7 @@ def test_plan_of_a_compiled_model_agrees_with_its_step(name):
     model._ensure_ready(x[:1], training=True)
     trainer = model._trainer
     values, _ = data_adapters.split_batch(distribute_batch(strategy, (x, y)), strategy)
-    program = trainer.program(("train", 0, True))
+    program = trainer.programs.train(0, True)
     # A full batch: fit runs it without a mask (`body.row_weights`).
     real = compiled_peak(program.lower(trainer.state, None, values, None).compile())
     print(f"Model under {name}: plan {planned.peak:,} compiled {real:,}")

@@ -1,5 +1,6 @@
 """One step body behind every path, the strategy hooks it plugs into, and bounded dispatch."""
 
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -112,7 +113,7 @@ def test_one_batch_gives_one_gradient_through_every_path(shut_down_coordinators)
     padded = mirrored.experimental_distribute_dataset([(x, y), (x[:0], y[:0])])
     scan = _model(mirrored, spe=2)
     fit_2 = _fit_gradient(scan, padded)
-    assert sorted(scan._trainer.programs) == [("train", 2, False)]
+    assert scan._trainer.programs.train_keys() == [(2, False)]
     _assert_trees(fit_2, factory_grad)
 
     # ParameterServer fit: the same body on a worker, the update on the parameter servers.
@@ -167,6 +168,36 @@ def test_training_plugs_into_the_strategy_hooks():
     with strategy.scope():
         training.make_train_step(_loss)
     assert strategy.calls == [("stage_train_step", 0, True)]
+
+
+def test_each_epoch_takes_the_state_by_value_and_returns_the_new_state_and_sums():
+    strategy = jstrategy.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+    x, y = _batch(rows=16)
+    model = _model(strategy)
+    runner = model._trainer.fit_runner
+    run_epoch = runner.run_epoch
+    epochs = []
+
+    def recording_run_epoch(epoch):
+        result = run_epoch(epoch)
+        epochs.append((epoch, result))
+        return result
+
+    runner.run_epoch = recording_run_epoch
+    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+    (first, first_result), (second, second_result) = epochs
+    # An epoch is a value: it cannot be changed once handed to the runner.
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.state = None
+    # Each epoch starts from the state the previous one returned, and the model ends
+    # with the last one's.
+    assert second.state is first_result.state
+    assert model.state is second_result.state
+    # The returned sums are the epoch's: their mean loss is the epoch's logged loss.
+    for result, loss in zip((first_result, second_result), history.history["loss"], strict=True):
+        sums = jax.device_get(result.sums)
+        assert result.logs["loss"] == pytest.approx(loss)
+        assert float(sums["loss"]) / float(sums["count"]) == pytest.approx(loss, rel=1e-6)
 
 
 def test_steps_bound_their_own_dispatches():

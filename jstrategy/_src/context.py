@@ -148,6 +148,9 @@ class _Entry:
     scope_owner: bool = False
 
 
+# Per thread, not a `trace_context` field: the user's code enters strategy scopes on its
+# threads (``with strategy.scope():``) around traces and outside any; `run` pushes its
+# replica contexts on the same stack.
 class _Stack(threading.local):
     def __init__(self) -> None:
         self.entries: list[_Entry] = []

@@ -4,7 +4,9 @@ A model traced inside a train step behaves as the step says: `jstrategy.training
 reads the step's checkpoint policy, `jstrategy.experimental.Repeated` its pipeline, the
 layers whose result depends on the batch its `batch_region.Region`, a marked block's input
 its rows' placement (`activation_rows`), the attention its context axis
-(`context_parallel.axis`). Those settings are one record, held in one context variable (each
+(`context_parallel.axis`); a function traced by `strategy.run` its frame (`tracked`: the
+stateful objects it uses), and a model traced for its summary the recorder of its layers'
+calls (`summary`). Those settings are one record, held in one context variable (each
 thread, and each nested trace, sees the record it entered): the step sets it once, where it
 is traced (`tracing`); the modules above read their field through their own accessor
 (`remat.remat`, `repeated.current`, `batch_region.current`, `activation_rows.place`,
@@ -29,7 +31,8 @@ __all__ = ["TraceContext", "current", "replaced", "tracing"]
 
 @dataclasses.dataclass(frozen=True)
 class TraceContext:
-    """The trace-time settings of the train step being traced (all None outside one).
+    """The trace-time settings of the step (or other trace) being traced (all None outside
+    one).
 
     Attributes:
       remat: the step's remat record (`training.step.remat`: its checkpoint policy, and
@@ -43,6 +46,10 @@ class TraceContext:
         over, or None.
       context_refusal: where a program of a context-parallel strategy that splits no
         sequence is traced (`context_parallel.axis.refusing`), or None.
+      run_frame: the `tracked.RunFrame` of the function `strategy.run` traces (the
+        holders it reads and updates), or None.
+      summary_recorder: what an NNX layer called while `Model.summary` traces the model
+        reports to (`summary`), or None.
 
     Example:
 
@@ -59,6 +66,8 @@ class TraceContext:
     region: Any = None
     context_axis: Any = None
     context_refusal: Any = None
+    run_frame: Any = None
+    summary_recorder: Any = None
 
 
 _OUTSIDE = TraceContext()

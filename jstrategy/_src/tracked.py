@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 import weakref
-from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
@@ -44,6 +42,7 @@ import numpy as np
 
 from jstrategy._src import context
 from jstrategy._src import dispatch
+from jstrategy._src import trace_context
 from jstrategy._src.jax_compat import inside_staging_trace
 from jstrategy._src.placement import place_state
 from jstrategy._src.placement import variable_shardings
@@ -64,8 +63,6 @@ __all__ = [
     "owner_of_trainable",
     "run_frame",
 ]
-
-_LOCAL = threading.local()
 
 
 class Holder:
@@ -490,16 +487,11 @@ class RunFrame:
 
 
 def current_frame() -> RunFrame | None:
-    """The frame of the `run` function being traced on this thread, or None."""
-    return getattr(_LOCAL, "frame", None)
+    """The frame of the `run` function being traced, or None (`TraceContext.run_frame`)."""
+    return trace_context.current().run_frame
 
 
-@contextlib.contextmanager
-def run_frame(frame: RunFrame | None) -> Iterator[RunFrame | None]:
-    """Makes `frame` current while `run` traces its function (None: no holder may be used)."""
-    previous = current_frame()
-    _LOCAL.frame = frame
-    try:
-        yield frame
-    finally:
-        _LOCAL.frame = previous
+def run_frame(frame: RunFrame | None) -> contextlib.AbstractContextManager[Any]:
+    """Makes `frame` current while `run` traces its function (None: no holder may be used):
+    the run frame field of the `trace_context.TraceContext` alone."""
+    return trace_context.replaced(run_frame=frame)

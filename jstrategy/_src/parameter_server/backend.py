@@ -115,6 +115,8 @@ class WorkerContext:
             )
 
 
+# Per thread, not a `trace_context` field: which worker runs is a fact of the running
+# thread (a worker's thread, while a scheduled function executes), not of a trace.
 _CONTEXT = threading.local()
 
 

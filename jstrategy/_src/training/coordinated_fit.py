@@ -257,7 +257,7 @@ def _run_epoch(
             "e.g. fit(x, y, epochs=..., steps_per_epoch=100)."
         )
     steps_per_epoch = check_positive_int(steps_per_epoch, "steps_per_epoch")
-    spec, state, cbs = epoch.spec, epoch.state, epoch.callbacks
+    spec, state, cbs = epoch.programs.spec, epoch.state, epoch.callbacks
     _check_synchronous_options(spec, state)
     session = sync(state)
     _sync_rate(session, state)
@@ -309,7 +309,7 @@ def _run_epoch(
     new = _with_update_count(new.with_step(np.int32(session.step)), session.step)
     new = place_state(new, strategy)
     session.synced_params = new.params
-    return FitEpochResult(new, host_means(running, names))
+    return FitEpochResult(new, running, host_means(running, names))
 
 
 def _check_synchronous_options(spec: step_lib.StepSpec, state: Any) -> None:

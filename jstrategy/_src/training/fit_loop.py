@@ -1,10 +1,11 @@
 """The loops behind `jstrategy.Model`: epochs, progress, callbacks, resume; evaluate; predict.
 
-The loops run on a `Trainer` (`trainer.py`), the training side of a model. `fit` runs
-epochs; each epoch is handed to the trainer's fit runner (`FitRunner.run_epoch`,
-`fit_runner.py`) as a `FitEpoch`. The running loss and metric sums stay on the devices;
-the host reads them when a progress bar draws (throttled) and once at the end of the
-epoch.
+The loops run on a `Trainer` (`trainer.py`), the training side of a model, and read their
+compiled programs from its `Programs`. `fit` runs epochs; each epoch is a value handed to
+the trainer's fit runner (`FitRunner.run_epoch`, `fit_runner.py`): a `FitEpoch` with the
+train state and running sums it starts from, answered by a `FitEpochResult` with the new
+ones. The running loss and metric sums stay on the devices; the host reads them when a
+progress bar draws (throttled) and once at the end of the epoch.
 """
 
 from __future__ import annotations
@@ -54,11 +55,11 @@ def fit(
     the shuffling order and dataset position the interrupted run had there.
     """
     trainer.stop_training = False
-    trainer.fit_state = fit_state = FitState(trainer)
+    trainer.fit_state = progress = FitState(trainer)
     logs: dict[str, Any] = {}
     try:
         cbs.on_train_begin()
-        resume, trainer.resume = trainer.resume, None
+        resume = progress.resume
         start, skip, sums = initial_epoch, 0, None
         if resume is not None:
             start, skip, sums = resume.epoch, resume.step, resume.sums
@@ -66,17 +67,27 @@ def fit(
             if data.limit is not None:
                 data.seek(int(resume.position or 0))
         for epoch in range(start, epochs):
-            fit_state.epoch = epoch
-            fit_state.step = skip
+            progress.epoch = epoch
+            progress.step = skip
             cbs.on_epoch_begin(epoch)
-            run = FitEpoch(trainer, data, cbs, steps_per_epoch, skip=skip, sums=sums)
+            # The model's state as the epoch begins (a callback may have set it).
+            run = FitEpoch(
+                trainer,
+                data,
+                cbs,
+                steps_per_epoch,
+                state=trainer.state,
+                progress=progress,
+                skip=skip,
+                sums=sums,
+            )
             result = trainer.fit_runner.run_epoch(run)
             skip, sums = 0, None
             if result is None:  # the data ran out
                 trainer.stop_training = True
                 break
             trainer.state = result.state
-            logs = result.logs
+            logs = dict(result.logs)
             if data.exhausted:
                 trainer.stop_training = True
             if val_data is not None and validate(epoch):
@@ -101,12 +112,13 @@ def fit(
 
 def evaluate(trainer: Trainer, data: DataAdapter, cbs: CallbackList) -> dict[str, float]:
     """The loss and metrics over `data` (every real row once), with the test hooks."""
-    program = trainer.program(("eval",))
-    acc = trainer.zero_sums()
+    programs = trainer.programs
+    program = programs.eval
+    acc = programs.zero_sums()
     logs: dict[str, Any] = {}
     cbs.on_test_begin()
     batch_hooks = implements(cbs, "test_batch")
-    watch = check_numerics.Watch(trainer.compiled_spec, "evaluation batch", probed=trainer.probed)
+    watch = check_numerics.Watch(programs.spec, "evaluation batch", probed=trainer.probed)
     for i, (batch, mask, _) in enumerate(prefetch(data.batches())):
         if batch_hooks:
             cbs.on_test_batch_begin(i)
@@ -114,7 +126,7 @@ def evaluate(trainer: Trainer, data: DataAdapter, cbs: CallbackList) -> dict[str
         dispatch.track(logs)
         watch.add(logs, i)
         if batch_hooks:
-            cbs.on_test_batch_end(i, trainer.ordered(logs))
+            cbs.on_test_batch_end(i, programs.ordered(logs))
     if not logs:
         raise ValueError(
             f"`{getattr(data, 'arg', 'x')}` gave no batches to evaluate (an empty dataset, "
@@ -122,14 +134,14 @@ def evaluate(trainer: Trainer, data: DataAdapter, cbs: CallbackList) -> dict[str
             "again, e.g. a list of batches."
         )
     watch.finish()
-    result = {k: float(v) for k, v in trainer.ordered(jax.device_get(logs)).items()}
+    result = {k: float(v) for k, v in programs.ordered(jax.device_get(logs)).items()}
     cbs.on_test_end(dict(result))
     return result
 
 
 def predict(trainer: Trainer, data: DataAdapter, cbs: CallbackList) -> Any:
     """The model's outputs for every real row of `data`, as NumPy arrays, in order."""
-    program = trainer.program(("predict",))
+    program = trainer.programs.predict
     cbs.on_predict_begin()
     outputs: list[tuple[Any, Any, int | None]] = []
     for i, (batch, mask, rows) in enumerate(prefetch(data.batches())):

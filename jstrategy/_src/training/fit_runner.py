@@ -9,6 +9,11 @@ gets `coordinated_fit.CoordinatedFitRunner`, which schedules the steps on its wo
 runner also says whether `fit` resumes exactly from any step, and what a backup holds
 besides the train state.
 
+An epoch passes the train state and its running sums by value: `FitEpoch` holds the state
+and sums it starts from, and its run returns the new ones in a `FitEpochResult`; the
+trainer holds only what is set once (its programs, its runner). The model's variables
+follow each step (`FitTrainer.state`), as Keras's callbacks see them.
+
 `FitState` is where `fit` is (`Model.fit_state`): callbacks read it and save and restore
 through it, so that a backup taken at any step resumes exactly.
 
@@ -34,8 +39,8 @@ from jstrategy._src.training.callbacks.base import Callback
 from jstrategy._src.training.callbacks.callback_list import CallbackList
 from jstrategy._src.training.data_adapters import DataAdapter
 from jstrategy._src.training.data_adapters import prefetch
+from jstrategy._src.training.programs import Programs
 from jstrategy._src.training.step import check_numerics
-from jstrategy._src.training.step.spec import StepSpec
 from jstrategy._src.values import keys_as_data
 from jstrategy._src.values import keys_like
 
@@ -54,25 +59,17 @@ class FitTrainer(Protocol):
     """What the fit runners and `FitState` use of a `Trainer` (the model's training side)."""
 
     strategy: Strategy
+    #: The model's train state: what its variables, `get_weights` and callbacks read.
     state: Any
     fit_state: FitState | None
-    resume: Resume | None
     stop_training: bool
     epochs_run: int
     steps_per_execution: int
     probed: set[str]
+    programs: Programs
 
     @property
     def fit_runner(self) -> FitRunner: ...
-
-    @property
-    def compiled_spec(self) -> StepSpec: ...
-
-    def program(self, key: tuple[Any, ...]) -> Any: ...
-
-    def zero_sums(self) -> dict[str, jax.Array]: ...
-
-    def ordered(self, logs: dict[str, Any]) -> dict[str, Any]: ...
 
     def next_order_seed(self) -> tuple[int, int]: ...
 
@@ -96,12 +93,14 @@ class FitRunner:
         """Runs one epoch of `fit`.
 
         Args:
-          epoch: what the epoch needs: ``state`` (the train state), ``spec`` (the compiled
-            step), ``data`` (``train_executions`` cuts it into executions), ``callbacks``,
-            ``steps_per_epoch``, and ``run()``, the default epoch.
+          epoch: what the epoch needs: ``state`` (the train state it starts from),
+            ``programs`` (the compiled step's), ``data`` (``train_executions`` cuts it into
+            executions), ``callbacks``, ``steps_per_epoch``, and ``run()``, the default
+            epoch.
 
         Returns:
-          The new train state and the epoch's logs, or None when the data gave no batch.
+          The new train state, the epoch's sums and logs, or None when the data gave no
+          batch.
         """
         return epoch.run()
 
@@ -144,6 +143,8 @@ class FitState:
       position_base: for a dataset read through one persistent iterator
         (``steps_per_epoch``), the elements drawn from it before this epoch; else None.
       sums: the epoch's running loss and metric sums (on the devices), or None.
+      resume: a restored backup's position (`restore_backup`) that this `fit` starts
+        from, or None.
 
     Example:
 
@@ -166,6 +167,7 @@ class FitState:
     order_index: int = 0
     position_base: int | None = None
     sums: Any = dataclasses.field(default=None, repr=False)
+    resume: Resume | None = dataclasses.field(default=None, repr=False)
     # Whether this fit warned of steps skipped at the loss scale's floor (once per fit).
     loss_scale_warned: bool = dataclasses.field(default=False, repr=False)
 
@@ -201,7 +203,9 @@ class FitState:
             return {"weights": trainer.weights_tree()}
         tree: dict[str, Any] = {"train_state": keys_as_data(trainer.state)}
         if epoch_sums:
-            tree["epoch_sums"] = self.sums if self.sums is not None else trainer.zero_sums()
+            tree["epoch_sums"] = (
+                self.sums if self.sums is not None else trainer.programs.zero_sums()
+            )
         extra = trainer.fit_runner.backup_state(trainer.state)
         if extra is not None:
             tree["strategy_state"] = extra
@@ -235,7 +239,7 @@ class FitState:
                 "directory as backup_dir.",
                 path=manager.directory,
             )
-        trainer.resume = Resume(
+        self.resume = Resume(
             epoch=int(metadata["epoch"]),
             step=int(metadata["step"]),
             order_index=int(metadata["order_index"]),
@@ -245,24 +249,28 @@ class FitState:
         return metadata
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class FitEpochResult:
-    """What an epoch of `fit` ends with: the train state and the epoch's logs."""
+    """What an epoch of `fit` ends with: the train state, the epoch's sums and its logs."""
 
     state: Any
+    sums: Any
     logs: dict[str, float]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class FitEpoch:
     """One epoch of `Model.fit`, as `FitRunner.run_epoch` receives it.
 
     Attributes:
-      trainer: the model's training side; `state`, `spec` and `next_order_seed` are what
-        a runner needs of it.
+      trainer: the model's training side, for what is set once: its ``programs``,
+        ``steps_per_execution``, ``next_order_seed``; and the model's ``state`` that the
+        epoch's steps are published to.
       data: the epoch's data adapter (`train_executions` cuts it into executions).
       callbacks: the callbacks; a runner calls the train-batch hooks.
       steps_per_epoch: `fit`'s ``steps_per_epoch``.
+      state: the train state the epoch starts from.
+      progress: where `fit` is (`FitState`), which the epoch keeps up to date.
       skip: steps of this epoch done before a resume.
       sums: the running sums a resumed epoch starts from, or None.
     """
@@ -271,18 +279,15 @@ class FitEpoch:
     data: DataAdapter
     callbacks: CallbackList
     steps_per_epoch: int | None
+    state: Any
+    progress: FitState
     skip: int = 0
     sums: Any = None
 
     @property
-    def state(self) -> Any:
-        """The train state at the start of the epoch."""
-        return self.trainer.state
-
-    @property
-    def spec(self) -> StepSpec:
-        """The compiled step."""
-        return self.trainer.compiled_spec
+    def programs(self) -> Programs:
+        """The compiled programs."""
+        return self.trainer.programs
 
     @property
     def stop_requested(self) -> bool:
@@ -292,9 +297,8 @@ class FitEpoch:
     def begin(self, sums: Any = None) -> FitState:
         """Records where the epoch starts in `FitState` (before `next_order_seed`), so a
         backup taken during or after it resumes with the same data; every runner calls it."""
-        trainer = self.trainer
-        progress = trainer.fit_state or FitState(trainer)
-        progress.order_index = trainer.epochs_run
+        progress = self.progress
+        progress.order_index = self.trainer.epochs_run
         progress.step = self.skip
         data = self.data
         progress.position_base = None if data.limit is None else data.taken - self.skip
@@ -304,12 +308,17 @@ class FitEpoch:
     def run(self) -> FitEpochResult | None:
         """The default epoch: the compiled programs on the replicas, asynchronously.
 
-        A resumed epoch starts after its first `skip` steps, with the running `sums` the
-        interrupted run had there, so it ends with the same state and logs. Returns None
-        (and warns) when the data gave no batch.
+        The state passes from step to step; after each, the model's variables are that
+        step's (callbacks see them, as Keras's), and a callback's change to them before a
+        step (a learning rate it sets) is what the step trains from. A resumed epoch starts
+        after its first `skip` steps, with the running `sums` the interrupted run had
+        there, so it ends with the same state and logs. Returns None (and warns) when the
+        data gave no batch.
         """
         trainer, cbs, data, skip = self.trainer, self.callbacks, self.data, self.skip
-        acc = trainer.zero_sums() if self.sums is None else self.sums
+        programs = self.programs
+        state = self.state
+        acc = programs.zero_sums() if self.sums is None else self.sums
         logs: dict[str, Any] = {}
         progress = self.begin(acc)
         epoch_seed = trainer.next_order_seed()
@@ -320,21 +329,24 @@ class FitEpoch:
         # As Keras, skip the per-batch hooks when no callback implements them.
         batch_hooks = implements(cbs, "train_batch")
         watch = check_numerics.Watch(
-            self.spec, "training step", f" of epoch {progress.epoch}", trainer.probed
+            programs.spec, "training step", f" of epoch {progress.epoch}", trainer.probed
         )
         for execution in prefetch(executions):
             if batch_hooks:
                 cbs.on_train_batch_begin(step)
-            program = trainer.program(("train", *execution.key))
-            trainer.state, acc, logs = program(trainer.state, acc, execution.batch, execution.mask)
+                state = trainer.state
+            program = programs.train(*execution.key)
+            state, acc, logs = program(state, acc, execution.batch, execution.mask)
+            # The step donated the state it took: the model's variables are the new ones.
+            trainer.state = state
             progress.sums = acc
             dispatch.track(logs)
             watch.add(logs, step, step + execution.steps - 1)
             step += execution.steps
             progress.step = step
             if batch_hooks:
-                cbs.on_train_batch_end(step - 1, trainer.ordered(logs))
-            if trainer.stop_training:
+                cbs.on_train_batch_end(step - 1, programs.ordered(logs))
+            if self.stop_requested:
                 break
         if not step:
             warnings.warn(
@@ -352,10 +364,10 @@ class FitEpoch:
         host, skipped = jax.device_get((logs, acc.get(check_numerics.FLOOR)))
         if not progress.loss_scale_warned:
             progress.loss_scale_warned = check_numerics.warn_loss_scale_floor(
-                skipped, step, progress.epoch, trainer.state.loss_scale
+                skipped, step, progress.epoch, state.loss_scale
             )
-        host = trainer.ordered(host)
-        return FitEpochResult(trainer.state, {k: float(v) for k, v in host.items()})
+        host = programs.ordered(host)
+        return FitEpochResult(state, acc, {k: float(v) for k, v in host.items()})
 
 
 def implements(callbacks: CallbackList, kind: str) -> bool:

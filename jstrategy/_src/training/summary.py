@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jstrategy._src import trace_context
 from jstrategy._src.names import path_str
 from jstrategy._src.names import snake_case
 from jstrategy._src.strategy import REPLICA_AXIS
@@ -259,7 +259,6 @@ def _summarize_linen(
     return render(name, table, total, trainable)
 
 
-_nnx_recorder = threading.local()
 _nnx_recording_classes: dict[type, type] = {}
 
 
@@ -269,7 +268,7 @@ def _recording_class(cls: type) -> type:
         original = cls.__call__
 
         def __call__(self, *args, **kwargs):
-            record = getattr(_nnx_recorder, "record", None)
+            record = trace_context.current().summary_recorder
             path = self.__dict__.get("_jstrategy_summary_path")
             row = None if record is None or path is None else record(path, cls.__name__)
             out = original(self, *args, **kwargs)
@@ -312,14 +311,13 @@ def _summarize_nnx(module: nnx.Module, state: Any, args: tuple, kwargs: dict) ->
 
     rows: dict[tuple[str, ...], _Row] = {}
     counter = itertools.count()
-    _nnx_recorder.record = lambda path, type_name: _record_call(
-        rows, counter, path, type_name, "__call__"
-    )
-    try:
+
+    def record(path: tuple[str, ...], type_name: str) -> _Row | None:
+        return _record_call(rows, counter, path, type_name, "__call__")
+
+    with trace_context.replaced(summary_recorder=record):
         graphdef, graph_state = nnx.split(clone)
         _trace(lambda st, a, k: nnx.merge(graphdef, st)(*a, **k), graph_state, args, kwargs)
-    finally:
-        _nnx_recorder.record = None
 
     def count_under(prefix: tuple[str, ...]) -> Count:
         count = Count()

@@ -2,9 +2,10 @@
 
 `Model` is the Keras-shaped facade; `Trainer` holds what it trains and does the work that
 does not depend on Keras's argument conventions: applying the compiled optimizer to the
-state, the learning rate, the compiled programs (built once per kind), and reading and
-writing the model's variables in checkpoints, and the model's fit runner
-(`fit_runner.py`). The loops in `fit_loop.py` run on it.
+state, the learning rate, and reading and writing the model's variables in checkpoints.
+What it sets once per `compile` or state, it holds: the compiled programs (`Programs`) and
+the model's fit runner (`fit_runner.py`). The loops in `fit_loop.py` run on it: they take
+the state from it and pass it through each epoch by value (`FitEpoch`, `FitEpochResult`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 from typing import Any
 
-import jax
 import numpy as np
 import optax
 
@@ -31,11 +31,11 @@ from jstrategy._src.strategy import get_strategy
 from jstrategy._src.training.coordinated_fit import CoordinatedFitRunner
 from jstrategy._src.training.fit_runner import FitRunner
 from jstrategy._src.training.fit_runner import FitState
-from jstrategy._src.training.fit_runner import Resume
 from jstrategy._src.training.optimizers import learning_rate as learning_rate_lib
 from jstrategy._src.training.optimizers import serialization as optimizers
 from jstrategy._src.training.optimizers.base import Optimizer
 from jstrategy._src.training.optimizers.base import ema_average
+from jstrategy._src.training.programs import Programs
 from jstrategy._src.training.saving import config as saved_config
 from jstrategy._src.training.state import trainable
 from jstrategy._src.training.step import body as step_lib
@@ -68,7 +68,7 @@ class Trainer:
       stop_training: set to end `fit` after the current step (`Model.stop_training`).
       fit_state: where `fit` is, while it runs.
       probed: the one-off checks of the compiled step done (`check_numerics.Watch`).
-      resume: a backup's position that the next `fit` starts from.
+      programs: the compiled programs (`Programs`), set anew by `compile` and `set_state`.
       fit_runner: how `fit`'s epochs run and what a backup holds besides the state
         (`CoordinatedFitRunner` for a strategy whose ``should_use_with_coordinator`` is
         True, else the default `FitRunner`); one for the model's life.
@@ -86,12 +86,11 @@ class Trainer:
         self.epochs_run = 0
         self.stop_training = False
         self.fit_state: FitState | None = None
-        self.resume: Resume | None = None
         self.fit_runner: FitRunner = (
             CoordinatedFitRunner(strategy) if strategy.should_use_with_coordinator else FitRunner()
         )
         self.class_counts: dict[Any, int | None] = {}
-        self.programs: dict[Any, Any] = {}
+        self.programs = Programs(strategy, policy, None)
         # What the watches of this model's steps have checked once (`check_numerics.Watch`).
         self.probed: set[str] = set()
         self._raw_tx: optax.GradientTransformation | None = None  # compiled, to apply
@@ -152,15 +151,13 @@ class Trainer:
 
     @property
     def compiled_spec(self) -> step_lib.StepSpec:
-        if self.spec is None:
-            raise RuntimeError("The model is not compiled; call model.compile(...) first.")
-        return self.spec
+        return self.programs.spec
 
     # Optimizer ----------------------------------------------------------------------------
     def set_state(self, state: Any) -> None:
         """A new state (built or restored): the programs are redone."""
         self.state = state
-        self.programs = {}
+        self.programs = Programs(self.strategy, self.policy, self.spec)
 
     def initial_tx(self) -> optax.GradientTransformation:
         """The optimizer a new state starts with (identity until `compile`)."""
@@ -176,6 +173,7 @@ class Trainer:
                 spec = dataclasses.replace(spec, loss_scale_factor=optimizer.loss_scale_factor)
         self.optimizer = optimizer
         self.spec = spec
+        self.programs = Programs(self.strategy, self.policy, spec)
         self.probed = set()  # a new loss: its first step's predictions are checked anew
         self.steps_per_execution = steps_per_execution
         self._raw_tx, self._tx = tx, None
@@ -259,31 +257,7 @@ class Trainer:
         opt_state = learning_rate_lib.write(self._opt_state(), value)
         self.state = self.state.replace(opt_state=opt_state)
 
-    # Programs -----------------------------------------------------------------------------
-    def program(self, key: tuple[Any, ...]) -> Any:
-        """The compiled program for `key`: ``("train", steps, stacked)``, ``("eval",)`` or
-        ``("predict",)``, built once (prediction needs no `compile`, as in Keras)."""
-        program = self.programs.get(key)
-        if program is None:
-            if key[0] == "train":
-                _, steps, stacked = key
-                program = step_lib.build_train_program(
-                    self.compiled_spec, steps=steps, stacked=stacked
-                )
-            elif key[0] == "eval":
-                program = step_lib.build_eval_program(self.compiled_spec)
-            else:
-                program = step_lib.build_predict_program(self.strategy, self.policy)
-            self.programs[key] = program
-        return program
-
-    def zero_sums(self) -> dict[str, jax.Array]:
-        return jax.device_put(self.compiled_spec.zero_sums(), self.strategy.replicated_sharding())
-
-    def ordered(self, logs: dict[str, Any]) -> dict[str, Any]:
-        # Programs return dicts with sorted keys; Keras shows the loss, then the metrics.
-        return {k: logs[k] for k in self.compiled_spec.names if k in logs}
-
+    # Epochs -------------------------------------------------------------------------------
     def next_order_seed(self) -> tuple[int, int]:
         """The seed of the next epoch's shuffling order (and count the epoch)."""
         seed = (self.seed, self.epochs_run)

@@ -19,7 +19,6 @@ constraints move data, never change it.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -34,9 +33,6 @@ from jstrategy._src import jax_compat
 __all__ = ["drop_data_axis"]
 
 _CONSTRAINT = jcore.primitives.sharding_constraint_p
-# Whether the rewrite being done dropped the axis from some constraint (per thread: a
-# rewrite runs to its end before the thread starts another).
-_STATE = threading.local()
 
 
 def drop_data_axis(fn: Callable[..., Any], axis: str, batched: Sequence[bool]) -> Callable:
@@ -53,7 +49,6 @@ def drop_data_axis(fn: Callable[..., Any], axis: str, batched: Sequence[bool]) -
     """
 
     def wrapped(*args: Any) -> Any:
-        _STATE.dropped = False
         leaves, in_tree = jax.tree.flatten(args)
         flags = [
             flag
@@ -68,8 +63,9 @@ def drop_data_axis(fn: Callable[..., Any], axis: str, batched: Sequence[bool]) -
             return out_leaves
 
         closed = jax.make_jaxpr(flat)(*leaves)
-        rewritten = _rewrite_closed(closed, flags, axis)[0]
-        if not _STATE.dropped:
+        rewrite = _Rewrite(axis)
+        rewritten = rewrite.closed(closed, flags)[0]
+        if not rewrite.dropped:
             # No constraint named the data axis: the model runs as written, not re-evaluated
             # from its jaxpr (only models that constrain their batch take this path).
             return fn(*args)
@@ -83,78 +79,84 @@ def _open(j: Any) -> Any:
     return j if isinstance(j, jcore.Jaxpr) else j.jaxpr
 
 
-def _rewrite_closed(j: Any, flags: Sequence[bool], axis: str) -> tuple[Any, list[bool]]:
-    new, out = _rewrite(_open(j), flags, axis)
-    return (new if isinstance(j, jcore.Jaxpr) else j.replace(jaxpr=new)), out
+class _Rewrite:
+    """One rewrite of a function's jaxpr: the data axis it drops, and whether it dropped it
+    from some constraint (`dropped`)."""
 
+    def __init__(self, axis: str):
+        self.axis = axis
+        self.dropped = False
 
-def _rewrite(jaxpr: Any, flags: Sequence[bool], axis: str) -> tuple[Any, list[bool]]:
-    """`jaxpr` with `axis` dropped from constraints on batched values, and which of its
-    outputs are batched (computed from an input whose flag is set)."""
-    batched = {v: f for v, f in zip(jaxpr.invars, flags, strict=True)}
+    def closed(self, j: Any, flags: Sequence[bool]) -> tuple[Any, list[bool]]:
+        new, out = self.open(_open(j), flags)
+        return (new if isinstance(j, jcore.Jaxpr) else j.replace(jaxpr=new)), out
 
-    def flag(v: Any) -> bool:
-        return not isinstance(v, jcore.Literal) and batched.get(v, False)
+    def open(self, jaxpr: Any, flags: Sequence[bool]) -> tuple[Any, list[bool]]:
+        """`jaxpr` with the axis dropped from constraints on batched values, and which of its
+        outputs are batched (computed from an input whose flag is set)."""
+        batched = {v: f for v, f in zip(jaxpr.invars, flags, strict=True)}
 
-    eqns = []
-    for eqn in jaxpr.eqns:
-        ins = [flag(v) for v in eqn.invars]
-        params, outs = _rewrite_params(eqn, ins, axis)
-        if eqn.primitive is _CONSTRAINT and ins[0]:
-            sharding = params["sharding"]
-            if isinstance(sharding, NamedSharding) and _names(sharding.spec, axis):
-                params = {**params, "sharding": _without(sharding, axis)}
-                _STATE.dropped = True
-        for v, f in zip(eqn.outvars, outs, strict=True):
-            batched[v] = f
-        eqns.append(eqn.replace(params=params) if params is not eqn.params else eqn)
-    return jaxpr.replace(eqns=eqns), [flag(v) for v in jaxpr.outvars]
+        def flag(v: Any) -> bool:
+            return not isinstance(v, jcore.Literal) and batched.get(v, False)
 
+        eqns = []
+        for eqn in jaxpr.eqns:
+            ins = [flag(v) for v in eqn.invars]
+            params, outs = self.params(eqn, ins)
+            if eqn.primitive is _CONSTRAINT and ins[0]:
+                sharding = params["sharding"]
+                if isinstance(sharding, NamedSharding) and _names(sharding.spec, self.axis):
+                    params = {**params, "sharding": _without(sharding, self.axis)}
+                    self.dropped = True
+            for v, f in zip(eqn.outvars, outs, strict=True):
+                batched[v] = f
+            eqns.append(eqn.replace(params=params) if params is not eqn.params else eqn)
+        return jaxpr.replace(eqns=eqns), [flag(v) for v in jaxpr.outvars]
 
-def _rewrite_params(eqn: Any, ins: list[bool], axis: str) -> tuple[Any, list[bool]]:
-    """The equation's params with their inner jaxprs rewritten, and its outputs' flags.
+    def params(self, eqn: Any, ins: list[bool]) -> tuple[Any, list[bool]]:
+        """The equation's params with their inner jaxprs rewritten, and its outputs' flags.
 
-    An inner jaxpr whose inputs are the equation's (calls, remat, custom derivatives'
-    primal) is rewritten with their flags, and gives the outputs' flags when its outputs
-    are the equation's; a scan's carries are batched once any iteration makes them so.
-    Elsewhere (loops' and conditionals' inputs) every inner input is taken as batched when
-    any input is: constraints there may lose the data axis, never their values.
-    """
-    any_in = any(ins)
-    if eqn.primitive.name == "scan":
-        return _rewrite_scan(eqn, ins, axis)
-    params = dict(eqn.params)
-    changed = False
-    found = []
-    for key, value in eqn.params.items():
-        if isinstance(value, tuple) and value and all(_is_jaxpr(v) for v in value):
-            params[key] = tuple(
-                _rewrite_closed(v, [any_in] * len(_open(v).invars), axis)[0] for v in value
-            )
-            changed = True
-        elif _is_jaxpr(value):
-            n = len(_open(value).invars)
-            params[key], outs = _rewrite_closed(value, ins if n == len(ins) else [any_in] * n, axis)
-            if n == len(ins) and len(outs) == len(eqn.outvars):
-                found.append(outs)
-            changed = True
-    if not found:
-        return (params if changed else eqn.params), [any_in] * len(eqn.outvars)
-    return params, [any(fs) for fs in zip(*found, strict=True)]
+        An inner jaxpr whose inputs are the equation's (calls, remat, custom derivatives'
+        primal) is rewritten with their flags, and gives the outputs' flags when its outputs
+        are the equation's; a scan's carries are batched once any iteration makes them so.
+        Elsewhere (loops' and conditionals' inputs) every inner input is taken as batched when
+        any input is: constraints there may lose the data axis, never their values.
+        """
+        any_in = any(ins)
+        if eqn.primitive.name == "scan":
+            return self.scan(eqn, ins)
+        params = dict(eqn.params)
+        changed = False
+        found = []
+        for key, value in eqn.params.items():
+            if isinstance(value, tuple) and value and all(_is_jaxpr(v) for v in value):
+                params[key] = tuple(
+                    self.closed(v, [any_in] * len(_open(v).invars))[0] for v in value
+                )
+                changed = True
+            elif _is_jaxpr(value):
+                n = len(_open(value).invars)
+                params[key], outs = self.closed(value, ins if n == len(ins) else [any_in] * n)
+                if n == len(ins) and len(outs) == len(eqn.outvars):
+                    found.append(outs)
+                changed = True
+        if not found:
+            return (params if changed else eqn.params), [any_in] * len(eqn.outvars)
+        return params, [any(fs) for fs in zip(*found, strict=True)]
 
-
-def _rewrite_scan(eqn: Any, ins: list[bool], axis: str) -> tuple[Any, list[bool]]:
-    consts, carries = jax_compat.scan_counts(eqn.params)
-    flags = list(ins)
-    while True:  # a carry is batched once an iteration makes it so: a fixed point
-        body, outs = _rewrite_closed(eqn.params["jaxpr"], flags, axis)
-        carried = [
-            a or b for a, b in zip(flags[consts : consts + carries], outs[:carries], strict=True)
-        ]
-        if carried == flags[consts : consts + carries]:
-            break
-        flags[consts : consts + carries] = carried
-    return {**eqn.params, "jaxpr": body}, [*carried, *outs[carries:]]
+    def scan(self, eqn: Any, ins: list[bool]) -> tuple[Any, list[bool]]:
+        consts, carries = jax_compat.scan_counts(eqn.params)
+        flags = list(ins)
+        while True:  # a carry is batched once an iteration makes it so: a fixed point
+            body, outs = self.closed(eqn.params["jaxpr"], flags)
+            carried = [
+                a or b
+                for a, b in zip(flags[consts : consts + carries], outs[:carries], strict=True)
+            ]
+            if carried == flags[consts : consts + carries]:
+                break
+            flags[consts : consts + carries] = carried
+        return {**eqn.params, "jaxpr": body}, [*carried, *outs[carries:]]
 
 
 def _is_jaxpr(value: Any) -> bool:
