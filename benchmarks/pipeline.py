@@ -6,11 +6,12 @@ Three measurements on 8 fake CPU devices, side by side in one process:
    computing one microbatch per tick; in the lockstep SPMD program the stages that have
    nothing to do during the fill and drain compute on placeholders, which takes the time
    they would idle. The measured bubble is ``1 - T(M ticks) / T(all ticks)``: the
-   pipelined forward and backward of the repeated block (`schedules.gpipe`, or
-   `schedules.one_f_one_b` for 1F1B, whose ``S - 1`` fill ticks run forward slots only
-   and whose ``S - 1`` drain ticks backward slots only), traced in the train step's view
-   (replicas vmapped over the data axis), against the same program without fill and
-   drain, the same work per tick (the no-bubble limit). Printed beside the formula
+   pipelined forward and backward of the repeated block (`schedules.gpipe`, the train
+   step's loop over (tick, layer), or `schedules.one_f_one_b` for 1F1B, whose ``S - 1``
+   fill ticks run forward slots only and whose ``S - 1`` drain ticks backward slots
+   only), traced in the train step's view (replicas vmapped over the data axis),
+   against the same program without fill and drain, the same work per tick (the
+   no-bubble limit). Printed beside the formula
    ``(S - 1) / (M + S - 1)``, both schedules'. The two programs differ by ``S - 1`` ticks
    only, and 8 fake devices share the host's cores: one run's figure moves by about 0.04
    from run to run, so compare the formula with the median of a few runs. Circular rows
@@ -115,15 +116,19 @@ def _block_program(strategy: PipelineStrategy, width: int, rows: int, bubble: bo
     replicas = strategy.num_replicas_in_sync
     x = jax.device_put(jax.random.normal(key, (replicas, rows // replicas, width)), rows_sharding)
 
+    def layer(wl: Any, h: Any) -> Any:
+        return jnp.tanh(h @ wl)
+
     def stage(w: Any, h: Any) -> Any:
-        return jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), h, w)[0]
+        return jax.lax.scan(lambda h, wl: (layer(wl, h), None), h, w)[0]
 
     if strategy.schedule is schedules.PipelineSchedule.GPIPE:
+        # The train step's loop over (tick, layer); `ticks` counts ticks of K layer steps.
         ticks = None if bubble else repeats * strategy.num_microbatches
         gpipe = schedules.gpipe if repeats == 1 else circular.circular_gpipe
 
         def loss(w: Any, x: Any) -> Any:
-            one = lambda xr: gpipe(stage, w, xr, config, ticks=ticks)  # noqa: E731
+            one = lambda xr: gpipe(layer, w, xr, config, ticks=ticks)  # noqa: E731
             return jnp.sum(jax.vmap(one, spmd_axis_name="replica")(x) ** 2)
 
         program = jax.jit(jax.grad(loss))

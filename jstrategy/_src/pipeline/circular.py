@@ -222,76 +222,6 @@ def _select(stage_params: Any, r: jax.Array) -> Any:
     return jax.tree.map(lambda v: _pick(v, r), stage_params)
 
 
-def _one_repeat(stage: Callable[[Any, jax.Array], jax.Array]) -> Callable[..., jax.Array]:
-    """Every stage's `stage` on its repeat ``r``'s layers (a ``vmap`` over the stages)."""
-    run = jax.vmap(stage)
-    return lambda stage_params, r, h: run(_select(stage_params, r), h)
-
-
-def _selected(v: jax.Array, r: jax.Array) -> jax.Array:
-    """`_pick` laid out ``(K, S, ...)`` (`_reselect`'s lowering)."""
-    return jnp.swapaxes(_pick(v, r), 0, 1)
-
-
-def _selected_transpose(ct: jax.Array, r: jax.Array, repeats: int) -> jax.Array:
-    """The transpose of `_selected` (linear in its weights): `ct` into repeat ``r[s]``."""
-    ct = jnp.swapaxes(ct, 0, 1)[:, None]  # (S, 1, K, ...)
-    pick = jnp.arange(repeats)[None, :] == r[:, None]
-    pick = pick.reshape(pick.shape + (1,) * (ct.ndim - 2))
-    return jnp.where(pick, ct, jnp.zeros((), ct.dtype))
-
-
-# The selections as primitives, for the checkpoint policy (`selection_primitive`).
-_reselect = selection_primitive(
-    "jstrategy_circular_select",
-    _selected,
-    lambda s: (s[2], s[0], *s[3:]),
-    lambda ct, shape, r: _selected_transpose(ct, r, shape[1]),
-)
-
-
-def _not_reselect(prim: Any, *_: Any, **__: Any) -> bool:
-    """A checkpoint policy: save every value but `_reselect`'s."""
-    return prim is not _reselect
-
-
-def _one_repeat_reselected(
-    stage: Callable[[Any, jax.Array], jax.Array], remat: Any = None
-) -> Callable[..., jax.Array]:
-    """`_one_repeat` whose backward pass selects each tick's layers again.
-
-    JAX's transposed tick loop needs each tick's stage weights (a matmul's input gradient
-    reads its weights). Without repeats they are the loop's constant, which ``scan``
-    keeps once; a tick's selection depends on the tick, so ``scan`` would stack a copy
-    per tick: ``R * M + S - 1`` virtual stages' weights, growing with ``M`` as the
-    activations do. Checkpointed with everything saved but the selection, the backward
-    pass recomputes it from the loop's constant (one select per repeat a tick) and keeps the
-    activations as before.
-
-    The selection is ``(K, S, ...)``, handed to ``vmap`` at axis 1: `stage` scans over its
-    layers (``Repeated``'s and ``NNXRepeated``'s do), and ``vmap`` of a ``scan`` moves the
-    mapped axis of its inputs behind the scanned one. Laid out ``(S, K, ...)``, that
-    transpose would be a value of its own, saved per tick."""
-    run = jax.vmap(stage, in_axes=(1, 0))
-
-    def one(stage_params: Any, r: jax.Array, h: jax.Array) -> jax.Array:
-        return run(jax.tree.map(lambda v: _reselect.bind(v, r), stage_params), h)
-
-    # Saving every other value would also save what the layers' own remat recomputes (at
-    # llama2-7B a layer's attention scores per microbatch and repeat: the step's remat had
-    # no effect, 127 GiB a v5p chip against MaxText's 35): under the step's remat policy a
-    # value is saved only where both policies save it.
-    active = remat
-    policy = _not_reselect
-    if active is not None:
-
-        def policy(prim: Any, *args: Any, **params: Any) -> bool:
-            return _not_reselect(prim) and bool(active(prim, *args, **params))
-
-    # Inside a scan nothing can merge the recomputation into the forward pass: no barrier.
-    return jax.checkpoint(one, policy=policy, prevent_cse=False)
-
-
 def _layer_picked(v: jax.Array, r: jax.Array, k: jax.Array) -> jax.Array:
     """Layer `k` of each stage's repeat ``r[s]``: ``(S, R, K, ...)`` -> ``(S, ...)``."""
     return _pick(jax.lax.dynamic_index_in_dim(v, k, axis=2, keepdims=False), r)
@@ -312,7 +242,7 @@ _relayer = selection_primitive(
 )
 
 
-def _circular_by_layer(
+def circular_gpipe(
     layer: Callable[[Any, jax.Array], jax.Array],
     stage_params: Any,
     x: jax.Array,
@@ -321,10 +251,21 @@ def _circular_by_layer(
     ticks: int | None = None,
     remat: Any = None,
 ) -> jax.Array:
-    """`circular_gpipe` one layer a step (step ``j``: layer ``j % K`` of tick ``j // K``),
-    so that the backward pass adds each layer's gradient to one accumulator of the
-    stage's gradients (`schedules._gpipe_by_layer`), where the tick loop summed each
-    tick's virtual stage's in a buffer of its own."""
+    """`schedules.gpipe` with ``config.num_repeats`` virtual stages per stage (the module
+    docstring): ``R * M + S - 1`` ticks, one loop over ``(tick, layer)`` as GPipe's.
+
+    Args:
+      layer: ``(one layer's params, microbatch) -> microbatch`` of the same shape.
+      stage_params: each leaf ``(S, R, K, ...)`` (`stage_layout`), split over `STAGE_AXIS`.
+      x: the rows, ``(rows, ...)``; `config.num_microbatches` must divide ``rows``.
+      config: the pipeline.
+      ticks: None for all ticks; ``benchmarks/pipeline.py`` passes ``R * M``, the same
+        work per tick without the fill and drain (its outputs are not the model's).
+      remat: the step's checkpoint policy (`repeated.Tracing.remat`), or None.
+
+    Returns:
+      What applying the virtual stages in order to `x` gives, ``(rows, ...)``.
+    """
     stages, micro, repeats = config.num_stages, config.num_microbatches, config.num_repeats
     depth = jax.tree.leaves(stage_params)[0].shape[2]
     rows = x.shape[0]
@@ -362,70 +303,6 @@ def _circular_by_layer(
     return outputs.reshape(x.shape)
 
 
-def circular_gpipe(
-    stage: Callable[[Any, jax.Array], jax.Array],
-    stage_params: Any,
-    x: jax.Array,
-    config: PipelineConfig,
-    *,
-    ticks: int | None = None,
-    remat: Any = None,
-    layer: Callable[[Any, jax.Array], jax.Array] | None = None,
-) -> jax.Array:
-    """`schedules.gpipe` with ``config.num_repeats`` virtual stages per stage (the module
-    docstring): ``R * M + S - 1`` ticks.
-
-    Args:
-      stage: ``(one virtual stage's params, microbatch) -> microbatch``.
-      stage_params: each leaf ``(S, R, K, ...)`` (`stage_layout`), split over `STAGE_AXIS`.
-      x: the rows, ``(rows, ...)``; `config.num_microbatches` must divide ``rows``.
-      config: the pipeline.
-      ticks: None for all ticks; ``benchmarks/pipeline.py`` passes ``R * M``, the same
-        work per tick without the fill and drain (its outputs are not the model's).
-      remat: the step's checkpoint policy (`repeated.Tracing.remat`), or None.
-      layer: ``(one layer's params, microbatch) -> microbatch`` (`schedules.gpipe`'s);
-        given, the loop runs one layer a step (`_circular_by_layer`).
-
-    Returns:
-      What applying the virtual stages in order to `x` gives, ``(rows, ...)``.
-    """
-    if layer is not None:
-        return _circular_by_layer(layer, stage_params, x, config, ticks=ticks, remat=remat)
-    stages, micro, repeats = config.num_stages, config.num_microbatches, config.num_repeats
-    rows = x.shape[0]
-    xs = x.reshape(micro, rows // micro, *x.shape[1:])
-    on_stages = jax.sharding.NamedSharding(config.mesh, P(STAGE_AXIS))
-    shift = _shift(config.mesh, stages)
-    run_stages = _one_repeat_reselected(stage, remat)
-    microbatch, repeat = _items(config)
-    stage_ids = jnp.arange(stages)
-    items = repeats * micro
-
-    def tick(carry: Any, t: jax.Array) -> tuple[Any, None]:
-        buffer, outputs = carry
-        r = repeat(t - stage_ids)  # each stage's repeat
-        # Stage 0 starts a microbatch at repeat 0; at a later repeat it takes what the
-        # last stage handed round the ring.
-        feed = jax.lax.dynamic_index_in_dim(xs, microbatch(t), keepdims=False)
-        buffer = buffer.at[0].set(jnp.where(r[0] == 0, feed, buffer[0]))
-        buffer = jax.lax.with_sharding_constraint(buffer, on_stages)
-        out = jax.lax.with_sharding_constraint(run_stages(stage_params, r, buffer), on_stages)
-        last = t - (stages - 1)  # the item the last stage finished
-        m = microbatch(last)
-        done = (last >= 0) & (last < items) & (r[stages - 1] == repeats - 1)
-        kept = jax.lax.dynamic_index_in_dim(outputs, m, keepdims=False)
-        outputs = jax.lax.dynamic_update_index_in_dim(
-            outputs, jnp.where(done, out[stages - 1], kept), m, 0
-        )
-        return (shift(out), outputs), None
-
-    buffer = jnp.zeros((stages, *xs.shape[1:]), x.dtype)
-    outputs = jnp.zeros_like(xs)
-    count = items + stages - 1 if ticks is None else ticks
-    (_, outputs), _ = jax.lax.scan(tick, (buffer, outputs), jnp.arange(count))
-    return outputs.reshape(x.shape)
-
-
 def interleaved_one_f_one_b(
     stage: Callable[[Any, jax.Array], jax.Array],
     stage_params: Any,
@@ -456,7 +333,7 @@ def interleaved_one_f_one_b(
 
     forward_shift = _shift(config.mesh, stages)
     backward_shift = _shift(config.mesh, stages, step=-1)
-    run_stages = _one_repeat(stage)
+    run_stages = jax.vmap(stage)
     microbatch, repeat = _items(config)
 
     def backward(params: Any, h: jax.Array, grad: jax.Array) -> Any:
@@ -472,7 +349,8 @@ def interleaved_one_f_one_b(
         inputs = inputs.at[0].set(jnp.where(r[0] == 0, feed, inputs[0]))
         inputs = jax.lax.with_sharding_constraint(inputs, on_stages)
         kept = carry["kept"].at[:, t % slots].set(inputs)
-        out = jax.lax.with_sharding_constraint(run_stages(stage_params, r, inputs), on_stages)
+        out = run_stages(_select(stage_params, r), inputs)
+        out = jax.lax.with_sharding_constraint(out, on_stages)
         return {**carry, "inputs": forward_shift(out), "kept": kept}, out
 
     def head_slot(carry: dict[str, Any], t: jax.Array, out: jax.Array) -> dict[str, Any]:

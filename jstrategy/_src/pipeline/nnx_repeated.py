@@ -137,9 +137,8 @@ class NNXRepeated(nnx.Module):
             record.captured.append(Captured(None, stage, x))
             return x
         stage_params = jax.tree.map(lambda v: stage_layout(v, config), params)
-        if config.num_repeats == 1:
-            return gpipe(stage, stage_params, x, config, layer=one, remat=tracing.remat)
-        return circular_gpipe(stage, stage_params, x, config)
+        schedule = gpipe if config.num_repeats == 1 else circular_gpipe
+        return schedule(one, stage_params, x, config, remat=tracing.remat)
 
     def _in_order(self, x: jax.Array, args: Any, kwargs: Any) -> jax.Array:
         """The layers one after the other (``nnx.scan``: streams and state per layer)."""

@@ -265,11 +265,9 @@ class Repeated(nn.Module):
             record.captured.append(Captured(tuple(self.scope.path), stage, x))
             return x
         stage_params = jax.tree.map(lambda v: stage_layout(v, config), stacked)
-        stage = self._stage(template, args, kwargs)
+        schedule = gpipe if config.num_repeats == 1 else circular_gpipe
         layer = self._layer(template, args, kwargs)
-        if config.num_repeats == 1:
-            return gpipe(stage, stage_params, x, config, layer=layer, remat=tracing.remat)
-        return circular_gpipe(stage, stage_params, x, config, remat=tracing.remat, layer=layer)
+        return schedule(layer, stage_params, x, config, remat=tracing.remat)
 
     def _apply(self, template: nn.Module, params: Any, h: jax.Array, args, kwargs, rngs=None):
         out = template.apply({"params": params}, h, *args, rngs=rngs, **kwargs)

@@ -227,67 +227,6 @@ def _shift(mesh: Mesh, stages: int, *, step: int = 1) -> Callable[[Any], Any]:
 
 
 def gpipe(
-    stage: Callable[[Any, jax.Array], jax.Array],
-    stage_params: Any,
-    x: jax.Array,
-    config: PipelineConfig,
-    *,
-    ticks: int | None = None,
-    layer: Callable[[Any, jax.Array], jax.Array] | None = None,
-    remat: Any = None,
-) -> jax.Array:
-    """`stage` applied by every stage in turn to `x`, microbatch by microbatch (GPipe).
-
-    Args:
-      stage: ``(one stage's params, microbatch) -> microbatch`` of the same shape.
-      stage_params: the stages' params, each leaf ``(num_stages, ...)``, split over
-        `STAGE_AXIS`.
-      x: the rows, ``(rows, ...)``; `config.num_microbatches` must divide ``rows``.
-      config: the pipeline.
-      ticks: how many ticks to run; None for all ``M + S - 1``. Only
-        ``benchmarks/pipeline.py`` passes fewer: ``M`` ticks are the same work per tick
-        without the pipeline's fill and drain, the no-bubble limit it times the step
-        against (their outputs are not the model's).
-      layer: ``(one layer's params, microbatch) -> microbatch``, where `stage` applies
-        the layers stacked in its params (each leaf ``(K, ...)``) in order; given, the
-        loop runs one layer a step (`_gpipe_by_layer`), so that the backward pass adds
-        each layer's gradient to the one accumulator of the stage's gradients.
-      remat: with `layer`, the step's checkpoint policy (`repeated.Tracing.remat`), or
-        None (see `_layer_reselected`).
-
-    Returns:
-      What applying the stages in order to `x` gives, ``(rows, ...)``.
-    """
-    if layer is not None:
-        return _gpipe_by_layer(layer, stage_params, x, config, ticks=ticks, remat=remat)
-    stages, micro = config.num_stages, config.num_microbatches
-    rows = x.shape[0]
-    xs = x.reshape(micro, rows // micro, *x.shape[1:])
-    on_stages = jax.sharding.NamedSharding(config.mesh, P(STAGE_AXIS))
-    shift = _shift(config.mesh, stages)
-    run_stages = jax.vmap(stage)
-
-    def tick(carry: Any, t: jax.Array) -> tuple[Any, None]:
-        buffer, outputs = carry
-        # Stage 0 takes microbatch t (past the last one, the last one again: its outputs
-        # are never read); stage s > 0 what stage s - 1 gave at the previous tick.
-        feed = jax.lax.dynamic_index_in_dim(xs, jnp.minimum(t, micro - 1), keepdims=False)
-        buffer = jax.lax.with_sharding_constraint(buffer.at[0].set(feed), on_stages)
-        out = jax.lax.with_sharding_constraint(run_stages(stage_params, buffer), on_stages)
-        # The last stage finishes microbatch t - (S - 1); before the first finishes, the
-        # write to slot 0 is overwritten later.
-        done = jnp.maximum(t - (stages - 1), 0)
-        outputs = jax.lax.dynamic_update_index_in_dim(outputs, out[stages - 1], done, 0)
-        return (shift(out), outputs), None
-
-    buffer = jnp.zeros((stages, *xs.shape[1:]), x.dtype)
-    outputs = jnp.zeros_like(xs)
-    count = micro + stages - 1 if ticks is None else ticks
-    (_, outputs), _ = jax.lax.scan(tick, (buffer, outputs), jnp.arange(count))
-    return outputs.reshape(x.shape)
-
-
-def _gpipe_by_layer(
     layer: Callable[[Any, jax.Array], jax.Array],
     stage_params: Any,
     x: jax.Array,
@@ -296,7 +235,9 @@ def _gpipe_by_layer(
     ticks: int | None = None,
     remat: Any = None,
 ) -> jax.Array:
-    """`gpipe` one layer a step: step ``j`` is layer ``j % K`` of tick ``j // K``.
+    """The stages' layers applied by every stage in turn to `x`, microbatch by microbatch
+    (GPipe), as one loop over ``(tick, layer)``: step ``j`` is layer ``j % K`` of tick
+    ``j // K``.
 
     A tick's loop over its stage's layers inside the loop over the ticks makes JAX's
     backward pass sum each tick's gradients of the ``K`` layers in a zeroed buffer of the
@@ -306,6 +247,22 @@ def _gpipe_by_layer(
     one accumulator, to which each step's gradient is added in place. A tick's first
     layer takes the stage's input (stage 0: the next microbatch); its last writes the
     last stage's output and hands every stage's output to the next stage.
+
+    Args:
+      layer: ``(one layer's params, microbatch) -> microbatch`` of the same shape.
+      stage_params: the stages' stacked layers, each leaf ``(num_stages, K, ...)``, split
+        over `STAGE_AXIS`.
+      x: the rows, ``(rows, ...)``; `config.num_microbatches` must divide ``rows``.
+      config: the pipeline.
+      ticks: how many ticks to run; None for all ``M + S - 1``. Only
+        ``benchmarks/pipeline.py`` passes fewer: ``M`` ticks are the same work per tick
+        without the pipeline's fill and drain, the no-bubble limit it times the step
+        against (their outputs are not the model's).
+      remat: the step's checkpoint policy (`repeated.Tracing.remat`), or None (see
+        `_layer_reselected`).
+
+    Returns:
+      What applying the stages in order to `x` gives, ``(rows, ...)``.
     """
     stages, micro = config.num_stages, config.num_microbatches
     depth = jax.tree.leaves(stage_params)[0].shape[1]
