@@ -32,6 +32,7 @@ from jstrategy import training
 from jstrategy._src import hlo
 from jstrategy._src.input.placement import distribute_batch
 from jstrategy._src.pipeline import circular
+from jstrategy._src.pipeline import schedules
 from jstrategy.experimental import PipelineStrategy
 from jstrategy.experimental import Repeated
 
@@ -83,7 +84,7 @@ def test_the_schedules_apply_the_virtual_stages_in_layer_order(stages, repeats, 
         return jnp.sum((out - t) ** 2)
 
     def piped(w, x):
-        return circular.circular_gpipe(_layer, circular.stage_layout(w, config), x, config)
+        return schedules.gpipe(_layer, circular.stage_layout(w, config), x, config)
 
     np.testing.assert_allclose(jax.jit(piped)(w, x), in_order(w, x), atol=1e-6)
     want_w, want_x = jax.grad(lambda w, x: loss(in_order(w, x), target), argnums=(0, 1))(w, x)
@@ -101,9 +102,7 @@ def test_the_schedules_apply_the_virtual_stages_in_layer_order(stages, repeats, 
     scale = jnp.asarray(1.5)
 
     def run(w, x, p):
-        return circular.interleaved_one_f_one_b(
-            _stage, circular.stage_layout(w, config), x, head, p, config
-        )
+        return schedules.one_f_one_b(_stage, circular.stage_layout(w, config), x, head, p, config)
 
     value, aux, d_head, d_stages, d_x = jax.jit(run)(w, x, scale)
     ref = lambda w, x, p: loss(in_order(w, x) * p, target)  # noqa: E731
@@ -243,7 +242,7 @@ def test_circular_gpipe_adds_each_layers_gradient_to_one_accumulator():
     x = jax.random.normal(jax.random.key(1), (8, width))
 
     def loss(ws, x):
-        return jnp.sum(circular.circular_gpipe(_layer, ws, x, config) ** 2)
+        return jnp.sum(schedules.gpipe(_layer, ws, x, config) ** 2)
 
     def in_order(ws, x):  # virtual stage r * S + s is stage s's repeat r
         return jnp.sum(_stage(jnp.swapaxes(ws, 0, 1).reshape(-1, width, width), x) ** 2)

@@ -25,7 +25,6 @@ import jax.numpy as jnp
 
 from jstrategy._src import activation_rows
 from jstrategy._src import trace_context
-from jstrategy._src.pipeline.circular import circular_gpipe
 from jstrategy._src.pipeline.circular import stage_layout
 from jstrategy._src.pipeline.schedules import STACKED_KEY
 from jstrategy._src.pipeline.schedules import PipelineConfig
@@ -265,9 +264,8 @@ class Repeated(nn.Module):
             record.captured.append(Captured(tuple(self.scope.path), stage, x))
             return x
         stage_params = jax.tree.map(lambda v: stage_layout(v, config), stacked)
-        schedule = gpipe if config.num_repeats == 1 else circular_gpipe
         layer = self._layer(template, args, kwargs)
-        return schedule(layer, stage_params, x, config, remat=tracing.remat)
+        return gpipe(layer, stage_params, x, config, remat=tracing.remat)
 
     def _apply(self, template: nn.Module, params: Any, h: jax.Array, args, kwargs, rngs=None):
         out = template.apply({"params": params}, h, *args, rngs=rngs, **kwargs)
