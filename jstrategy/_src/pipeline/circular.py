@@ -27,6 +27,8 @@ picks its repeat's layers, ``r = ((t - s) // S) % R``, from its ``(R, K, ...)`` 
   loss (the head) runs on the last stage in the same tick as its forward pass of the last
   repeat. Between a virtual stage's forward and backward slots of one microbatch pass at
   most ``2 (R * S - 1)`` ticks, so a stage keeps ``2 * R * S - 1`` microbatch inputs.
+  ``R * S - 1`` ticks run forward slots only, ``R * (M - S) + S`` both, ``R * S - 1``
+  backward slots only.
 
 `stage_layout` arranges a stacked variable ``(L, ...)`` in layer order as the schedules
 take it, ``(S, R, K, ...)`` (split over the stages), and `layer_layout` back; with

@@ -24,7 +24,7 @@ With ``num_repeats`` virtual stages per stage both run the circular order (``cir
 The schedule is chosen by the strategy and declared to the step as its `PipelineConfig`
 (`Strategy.pipeline`, read once into `StepSpec.pipeline`); the block
 (`jstrategy.experimental.Repeated`) reads it while the train step is traced (`repeated.py`'s
-`applying`), and without one runs its layers one after the other (a ``lax.scan``), as on
+`Tracing`), and without one runs its layers one after the other (a ``lax.scan``), as on
 one device.
 """
 
@@ -451,16 +451,6 @@ def _layer_reselected(
 # ---------------------------------------------------------------------------------------
 # 1F1B: each microbatch's backward pass starts as soon as its forward pass ends
 # ---------------------------------------------------------------------------------------
-def _at(tree: Any, index: Any) -> Any:
-    return jax.tree.map(lambda v: jax.lax.dynamic_index_in_dim(v, index, keepdims=False), tree)
-
-
-def _put(tree: Any, value: Any, index: Any) -> Any:
-    return jax.tree.map(
-        lambda t, v: jax.lax.dynamic_update_index_in_dim(t, v, index, 0), tree, value
-    )
-
-
 def one_f_one_b(
     stage: Callable[[Any, jax.Array], jax.Array],
     stage_params: Any,
@@ -486,10 +476,8 @@ def one_f_one_b(
     ticks run forward slots only and the last ``S - 1`` backward slots only, so the
     stages do ``M + S - 1`` ticks' work: the bubble is GPipe's, ``(S - 1) / (M + S - 1)``.
 
-    With ``config.num_repeats`` virtual stages per stage, interleaved 1F1B (``circular.py``):
-    ``R * S - 1`` ticks run forward slots only, ``R * (M - S) + S`` both, ``R * S - 1``
-    backward slots only: ``(R * M + S - 1)`` ticks' work of ``1 / R`` of a stage each, the
-    bubble ``(S - 1) / (R * M + S - 1)``; a stage keeps ``2 * R * S - 1`` microbatch inputs.
+    With ``config.num_repeats`` virtual stages per stage this is interleaved 1F1B, in
+    ``circular.py``'s order (its ticks, bubble and kept inputs there).
 
     Args:
       stage: ``(one stage's params, microbatch) -> microbatch`` of the same shape.
@@ -554,7 +542,9 @@ def one_f_one_b(
                 **carry,
                 "grads": carry["grads"].at[stages - 1].set(d_out),
                 "value": carry["value"] + value,
-                "aux": _put(carry["aux"], aux, m),
+                "aux": jax.tree.map(
+                    lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, m, 0), carry["aux"], aux
+                ),
                 "d_head": jax.tree.map(jnp.add, carry["d_head"], d_head),
             }
 
@@ -570,7 +560,8 @@ def one_f_one_b(
         r = repeats - 1 - repeat(j)
         # The forward item of the same microbatch and repeat, and its tick on stage s.
         i = (j // (repeats * stages)) * (repeats * stages) + r * stages + j % stages
-        inputs = jax.vmap(_at)(carry["kept"], (i + stage_ids) % slots)
+        slot = lambda v, at: jax.lax.dynamic_index_in_dim(v, at, keepdims=False)  # noqa: E731
+        inputs = jax.vmap(slot)(carry["kept"], (i + stage_ids) % slots)
         d_params, d_inputs = backward_stages(_select(stage_params, r), inputs, carry["grads"])
         # Each stage's gradient goes to its repeat's layers, [S, R, ...].
         to = valid[:, None] & (jnp.arange(repeats)[None, :] == r[:, None])
@@ -640,8 +631,8 @@ def _initial_carry(
     stage_params: Any,
     config: PipelineConfig,
 ) -> dict[str, Any]:
-    """A 1F1B loop's carry before its first tick (plain or interleaved): `slots` kept
-    microbatch inputs per stage, and zero sums and gradients."""
+    """A 1F1B loop's carry before its first tick: `slots` kept microbatch inputs per
+    stage, and zero sums and gradients."""
     microbatch = jnp.zeros((config.num_stages, *xs.shape[1:]), xs.dtype)
     value_shape, aux_shape = jax.eval_shape(
         lambda p, h: head(p, h, jnp.zeros((), jnp.int32)), head_params, xs[0]
