@@ -6,16 +6,16 @@ Three measurements on 8 fake CPU devices, side by side in one process:
    computing one microbatch per tick; in the lockstep SPMD program the stages that have
    nothing to do during the fill and drain compute on placeholders, which takes the time
    they would idle. The measured bubble is ``1 - T(M ticks) / T(all ticks)``: the
-   pipelined forward and backward of the repeated block (`schedules.gpipe`, or
-   `schedules.one_f_one_b` for 1F1B, whose ``S - 1`` fill ticks run forward slots only
-   and whose ``S - 1`` drain ticks backward slots only), traced in the train step's view
-   (replicas vmapped over the data axis), against the same program without fill and
-   drain, the same work per tick (the no-bubble limit). Printed beside the formula
+   pipelined forward and backward of the repeated block (`schedules.gpipe`, the train
+   step's loop over (tick, layer), or `schedules.one_f_one_b` for 1F1B, whose ``S - 1``
+   fill ticks run forward slots only and whose ``S - 1`` drain ticks backward slots
+   only), traced in the train step's view (replicas vmapped over the data axis),
+   against the same program without fill and drain, the same work per tick (the
+   no-bubble limit). Printed beside the formula
    ``(S - 1) / (M + S - 1)``, both schedules'. The two programs differ by ``S - 1`` ticks
    only, and 8 fake devices share the host's cores: one run's figure moves by about 0.04
    from run to run, so compare the formula with the median of a few runs. Circular rows
-   (``num_repeats=R``, R = 2 at S = 4, M = 8: `circular.circular_gpipe` and
-   `circular.interleaved_one_f_one_b`) run ``R * M + S - 1`` ticks of ``1 / R`` of a
+   (``num_repeats=R``, R = 2 at S = 4, M = 8: the same schedules with virtual stages) run ``R * M + S - 1`` ticks of ``1 / R`` of a
    stage's layers against ``R * M`` such ticks: ``(S - 1) / (R * M + S - 1)``, 0.158.
 2. **Step time.** The whole train step (`make_train_step`, Adam) of one model, a residual
    MLP block repeated 8 times between a Dense embedding and head, under PipelineStrategy
@@ -115,15 +115,18 @@ def _block_program(strategy: PipelineStrategy, width: int, rows: int, bubble: bo
     replicas = strategy.num_replicas_in_sync
     x = jax.device_put(jax.random.normal(key, (replicas, rows // replicas, width)), rows_sharding)
 
+    def layer(wl: Any, h: Any) -> Any:
+        return jnp.tanh(h @ wl)
+
     def stage(w: Any, h: Any) -> Any:
-        return jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), h, w)[0]
+        return jax.lax.scan(lambda h, wl: (layer(wl, h), None), h, w)[0]
 
     if strategy.schedule is schedules.PipelineSchedule.GPIPE:
+        # The train step's loop over (tick, layer); `ticks` counts ticks of K layer steps.
         ticks = None if bubble else repeats * strategy.num_microbatches
-        gpipe = schedules.gpipe if repeats == 1 else circular.circular_gpipe
 
         def loss(w: Any, x: Any) -> Any:
-            one = lambda xr: gpipe(stage, w, xr, config, ticks=ticks)  # noqa: E731
+            one = lambda xr: schedules.gpipe(layer, w, xr, config, ticks=ticks)  # noqa: E731
             return jnp.sum(jax.vmap(one, spmd_axis_name="replica")(x) ** 2)
 
         program = jax.jit(jax.grad(loss))
@@ -132,11 +135,9 @@ def _block_program(strategy: PipelineStrategy, width: int, rows: int, bubble: bo
         def head(_: Any, h: Any, m: Any) -> Any:
             return jnp.sum(h**2), None
 
-        one_f_one_b = schedules.one_f_one_b if repeats == 1 else circular.interleaved_one_f_one_b
-
         def grads(w: Any, x: Any) -> Any:
             def one(xr: Any) -> Any:
-                out = one_f_one_b(stage, w, xr, head, [], config, fill_and_drain=bubble)
+                out = schedules.one_f_one_b(stage, w, xr, head, [], config, fill_and_drain=bubble)
                 return out[3]
 
             return jnp.sum(jax.vmap(one, spmd_axis_name="replica")(x), axis=0)

@@ -473,10 +473,10 @@ def test_1f1b_keeps_fewer_activations_than_gpipe():
 
 def test_gpipe_backward_adds_each_layers_gradient_to_one_accumulator():
     # A tick's loop over its stage's layers inside the loop over the ticks: JAX's backward
-    # pass sums each tick's layer gradients in a zeroed buffer of the stage's whole
-    # gradient, then adds it to the ticks' sum (two stage gradients live: 6 GiB more a v5p
-    # chip at llama2-7B, 4 stages). One loop over (tick, layer) keeps one, with the same
-    # values.
+    # pass summed each tick's layer gradients in a zeroed buffer of the stage's whole
+    # gradient, then added it to the ticks' sum (two stage gradients live: 6 GiB more a v5p
+    # chip at llama2-7B, 4 stages). One loop over (tick, layer) keeps one, the gradient it
+    # returns: 0.65 MB of temporaries on the CPU against that loop's 1.46 MB.
     from jstrategy._src.pipeline.schedules import gpipe
 
     config = PipelineStrategy(num_stages=4, num_microbatches=4).pipeline
@@ -489,24 +489,22 @@ def test_gpipe_backward_adds_each_layers_gradient_to_one_accumulator():
     def layer(w, h):
         return h + jnp.tanh(h @ w)
 
-    def stage(ws, h):
-        return jax.lax.scan(lambda h, w: (layer(w, h), None), h, ws)[0]
+    def in_order(ws, x):  # every layer one after the other, stage 0's first
+        return jax.lax.scan(lambda h, w: (layer(w, h), None), x, ws.reshape(-1, width, width))[0]
 
-    def compiled(**by):
-        def loss(ws, x):
-            return jnp.sum(gpipe(stage, ws, x, config, **by) ** 2)
+    def loss(ws, x):
+        return jnp.sum(gpipe(layer, ws, x, config) ** 2)
 
-        return jax.jit(jax.value_and_grad(loss)).lower(weights, x).compile()
-
-    ticks, layers = compiled(), compiled(layer=layer)
-    (value, grad), (expected, expected_grad) = layers(weights, x), ticks(weights, x)
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(weights, x).compile()
+    value, grad = compiled(weights, x)
+    expected, expected_grad = jax.value_and_grad(lambda ws, x: jnp.sum(in_order(ws, x) ** 2))(
+        weights, x
+    )
     np.testing.assert_allclose(value, expected, rtol=1e-5)
-    np.testing.assert_allclose(grad, expected_grad, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(grad, expected_grad, rtol=1e-5, atol=1e-5)
     gradient = depth * width * width * 4  # a stage's, on each device
-    saved = ticks.memory_analysis().temp_size_in_bytes - layers.memory_analysis().temp_size_in_bytes
-    # 1.46 MB against 0.65 measured on the CPU (XLA's CPU schedule keeps some of the
-    # tick loop's buffer apart from its gradient's).
-    assert saved >= gradient / 2, (saved, gradient)
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp < gradient, (temp, gradient)
 
 
 class _Wide(nn.Module):

@@ -32,6 +32,7 @@ from jstrategy import training
 from jstrategy._src import hlo
 from jstrategy._src.input.placement import distribute_batch
 from jstrategy._src.pipeline import circular
+from jstrategy._src.pipeline import schedules
 from jstrategy.experimental import PipelineStrategy
 from jstrategy.experimental import Repeated
 
@@ -83,7 +84,7 @@ def test_the_schedules_apply_the_virtual_stages_in_layer_order(stages, repeats, 
         return jnp.sum((out - t) ** 2)
 
     def piped(w, x):
-        return circular.circular_gpipe(_stage, circular.stage_layout(w, config), x, config)
+        return schedules.gpipe(_layer, circular.stage_layout(w, config), x, config)
 
     np.testing.assert_allclose(jax.jit(piped)(w, x), in_order(w, x), atol=1e-6)
     want_w, want_x = jax.grad(lambda w, x: loss(in_order(w, x), target), argnums=(0, 1))(w, x)
@@ -101,9 +102,7 @@ def test_the_schedules_apply_the_virtual_stages_in_layer_order(stages, repeats, 
     scale = jnp.asarray(1.5)
 
     def run(w, x, p):
-        return circular.interleaved_one_f_one_b(
-            _stage, circular.stage_layout(w, config), x, head, p, config
-        )
+        return schedules.one_f_one_b(_stage, circular.stage_layout(w, config), x, head, p, config)
 
     value, aux, d_head, d_stages, d_x = jax.jit(run)(w, x, scale)
     ref = lambda w, x, p: loss(in_order(w, x) * p, target)  # noqa: E731
@@ -232,9 +231,9 @@ def _wide_step(micro, repeats, stages=4):
 
 @pytest.mark.slow
 def test_circular_gpipe_adds_each_layers_gradient_to_one_accumulator():
-    # As GPipe's (test_pipeline): one loop over (tick, layer) in place of a loop over a
-    # virtual stage's layers inside the loop over the ticks, whose backward pass summed
-    # each tick's virtual stage's gradient in a buffer of its own; the same values.
+    # As GPipe's (test_pipeline): one loop over (tick, layer), where a virtual stage's
+    # layers inside the loop over the ticks summed each tick's virtual stage's gradient in
+    # a buffer of its own: 0.72 MB of temporaries on the CPU against that loop's 2.60 MB.
     config = PipelineStrategy(num_stages=4, num_microbatches=4, num_repeats=2).pipeline
     width, depth = 256, 4  # a virtual stage's 4 layers: 1 MiB of gradients
     weights = jax.random.normal(jax.random.key(0), (4, 2, depth, width, width)) / width
@@ -242,27 +241,20 @@ def test_circular_gpipe_adds_each_layers_gradient_to_one_accumulator():
     weights = jax.device_put(weights, on_stages)
     x = jax.random.normal(jax.random.key(1), (8, width))
 
-    def layer(w, h):
-        return h + jnp.tanh(h @ w)
+    def loss(ws, x):
+        return jnp.sum(schedules.gpipe(_layer, ws, x, config) ** 2)
 
-    def stage(ws, h):
-        return jax.lax.scan(lambda h, w: (layer(w, h), None), h, ws)[0]
+    def in_order(ws, x):  # virtual stage r * S + s is stage s's repeat r
+        return jnp.sum(_stage(jnp.swapaxes(ws, 0, 1).reshape(-1, width, width), x) ** 2)
 
-    def compiled(**by):
-        def loss(ws, x):
-            return jnp.sum(circular.circular_gpipe(stage, ws, x, config, **by) ** 2)
-
-        return jax.jit(jax.value_and_grad(loss)).lower(weights, x).compile()
-
-    ticks, layers = compiled(), compiled(layer=layer)
-    (value, grad), (expected, expected_grad) = layers(weights, x), ticks(weights, x)
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(weights, x).compile()
+    value, grad = compiled(weights, x)
+    expected, expected_grad = jax.value_and_grad(in_order)(weights, x)
     np.testing.assert_allclose(value, expected, rtol=1e-5)
-    np.testing.assert_allclose(grad, expected_grad, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(grad, expected_grad, rtol=1e-5, atol=1e-5)
     gradient = depth * width * width * 4  # a virtual stage's, on each device
-    saved = ticks.memory_analysis().temp_size_in_bytes - layers.memory_analysis().temp_size_in_bytes
-    # 2.60 MB against 0.72 measured on the CPU: the tick loop also kept its selection's
-    # gradient, zero-padded to the stage's repeats, beside the virtual stage's.
-    assert saved >= gradient, (saved, gradient)
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp < gradient, (temp, gradient)
 
 
 def test_circular_gpipe_keeps_no_copy_of_the_weights_per_tick():

@@ -44,7 +44,6 @@ from jax.extend.core import Literal
 
 from jstrategy._src.names import path_names
 from jstrategy._src.pipeline import repeated
-from jstrategy._src.pipeline.circular import interleaved_one_f_one_b
 from jstrategy._src.pipeline.circular import layer_layout
 from jstrategy._src.pipeline.circular import stage_layout
 from jstrategy._src.pipeline.repeated import Captured
@@ -371,8 +370,7 @@ def one_f_one_b_loss(
 
         return jax.checkpoint(gathered, policy=jax.checkpoint_policies.dots_saveable)
 
-    schedule = one_f_one_b if config.num_repeats == 1 else interleaved_one_f_one_b
-    value, (totals, y_preds), d_head, d_block, d_h0 = schedule(
+    value, (totals, y_preds), d_head, d_block, d_h0 = one_f_one_b(
         stage, block_params, h0, head, [values[i] for i in live], config
     )
     (d_before,) = pull_before((d_h0, jnp.ones_like(pen_scaled)))

@@ -20,7 +20,6 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jstrategy._src.pipeline.circular import circular_gpipe
 from jstrategy._src.pipeline.circular import stage_layout
 from jstrategy._src.pipeline.repeated import Captured
 from jstrategy._src.pipeline.repeated import check_output
@@ -137,9 +136,7 @@ class NNXRepeated(nnx.Module):
             record.captured.append(Captured(None, stage, x))
             return x
         stage_params = jax.tree.map(lambda v: stage_layout(v, config), params)
-        if config.num_repeats == 1:
-            return gpipe(stage, stage_params, x, config, layer=one, remat=tracing.remat)
-        return circular_gpipe(stage, stage_params, x, config)
+        return gpipe(one, stage_params, x, config, remat=tracing.remat)
 
     def _in_order(self, x: jax.Array, args: Any, kwargs: Any) -> jax.Array:
         """The layers one after the other (``nnx.scan``: streams and state per layer)."""

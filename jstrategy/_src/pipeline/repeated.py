@@ -1,13 +1,13 @@
 """`Repeated`: a Flax block applied several times, its layers' variables stacked; and
-`applying`, the pipeline it reads while a train step is traced.
+`Tracing`, the pipeline it reads while a train step is traced.
 
 The one marker a pipelined model needs, as `jstrategy.training.remat` is remat's: the step
 sets the pipeline, the model says where its layers are. A train step whose strategy has a
-pipeline (`Strategy.pipeline`, read once into `StepSpec.pipeline`) traces the model inside
-`applying(pipeline)`, beside remat's `applying(policy)`; a `Repeated` block traced there
-runs its layers as the pipeline (`schedules`), split over the stages. Every other step,
-and evaluation and prediction, apply the layers one after the other in a ``lax.scan``, as
-``nn.scan`` would (one compiled layer, whatever their number).
+pipeline (`Strategy.pipeline`, read once into `StepSpec.pipeline`) traces the model with
+its `tracing_for` in the step's `trace_context`, beside remat's policy; a `Repeated` block
+traced there runs its layers as the pipeline (`schedules`), split over the stages. Every
+other step, and evaluation and prediction, apply the layers one after the other in a
+``lax.scan``, as ``nn.scan`` would (one compiled layer, whatever their number).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import jax.numpy as jnp
 
 from jstrategy._src import activation_rows
 from jstrategy._src import trace_context
-from jstrategy._src.pipeline.circular import circular_gpipe
 from jstrategy._src.pipeline.circular import stage_layout
 from jstrategy._src.pipeline.schedules import STACKED_KEY
 from jstrategy._src.pipeline.schedules import PipelineConfig
@@ -39,7 +38,6 @@ __all__ = [
     "Split",
     "Tracing",
     "after_block",
-    "applying",
     "check_output",
     "check_pipelined",
     "current",
@@ -90,7 +88,7 @@ class Tracing:
       config: the pipeline.
       split: the `Split` repeated blocks follow now, or None (they run the pipeline).
       remat: the step's checkpoint policy (``jax.checkpoint``'s ``policy``), or None:
-        the circular schedule's own checkpoint saves only what it saves too.
+        the GPipe loop's own checkpoint saves only what it saves too.
     """
 
     config: PipelineConfig
@@ -118,20 +116,6 @@ def tracing_for(
         return None
     config.check_step(params, rows)
     return Tracing(config, remat=remat)
-
-
-@contextlib.contextmanager
-def applying(
-    config: PipelineConfig | None, params: Any, rows: int, *, remat: Any = None
-) -> Iterator[Tracing | None]:
-    """Traces what runs inside with `tracing_for`'s `Tracing` in effect for `Repeated`
-    blocks (the pipeline field of the `trace_context.TraceContext` alone).
-
-    Yields the `Tracing` the blocks read (None without a pipeline).
-    """
-    tracing = tracing_for(config, params, rows, remat=remat)
-    with trace_context.replaced(pipeline=tracing):
-        yield tracing
 
 
 def current() -> Tracing | None:
@@ -265,11 +249,8 @@ class Repeated(nn.Module):
             record.captured.append(Captured(tuple(self.scope.path), stage, x))
             return x
         stage_params = jax.tree.map(lambda v: stage_layout(v, config), stacked)
-        stage = self._stage(template, args, kwargs)
         layer = self._layer(template, args, kwargs)
-        if config.num_repeats == 1:
-            return gpipe(stage, stage_params, x, config, layer=layer, remat=tracing.remat)
-        return circular_gpipe(stage, stage_params, x, config, remat=tracing.remat, layer=layer)
+        return gpipe(layer, stage_params, x, config, remat=tracing.remat)
 
     def _apply(self, template: nn.Module, params: Any, h: jax.Array, args, kwargs, rngs=None):
         out = template.apply({"params": params}, h, *args, rngs=rngs, **kwargs)

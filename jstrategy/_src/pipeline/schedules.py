@@ -19,10 +19,12 @@ inside the one compiled train step, every microbatch through the stages in order
   backward slot; a stage keeps at most ``2S - 1`` microbatch inputs, whatever ``M``, and
   recomputes its layers in the backward slot. The bubble is GPipe's.
 
+With ``num_repeats`` virtual stages per stage both run the circular order (``circular.py``).
+
 The schedule is chosen by the strategy and declared to the step as its `PipelineConfig`
 (`Strategy.pipeline`, read once into `StepSpec.pipeline`); the block
 (`jstrategy.experimental.Repeated`) reads it while the train step is traced (`repeated.py`'s
-`applying`), and without one runs its layers one after the other (a ``lax.scan``), as on
+`Tracing`), and without one runs its layers one after the other (a ``lax.scan``), as on
 one device.
 """
 
@@ -226,68 +228,20 @@ def _shift(mesh: Mesh, stages: int, *, step: int = 1) -> Callable[[Any], Any]:
     )
 
 
+def _items(config: PipelineConfig) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+    """``(microbatch of item i (clipped into range), repeat of item i)``."""
+    stages, repeats, micro = config.num_stages, config.num_repeats, config.num_microbatches
+
+    def microbatch(i: Any) -> Any:
+        return jnp.clip((i // (repeats * stages)) * stages + i % stages, 0, micro - 1)
+
+    def repeat(i: Any) -> Any:  # without repeats a constant: its tests fold away
+        return (i // stages) % repeats if repeats > 1 else jnp.zeros_like(i)
+
+    return microbatch, repeat
+
+
 def gpipe(
-    stage: Callable[[Any, jax.Array], jax.Array],
-    stage_params: Any,
-    x: jax.Array,
-    config: PipelineConfig,
-    *,
-    ticks: int | None = None,
-    layer: Callable[[Any, jax.Array], jax.Array] | None = None,
-    remat: Any = None,
-) -> jax.Array:
-    """`stage` applied by every stage in turn to `x`, microbatch by microbatch (GPipe).
-
-    Args:
-      stage: ``(one stage's params, microbatch) -> microbatch`` of the same shape.
-      stage_params: the stages' params, each leaf ``(num_stages, ...)``, split over
-        `STAGE_AXIS`.
-      x: the rows, ``(rows, ...)``; `config.num_microbatches` must divide ``rows``.
-      config: the pipeline.
-      ticks: how many ticks to run; None for all ``M + S - 1``. Only
-        ``benchmarks/pipeline.py`` passes fewer: ``M`` ticks are the same work per tick
-        without the pipeline's fill and drain, the no-bubble limit it times the step
-        against (their outputs are not the model's).
-      layer: ``(one layer's params, microbatch) -> microbatch``, where `stage` applies
-        the layers stacked in its params (each leaf ``(K, ...)``) in order; given, the
-        loop runs one layer a step (`_gpipe_by_layer`), so that the backward pass adds
-        each layer's gradient to the one accumulator of the stage's gradients.
-      remat: with `layer`, the step's checkpoint policy (`repeated.Tracing.remat`), or
-        None (see `_layer_reselected`).
-
-    Returns:
-      What applying the stages in order to `x` gives, ``(rows, ...)``.
-    """
-    if layer is not None:
-        return _gpipe_by_layer(layer, stage_params, x, config, ticks=ticks, remat=remat)
-    stages, micro = config.num_stages, config.num_microbatches
-    rows = x.shape[0]
-    xs = x.reshape(micro, rows // micro, *x.shape[1:])
-    on_stages = jax.sharding.NamedSharding(config.mesh, P(STAGE_AXIS))
-    shift = _shift(config.mesh, stages)
-    run_stages = jax.vmap(stage)
-
-    def tick(carry: Any, t: jax.Array) -> tuple[Any, None]:
-        buffer, outputs = carry
-        # Stage 0 takes microbatch t (past the last one, the last one again: its outputs
-        # are never read); stage s > 0 what stage s - 1 gave at the previous tick.
-        feed = jax.lax.dynamic_index_in_dim(xs, jnp.minimum(t, micro - 1), keepdims=False)
-        buffer = jax.lax.with_sharding_constraint(buffer.at[0].set(feed), on_stages)
-        out = jax.lax.with_sharding_constraint(run_stages(stage_params, buffer), on_stages)
-        # The last stage finishes microbatch t - (S - 1); before the first finishes, the
-        # write to slot 0 is overwritten later.
-        done = jnp.maximum(t - (stages - 1), 0)
-        outputs = jax.lax.dynamic_update_index_in_dim(outputs, out[stages - 1], done, 0)
-        return (shift(out), outputs), None
-
-    buffer = jnp.zeros((stages, *xs.shape[1:]), x.dtype)
-    outputs = jnp.zeros_like(xs)
-    count = micro + stages - 1 if ticks is None else ticks
-    (_, outputs), _ = jax.lax.scan(tick, (buffer, outputs), jnp.arange(count))
-    return outputs.reshape(x.shape)
-
-
-def _gpipe_by_layer(
     layer: Callable[[Any, jax.Array], jax.Array],
     stage_params: Any,
     x: jax.Array,
@@ -296,7 +250,10 @@ def _gpipe_by_layer(
     ticks: int | None = None,
     remat: Any = None,
 ) -> jax.Array:
-    """`gpipe` one layer a step: step ``j`` is layer ``j % K`` of tick ``j // K``.
+    """The stages' layers applied by every stage in turn to `x`, microbatch by microbatch
+    (GPipe; with ``config.num_repeats`` virtual stages per stage, circular GPipe:
+    ``circular.py``), as one loop over ``(tick, layer)``: step ``j`` is layer ``j % K``
+    of tick ``j // K``.
 
     A tick's loop over its stage's layers inside the loop over the ticks makes JAX's
     backward pass sum each tick's gradients of the ``K`` layers in a zeroed buffer of the
@@ -304,37 +261,61 @@ def _gpipe_by_layer(
     at once (at llama2-7B, 4 stages: 6 GiB more a device than one). One loop over
     ``(tick, layer)``, each step reading its layer's slice of the stage's params, has
     one accumulator, to which each step's gradient is added in place. A tick's first
-    layer takes the stage's input (stage 0: the next microbatch); its last writes the
-    last stage's output and hands every stage's output to the next stage.
+    layer takes the stage's input (stage 0: the next microbatch at its first repeat, else
+    what the last stage handed round the ring); its last writes the last stage's output
+    (at a microbatch's last repeat) and hands every stage's output to the next stage.
+
+    Args:
+      layer: ``(one layer's params, microbatch) -> microbatch`` of the same shape.
+      stage_params: the stages' stacked layers, each leaf ``(S, K, ...)``, with repeats
+        ``(S, R, K, ...)`` (`circular.stage_layout`), split over `STAGE_AXIS`.
+      x: the rows, ``(rows, ...)``; `config.num_microbatches` must divide ``rows``.
+      config: the pipeline.
+      ticks: how many ticks to run; None for all ``R * M + S - 1``. Only
+        ``benchmarks/pipeline.py`` passes fewer: ``R * M`` ticks are the same work per
+        tick without the pipeline's fill and drain, the no-bubble limit it times the step
+        against (their outputs are not the model's).
+      remat: the step's checkpoint policy (`repeated.Tracing.remat`), or None (see
+        `_layer_reselected`).
+
+    Returns:
+      What applying the (virtual) stages in order to `x` gives, ``(rows, ...)``.
     """
-    stages, micro = config.num_stages, config.num_microbatches
-    depth = jax.tree.leaves(stage_params)[0].shape[1]
+    stages, micro, repeats = config.num_stages, config.num_microbatches, config.num_repeats
+    depth = jax.tree.leaves(stage_params)[0].shape[1 if repeats == 1 else 2]
     rows = x.shape[0]
     xs = x.reshape(micro, rows // micro, *x.shape[1:])
     on_stages = jax.sharding.NamedSharding(config.mesh, P(STAGE_AXIS))
     shift = _shift(config.mesh, stages)
-    run_layer = _layer_reselected(layer, remat)
+    run_layer = _layer_reselected(layer, remat, select=_layer_at if repeats == 1 else _relayer)
+    microbatch, repeat = _items(config)
+    stage_ids = jnp.arange(stages)
+    items = repeats * micro
 
     def step(carry: Any, j: jax.Array) -> tuple[Any, None]:
         buffer, outputs = carry
         t, k = j // depth, j % depth
-        feed = jax.lax.dynamic_index_in_dim(xs, jnp.minimum(t, micro - 1), keepdims=False)
-        first = jnp.where(k == 0, feed, buffer[0])
-        buffer = jax.lax.with_sharding_constraint(buffer.at[0].set(first), on_stages)
-        out = jax.lax.with_sharding_constraint(run_layer(stage_params, k, buffer), on_stages)
-        last = k == depth - 1
-        # The last stage finishes microbatch t - (S - 1) at a tick's last layer; elsewhere
-        # the slot is written with what it holds (in place: no copy of the outputs).
-        done = jnp.maximum(t - (stages - 1), 0)
-        held = jax.lax.dynamic_index_in_dim(outputs, done, keepdims=False)
+        r = repeat(t - stage_ids)  # each stage's repeat
+        feed = jax.lax.dynamic_index_in_dim(xs, microbatch(t), keepdims=False)
+        buffer = buffer.at[0].set(jnp.where((r[0] == 0) & (k == 0), feed, buffer[0]))
+        buffer = jax.lax.with_sharding_constraint(buffer, on_stages)
+        out = run_layer(stage_params, *([] if repeats == 1 else [r]), k, buffer)
+        out = jax.lax.with_sharding_constraint(out, on_stages)
+        last_layer = k == depth - 1
+        last = t - (stages - 1)  # the item the last stage finished at this tick
+        m = microbatch(last)
+        # Elsewhere than where the last stage finishes a microbatch, the slot is written
+        # with what it holds (in place: no copy of the outputs).
+        done = last_layer & (last >= 0) & (last < items) & (r[stages - 1] == repeats - 1)
+        kept = jax.lax.dynamic_index_in_dim(outputs, m, keepdims=False)
         outputs = jax.lax.dynamic_update_index_in_dim(
-            outputs, jnp.where(last, out[stages - 1], held), done, 0
+            outputs, jnp.where(done, out[stages - 1], kept), m, 0
         )
-        return (jax.lax.cond(last, shift, lambda v: v, out), outputs), None
+        return (jax.lax.cond(last_layer, shift, lambda v: v, out), outputs), None
 
     buffer = jnp.zeros((stages, *xs.shape[1:]), x.dtype)
     outputs = jnp.zeros_like(xs)
-    count = (micro + stages - 1 if ticks is None else ticks) * depth
+    count = (items + stages - 1 if ticks is None else ticks) * depth
     (_, outputs), _ = jax.lax.scan(step, (buffer, outputs), jnp.arange(count))
     return outputs.reshape(x.shape)
 
@@ -394,26 +375,70 @@ _layer_at = selection_primitive(
 )
 
 
+def _pick(v: jax.Array, r: jax.Array) -> jax.Array:
+    """Each stage's repeat ``r[s]`` of one leaf, ``(S, R, K, ...)`` -> ``(S, K, ...)``.
+
+    One select per repeat, on each stage's slice of the repeats rather than a gather: it
+    stays on each stage's device and so does its transpose (a batched gather's is a
+    scatter-add that the SPMD partitioner can only do by replicating the whole stacked
+    variable); and, elementwise on slices of the result's shape, it fuses into one pass
+    that writes the result only (a masked sum over the repeats wrote all of them first)."""
+    r = r.reshape(r.shape + (1,) * (v.ndim - 2))
+    out = v[:, 0]
+    for j in range(1, v.shape[1]):
+        out = jnp.where(r == j, v[:, j], out)
+    return out
+
+
+def _select(stage_params: Any, r: jax.Array) -> Any:
+    """Each stage's repeat ``r[s]`` of `stage_params` (``(S, R, K, ...)`` -> ``(S, K, ...)``,
+    `_pick`)."""
+    return jax.tree.map(lambda v: _pick(v, r), stage_params)
+
+
+def _layer_picked(v: jax.Array, r: jax.Array, k: jax.Array) -> jax.Array:
+    """Layer `k` of each stage's repeat ``r[s]``: ``(S, R, K, ...)`` -> ``(S, ...)``."""
+    return _pick(jax.lax.dynamic_index_in_dim(v, k, axis=2, keepdims=False), r)
+
+
+def _repeat_layer_in_place(
+    ct: jax.Array, shape: tuple[int, ...], r: jax.Array, k: jax.Array
+) -> jax.Array:
+    """The transpose of `_layer_picked`: `ct` into layer `k` of repeat ``r[s]``."""
+    pick = jnp.arange(shape[1])[None, :] == r[:, None]
+    pick = pick.reshape(pick.shape + (1,) * (ct.ndim - 1))
+    layer = jnp.where(pick, ct[:, None], jnp.zeros((), ct.dtype))  # (S, R, ...)
+    # Added by the loop to its one accumulator: XLA writes layer k's slices in place.
+    zeros = jnp.zeros(shape, ct.dtype)
+    return jax.lax.dynamic_update_index_in_dim(zeros, layer, k, axis=2)
+
+
+_relayer = selection_primitive(
+    "jstrategy_circular_layer", _layer_picked, lambda s: (s[0], *s[3:]), _repeat_layer_in_place
+)
+
+
 def _layer_reselected(
-    layer: Callable[[Any, jax.Array], jax.Array], remat: Any = None, select: Any = None
+    layer: Callable[[Any, jax.Array], jax.Array], remat: Any, select: Primitive
 ) -> Callable[..., jax.Array]:
-    """``(stage params (S, K, ...), k, microbatches (S, ...)) -> (S, ...)``: layer `k`
-    of every stage, whose backward pass selects the layer's weights again.
+    """``(stage params, *indices, k, microbatches (S, ...)) -> (S, ...)``: layer `k` of
+    every stage (`select`: `_layer_at`, or with repeats `_relayer`, whose first index is
+    each stage's repeat), whose backward pass selects the layer's weights again.
 
     A step's selection depends on the step, so ``scan`` would keep a copy of it per step
     for the backward pass (a matmul's input gradient reads its weights): every layer's
     weights once per tick. Checkpointed with everything saved but the selection, the
-    backward pass selects it again from the loop's constant. Under the step's remat
-    policy a value is saved only where that policy saves it too (as `circular`'s).
-    `select` (a primitive, default `_layer_at`) takes the params and the indices that
-    precede the microbatches: the circular schedule's selects a repeat too."""
+    backward pass selects it again from the loop's constant."""
     run = jax.vmap(layer)
-    select = _layer_at if select is None else select
 
     def one(stage_params: Any, *indices_and_h: jax.Array) -> jax.Array:
         *indices, h = indices_and_h
         return run(jax.tree.map(lambda v: select.bind(v, *indices), stage_params), h)
 
+    # Saving every other value would also save what the layers' own remat recomputes (at
+    # llama2-7B a layer's attention scores per microbatch and repeat: the step's remat had
+    # no effect, 127 GiB a v5p chip against MaxText's 35): under the step's remat policy a
+    # value is saved only where both policies save it.
     def policy(prim: Any, *args: Any, **params: Any) -> bool:
         if prim is select:
             return False
@@ -426,16 +451,6 @@ def _layer_reselected(
 # ---------------------------------------------------------------------------------------
 # 1F1B: each microbatch's backward pass starts as soon as its forward pass ends
 # ---------------------------------------------------------------------------------------
-def _at(tree: Any, index: Any) -> Any:
-    return jax.tree.map(lambda v: jax.lax.dynamic_index_in_dim(v, index, keepdims=False), tree)
-
-
-def _put(tree: Any, value: Any, index: Any) -> Any:
-    return jax.tree.map(
-        lambda t, v: jax.lax.dynamic_update_index_in_dim(t, v, index, 0), tree, value
-    )
-
-
 def one_f_one_b(
     stage: Callable[[Any, jax.Array], jax.Array],
     stage_params: Any,
@@ -461,15 +476,19 @@ def one_f_one_b(
     ticks run forward slots only and the last ``S - 1`` backward slots only, so the
     stages do ``M + S - 1`` ticks' work: the bubble is GPipe's, ``(S - 1) / (M + S - 1)``.
 
+    With ``config.num_repeats`` virtual stages per stage this is interleaved 1F1B, in
+    ``circular.py``'s order (its ticks, bubble and kept inputs there).
+
     Args:
       stage: ``(one stage's params, microbatch) -> microbatch`` of the same shape.
-      stage_params: the stages' params, each leaf ``(num_stages, ...)``.
+      stage_params: the stages' params, each leaf ``(S, K, ...)``, with repeats
+        ``(S, R, K, ...)`` (`circular.stage_layout`); their gradients are laid out so.
       x: the first stage's input rows, ``(rows, ...)``.
       head: ``(head_params, the last stage's output for microbatch m, m) -> (value,
         aux)``: a scalar to differentiate (microbatch ``m``'s loss) and what else to keep.
       head_params: what `head` is differentiated with respect to.
       config: the pipeline.
-      fill_and_drain: False runs the ``M`` ticks that have both slots only: the same work
+      fill_and_drain: False runs the ``R * M`` ticks that have both slots only: the same work
         per tick without the pipeline's fill and drain, the no-bubble limit
         ``benchmarks/pipeline.py`` times the schedule against (its results are not the
         model's).
@@ -478,60 +497,88 @@ def one_f_one_b(
       ``(sum of the values, the auxes stacked (M, ...), d head_params, d stage_params,
       d x)``: the gradients of the summed values.
     """
-    stages, micro = config.num_stages, config.num_microbatches
+    stages, micro, repeats = config.num_stages, config.num_microbatches, config.num_repeats
+    if repeats == 1:  # the stages' layers as their one repeat's
+        stage_params = jax.tree.map(lambda v: v[:, None], stage_params)
     rows = x.shape[0]
     xs = x.reshape(micro, rows // micro, *x.shape[1:])
-    slots = 2 * stages - 1  # the microbatch inputs a stage keeps for its backward slots
+    items = repeats * micro
+    first_backward = repeats * stages - 1  # the tick the last stage starts backward slots
+    slots = 2 * repeats * stages - 1  # the microbatch inputs a stage keeps
     on_stages = jax.sharding.NamedSharding(config.mesh, P(STAGE_AXIS))
 
     forward_shift = _shift(config.mesh, stages)
     backward_shift = _shift(config.mesh, stages, step=-1)
     run_stages = jax.vmap(stage)
+    microbatch, repeat = _items(config)
 
-    def backward(params: Any, h: jax.Array, grad: jax.Array) -> tuple[Any, jax.Array]:
+    def backward(params: Any, h: jax.Array, grad: jax.Array) -> Any:
         return jax.vjp(stage, params, h)[1](grad)
 
     backward_stages = jax.vmap(backward)
     stage_ids = jnp.arange(stages)
 
     def forward_slot(carry: dict[str, Any], t: jax.Array) -> tuple[dict[str, Any], jax.Array]:
-        feed = jax.lax.dynamic_index_in_dim(xs, jnp.minimum(t, micro - 1), keepdims=False)
-        inputs = jax.lax.with_sharding_constraint(carry["inputs"].at[0].set(feed), on_stages)
+        r = repeat(t - stage_ids)
+        feed = jax.lax.dynamic_index_in_dim(xs, microbatch(t), keepdims=False)
+        inputs = carry["inputs"]
+        inputs = inputs.at[0].set(jnp.where(r[0] == 0, feed, inputs[0]))
+        inputs = jax.lax.with_sharding_constraint(inputs, on_stages)
         kept = carry["kept"].at[:, t % slots].set(inputs)
-        out = jax.lax.with_sharding_constraint(run_stages(stage_params, inputs), on_stages)
+        out = run_stages(_select(stage_params, r), inputs)
+        out = jax.lax.with_sharding_constraint(out, on_stages)
         return {**carry, "inputs": forward_shift(out), "kept": kept}, out
 
     def head_slot(carry: dict[str, Any], t: jax.Array, out: jax.Array) -> dict[str, Any]:
-        m = t - (stages - 1)  # the microbatch the last stage finished this tick
-        value, pullback, aux = jax.vjp(
-            lambda p, h: head(p, h, m), head_params, out[stages - 1], has_aux=True
-        )
-        d_head, d_out = pullback(jnp.ones_like(value))
-        return {
-            **carry,
-            "grads": carry["grads"].at[stages - 1].set(d_out),
-            "value": carry["value"] + value,
-            "aux": _put(carry["aux"], aux, m),
-            "d_head": jax.tree.map(jnp.add, carry["d_head"], d_head),
-        }
+        i = t - (stages - 1)  # the item the last stage finished this tick
+        m = microbatch(i)
+
+        def run(carry: dict[str, Any]) -> dict[str, Any]:
+            value, pullback, aux = jax.vjp(
+                lambda p, h: head(p, h, m), head_params, out[stages - 1], has_aux=True
+            )
+            d_head, d_out = pullback(jnp.ones_like(value))
+            return {
+                **carry,
+                "grads": carry["grads"].at[stages - 1].set(d_out),
+                "value": carry["value"] + value,
+                "aux": jax.tree.map(
+                    lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, m, 0), carry["aux"], aux
+                ),
+                "d_head": jax.tree.map(jnp.add, carry["d_head"], d_head),
+            }
+
+        if repeats == 1:  # every steady tick finishes a microbatch
+            return run(carry)
+        # Only a microbatch's last repeat leaves the block; the others go round the ring.
+        finished = (i >= 0) & (i < items) & (repeat(i) == repeats - 1)
+        return jax.lax.cond(finished, run, lambda carry: carry, carry)
 
     def backward_slot(carry: dict[str, Any], t: jax.Array) -> dict[str, Any]:
-        b = t - (2 * stages - 2 - stage_ids)  # each stage's microbatch
-        valid = (b >= 0) & (b < micro)
-        # Stage s kept microbatch b's input at tick b + s.
-        inputs = jax.vmap(_at)(carry["kept"], (b + stage_ids) % slots)
-        d_params, d_inputs = backward_stages(stage_params, inputs, carry["grads"])
+        j = t - first_backward - (stages - 1 - stage_ids)  # each stage's backward item
+        valid = (j >= 0) & (j < items)
+        r = repeats - 1 - repeat(j)
+        # The forward item of the same microbatch and repeat, and its tick on stage s.
+        i = (j // (repeats * stages)) * (repeats * stages) + r * stages + j % stages
+        slot = lambda v, at: jax.lax.dynamic_index_in_dim(v, at, keepdims=False)  # noqa: E731
+        inputs = jax.vmap(slot)(carry["kept"], (i + stage_ids) % slots)
+        d_params, d_inputs = backward_stages(_select(stage_params, r), inputs, carry["grads"])
+        # Each stage's gradient goes to its repeat's layers, [S, R, ...].
+        to = valid[:, None] & (jnp.arange(repeats)[None, :] == r[:, None])
 
         def masked_add(acc: jax.Array, g: jax.Array) -> jax.Array:
-            keep = valid.reshape(valid.shape + (1,) * (g.ndim - 1))
-            return acc + jnp.where(keep, g, jnp.zeros_like(g))
+            keep = to.reshape(to.shape + (1,) * (g.ndim - 1))
+            return acc + jnp.where(keep, g[:, None], jnp.zeros((), g.dtype))
 
         d_stages = _on_stage_axis(
             config.mesh, jax.tree.map(masked_add, carry["d_stages"], d_params)
         )
-        first = jnp.clip(b[0], 0, micro - 1)  # written once more, correctly, when valid
+        # Stage 0's input gradient is the block's at repeat 0; else it goes round the ring.
+        first = microbatch(j[0])  # written once more, correctly, when valid
         d_x = jnp.where(
-            valid[0], d_inputs[0], jax.lax.dynamic_index_in_dim(carry["d_x"], first, keepdims=False)
+            valid[0] & (r[0] == 0),
+            d_inputs[0],
+            jax.lax.dynamic_index_in_dim(carry["d_x"], first, keepdims=False),
         )
         return {
             **carry,
@@ -551,14 +598,19 @@ def one_f_one_b(
         return backward_slot(carry, t), None
 
     carry = _initial_carry(xs, slots, head, head_params, stage_params, config)
+    last_forward = items + stages - 1  # one past the last stage's last forward tick
     if fill_and_drain:
-        carry, _ = jax.lax.scan(warmup, carry, jnp.arange(stages - 1))
-    carry, _ = jax.lax.scan(steady, carry, jnp.arange(stages - 1, micro + stages - 1))
-    if fill_and_drain:
-        drain = jnp.arange(micro + stages - 1, micro + 2 * stages - 2)
+        carry, _ = jax.lax.scan(warmup, carry, jnp.arange(first_backward))
+        carry, _ = jax.lax.scan(steady, carry, jnp.arange(first_backward, last_forward))
+        drain = jnp.arange(last_forward, first_backward + items + stages - 1)
         carry, _ = jax.lax.scan(cooldown, carry, drain)
+    else:
+        carry, _ = jax.lax.scan(steady, carry, jnp.arange(first_backward, first_backward + items))
     d_x = carry["d_x"].reshape(x.shape)
-    return carry["value"], carry["aux"], carry["d_head"], carry["d_stages"], d_x
+    d_stages = carry["d_stages"]
+    if repeats == 1:
+        d_stages = jax.tree.map(lambda v: v[:, 0], d_stages)
+    return carry["value"], carry["aux"], carry["d_head"], d_stages, d_x
 
 
 def _on_stage_axis(mesh: Mesh, tree: Any) -> Any:
@@ -579,8 +631,8 @@ def _initial_carry(
     stage_params: Any,
     config: PipelineConfig,
 ) -> dict[str, Any]:
-    """A 1F1B loop's carry before its first tick (plain or interleaved): `slots` kept
-    microbatch inputs per stage, and zero sums and gradients."""
+    """A 1F1B loop's carry before its first tick: `slots` kept microbatch inputs per
+    stage, and zero sums and gradients."""
     microbatch = jnp.zeros((config.num_stages, *xs.shape[1:]), xs.dtype)
     value_shape, aux_shape = jax.eval_shape(
         lambda p, h: head(p, h, jnp.zeros((), jnp.int32)), head_params, xs[0]
