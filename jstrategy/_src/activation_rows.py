@@ -57,6 +57,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jstrategy._src import trace_context
+from jstrategy._src.validation import check_mode
 
 __all__ = [
     "Placement",
@@ -96,15 +97,8 @@ class TensorActivations(enum.Enum):
     @classmethod
     def of(cls, value: Any) -> TensorActivations:
         """`value` (a member or its name) as a member; a clear error for any other."""
-        if isinstance(value, cls):
-            return value
-        names = [m.value for m in cls]
-        if isinstance(value, str) and value.lower() in names:
-            return cls(value.lower())
-        raise ValueError(
-            f"`tensor_activations` must be one of {names} (or a jstrategy.experimental."
-            f"TensorActivations); got {value!r}. Pass e.g. tensor_activations='sequence'."
-        )
+        fix = "Pass e.g. tensor_activations='sequence'."
+        return check_mode(value, cls, "tensor_activations", fix)  # type: ignore[no-any-return]
 
 
 #: The constraint in the replicas' map (`trace_context.TraceContext.activation_rows`):

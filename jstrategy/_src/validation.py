@@ -6,6 +6,7 @@ fix, e.g. "`batch_size` must be a positive int; got 0. E.g. 32."
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
@@ -15,6 +16,7 @@ import numpy as np
 __all__ = [
     "refuse_keras_3_object",
     "check_bool",
+    "check_mode",
     "check_non_negative_int",
     "check_number",
     "check_positive_float",
@@ -25,6 +27,29 @@ __all__ = [
     "named_object",
     "short_repr",
 ]
+
+
+def check_mode(value: Any, mode: type[enum.Enum], name: str, fix: str) -> Any:
+    """`value` (a member of the `mode` enum, or its value in any case) as a member; for any
+    other, the `ValueError` naming `name`, the members, what was given and `fix`.
+
+    Example:
+
+    >>> import enum
+    >>> class Shade(enum.Enum):
+    ...     DARK = "dark"
+    >>> check_mode("DARK", Shade, "shade", "Pass e.g. shade='dark'.")
+    <Shade.DARK: 'dark'>
+    """
+    if isinstance(value, mode):
+        return value
+    names = [m.value for m in mode]
+    if isinstance(value, str) and value.lower() in names:
+        return mode(value.lower())
+    raise ValueError(
+        f"`{name}` must be one of {names} (or a jstrategy.experimental.{mode.__name__}); "
+        f"got {value!r}. {fix}"
+    )
 
 
 def is_int(value: Any) -> bool:

@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from jstrategy._src import axes
 from jstrategy._src.names import path_names
+from jstrategy._src.validation import check_mode
 from jstrategy._src.validation import check_positive_int
 
 __all__ = [
@@ -86,11 +87,6 @@ class PipelineSchedule(enum.Enum):
     @classmethod
     def of(cls, value: Any) -> PipelineSchedule:
         """`value` (a member or its name) as a member; a clear error for any other."""
-        if isinstance(value, cls):
-            return value
-        names = [m.value for m in cls]
-        if isinstance(value, str) and value.lower() in names:
-            return cls(value.lower())
         fix = "Pass e.g. schedule='gpipe'."
         if isinstance(value, str) and value.lower() in ("interleaved", "circular"):
             # Megatron's and MaxText's names: a number of virtual stages, not a schedule.
@@ -98,10 +94,7 @@ class PipelineSchedule(enum.Enum):
                 "A circular (interleaved) schedule is one of these with several virtual "
                 "stages per stage: pass e.g. schedule='1f1b', num_repeats=2."
             )
-        raise ValueError(
-            f"`schedule` must be one of {names} (or a jstrategy.experimental."
-            f"PipelineSchedule); got {value!r}. {fix}"
-        )
+        return check_mode(value, cls, "schedule", fix)  # type: ignore[no-any-return]
 
 
 @dataclasses.dataclass(frozen=True)
