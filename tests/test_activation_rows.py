@@ -298,18 +298,22 @@ def test_place_leaves_manual_regions_and_rows_that_do_not_divide_alone():
         assert not activation_rows.current()
 
 
-def test_place_splits_a_sequence_models_features_over_the_tensor_axis_where_they_divide():
+def _placed_text(x, split=activation_rows.TensorActivations.FEATURES):
+    """The lowered text of `place(x)` under a replicas 2 x FSDP 2 x tensor 2 step's
+    placement with `split`."""
     strategy = jstrategy.experimental.HybridStrategy(replicas=2, fsdp=2, tensor=2)
     mesh = strategy.mesh
 
-    def lowered(x):
-        def placed(x):
-            with activation_rows.placing(mesh, strategy.activation_rows, "replica"):
-                return activation_rows.place(x)
+    def placed(x):
+        with activation_rows.placing(mesh, strategy.activation_rows, "replica", split=split):
+            return activation_rows.place(x)
 
-        with jax.set_mesh(mesh):
-            return jax.jit(placed).lower(x).as_text()
+    with jax.set_mesh(mesh):
+        return jax.jit(placed).lower(x).as_text()
 
+
+def test_place_splits_a_sequence_models_features_over_the_tensor_axis_where_they_divide():
+    lowered = _placed_text
     # A sequence model's block input: rows, sequence left to XLA, features over "tensor".
     assert '[{"fsdp"}, {?}, {"tensor"}]' in lowered(jnp.ones((8, 4, 6)))
     # Features that do not divide by the tensor degree, and 2-D inputs, keep them open.
@@ -318,17 +322,8 @@ def test_place_splits_a_sequence_models_features_over_the_tensor_axis_where_they
 
 
 def test_place_splits_the_sequence_over_the_tensor_axis_with_sequence_activations():
-    strategy = jstrategy.experimental.HybridStrategy(replicas=2, fsdp=2, tensor=2)
-    mesh = strategy.mesh
-    sequence = activation_rows.TensorActivations.SEQUENCE
-
     def lowered(x):
-        def placed(x):
-            with activation_rows.placing(mesh, strategy.activation_rows, "replica", split=sequence):
-                return activation_rows.place(x)
-
-        with jax.set_mesh(mesh):
-            return jax.jit(placed).lower(x).as_text()
+        return _placed_text(x, activation_rows.TensorActivations.SEQUENCE)
 
     # Rows over "fsdp", the sequence (dimension 1) over "tensor", the features left open.
     assert '[{"fsdp"}, {"tensor"}, {?}]' in lowered(jnp.ones((8, 4, 6)))
