@@ -1,14 +1,5 @@
-"""Which variables a sharded strategy keeps in host memory between steps (`OffloadPolicy`).
-
-As MaxText's ``optimizer_memory_host_offload``, FSDP2's ``offload_policy`` and DeepSpeed's
-``offload_optimizer``: Adam's two moments are two thirds of a training state, and keeping
-them in host memory (JAX's ``"pinned_host"`` memory kind) between steps frees that much
-device memory per device. A strategy with a policy gives each chosen leaf its usual layout
-in host memory (`Strategy.variable_sharding`, hence placement, creation and checkpoint
-restores); the sharded train step (`staging.sharded_train_program`) moves those leaves to
-device memory inside the compiled program, where they are read, and writes the new values
-back to host memory through its ``out_shardings``.
-"""
+"""Which variables a sharded strategy keeps in host memory between steps (`OffloadPolicy`;
+how placement and the train step follow it: docs/ARCHITECTURE.md)."""
 
 from __future__ import annotations
 
@@ -28,23 +19,16 @@ __all__ = ["HOST_MEMORY_KIND", "OffloadPolicy", "resolve_offload"]
 #: DMA (as `CentralStorageStrategy`'s central copy).
 HOST_MEMORY_KIND = "pinned_host"
 
-#: The top-level fields of a train state a policy chooses by (linen's `TrainState` and
-#: `NNXTrainState` alike): ``("opt_state", ...)`` and ``("params", ...)`` paths.
-_OPTIMIZER, _PARAMS = "opt_state", "params"
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OffloadPolicy:
     """Which leaves of a train state live in host memory between steps.
 
-    Given as ``offload=`` to a sharded strategy: `jstrategy.experimental.FSDPStrategy`,
-    `ModelParallelStrategy` or `HybridStrategy`. Each chosen leaf keeps its layout (split
-    over the devices as the strategy says) in host memory (``memory_kind="pinned_host"``),
-    and the compiled train step moves it to device memory for its step and back.
-    ``offload_optimizer=True`` is ``offload=OffloadPolicy()``.
-
-    Scalars (step counts, a schedule's learning rate) stay in device memory: they weigh
-    nothing and the host reads and writes them between steps.
+    Given as ``offload=`` to `jstrategy.experimental.FSDPStrategy`, `ModelParallelStrategy`
+    or `HybridStrategy` (``offload_optimizer=True`` is ``offload=OffloadPolicy()``). Each
+    chosen leaf keeps its layout in host memory (``memory_kind="pinned_host"``); the
+    compiled train step moves it to device memory for its step and back. Scalars (step
+    counts) stay in device memory: they weigh nothing.
 
     Args:
       optimizer: offload the optimizer state (the leaves under ``opt_state``).
@@ -111,8 +95,9 @@ class OffloadPolicy:
         if not path or not tuple(leaf.shape):
             return False
         names = tuple(str(k) for k in path)
-        chosen = (self.optimizer and names[0] == _OPTIMIZER) or (
-            self.params and names[0] == _PARAMS
+        # The train state's top-level fields (linen's `TrainState` and `NNXTrainState`).
+        chosen = (self.optimizer and names[0] == "opt_state") or (
+            self.params and names[0] == "params"
         )
         return chosen and (self.where is None or bool(self.where(names)))
 
@@ -156,10 +141,8 @@ def resolve_offload(
     policy = OffloadPolicy() if offload_optimizer else offload
     if policy is None:
         return None
-    me = jax.process_index()
-    for device in devices:
-        if device.process_index != me:
-            continue  # another process checks its own devices
+    # Another process checks its own devices.
+    for device in [d for d in devices if d.process_index == jax.process_index()]:
         placement.check_memory_kind(
             device,
             HOST_MEMORY_KIND,

@@ -44,8 +44,8 @@ class TraceContext:
       region: the `batch_region.Region` of the forward pass being traced, or None.
       context_axis: the `context_parallel.axis.ContextAxis` the step splits sequences
         over, or None.
-      context_refusal: where a program of a context-parallel strategy that splits no
-        sequence is traced (`context_parallel.axis.refusing`), or None.
+      context_refusal: what the attention says when a program of a context-parallel
+        strategy that splits no sequence calls it (`context_parallel.axis.refusing`), or None.
       run_frame: the `tracked.RunFrame` of the function `strategy.run` traces (the
         holders it reads and updates), or None.
       summary_recorder: what an NNX layer called while `Model.summary` traces the model

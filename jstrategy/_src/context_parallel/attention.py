@@ -1,33 +1,5 @@
-"""`dot_product_attention`: Flax's attention, as ring attention over a step's context axis.
-
-Under a train step whose strategy splits the sequence (`axis.current()` is set, see
-`context_parallel/axis.py`), each shard of the context axis holds a contiguous block of
-the queries, keys and values. The attention runs in a `jax.shard_map` manual over the
-context axis (and the step's data axis, the map over replicas it runs in): each shard
-computes its queries against its own key/value block, then passes its keys and values on
-round the ring (`jax.lax.ppermute`, shard ``i`` to ``i + 1``) ``k - 1`` times, combining the
-blocks with an online softmax in float32 (flash attention's running maximum and sum). No
-device ever holds more than a ``(seq / k) x (seq / k)`` block of scores, so the
-activations the backward pass keeps fall with the square of the sequence over ``k``.
-
-Causal masks are computed from the blocks' true positions; a block entirely in a query
-block's future is skipped (`jax.lax.cond`). The work is not load-balanced: the shard with
-the last positions computes ``k`` blocks, the first one.
-
-Dropout on the attention weights (``dropout_rate`` and ``dropout_rng``, as Flax's
-``MultiHeadDotProductAttention`` passes them to its ``attention_fn``) draws Flax's keep
-mask, ``jax.random.bernoulli(dropout_rng, 1 - dropout_rate, shape)`` of Flax's shape, in
-the step's view, laid out by query rows over the context axis: each shard keeps its rows
-(``(seq / k) x seq`` booleans, per batch row and head unless ``broadcast_dropout``) and
-reads one block of them at each hop. A dropped weight leaves the softmax's sum as it is and
-only its value out, so the result is Flax's, number for number up to float32 rounding.
-
-Everywhere else (other strategies, evaluation, prediction, init) it is
-`flax.linen.dot_product_attention`, with ``causal=True`` adding Flax's causal mask. Inside
-`strategy.run` of a strategy with a context axis it raises (`axis.refused`): there the
-sequence is not split, and full attention on every device of a context group would be a
-silent loss of what the axis is for.
-"""
+"""`dot_product_attention`: Flax's, as ring attention over a step's context axis (see
+docs/ARCHITECTURE.md, "Context parallelism", for the ring, its causal skips and dropout)."""
 
 from __future__ import annotations
 
@@ -66,43 +38,24 @@ def dot_product_attention(
 ) -> jax.Array:
     """Attention as `flax.linen.dot_product_attention`, split over a context axis.
 
-    A model calls it in place of ``nn.dot_product_attention`` (e.g. as the
-    ``attention_fn`` of ``nn.MultiHeadDotProductAttention``, with ``causal`` bound by
-    ``functools.partial``): it takes Flax's arguments, dropout's included, so Flax passes
-    every one it passes its own attention. In a train step of a strategy whose mesh has a
-    ``"context"`` axis (``FSDPStrategy(context=k)``) it runs ring attention over that
-    axis: keys and values passed round the shards with ``ppermute``, an online softmax in
-    float32, a ``(seq / k)``-square block of scores at a time, dropout with Flax's mask.
-    Elsewhere it is ``nn.dot_product_attention`` with the same arguments. Inside
-    ``strategy.run`` of such a strategy it raises: context parallelism engages only in
-    train steps (``make_train_step``, ``Model.fit``).
+    A model calls it in place of ``nn.dot_product_attention`` (e.g. as the ``attention_fn``
+    of ``nn.MultiHeadDotProductAttention``, ``causal`` bound by ``functools.partial``). In a
+    train step of a strategy with a ``"context"`` axis (``FSDPStrategy(context=k)``) it
+    runs ring attention over it, a ``(seq / k)``-square block of scores at a time.
+    Elsewhere it is ``nn.dot_product_attention``; inside ``strategy.run`` of such a
+    strategy it raises (context parallelism engages only in train steps).
 
     Args:
-      query: ``(batch..., q_length, num_heads, head_dim)``.
-      key: ``(batch..., kv_length, num_heads, head_dim)``.
-      value: ``(batch..., kv_length, num_heads, v_head_dim)``.
-      bias: added to the scores, as Flax's; refused under a context axis.
-      mask: a boolean mask broadcastable to ``(batch..., num_heads, q_length,
-        kv_length)``, as Flax's; refused under a context axis (use `causal`).
-      broadcast_dropout: one dropout mask for every batch row and head, as Flax's.
-      dropout_rng: the dropout key, as Flax's (needed when dropout applies).
-      dropout_rate: the probability of dropping an attention weight, as Flax's.
-      deterministic: no dropout, as Flax's.
-      dtype: the computation's dtype, as Flax's (default: the query's). Under a context
-        axis the scores and softmax are float32 and the result is cast to it.
-      precision: the matrix products' precision, as Flax's.
-      module: the module whose ``intermediates`` get the attention weights (Flax's
-        ``sow_weights``); refused under a context axis, which never forms them whole.
-      force_fp32_for_softmax: as Flax's; under a context axis the softmax is float32
-        anyway.
-      qk_attn_weights_einsum: the scores' einsum, as Flax's; refused under a context axis.
-      attn_weights_value_einsum: the weighted values' einsum, as Flax's; refused under a
-        context axis.
-      causal: whether query ``i`` sees keys ``0..i`` only (self-attention: the query and
-        key lengths must be equal).
+      query, key, value: ``(batch..., length, num_heads, head_dim)``, as Flax's.
+      bias, mask, module, qk_attn_weights_einsum, attn_weights_value_einsum: as Flax's;
+        refused under a context axis (use `causal` for a causal mask).
+      broadcast_dropout, dropout_rng, dropout_rate, deterministic, precision: as Flax's.
+      dtype, force_fp32_for_softmax: as Flax's; under a context axis the scores and
+        softmax are float32 anyway.
+      causal: whether query ``i`` sees keys ``0..i`` only (equal query and key lengths).
 
     Returns:
-      ``(batch..., q_length, num_heads, v_head_dim)``.
+      ``(batch..., query length, num_heads, value head_dim)``.
 
     Raises:
       ValueError: for arrays of fewer than three dimensions, a causal attention between
@@ -126,6 +79,9 @@ def dot_product_attention(
     >>> bool(jnp.array_equal(dropped, nn.dot_product_attention(q, k, v, dropout_rng=rng, dropout_rate=0.5)))
     True
     """
+    # Flax's arguments as given (all but `causal`), for the fallback to pass every one on:
+    # Flax passes an `attention_fn` only the keywords its signature names.
+    flax_args = {name: given for name, given in locals().items() if name != "causal"}
     check_bool(causal, "causal")
     for name, array in (("query", query), ("key", key), ("value", value)):
         if jnp.ndim(array) < 3:
@@ -146,23 +102,7 @@ def dot_product_attention(
         if causal:
             causal_mask = nn.make_causal_mask(jnp.ones(query.shape[:-2], jnp.int32))
             mask = causal_mask if mask is None else nn.combine_masks(mask, causal_mask)
-        return nn.dot_product_attention(
-            query,
-            key,
-            value,
-            bias=bias,
-            mask=mask,
-            broadcast_dropout=broadcast_dropout,
-            dropout_rng=dropout_rng,
-            dropout_rate=dropout_rate,
-            deterministic=deterministic,
-            dtype=dtype,
-            precision=precision,
-            module=module,
-            force_fp32_for_softmax=force_fp32_for_softmax,
-            qk_attn_weights_einsum=qk_attn_weights_einsum,
-            attn_weights_value_einsum=attn_weights_value_einsum,
-        )
+        return nn.dot_product_attention(**{**flax_args, "mask": mask})
     under = (
         f"under context parallelism (the {context.name!r} axis splits the sequence into "
         f"{context.size} shards)"
@@ -190,14 +130,12 @@ def dot_product_attention(
                 f"float32 products; got {einsum!r}. Leave it None, or train without a "
                 "context axis."
             )
-    for length in (q_length, kv_length):
-        if length % context.size:
-            raise ValueError(
-                f"Under context parallelism (context={context.size}) the attention's lengths "
-                f"must divide by {context.size}; got query length {q_length} and key length "
-                f"{kv_length}. Pad the sequence to a multiple of {context.size}."
-            )
-    out_dtype = dtype if dtype is not None else query.dtype
+    if q_length % context.size or kv_length % context.size:
+        raise ValueError(
+            f"Under context parallelism (context={context.size}) the attention's lengths "
+            f"must divide by {context.size}; got query length {q_length} and key length "
+            f"{kv_length}. Pad the sequence to a multiple of {context.size}."
+        )
     spec = P(*([None] * (query.ndim - 3)), context.name)
     arrays, specs = [query, key, value], [spec, spec, spec]
     keep_prob = None
@@ -229,7 +167,7 @@ def dot_product_attention(
         # only collectives are the ring's ppermutes, whose transposes are ppermutes.
         check_vma=False,
     )
-    return ring(*arrays).astype(out_dtype)
+    return ring(*arrays).astype(query.dtype if dtype is None else dtype)
 
 
 def _ring(
@@ -243,11 +181,10 @@ def _ring(
     keep: tuple[jax.Array, ...] = (),
     keep_prob: float | None = None,
 ) -> jax.Array:
-    """One shard's attention: its query block against every key/value block, in a ring.
+    """One shard's query block against every key/value block, passed round the ring.
 
-    `keep` is empty, or holds this shard's rows of the dropout keep mask (every key
-    column): each block's weights are multiplied by its columns over `keep_prob` where
-    they weigh the values, not in the softmax's sum (Flax drops normalized weights).
+    `keep`: empty, or this shard's rows of the dropout keep mask; a dropped weight leaves
+    the values but stays in the softmax's sum (Flax drops normalized weights).
     """
     n, name = context.size, context.name
     index = jax.lax.axis_index(name)
@@ -294,8 +231,7 @@ def _ring(
 
     def step(state: Any, hop: jax.Array) -> Any:
         carry, k, v = state
-        k = jax.lax.ppermute(k, name, ring)
-        v = jax.lax.ppermute(v, name, ring)
+        k, v = jax.lax.ppermute((k, v), name, ring)
         source = (index - hop) % n  # the shard whose block arrived after `hop` hops
         if causal:
             # A block whose every key is in the future of every query adds nothing.

@@ -1,36 +1,10 @@
-"""The context axis: which mesh axis a train step splits the sequence over.
-
-A sharded strategy whose mesh has an axis named `CONTEXT_AXIS` (``"context"``) of size
-greater than one (``FSDPStrategy(context=k)``, or a `DeviceMesh` with that axis under
-`ModelParallelStrategy`) splits the batch arrays that carry the sequence along their
-dimension 1 over that axis (`split_sequence`), and traces the train step's forward pass
-inside `applying`, whose `ContextAxis` `jstrategy.experimental.dot_product_attention`
-reads to run ring attention over it. The step stays in the global view: the loss is a
-global sum over every token, reduced over the data and context axes by XLA, so its mean
-is one device's.
-
-Which arrays carry the sequence (`carries_sequence`): the sequence length is the longest
-dimension 1 of the features' arrays of two or more dimensions (the features: ``x`` of a
-batch ``(x, y)`` or ``(x, y, sample_weight)``, as `unpack_batch` reads it; the whole batch
-otherwise), and it must divide by the degree (`check_sequence`). Every batch array of two
-or more dimensions whose dimension 1 is that length is split along it; any other array (a
-``(B, 3)`` one-hot label, a ``(B,)`` weight) stays whole on each device of its replica.
-The rule only places data: the step computes in the global view, so an array taken for a
-sequence by chance (a one-hot label with as many classes as tokens) costs a gather, never
-a different result. The batches jstrategy places for training (distributed datasets,
-`distribute_batch`, `Model.fit`'s arrays, NumPy arrays given to a train step) are laid out
-so by `batch_shardings`, so each device of a context group receives only its part of each
-sequence.
-
-`strategy.run` does not engage it: there `refusing` is in force, and the attention
-raises rather than compute full attention on every device of a context group.
-"""
+"""The context axis a train step splits the sequence over, and which batch arrays carry it
+(how the step, the input and `strategy.run` use it: docs/ARCHITECTURE.md)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 from typing import Any
 
@@ -54,7 +28,6 @@ __all__ = [
     "check_sequence",
     "current",
     "of_mesh",
-    "of_strategy",
     "refused",
     "refusing",
     "split_sequence",
@@ -72,10 +45,9 @@ class ContextAxis:
       mesh: the strategy's mesh.
       name: the mesh axis the sequence is split over (`CONTEXT_AXIS`).
       size: how many shards the sequence has (the axis's size).
-      data_axis: the step's data axis: the ``spmd_axis_name`` of the map over the replicas
-        the forward pass runs in, which an attention region inside it makes manual too.
-      rows: the mesh's other axes a batch's rows are split over (`axes.ROW_AXES`:
-        ``"fsdp"``, ``"expert"``), after the data axis.
+      data_axis: the ``spmd_axis_name`` of the step's map over the replicas.
+      rows: the mesh's other axes a batch's rows are split over after the data axis
+        (`axes.ROW_AXES`).
     """
 
     mesh: Mesh
@@ -90,15 +62,6 @@ class ContextAxis:
         return (self.data_axis, *self.rows) if self.rows else self.data_axis
 
 
-@dataclasses.dataclass(frozen=True)
-class _Refusal:
-    """Where a strategy with a context axis runs a program that does not split sequences."""
-
-    strategy: str
-    size: int
-    where: str
-
-
 def of_mesh(mesh: Mesh, data_axis: str) -> ContextAxis | None:
     """The context axis of `mesh`: its `CONTEXT_AXIS` when larger than one, else None.
 
@@ -109,23 +72,15 @@ def of_mesh(mesh: Mesh, data_axis: str) -> ContextAxis | None:
     >>> of_mesh(mesh, "replica").size
     4
     """
-    if CONTEXT_AXIS not in mesh.axis_names or data_axis == CONTEXT_AXIS:
-        return None
-    size = int(mesh.shape[CONTEXT_AXIS])
-    if size == 1:
+    size = int(mesh.shape.get(CONTEXT_AXIS, 1))
+    if size == 1 or data_axis == CONTEXT_AXIS:
         return None
     rows = tuple(a for a in axes.ROW_AXES if a in mesh.axis_names and a != data_axis)
     return ContextAxis(mesh, CONTEXT_AXIS, size, data_axis, rows)
 
 
-def of_strategy(strategy: StrategyLike) -> ContextAxis | None:
-    """The context axis `strategy`'s train steps split sequences over, or None."""
-    return of_mesh(strategy.mesh, strategy.axis_name)
-
-
 def applying(axis: ContextAxis | None) -> contextlib.AbstractContextManager[Any]:
-    """`axis` is the current context axis while the body runs (a train step's trace: the
-    field of its `trace_context.TraceContext`)."""
+    """`axis` is the current context axis while the body (a train step's trace) runs."""
     return trace_context.replaced(context_axis=axis)
 
 
@@ -140,19 +95,24 @@ def current() -> ContextAxis | None:
     return trace_context.current().context_axis  # type: ignore[no-any-return]
 
 
-@contextlib.contextmanager
-def refusing(strategy: StrategyLike, where: str) -> Iterator[None]:
-    """While the body runs (`where`'s trace), `refused` describes `strategy`'s context
-    axis, if it has one: a program of a context-parallel strategy that splits no sequence
-    (`strategy.run`), in which the attention refuses to run (`refused`)."""
-    axis = of_strategy(strategy)
+def refusing(strategy: StrategyLike, where: str) -> contextlib.AbstractContextManager[Any]:
+    """While the body runs (`where`'s trace: a program of `strategy` that splits no
+    sequence, `strategy.run`), the attention refuses `strategy`'s context axis (`refused`)."""
+    axis = of_mesh(strategy.mesh, strategy.axis_name)
     if axis is None:
-        yield
-        return
-    with trace_context.replaced(
-        context_refusal=_Refusal(type(strategy).__name__, axis.size, where)
-    ):
-        yield
+        return contextlib.nullcontext()
+    size = axis.size
+    # What `refused` says after the call's name.
+    return trace_context.replaced(
+        context_refusal=f"was called inside {where} of a {type(strategy).__name__} with "
+        f"context={size}: context parallelism (ring attention over the "
+        f"{CONTEXT_AXIS!r} axis, each sequence split {size} ways) engages only in "
+        "the train steps of jstrategy.training.make_train_step and Model.fit, and here it "
+        f"would silently compute full attention on each of the {size} devices of "
+        "a replica. Train with make_train_step or Model.fit (evaluate with make_eval_step "
+        "or Model.evaluate), or build the strategy with context=1 for a custom loop over "
+        f"{where}."
+    )
 
 
 def refused(what: str) -> None:
@@ -167,33 +127,15 @@ def refused(what: str) -> None:
     >>> refused("dot_product_attention")  # outside any program: nothing to refuse
     """
     refusal = trace_context.current().context_refusal
-    if refusal is None or current() is not None:
-        return
-    raise ValueError(
-        f"{what} was called inside {refusal.where} of a {refusal.strategy} with "
-        f"context={refusal.size}: context parallelism (ring attention over the "
-        f"{CONTEXT_AXIS!r} axis, each sequence split {refusal.size} ways) engages only in "
-        "the train steps of jstrategy.training.make_train_step and Model.fit, and here it "
-        f"would silently compute full attention on each of the {refusal.size} devices of "
-        "a replica. Train with make_train_step or Model.fit (evaluate with make_eval_step "
-        "or Model.evaluate), or build the strategy with context=1 for a custom loop over "
-        f"{refusal.where}."
-    )
-
-
-def _features(batch: Any) -> Any:
-    """``x`` of a Keras-style batch ``(x,)``, ``(x, y)`` or ``(x, y, w)``, as the training
-    layer's `unpack_batch` reads it; any other batch is all features."""
-    if isinstance(batch, (tuple, list)) and 1 <= len(batch) <= 3:
-        return batch[0]
-    return batch
+    if refusal is not None and current() is None:
+        raise ValueError(f"{what} {refusal}")
 
 
 def _sequence(batch: Any, lead: int) -> tuple[int, str, tuple[int, ...]] | None:
-    """(length, path, shape) of the array that sets the batch's sequence length: of the
-    features' arrays of two or more dimensions (after `lead` stacked axes), the one with
-    the longest dimension 1 (the first of equals); None without one."""
-    features = _features(batch)
+    """(length, path, shape) of the features' array (two or more dimensions after `lead`)
+    with the longest dimension 1, the first of equals, which sets the sequence; or None."""
+    # ``x`` of ``(x,)``, ``(x, y)`` or ``(x, y, w)``, as `unpack_batch` reads it.
+    features = batch[0] if isinstance(batch, (tuple, list)) and 1 <= len(batch) <= 3 else batch
     found = None
     for path, leaf in jax.tree_util.tree_leaves_with_path(features):
         shape = tuple(getattr(leaf, "shape", ()))
@@ -205,8 +147,8 @@ def _sequence(batch: Any, lead: int) -> tuple[int, str, tuple[int, ...]] | None:
 
 def carries_sequence(batch: Any, lead: int = 0) -> Any:
     """For each array of `batch`, whether it carries the sequence: two or more dimensions
-    (after `lead` stacked axes) and its dimension 1 the features' sequence length (see the
-    module docstring).
+    (after `lead` stacked axes) and its dimension 1 the sequence length, the longest
+    dimension 1 of the features' arrays (``x`` of ``(x, y[, w])``, else the whole batch).
 
     Example:
 
@@ -225,10 +167,7 @@ def carries_sequence(batch: Any, lead: int = 0) -> Any:
 
 
 def check_sequence(batch: Any, size: int) -> None:
-    """Refuses a batch whose sequence length does not split into `size` shards.
-
-    The sequence length is the longest dimension 1 of the features' arrays of two or more
-    dimensions (`carries_sequence`).
+    """Refuses a batch whose sequence length (`carries_sequence`) does not split in `size`.
 
     Raises:
       ValueError: naming the array, its shape, the context degree and the fix.
@@ -242,31 +181,28 @@ def check_sequence(batch: Any, size: int) -> None:
     ValueError: Under context parallelism (context=4) ...
     """
     found = _sequence(batch, 0)
-    if found is None or found[0] % size == 0:
-        return
-    length, where, shape = found
-    raise ValueError(
-        f"Under context parallelism (context={size}) the sequence is the longest "
-        "dimension 1 of the inputs' arrays of two or more dimensions, split over the "
-        f"{size} shards of the {CONTEXT_AXIS!r} axis; the batch's array at "
-        f"{where or 'the top'} has shape {shape}, whose dimension 1 ({length}) does not "
-        f"divide by {size}. Pad the sequences to a multiple of {size} (masking the "
-        f"padding), or choose a context degree that divides {length}."
-    )
+    if found is not None and found[0] % size:
+        length, where, shape = found
+        raise ValueError(
+            f"Under context parallelism (context={size}) the sequence is the longest "
+            "dimension 1 of the inputs' arrays of two or more dimensions, split over the "
+            f"{size} shards of the {CONTEXT_AXIS!r} axis; the batch's array at "
+            f"{where or 'the top'} has shape {shape}, whose dimension 1 ({length}) does not "
+            f"divide by {size}. Pad the sequences to a multiple of {size} (masking the "
+            f"padding), or choose a context degree that divides {length}."
+        )
 
 
 def batch_shardings(strategy: StrategyLike, batch: Any, base: NamedSharding | None = None) -> Any:
-    """Where each array of a global training batch goes: `base` (by default
-    `Strategy.batch_sharding`: split by rows over the replicas), and, under a context axis
+    """Where each array of a global training batch goes: `base`, and, under a context axis
     whose degree divides the sequence, for the arrays that carry it (`carries_sequence`)
-    also split along their sequence dimension over the context axis, so each device
-    receives only its part of the sequence.
+    also split along their sequence dimension over the context axis.
 
     Args:
       strategy: the strategy the batch is for.
       batch: the batch's arrays, or their shapes (anything with ``.shape``).
-      base: where the rows go; its spec's last entry is the rows' dimension (one before
-        it for several steps' batches stacked on a leading axis), the sequence the next.
+      base: where the rows go (by default `Strategy.batch_sharding`); its spec's last entry
+        is the rows' dimension (after any stacked steps' axis), the sequence the next.
 
     Returns:
       A `NamedSharding` for each array of `batch`, in its structure.
@@ -280,7 +216,7 @@ def batch_shardings(strategy: StrategyLike, batch: Any, base: NamedSharding | No
     [P('replica', 'context'), P('replica',)]
     """
     base = strategy.batch_sharding() if base is None else base
-    axis = of_strategy(strategy)
+    axis = of_mesh(strategy.mesh, strategy.axis_name)
     lead = len(base.spec) - 1
     found = _sequence(batch, lead) if axis is not None else None
     if axis is None or found is None or found[0] % axis.size:
@@ -290,13 +226,9 @@ def batch_shardings(strategy: StrategyLike, batch: Any, base: NamedSharding | No
 
 
 def split_sequence(batch: Any, axis: ContextAxis) -> Any:
-    """`batch` (one step's global batch) with each array carrying the sequence split by
-    rows over the data axis and along dimension 1 over the context axis, after
-    `check_sequence`; the other arrays as they are.
-
-    Arrays placed by `batch_shardings` arrive so; others (a batch placed by rows only)
-    become so by a local slice per device, no communication.
-    """
+    """One step's global `batch`, checked, its arrays carrying the sequence split by rows
+    over the data axis and along dimension 1 over the context axis (already so when placed
+    by `batch_shardings`, else by a local slice per device)."""
     check_sequence(batch, axis.size)
     sharding = NamedSharding(axis.mesh, P(axis.row_spec, axis.name))
 

@@ -21,11 +21,9 @@ class MirroredStrategy(Strategy):
         means every local device of JAX's default backend.
       cross_device_ops: how values are combined across replicas: `NcclAllReduce`,
         `HierarchicalCopyAllReduce()` or `ReductionToOneDevice()`. None means
-        `NcclAllReduce(num_packs=0)`: one all-reduce per tensor in the traced program, which
-        XLA's all-reduce combiner then packs into large buffers itself, without the
-        concatenation copies that explicit packing costs (on 8 CPU devices, packing an
-        MLP's gradients into one buffer doubled the time of the gradient all-reduce). Pass
-        `NcclAllReduce(num_packs=k)` to pack explicitly, as TF does.
+        `NcclAllReduce(num_packs=0)`: one all-reduce per tensor, which XLA's combiner packs
+        itself without the concatenation copies of explicit packing (which doubled an
+        MLP's gradient all-reduce time on 8 CPU devices); `num_packs=k` packs, as TF.
 
     Raises:
       ValueError: if `devices` is empty, names a device twice, mixes platforms, or names a

@@ -25,22 +25,17 @@ __all__ = ["MultiWorkerMirroredStrategy", "PeerFailureError"]
 class MultiWorkerMirroredStrategy(Strategy):
     """Synchronous data parallelism over the devices of several processes (workers).
 
-    The cluster comes from `cluster_resolver` (by default `TFConfigClusterResolver`, which
-    reads ``TF_CONFIG``). The strategy joins the job (`jstrategy.cluster_resolver.join`:
-    JAX's distributed runtime, with the coordination service, gloo collectives on CPU, NCCL
-    on GPU) with the chief, or worker 0 when there is no chief, as coordinator, and lays one
-    replica on every device of every worker. Without ``TF_CONFIG`` it is a one-worker
-    strategy over the local devices. An evaluator task stays out of the training
-    collectives and gets a local strategy.
-
-    Create it before any other JAX computation in the program: the distributed runtime must
-    start before JAX's backends do.
+    The strategy joins the job (`jstrategy.cluster_resolver.join`: JAX's distributed
+    runtime, the chief or worker 0 as coordinator) and lays one replica on every device of
+    every worker. Without ``TF_CONFIG`` it is a one-worker strategy over the local devices;
+    an evaluator task gets a local strategy. Create it before any other JAX computation:
+    the distributed runtime must start before JAX's backends do.
 
     Args:
-      cluster_resolver: describes the cluster and this task; defaults to
-        `TFConfigClusterResolver()`.
-      communication_options: `CommunicationOptions` (implementation RING/NCCL/AUTO,
-        bytes_per_pack, timeout_seconds).
+      cluster_resolver: the cluster and this task; by default `TFConfigClusterResolver()`
+        (``TF_CONFIG``).
+      communication_options: `CommunicationOptions` (implementation, bytes_per_pack,
+        timeout_seconds).
 
     Raises:
       RuntimeError: if JAX's backends already started, so the runtime cannot.
@@ -58,20 +53,15 @@ class MultiWorkerMirroredStrategy(Strategy):
         cluster_resolver: ClusterResolver | None = None,
         communication_options: CommunicationOptions | None = None,
     ):
-        communication_options = check_communication_options(communication_options)
+        options = check_communication_options(communication_options)
         resolver = cluster_resolver if cluster_resolver is not None else TFConfigClusterResolver()
         self._cluster_resolver = resolver
-        self._communication_options = communication_options
+        self._communication_options = options
         # The handshake, the bounds and SIGTERM's hand-back: `cluster.join`.
-        self._cluster = cluster_lib.join(
-            resolver, timeout_seconds=communication_options.timeout_seconds
-        )
-        devices = jax.devices() if self._cluster.connected else jax.local_devices()
+        self._cluster = cluster_lib.join(resolver, timeout_seconds=options.timeout_seconds)
         super().__init__(
-            devices,
-            cross_device_ops=CollectiveAllReduce(
-                communication_options.implementation, communication_options.bytes_per_pack
-            ),
+            jax.devices() if self._cluster.connected else jax.local_devices(),
+            cross_device_ops=CollectiveAllReduce(options.implementation, options.bytes_per_pack),
         )
 
     @property
@@ -85,8 +75,8 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     @property
     def is_chief(self) -> bool:
-        """Whether this worker is the chief (or worker 0 without a chief): it writes what is
-        written once, such as checkpoints' metadata and summaries."""
+        """Whether this worker is the chief (or worker 0 without one), which writes what is
+        written once."""
         return cluster_lib.is_chief(self._cluster)
 
     @property
@@ -96,10 +86,8 @@ class MultiWorkerMirroredStrategy(Strategy):
 
 
 class _DeprecatedMultiWorkerMirroredStrategy(MultiWorkerMirroredStrategy):
-    """`jstrategy.experimental.MultiWorkerMirroredStrategy(communication, cluster_resolver)`.
-
-    Deprecated, as in TF: use `jstrategy.MultiWorkerMirroredStrategy` with
-    `CommunicationOptions(implementation=...)`.
+    """`jstrategy.experimental.MultiWorkerMirroredStrategy(communication, cluster_resolver)`,
+    deprecated as in TF: use `jstrategy.MultiWorkerMirroredStrategy` (`CommunicationOptions`).
 
     Example:
 

@@ -1,20 +1,8 @@
-"""`TPUStrategy`, `TPUClusterResolver` and the TPU system setup calls of tf.distribute.
-
-On Cloud TPU VMs (and Colab's TPU runtime) JAX finds the TPU cores itself; the resolver's
-job is to describe them, `experimental_connect_to_cluster` (or the strategy) joins the
-slice's hosts on multi-host pods (`jstrategy.cluster_resolver.join`), and `initialize_tpu_system` returns the topology. The strategy lays one
-replica on every TPU core, in an order that follows the physical interconnect
-(`jax.experimental.mesh_utils`), so neighbouring replicas are neighbouring chips and
-collectives travel short links.
-
-Without a TPU, `TPUStrategy()` raises an error naming the devices it found. Setting the
-environment variable ``JSTRATEGY_ALLOW_NON_TPU=1`` (the documented switch for tests and
-notebooks) makes the same code run on whatever devices there are: 8 fake CPU devices with
-``XLA_FLAGS=--xla_force_host_platform_device_count=8``.
-"""
+"""`TPUStrategy`, `TPUClusterResolver` and the TPU system setup calls of tf.distribute."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Sequence
@@ -48,18 +36,8 @@ def _allow_non_tpu() -> bool:
 
 
 def tpu_device_order(devices: Sequence[Any]) -> list[Any]:
-    """Orders TPU cores so that consecutive replicas are physical neighbours (a ring).
-
-    Uses `jax.experimental.mesh_utils.create_device_mesh`, which knows each TPU
-    generation's interconnect. Non-TPU devices keep their order.
-
-    Args:
-      devices: devices with `platform`, `device_kind`, `coords` and `core_on_chip` (real
-        `jax.Device` objects, or descriptions of them).
-
-    Returns:
-      The same devices, in replica order.
-    """
+    """`devices` (TPU cores, or descriptions of them) in an order whose neighbours are
+    physical neighbours, as `mesh_utils` knows each TPU generation; others as they are."""
     devices = list(devices)
     if not devices or devices[0].platform != "tpu":
         return devices
@@ -82,11 +60,8 @@ class Topology:
 
     Example:
 
-    >>> import os
-    >>> from unittest import mock
-    >>> import jstrategy
-    >>> with mock.patch.dict(os.environ, {"JSTRATEGY_ALLOW_NON_TPU": "1"}):  # no TPU here
-    ...     topology = jstrategy.tpu.experimental.initialize_tpu_system()
+    >>> import jax, jstrategy
+    >>> topology = jstrategy.tpu.experimental.Topology.from_devices(jax.devices())
     >>> topology.num_tasks, topology.num_tpus_per_task
     (1, 8)
     """
@@ -101,21 +76,15 @@ class Topology:
     def from_devices(cls, devices: Sequence[Any]) -> Topology:
         """Builds the topology of `devices` (TPU cores, or any devices when not on TPU)."""
         devices = list(devices)
-        tasks = sorted({d.process_index for d in devices})
-        coords = []
-        for d in devices:
-            xyz = tuple(getattr(d, "coords", (d.id, 0, 0)))
-            coords.append((*xyz, getattr(d, "core_on_chip", 0)))
-        arr = np.array(coords, dtype=np.int32)
-        shape = tuple(int(v) for v in arr.max(0) - arr.min(0) + 1)
-        per_task = len(devices) // max(1, len(tasks))
-        by_task = np.array(
-            [
-                [c for d, c in zip(devices, coords, strict=True) if d.process_index == t]
-                for t in tasks
-            ],
+        process = np.array([d.process_index for d in devices])
+        tasks = sorted(set(process.tolist()))
+        arr = np.array(
+            [(*getattr(d, "coords", (d.id, 0, 0)), getattr(d, "core_on_chip", 0)) for d in devices],
             dtype=np.int32,
         )
+        shape = tuple(int(v) for v in arr.max(0) - arr.min(0) + 1)
+        by_task = np.stack([arr[process == t] for t in tasks])
+        per_task = len(devices) // max(1, len(tasks))
         return cls(shape, by_task, len(tasks), per_task, devices[0].device_kind)
 
 
@@ -123,9 +92,8 @@ class TPUClusterResolver:
     """Finds the TPU cores, as `tf.distribute.cluster_resolver.TPUClusterResolver`.
 
     Args:
-      tpu: None, ``""`` or ``"local"`` for the TPU attached to this VM (Colab's TPU
-        runtime, Cloud TPU VMs). Remote TPU nodes reached over gRPC (the pre-2022 TPU Node
-        architecture) are not supported by JAX.
+      tpu: None, ``""`` or ``"local"``: the TPU attached to this VM (Colab, Cloud TPU VMs);
+        JAX does not support remote TPU nodes over gRPC.
       zone: accepted for compatibility; unused (JAX discovers the slice itself).
       project: accepted for compatibility; unused.
 
@@ -160,12 +128,9 @@ class TPUClusterResolver:
 
     def cluster_spec(self) -> Any:
         """The ``worker`` job: one task per TPU host."""
-
         return ClusterSpec({"worker": self._hosts()})
 
-    def master(
-        self, task_type: str | None = None, task_id: int | None = None, rpc_layer=None
-    ) -> str:
+    def master(self, task_type=None, task_id=None, rpc_layer=None) -> str:
         """The session target; empty for the local TPU, as on TPU VMs."""
         return ""
 
@@ -183,12 +148,9 @@ class TPUClusterResolver:
           RuntimeError: when there is no TPU (unless ``JSTRATEGY_ALLOW_NON_TPU=1``, which
             returns the default backend's devices instead).
         """
-        try:
-            tpus = jax.devices("tpu")
-        except RuntimeError:
-            tpus = []
-        if tpus:
-            return list(tpus)
+        with contextlib.suppress(RuntimeError):  # no TPU backend
+            if tpus := jax.devices("tpu"):
+                return list(tpus)
         if _allow_non_tpu():
             return list(jax.devices())
         found = ", ".join(f"{d.platform}:{d.id}" for d in jax.devices()) or "none"
@@ -209,11 +171,9 @@ class TPUClusterResolver:
 def experimental_connect_to_cluster(cluster_spec_or_resolver: Any = None, **_: Any) -> None:
     """Connects this host to the rest of its TPU slice.
 
-    The JAX meaning of `tf.config.experimental_connect_to_cluster`: on a multi-host TPU pod
-    slice it joins the job through `jstrategy.cluster_resolver.join`, which starts JAX's
-    distributed runtime (finding the other hosts itself on Cloud TPU) and gives SIGTERM
-    back; on a single host there is nothing to connect. Call it before any other JAX
-    computation.
+    As `tf.config.experimental_connect_to_cluster`: on a multi-host slice it joins the job
+    (`jstrategy.cluster_resolver.join`); on one host there is nothing to connect. Call it
+    before any other JAX computation.
 
     Args:
       cluster_spec_or_resolver: a `TPUClusterResolver` (or anything with `num_hosts()`).
@@ -231,8 +191,7 @@ def experimental_connect_to_cluster(cluster_spec_or_resolver: Any = None, **_: A
 def initialize_tpu_system(cluster_resolver: TPUClusterResolver | None = None) -> Topology:
     """Finds the TPU cores and returns the topology (`tf.tpu.experimental.initialize_tpu_system`).
 
-    JAX initializes TPUs on first use, so this only resolves the devices (raising the
-    resolver's clear error when there is no TPU) and describes them.
+    JAX initializes TPUs on first use: this only resolves the devices and describes them.
 
     Args:
       cluster_resolver: the resolver; a default `TPUClusterResolver()` when None.
@@ -251,8 +210,7 @@ def initialize_tpu_system(cluster_resolver: TPUClusterResolver | None = None) ->
     >>> isinstance(topology, jstrategy.tpu.experimental.Topology)
     True
     """
-    resolver = cluster_resolver or TPUClusterResolver()
-    return Topology.from_devices(resolver.devices())
+    return Topology.from_devices((cluster_resolver or TPUClusterResolver()).devices())
 
 
 class TPUStrategy(Strategy):
@@ -263,16 +221,14 @@ class TPUStrategy(Strategy):
       experimental_device_assignment: accepted for compatibility; must be None (the
         replica order always follows the physical topology).
       cluster_resolver: keyword alias of `tpu_cluster_resolver`.
-      devices: the TPU cores to replicate over instead of the resolver's: e.g. a TPU
-        topology's compile-only devices (`jstrategy.experimental.topology_devices`), to
-        `jstrategy.experimental.plan` a slice this process does not have (libtpu
-        installed, no TPU needed). The resolver is then not asked for devices and no
-        cluster is joined. None (the default) uses every core the resolver finds.
+      devices: the TPU cores to replicate over instead of every core the resolver finds
+        (no cluster joined): e.g. a topology's compile-only devices
+        (`jstrategy.experimental.topology_devices`), to `jstrategy.experimental.plan` a
+        slice this process does not have.
 
     Raises:
       RuntimeError: without a TPU, naming the devices found (see ``JSTRATEGY_ALLOW_NON_TPU``).
-      ValueError: for `devices` that are empty, name a device twice or one that does not
-        exist, or are not TPU cores (unless ``JSTRATEGY_ALLOW_NON_TPU=1``).
+      ValueError: for `devices` that are empty, repeated, missing or not TPU cores.
 
     Example:
 
@@ -306,15 +262,10 @@ class TPUStrategy(Strategy):
         given = None if devices is None else _tpu_cores(devices)
         resolver = tpu_cluster_resolver or cluster_resolver or TPUClusterResolver()
         self._cluster_resolver = resolver
-        if given is not None:
-            # Devices named by the caller (a topology's compile-only cores among them):
-            # nothing to find or join.
-            self._cluster = None
-            super().__init__(tpu_device_order(given))
-            return
-        # A multi-host slice not connected yet (`experimental_connect_to_cluster`) joins now.
-        self._cluster = cluster_lib.join(resolver)
-        super().__init__(tpu_device_order(resolver.devices()))
+        # Devices named by the caller (compile-only cores among them): nothing to find or
+        # join; else a multi-host slice not connected yet joins now.
+        self._cluster = None if given is not None else cluster_lib.join(resolver)
+        super().__init__(tpu_device_order(resolver.devices() if given is None else given))
 
     @property
     def cluster_resolver(self) -> TPUClusterResolver:
