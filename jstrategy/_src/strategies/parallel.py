@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
@@ -36,7 +35,6 @@ from jax.sharding import PartitionSpec as P
 
 from jstrategy._src import devices as devices_lib
 from jstrategy._src import flax_annotations
-from jstrategy._src import staging
 from jstrategy._src.activation_rows import TensorActivations
 from jstrategy._src.axes import CONTEXT_AXIS
 from jstrategy._src.axes import EXPERT_AXIS
@@ -622,23 +620,6 @@ class ParallelStrategy(ShardedStrategy):
             return None
         return mapped[0] if len(mapped) == 1 else mapped
 
-    def stage_train_step(
-        self, fns: staging.StepFunctions, *, steps: int = 0, stacked: bool = True
-    ) -> staging.TrainProgram:
-        """`ShardedStrategy`'s program, each batch's rows split over ``("replica", "fsdp")``
-        (and ``"expert"``).
-
-        They arrive so placed (`batch_sharding`); the constraint at the step's start keeps
-        a batch given on another layout (a `jax.Array` of the user's) computed so too.
-        Under a context axis `ShardedStrategy` constrains the sequences' rows so, with
-        their sequence split."""
-        rows = self.batch_multiple // self.num_replicas_in_sync
-        if fns.global_gradients is not None and rows > 1 and self.context_parallelism == 1:
-            fns = dataclasses.replace(
-                fns, global_gradients=_rows_over_fsdp(fns.global_gradients, self.batch_sharding())
-            )
-        return super().stage_train_step(fns, steps=steps, stacked=stacked)
-
     def __repr__(self) -> str:
         shown = self.degrees
         degrees = ", ".join(f"{k}={v}" for k, v in shown.items())
@@ -688,18 +669,6 @@ def _check_pipeline_settings(
 
 def _axes(entry: Any) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _rows_over_fsdp(
-    global_gradients: Callable[..., Any], rows: NamedSharding
-) -> Callable[..., Any]:
-    """`global_gradients` on a batch whose rows are constrained to `rows`."""
-
-    def gradients(params: Any, rest: Any, batch: Any, mask: Any) -> Any:
-        batch, mask = jax.lax.with_sharding_constraint((batch, mask), rows)
-        return global_gradients(params, rest, batch, mask)
-
-    return gradients
 
 
 def _check_layout_axes(layout_map: LayoutMap | None, strategy: str) -> None:

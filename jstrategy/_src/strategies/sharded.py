@@ -13,8 +13,6 @@ under: JAX's mesh (`jax.set_mesh`) and the logical axis rules read on their mesh
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -260,28 +258,9 @@ class ShardedStrategy(Strategy):
     ) -> staging.TrainProgram:
         """One program per call: see `staging.sharded_train_program`; traced and run under
         `mesh_context`."""
-        axis = context_axis_lib.of_mesh(self.mesh, self.axis_name)
-        if axis is not None and fns.global_gradients is not None:
-            fns = dataclasses.replace(
-                fns, global_gradients=_split_sequence(fns.global_gradients, axis)
-            )
         return _UnderMesh(
             self, staging.sharded_train_program(self, fns, steps=steps, stacked=stacked)
         )
-
-
-def _split_sequence(
-    global_gradients: Callable[..., Any], axis: context_axis_lib.ContextAxis
-) -> Callable[..., Any]:
-    """`global_gradients` on a batch whose sequences are split over the context axis, its
-    forward pass traced with that axis current (the attention reads it)."""
-
-    def gradients(params: Any, rest: Any, batch: Any, mask: Any) -> Any:
-        batch = context_axis_lib.split_sequence(batch, axis)
-        with context_axis_lib.applying(axis):
-            return global_gradients(params, rest, batch, mask)
-
-    return gradients
 
 
 class _UnderMesh:
