@@ -1,14 +1,5 @@
 """`PipelineStrategy`: a model's repeated layers split over stages, the batch over replicas;
-a preset of `ParallelStrategy` with a ``("stage", "replica")`` mesh.
-
-What differs from `FSDPStrategy` is where a repeated block's stacked variables live (split
-over ``"stage"`` along their layers dimension, so each stage holds ``1 / num_stages`` of the
-layers) and what it declares to the train step: its `pipeline` (a `PipelineConfig`, read
-once into `StepSpec.pipeline`), on which the step runs the block as a pipeline
-(`schedules`), microbatches handed from stage to stage with ``jax.lax.ppermute`` inside the
-one compiled step. Placement (`ParallelStrategy.variable_sharding`), replicas, `run` and
-the staging are the spec's.
-"""
+a preset of `ParallelStrategy` with a ``("stage", "replica")`` mesh."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
 """`FSDPStrategy`: fully sharded data parallelism (ZeRO-3) over one axis of devices, a preset
-of `ParallelStrategy` whose replicas are its FSDP axis.
-
-What differs from `MirroredStrategy` is only where variables live between steps: instead of
-a full copy per replica, every large enough variable (parameter or optimizer-state leaf) is
-split into one slice per replica along one of its dimensions, so each device holds about
-``1 / num_replicas_in_sync`` of the parameters and optimizer state. Replicas, `run`, the
-replica context and distributed datasets are Mirrored's: each replica computes on its slice
-of the batch, over the data axis `REPLICA_AXIS`. XLA's SPMD partitioner gathers each
-parameter where it is used and reduce-scatters its gradient back to the slices.
-"""
+of `ParallelStrategy` whose replicas are its FSDP axis."""
 
 from __future__ import annotations
 
@@ -44,54 +35,30 @@ _PLAN = MeshPlan(
 class FSDPStrategy(ParallelStrategy):
     """Data parallelism with parameters and optimizer state sharded over the replicas.
 
-    Every variable with at least `min_shard_size` elements is split over the replicas
-    along its largest dimension that divides by `num_replicas_in_sync` (the first such
-    dimension when several are equally large); smaller variables, and those without such a
-    dimension, are replicated. The decision depends on the shape only, so an optimizer's
-    moments are laid out like their parameters.
-
-    Several processes (workers) train together as under `MultiWorkerMirroredStrategy`:
-    with ``devices=None`` the strategy joins the job that `cluster_resolver` (by default
-    ``TF_CONFIG``) describes through `jstrategy.cluster_resolver.join`, as
-    `MultiWorkerMirroredStrategy` does (so create it before any other JAX computation),
-    and lays one replica on every device of every worker; each process then holds only its
-    devices' slices of every variable. Without ``TF_CONFIG`` it is one process over the
-    local devices. `jstrategy.launch` runs such a job on one machine.
+    What differs from `MirroredStrategy` is where variables live between steps: every
+    variable with at least `min_shard_size` elements is split over the replicas along its
+    largest dimension that divides by `num_replicas_in_sync` (the first of equally large
+    ones); the others are replicated. The decision depends on the shape only, so an
+    optimizer's moments are laid out like their parameters. XLA gathers each parameter
+    where it is used and reduce-scatters its gradient back to the slices. Several
+    processes train together as under `MultiWorkerMirroredStrategy` (with
+    ``devices=None`` it joins the job, so create it before any other JAX computation),
+    each process holding its devices' slices.
 
     Args:
-      devices: the devices (TF-style strings or `jax.Device` objects), one replica each. None
-        means every device of JAX's default backend, of every process of the job.
+      devices: the devices, one replica each; None means every device of every process.
       min_shard_size: the fewest elements a variable must have to be sharded.
-      cluster_resolver: the job to join, as for `MultiWorkerMirroredStrategy`; defaults to
-        `TFConfigClusterResolver()` when `devices` is None.
-      communication_options: `jstrategy.experimental.CommunicationOptions` for the
-        collectives across workers (implementation, packing, ``timeout_seconds``), as for
-        `MultiWorkerMirroredStrategy`.
-      context: the context-parallel degree: how many devices split each sequence. The
-        mesh is then ``(replicas, context)`` with axes ``("replica", "context")`` (each
-        replica ``context`` neighbouring devices), `num_replicas_in_sync` is the devices
-        over ``context``, variables are split over all the devices (over the replicas
-        where no dimension divides by all), and a train step
-        (``make_train_step``, ``Model.fit``) splits the batch arrays that carry the
-        sequence (dimension 1 equal to the inputs' sequence length, the longest dimension
-        1 of ``x``'s arrays; a ``(B, 3)`` label stays whole) along it over the
-        ``"context"`` axis, each device receiving only its part, with
-        `jstrategy.experimental.dot_product_attention` running ring attention over it.
-        `run` does not split sequences: that attention refuses to run there.
-      offload_optimizer: keep the optimizer state in host memory between steps (its
-        slices, split as above), moved to device memory for the update inside the
-        compiled step: ``offload=OffloadPolicy()``.
-      offload: a `jstrategy.experimental.OffloadPolicy`: which variables (optimizer
-        state, parameters, chosen by path) live in host memory between steps.
-      experts: the expert-parallel degree k. The mesh is then ``(replicas, experts)``
-        with axes ``("replica", "expert")`` (each replica k neighbouring devices),
-        `num_replicas_in_sync` is the devices over k, and the stacked weights of
-        `jstrategy.experimental.MoE` / `NNXMoE` (annotated ``"expert"`` on their experts'
-        axis) are split over the ``"expert"`` axis, each device holding ``1/k`` of the
-        experts (and FSDP's split of those over the replicas); other variables are split
-        over all the devices. In a train step each expert layer sends its tokens to their
-        experts' devices and back with ``all_to_all`` over the ``"expert"`` axis. k must
-        divide every expert layer's ``num_experts`` (checked when the step is traced).
+      cluster_resolver, communication_options: the job, as for `ParallelStrategy`.
+      context: the context-parallel degree k: the mesh is ``("replica", "context")``, each
+        replica k neighbouring devices (`num_replicas_in_sync` is the devices over k),
+        variables split over all the devices where they divide; a train step splits the
+        sequence-carrying batch arrays over ``"context"``
+        (`jstrategy.experimental.dot_product_attention` runs ring attention; `run`
+        refuses it).
+      offload_optimizer, offload: as `ParallelStrategy`.
+      experts: the expert-parallel degree k: the mesh is ``("replica", "expert")``, the
+        MoE layers' experts split over ``"expert"`` (each device ``1/k`` of them), tokens
+        sent with ``all_to_all``; k must divide every expert layer's ``num_experts``.
 
     Raises:
       ValueError: if `devices` is invalid, `min_shard_size` is not a non-negative int,

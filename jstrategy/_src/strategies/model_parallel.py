@@ -1,12 +1,5 @@
-"""`ModelParallelStrategy`: data parallelism over one mesh axis, variables split by a layout map.
-
-As `keras.distribution.ModelParallel`: the mesh comes from the `LayoutMap`; the batch is split
-over the axis `batch_dim_name` (the strategy's data axis: one replica per entry, each a group
-of devices); each variable is laid out as the layout map says, which is all that differs
-from the core. Inside a compiled step XLA's SPMD partitioner splits the computation to
-match (e.g. a Megatron MLP: the first kernel split on its output dimension, the second on
-its input dimension, over a ``"model"`` axis).
-"""
+"""`ModelParallelStrategy`: data parallelism over one mesh axis, variables split by a layout map
+(as `keras.distribution.ModelParallel`)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,5 @@
-"""`ParallelStrategy`: every parallel degree on one mesh, each split across hosts.
-
-One spec of degrees, MaxText's ``ici_*``/``dcn_*`` and torchtitan's ``ParallelDims``: data
-replicas, FSDP, experts, context and tensor, each the product of a within-host part and an
-across-host part (``dcn_*``). The mesh has the fixed axis names of `jstrategy._src.axes`
-(``("replica", "fsdp", "tensor")`` always, ``"expert"`` and ``"context"`` between them when
-their degree is above one), laid so that each host's devices are contiguous along each
-axis's within-host part.
-
-Where a variable lives is a fold of per-axis rules (`variable_sharding`): the tensor layout
-(a `LayoutMap`, else the model's Flax annotations: the expert layers' experts on
-``"expert"``, their hidden units on ``"tensor"``), then FSDP's split on a dimension that
-layout leaves free (over ``"fsdp"``, with ``"expert"`` and ``"context"``, as MaxText's
-``embed`` rule, where the dimension divides), then the offload memory kind
-(`ShardedStrategy`). A batch's rows are split over ``("replica", "fsdp", "expert")``, its
-sequences over ``"context"``.
-
-`HybridStrategy` (`hybrid.py`) is this strategy with the expert and context degrees at 1.
+"""`ParallelStrategy`: every parallel degree on one mesh, each split across hosts, and its
+`MeshPlan` (what a preset's mesh holds), shared by the presets.
 """
 
 from __future__ import annotations
@@ -129,48 +113,29 @@ _AXIS_ALIASES = {
 class ParallelStrategy(ShardedStrategy):
     """Replicas x FSDP x experts x context x tensor on one mesh, each degree across hosts.
 
-    * **replicas** (`num_replicas_in_sync`, the data axis `axis_name` = ``"replica"``):
-      whole copies of the model. Each takes its rows of every batch; gradients are
-      all-reduced over this axis. `run`, the replica context, `reduce` and distributed
-      datasets work over it as under `ModelParallelStrategy`: a replica is a group of
-      ``fsdp x experts x context x tensor`` devices, XLA partitioning its computation.
-    * **fsdp**: within a replica, variables with at least `min_shard_size` elements are
-      split over this axis (ZeRO-3) along their largest dimension that divides and that
-      the tensor layout does not split (or along the dimension a Flax annotation names
-      with a data axis: ``"data"``, ``"fsdp"``, ``"batch"``); optimizer moments follow
-      their parameters. Inside a train step each replica's rows are split over it too.
-    * **experts**: the expert layers' experts (`jstrategy.experimental.MoE`, annotated
-      ``"expert"``) split over this axis, tokens sent to their experts' devices and back
-      with ``all_to_all``; the rows are split over it too, and FSDP's split of the other
-      variables spans it (as MaxText's).
-    * **context**: each sequence split over this axis, attention as a ring
+    One spec of degrees (MaxText's ``ici_*``/``dcn_*``, torchtitan's ``ParallelDims``):
+
+    * **replicas** (`num_replicas_in_sync`, the data axis ``"replica"``): whole copies of
+      the model, gradients all-reduced over them; `run`, `reduce` and distributed datasets
+      see them as under `ModelParallelStrategy` (a replica is a group of devices).
+    * **fsdp**: variables with at least `min_shard_size` elements split (ZeRO-3) along
+      their largest dimension that divides and the tensor layout leaves free (or the one a
+      Flax annotation names with ``"data"``, ``"fsdp"`` or ``"batch"``); optimizer
+      moments follow their parameters; each replica's rows split over it too.
+    * **experts**: the expert layers' experts (annotated ``"expert"``) split over it,
+      tokens sent with ``all_to_all``; rows and FSDP's split span it too.
+    * **context**: each sequence split over it, attention as a ring
       (`jstrategy.experimental.dot_product_attention`); FSDP's split spans it too.
-    * **tensor**: variables split as `layout_map` says (keys matched as for
-      `ModelParallelStrategy`, and like its keys refused where one matches no variable of
-      the model), else as the model's Flax annotations (``nn.with_partitioning``, logical
-      axis rules) say, where an annotation's ``"model"`` or ``"tensor"`` axis means this
-      one; the expert layers' hidden units are split over it.
+    * **tensor**: variables split as `layout_map` says (keys matched and checked as for
+      `ModelParallelStrategy`), else as the model's Flax annotations say (``"model"`` means
+      ``"tensor"``); the expert layers' hidden units split over it.
 
-    A global batch divides by ``replicas x fsdp x experts`` (`batch_multiple`; `Model.fit`
-    pads to it), its sequence length by ``context``.
-
-    **Hosts.** Each degree is the product of a within-host part and an across-host part
-    (``dcn_*``, as MaxText's ``dcn_*_parallelism``). The devices are cut into as many hosts
-    as the across-host parts multiply to: with several processes each host is one
-    process's devices (the product must equal the number of processes); in one process a
-    host is a group of neighbouring devices (``devices[0:k]``, ...), which is how one
-    process over fake devices stands in for several hosts. The mesh is laid out as
-    `jax.experimental.mesh_utils.create_hybrid_device_mesh` lays one. By default the
-    replicas alone cross hosts (``dcn_replicas`` = the number of processes), so the only
-    collective across hosts is the replicas' gradient all-reduce.
-
-    Which degree to take first: FSDP divides the parameters and optimizer state for an
-    all-gather per layer; tensor divides a replica's activations for collectives in
-    every layer (the fastest links, wide layers); context divides long sequences'
-    activations; experts divide a mixture of experts' expert weights and compute; replicas
-    cost one all-reduce a step and divide nothing. Grow FSDP until the state fits, then
-    tensor or context where the activations do not, experts with a MoE model, replicas
-    for throughput across hosts.
+    A global batch divides by ``replicas x fsdp x experts`` (`batch_multiple`), its
+    sequence length by ``context``. Each degree is a within-host part times an across-host
+    part (``dcn_*``): with several processes a host is one process's devices, in one
+    process a group of neighbouring devices; the mesh is laid out as
+    `jax.experimental.mesh_utils.create_hybrid_device_mesh` lays one, and by default only
+    the replicas cross hosts. Which degree to grow: docs/guides/large-models.md.
 
     Args:
       replicas: the number of model replicas (data-parallel groups); -1 means the devices
@@ -267,22 +232,21 @@ class ParallelStrategy(ShardedStrategy):
                 f"others leave); got {degrees}. Give all but one of them."
             )
         degrees = {name: {**degrees, **fixed}[name] for name, _ in _DEGREES}
-        self._pipeline_settings = _check_pipeline_settings(
+        pipeline = _check_pipeline_settings(
             stages, num_microbatches, schedule, num_repeats, experts, context
         )
-        across = {"dcn_fsdp": dcn_fsdp, "dcn_tensor": dcn_tensor}
-        across |= {"dcn_experts": dcn_experts, "dcn_context": dcn_context}
-        across |= {"dcn_stages": dcn_stages}
-        if dcn_replicas is not None:
-            across = {"dcn_replicas": dcn_replicas, **across}
-        for name, value in across.items():
+        given = {"replicas": dcn_replicas, "fsdp": dcn_fsdp, "tensor": dcn_tensor}
+        given |= {"experts": dcn_experts, "context": dcn_context, "stages": dcn_stages}
+        for name, part in given.items():
+            if part is None:
+                continue
             check_number(
-                value,
-                name,
+                part,
+                f"dcn_{name}",
                 integer=True,
                 low=1,
                 expected="a positive int (how many hosts that degree spans)",
-                fix=f"Pass e.g. {name}=1 to keep that degree within a host.",
+                fix=f"Pass e.g. dcn_{name}=1 to keep that degree within a host.",
             )
         check_min_shard_size(min_shard_size)
         tensor_activations = TensorActivations.of(tensor_activations)
@@ -319,9 +283,7 @@ class ParallelStrategy(ShardedStrategy):
             # One host per process; the hosts the other degrees do not span hold replicas.
             others = dcn_fsdp * dcn_tensor * dcn_experts * dcn_context * dcn_stages
             dcn_replicas = max(processes // others, 1)
-        dcn = {"replicas": dcn_replicas, "stages": dcn_stages, "fsdp": dcn_fsdp}
-        dcn |= {"experts": dcn_experts}
-        dcn |= {"context": dcn_context, "tensor": dcn_tensor}
+        dcn = {name: given[name] or dcn_replicas for name, _ in _DEGREES}  # only it is None
         for name, part in dcn.items():
             if degrees[name] % part:
                 why = (
@@ -343,7 +305,7 @@ class ParallelStrategy(ShardedStrategy):
             hosts,
             cross_device_ops,
             dcn=dcn,
-            pipeline=self._pipeline_settings,
+            pipeline=pipeline,
             layout_map=layout_map,
             min_shard_size=min_shard_size,
             offload=offload,
@@ -616,9 +578,7 @@ class ParallelStrategy(ShardedStrategy):
         mapped = tuple(dict.fromkeys(a for a in map(self.annotation_axis, _axes(entry)) if a))
         # Replicas hold whole copies, unless they are FSDP's axis (`FSDPStrategy`).
         mapped = tuple(a for a in mapped if a != REPLICA_AXIS or a == self._plan.fsdp)
-        if not mapped:
-            return None
-        return mapped[0] if len(mapped) == 1 else mapped
+        return _one_or_tuple(list(mapped)) if mapped else None
 
     def __repr__(self) -> str:
         shown = self.degrees
@@ -694,7 +654,7 @@ def _mapped_layouts(layout_map: LayoutMap | None) -> LayoutMap | None:
     # strategy's (checked per variable by `misfit`); its devices are never read.
     names = tuple(axis for _, axis in _DEGREES)
     one = np.empty((1,) * len(names), dtype=object)
-    one.flat[0] = _any()
+    one.flat[0] = jax.local_devices()[0]
     target = LayoutMap(DeviceMesh(one.shape, names, one.tolist()))
     for key in layout_map:
         layout = layout_map[key]
@@ -707,10 +667,6 @@ def _mapped_layouts(layout_map: LayoutMap | None) -> LayoutMap | None:
 
 def _one_or_tuple(axes: list[str]) -> str | tuple[str, ...]:
     return axes[0] if len(axes) == 1 else tuple(axes)
-
-
-def _any() -> jax.Device:
-    return jax.local_devices()[0]
 
 
 def _host_groups(

@@ -1,14 +1,5 @@
-"""The common base of strategies whose variables are split across devices.
-
-`ParallelStrategy` (and its presets) and `ModelParallelStrategy` differ in where each
-variable lives (`Strategy.variable_sharding`, whose last rule, the offload policy's memory
-kind, is `_in_memory` here); how their train steps are staged is the same
-(`staging.sharded_train_program`), and so is how they join a multi-process job, how they
-read a model's sharding annotations (`annotation_axis`) and what their programs are traced
-under: JAX's mesh (`jax.set_mesh`) and the logical axis rules read on their mesh
-(`flax_annotations.step_rules`), so that `with_sharding_constraint` and
-``nn.with_logical_constraint`` inside models name its axes.
-"""
+"""`ShardedStrategy`: the common base of strategies whose variables are split across devices
+(how they join a job, read annotations, keep variables in host memory, stage a step)."""
 
 from __future__ import annotations
 
