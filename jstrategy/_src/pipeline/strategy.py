@@ -38,15 +38,12 @@ class PipelineStrategy(ParallelStrategy):
     """Pipeline parallelism over a ``"stage"`` axis, data parallelism over ``"replica"``.
 
     The model marks its repeated block with `jstrategy.experimental.Repeated` (NNX:
-    `jstrategy.experimental.NNXRepeated`), whose
-    layers' variables are stacked: those variables (and their optimizer moments) are split
-    over the `num_stages` stages along the layers dimension; every other variable is
+    `NNXRepeated`), whose layers' variables are stacked: those (and their optimizer
+    moments) are split over the stages along the layers dimension; every other variable is
     replicated, or with ``shard_over_replicas=True`` split over the replicas as by
-    `FSDPStrategy` (a stacked variable then along another dimension too). In the train step
-    each replica's rows are cut into `num_microbatches` microbatches, which go through the
-    stages as `schedule` orders them, each stage handing its output to the next with one
-    ``jax.lax.ppermute``; the layers before and after the block run on every stage.
-    Evaluation and prediction apply the layers in order.
+    `FSDPStrategy`. In the train step each replica's rows are cut into microbatches, which
+    go through the stages as `schedule` orders them, handed on with ``jax.lax.ppermute``.
+    See docs/guides/pipeline-parallelism.md.
 
     Args:
       devices: the devices (TF-style strings or `jax.Device` objects); None means every
@@ -54,26 +51,16 @@ class PipelineStrategy(ParallelStrategy):
         divide by `num_stages`; ``len(devices) / num_stages`` replicas.
       num_stages: the pipeline stages (the size of the ``"stage"`` axis).
       num_microbatches: how many microbatches each replica's rows are cut into; it must
-        divide the per-replica batch. ``2 * num_stages`` or more keeps the bubble
-        (``(S - 1) / (M + S - 1)`` of the time) under a third.
-      schedule: a `PipelineSchedule` or its name: ``"gpipe"`` (every microbatch's
-        forward pass, then JAX's backward pass of them all) or ``"1f1b"`` (each
-        microbatch's backward pass as soon as its forward pass ends: activation memory
-        bounded by the stages, not the microbatches; one `Repeated` block per model,
-        whose following layers treat rows independently).
-      num_repeats: the virtual stages each stage holds (1, the default: none). With
-        ``R > 1`` the block's layers are cut into ``R * num_stages`` chunks, chunk
-        ``r * S + s`` on stage ``s``, and each microbatch goes round the stages `R` times
-        (circular GPipe, or interleaved 1F1B): the bubble falls to
-        ``(S - 1) / (R * M + S - 1)``. `num_microbatches` must then be a multiple of
-        `num_stages`, and the layers of ``R * num_stages``. The variables stay in layer
-        order, split over the stages (checkpoints cross to every strategy); the step lays
-        them out per stage (``pipeline/circular.py``).
+        divide the per-replica batch (``2 * num_stages`` or more keeps the bubble under a
+        third).
+      schedule: a `PipelineSchedule` or its name: ``"gpipe"`` or ``"1f1b"``.
+      num_repeats: the virtual stages each stage holds (1: none); with ``R > 1`` each
+        microbatch goes round the stages `R` times (circular GPipe, interleaved 1F1B),
+        `num_microbatches` a multiple of `num_stages` and the layers of ``R * num_stages``.
       shard_over_replicas: also split variables over the replicas (ZeRO-3, as FSDP).
       min_shard_size: with `shard_over_replicas`, the fewest elements a variable needs to
         be split over the replicas.
-      cluster_resolver: the multi-process job to join, as for `FSDPStrategy`.
-      communication_options: `jstrategy.experimental.CommunicationOptions` for the job.
+      cluster_resolver, communication_options: the job, as for `ParallelStrategy`.
 
     Raises:
       ValueError: if `num_stages`, `num_microbatches` or `num_repeats` is not a positive
@@ -139,9 +126,7 @@ class PipelineStrategy(ParallelStrategy):
 
     @property
     def pipeline(self) -> PipelineConfig:
-        """The pipeline the train step runs a `Repeated` block on: read once into
-        `StepSpec.pipeline`, it checks the step's state and rows before the model is
-        traced, and every `Repeated` block traced in the step runs its schedule."""
+        """The pipeline the train step runs a `Repeated` block on."""
         assert self._pipeline is not None
         return self._pipeline
 

@@ -76,8 +76,7 @@ class MeshPlan:
     Attributes:
       order: the degrees in mesh order (names as `ParallelStrategy`'s arguments).
       kept: the degrees whose axis is in the mesh even at degree one.
-      fsdp: the mesh axis FSDP's split runs over (``"fsdp"``; ``"replica"`` where the
-        replicas hold slices, as `FSDPStrategy`'s); None for no FSDP split.
+      fsdp: the mesh axis FSDP's split runs over; None for none.
       rows: the mesh axes a batch's rows are split over (those in the mesh).
     """
 
@@ -148,24 +147,20 @@ class ParallelStrategy(ShardedStrategy):
         over the other across-host parts.
       dcn_fsdp, dcn_tensor, dcn_experts, dcn_context: how many hosts that degree's split
         spans (1: within a host).
-      layout_map: the tensor layouts: a `LayoutMap` whose layouts name ``"tensor"`` or
-        ``"model"`` (and optionally ``"fsdp"``, ``"data"`` or ``"batch"`` for the FSDP
-        split, ``"expert"`` for the expert split); its own mesh's shape is not used.
-        None: the Flax annotations only.
+      layout_map: the tensor layouts: a `LayoutMap` naming ``"tensor"`` or ``"model"``
+        (and optionally ``"fsdp"``, ``"data"``, ``"batch"``, ``"expert"``); its own
+        mesh's shape is not used. None: the Flax annotations only.
       min_shard_size: the fewest elements a variable needs to be split over ``"fsdp"``.
       devices: the devices (TF-style strings or `jax.Device` objects), in host order. None
         means every device of every process of the job.
-      cluster_resolver: the job to join, as for `FSDPStrategy`; defaults to
-        `TFConfigClusterResolver()` when `devices` is None.
+      cluster_resolver: the job to join; defaults to ``TF_CONFIG``'s when `devices` is None.
       communication_options: `jstrategy.experimental.CommunicationOptions` for the job.
-      offload_optimizer: keep the optimizer state in host memory between steps:
-        ``offload=OffloadPolicy()``.
+      offload_optimizer: keep the optimizer state in host memory between steps.
       offload: a `jstrategy.experimental.OffloadPolicy`: which variables live in host
         memory between steps.
-      tensor_activations: which dimension of the activations between a model's blocks
-        the train step splits over ``"tensor"`` (a `TensorActivations` or its name):
-        ``"features"`` under remat (MaxText's rule), or ``"sequence"`` (Megatron's
-        sequence parallelism; it needs ``tensor`` > 1 and no ``context``).
+      tensor_activations: which dimension of the activations between blocks the step
+        splits over ``"tensor"`` (`TensorActivations`): ``"features"`` under remat, or
+        ``"sequence"`` (it needs ``tensor`` > 1 and no ``context``).
 
     Raises:
       ValueError: if a degree is not a positive int (or -1 where allowed), the degrees do
@@ -328,9 +323,8 @@ class ParallelStrategy(ShardedStrategy):
         offload_optimizer: bool = False,
         tensor_activations: TensorActivations = TensorActivations.FEATURES,
     ) -> None:
-        """The strategy over `hosts` (device groups; one for a preset that does not place
-        degrees across hosts) with `degrees` (every degree's, resolved) laid out as `plan`
-        says: the one construction of this strategy and its presets, after their checks."""
+        """The one construction of this strategy and its presets, after their checks: over
+        `hosts` (device groups) with `degrees` (resolved) laid out as `plan` says."""
         degrees = {name: degrees.get(name, 1) for name, _ in _DEGREES}
         dcn = dcn or dict.fromkeys(degrees, 1)
         self._plan = plan
@@ -342,8 +336,7 @@ class ParallelStrategy(ShardedStrategy):
         self._min_shard_size = min_shard_size
         self._degrees = degrees
         self._dcn = dcn
-        self._set_offload(offload, offload_optimizer)
-        self._set_tensor_activations(tensor_activations)
+        self._set_options(offload, offload_optimizer, tensor_activations)
         self._pipeline: PipelineConfig | None = None
         if pipeline is not None:
             self._pipeline = PipelineConfig(*pipeline[:3], self.mesh, pipeline[3])
@@ -355,8 +348,7 @@ class ParallelStrategy(ShardedStrategy):
 
     @property
     def hosts(self) -> tuple[tuple[int, ...], ...]:
-        """The device ids of each host, in host order: one process's devices each, or in one
-        process groups of neighbouring devices (see the class's "Hosts")."""
+        """The device ids of each host, in host order."""
         return self._hosts
 
     @property
@@ -405,13 +397,8 @@ class ParallelStrategy(ShardedStrategy):
 
     @property
     def layout_map(self) -> LayoutMap | None:
-        """The tensor layouts given (``layout_map=``), or None.
-
-        As `ModelParallelStrategy`'s, its keys are checked against a model's variables
-        where its train state is created (`create_train_state`, `Model`): a key that
-        matches no variable (a typo) is refused, naming the nearest paths, rather than
-        leaving its layer silently unsplit.
-        """
+        """The tensor layouts given (``layout_map=``), or None; its keys are checked
+        against a model's variables as `ModelParallelStrategy`'s."""
         return self._layout_map
 
     @property
@@ -425,8 +412,7 @@ class ParallelStrategy(ShardedStrategy):
 
     @property
     def batch_multiple(self) -> int:
-        """``replicas x fsdp x experts``: each replica's rows are split over its FSDP (and
-        expert) devices.
+        """``replicas x fsdp x experts`` (times the microbatches).
 
         Example:
 
@@ -439,9 +425,7 @@ class ParallelStrategy(ShardedStrategy):
 
     def batch_sharding(self) -> NamedSharding:
         """Rows split over ``("replica", "fsdp")`` (and ``"expert"``): replica *i* owns the
-        *i*-th slice of a global batch, cut over its FSDP (and expert) devices, whole over
-        ``"tensor"``. Distributed datasets, `Model`'s batches and the train-step factory
-        place rows so, and the train step computes on them where they are.
+        *i*-th slice of a global batch, cut over its FSDP (and expert) devices.
 
         Example:
 
@@ -453,9 +437,7 @@ class ParallelStrategy(ShardedStrategy):
 
     def annotation_axis(self, name: str) -> str | None:
         """An axis of the mesh means itself; another mesh's model axis (``"model"``) the
-        tensor axis, its data axes (``"data"``, ``"batch"``) FSDP's: variables are never
-        split over the replicas, and a model's constraint on its rows splits them over
-        ``"fsdp"`` within each replica.
+        tensor axis, its data axes (``"data"``, ``"batch"``) FSDP's.
 
         Example:
 
@@ -475,23 +457,19 @@ class ParallelStrategy(ShardedStrategy):
         self, leaf: jax.ShapeDtypeStruct | jax.Array, path: tuple[str, ...] = ()
     ) -> jax.sharding.Sharding:
         """Where the variable lives: a fold of the per-axis rules, each on what the last
-        left free. A `Repeated` block's stacked layers over ``"stage"``; the tensor layout
-        (`layout_map`'s, else the Flax annotation's); FSDP's split on the largest free
-        dimension that divides (`shard_dim`), over the FSDP axis and the expert and context
-        axes the layout leaves free; then the offload policy's memory kind.
+        left free: a `Repeated` block's stacked layers over ``"stage"``, the tensor layout,
+        FSDP's split (`shard_dim`), the offload policy's memory kind.
 
         Args:
           leaf: the variable's shape and dtype.
           path: the variable's keys in the state (a parameter's optimizer moments follow it).
 
         Returns:
-          ``NamedSharding(mesh, spec)``, split over ``"replica"`` only where the replicas
-          are FSDP's axis (`FSDPStrategy`, `PipelineStrategy(shard_over_replicas=True)`).
+          ``NamedSharding(mesh, spec)``.
 
         Raises:
-          ValueError: if a parameter's `layout_map` layout does not fit its shape (the
-            message names the path, the shape and the axis), or a stacked parameter's
-            layers do not divide by the (virtual) stages.
+          ValueError: if a parameter's `layout_map` layout does not fit its shape, or a
+            stacked parameter's layers do not divide by the (virtual) stages.
         """
         names = tuple(str(k) for k in path)
         return self._in_memory(self._layout(tuple(leaf.shape), names), leaf, path)
@@ -535,11 +513,8 @@ class ParallelStrategy(ShardedStrategy):
         return math.prod(int(self.mesh.shape.get(a, 1)) for a in axes)
 
     def _stacked(self, names: tuple[str, ...], shape: tuple[int, ...]) -> bool:
-        """Whether the leaf is a `Repeated` block's stacked variable split over the stages.
-
-        Raises:
-          ValueError: for a stacked parameter whose layers the (virtual) stages do not divide.
-        """
+        """Whether the leaf is a `Repeated` block's stacked variable split over the stages
+        (a stacked parameter whose layers they do not divide refused)."""
         pipeline = self._pipeline
         if pipeline is None or not shape or not is_stacked(names):
             return False
