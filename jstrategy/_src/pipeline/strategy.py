@@ -24,16 +24,6 @@ if TYPE_CHECKING:
 __all__ = ["PipelineStrategy"]
 
 
-def _plan(shard_over_replicas: bool) -> MeshPlan:
-    """``("stage", "replica")``; FSDP's split over the replicas where asked."""
-    return MeshPlan(
-        order=("stages", "replicas"),
-        kept=frozenset({"stages", "replicas"}),
-        fsdp=REPLICA_AXIS if shard_over_replicas else None,
-        rows=(REPLICA_AXIS,),
-    )
-
-
 class PipelineStrategy(ParallelStrategy):
     """Pipeline parallelism over a ``"stage"`` axis, data parallelism over ``"replica"``.
 
@@ -63,9 +53,8 @@ class PipelineStrategy(ParallelStrategy):
       cluster_resolver, communication_options: the job, as for `ParallelStrategy`.
 
     Raises:
-      ValueError: if `num_stages`, `num_microbatches` or `num_repeats` is not a positive
-        int, the devices do not divide by `num_stages`, `schedule` names no schedule, or
-        with ``num_repeats > 1`` the microbatches are not a multiple of the stages.
+      ValueError: if a setting is invalid (`check_pipeline`), or the devices do not
+        divide by `num_stages`.
 
     Example:
 
@@ -116,7 +105,12 @@ class PipelineStrategy(ParallelStrategy):
                 "pass devices= with a multiple of num_stages devices."
             )
         self._build(
-            _plan(shard_over_replicas),
+            MeshPlan(  # ("stage", "replica"); FSDP's split over the replicas where asked
+                order=("stages", "replicas"),
+                kept=frozenset({"stages", "replicas"}),
+                fsdp=REPLICA_AXIS if shard_over_replicas else None,
+                rows=(REPLICA_AXIS,),
+            ),
             {"stages": stages, "replicas": len(resolved) // stages},
             [resolved],
             cross_device_ops,

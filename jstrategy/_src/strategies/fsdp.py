@@ -37,33 +37,23 @@ class FSDPStrategy(ParallelStrategy):
 
     What differs from `MirroredStrategy` is where variables live between steps: every
     variable with at least `min_shard_size` elements is split over the replicas along its
-    largest dimension that divides by `num_replicas_in_sync` (the first of equally large
-    ones); the others are replicated. The decision depends on the shape only, so an
-    optimizer's moments are laid out like their parameters. XLA gathers each parameter
-    where it is used and reduce-scatters its gradient back to the slices. Several
-    processes train together as under `MultiWorkerMirroredStrategy` (with
-    ``devices=None`` it joins the job, so create it before any other JAX computation),
-    each process holding its devices' slices.
+    largest dimension that divides (`shard_dim`); the others are replicated. XLA gathers
+    each parameter where it is used and reduce-scatters its gradient back to the slices.
+    With ``devices=None`` it joins the job as `MultiWorkerMirroredStrategy` does.
 
     Args:
       devices: the devices, one replica each; None means every device of every process.
       min_shard_size: the fewest elements a variable must have to be sharded.
       cluster_resolver, communication_options: the job, as for `ParallelStrategy`.
-      context: the context-parallel degree k: the mesh is ``("replica", "context")``, each
-        replica k neighbouring devices (`num_replicas_in_sync` is the devices over k),
-        variables split over all the devices where they divide; a train step splits the
-        sequence-carrying batch arrays over ``"context"``
-        (`jstrategy.experimental.dot_product_attention` runs ring attention; `run`
-        refuses it).
+      context: the context-parallel degree k: the mesh is ``("replica", "context")``,
+        each replica k neighbouring devices; sequences split as under `ParallelStrategy`.
       offload_optimizer, offload: as `ParallelStrategy`.
       experts: the expert-parallel degree k: the mesh is ``("replica", "expert")``, the
-        MoE layers' experts split over ``"expert"`` (each device ``1/k`` of them), tokens
-        sent with ``all_to_all``; k must divide every expert layer's ``num_experts``.
+        expert layers' experts split as under `ParallelStrategy`.
 
     Raises:
-      ValueError: if `devices` is invalid, `min_shard_size` is not a non-negative int,
-        `context` is not a positive int dividing the number of devices, or offloading is
-        asked twice or on devices without host memory.
+      ValueError: if `devices`, `min_shard_size`, `context` or `experts` is invalid (a
+        degree must divide the number of devices), or the offloading is.
       TypeError: if `offload` is not an `OffloadPolicy`.
       RuntimeError: if it must start the distributed runtime after JAX's backends started.
 
@@ -94,27 +84,23 @@ class FSDPStrategy(ParallelStrategy):
         offload: OffloadPolicy | None = None,
         experts: int = 1,
     ):
-        check_number(
-            experts,
-            "experts",
-            integer=True,
-            low=1,
-            expected="a positive int (how many devices split each expert layer's experts)",
-            fix="Pass e.g. experts=2, or 1 (the default) for no expert parallelism.",
-        )
+        for name, k, what, fix in (
+            ("experts", experts, "each expert layer's experts", "for no expert parallelism"),
+            ("context", context, "each sequence", "to keep sequences whole"),
+        ):
+            check_number(
+                k,
+                name,
+                integer=True,
+                low=1,
+                expected=f"a positive int (how many devices split {what})",
+                fix=f"Pass e.g. {name}=2, or 1 (the default) {fix}.",
+            )
         if experts > 1 and context > 1:
             raise ValueError(
                 f"`experts`={experts} and `context`={context} cannot be combined: an "
                 "FSDPStrategy has one axis besides its replicas. Pass one of them."
             )
-        check_number(
-            context,
-            "context",
-            integer=True,
-            low=1,
-            expected="a positive int (how many devices split each sequence)",
-            fix="Pass e.g. context=2, or 1 (the default) to keep sequences whole.",
-        )
         check_min_shard_size(min_shard_size)
         cross_device_ops, resolved = self._join_and_resolve(
             devices, cluster_resolver, communication_options
