@@ -54,10 +54,9 @@ class ModelParallelStrategy(ShardedStrategy):
         axis being ``"model"``).
 
     Raises:
-      TypeError: if `layout_map` is not a `LayoutMap`, or `offload` not an
-        `OffloadPolicy`.
-      ValueError: if `batch_dim_name` is not an axis of the mesh, or is ``"context"``,
-        or offloading is asked twice or on devices without host memory.
+      TypeError: if `layout_map` is not a `LayoutMap`, or `offload` not an `OffloadPolicy`.
+      ValueError: if `batch_dim_name` is not an axis of the mesh, or is ``"context"``, or
+        the offloading is invalid.
 
     Example:
 

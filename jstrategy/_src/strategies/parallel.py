@@ -115,26 +115,22 @@ class ParallelStrategy(ShardedStrategy):
     One spec of degrees (MaxText's ``ici_*``/``dcn_*``, torchtitan's ``ParallelDims``):
 
     * **replicas** (`num_replicas_in_sync`, the data axis ``"replica"``): whole copies of
-      the model, gradients all-reduced over them; `run`, `reduce` and distributed datasets
-      see them as under `ModelParallelStrategy` (a replica is a group of devices).
+      the model (each a group of devices), gradients all-reduced over them.
     * **fsdp**: variables with at least `min_shard_size` elements split (ZeRO-3) along
-      their largest dimension that divides and the tensor layout leaves free (or the one a
-      Flax annotation names with ``"data"``, ``"fsdp"`` or ``"batch"``); optimizer
-      moments follow their parameters; each replica's rows split over it too.
+      their largest dimension that divides and the tensor layout leaves free; each
+      replica's rows split over it too.
     * **experts**: the expert layers' experts (annotated ``"expert"``) split over it,
       tokens sent with ``all_to_all``; rows and FSDP's split span it too.
     * **context**: each sequence split over it, attention as a ring
       (`jstrategy.experimental.dot_product_attention`); FSDP's split spans it too.
-    * **tensor**: variables split as `layout_map` says (keys matched and checked as for
-      `ModelParallelStrategy`), else as the model's Flax annotations say (``"model"`` means
-      ``"tensor"``); the expert layers' hidden units split over it.
+    * **tensor**: variables split as `layout_map` says, else as the model's Flax
+      annotations say (``"model"`` means ``"tensor"``).
 
     A global batch divides by ``replicas x fsdp x experts`` (`batch_multiple`), its
     sequence length by ``context``. Each degree is a within-host part times an across-host
-    part (``dcn_*``): with several processes a host is one process's devices, in one
-    process a group of neighbouring devices; the mesh is laid out as
-    `jax.experimental.mesh_utils.create_hybrid_device_mesh` lays one, and by default only
-    the replicas cross hosts. Which degree to grow: docs/guides/large-models.md.
+    part (``dcn_*``; a host is one process's devices, or in one process a group of
+    neighbouring devices); by default only the replicas cross hosts. Which degree to grow,
+    and how hosts are laid out: docs/guides/large-models.md.
 
     Args:
       replicas: the number of model replicas (data-parallel groups); -1 means the devices
@@ -353,8 +349,7 @@ class ParallelStrategy(ShardedStrategy):
 
     @property
     def degrees(self) -> dict[str, int]:
-        """Each degree, -1 resolved: ``{"replicas": r, "fsdp": f, "tensor": t}``, with
-        ``"experts"`` and ``"context"`` where above one."""
+        """Each degree, -1 resolved; the optional ones where above one."""
         order = ("replicas", "fsdp", "tensor", "experts", "context", "stages")
         kept, degrees = self._plan.kept, self._degrees
         return {
@@ -368,8 +363,7 @@ class ParallelStrategy(ShardedStrategy):
 
     @property
     def pipeline(self) -> PipelineConfig | None:
-        """The pipeline a `Repeated` block runs on when ``stages`` > 1 (its stacked layers
-        split over ``"stage"``), else None: see `PipelineStrategy`."""
+        """The pipeline a `Repeated` block runs on when ``stages`` > 1, else None."""
         return self._pipeline
 
     @property
@@ -379,8 +373,8 @@ class ParallelStrategy(ShardedStrategy):
 
     @property
     def logical_axis_rules(self) -> tuple[tuple[str, Any], ...]:
-        """The expert layers' logical names: ``"expert"`` (their experts) on the expert
-        axis, ``"expert_hidden"`` (their hidden units) on the tensor axis, where present.
+        """The expert layers' logical names: their experts on the expert axis, their
+        hidden units on the tensor axis, where present.
 
         Example:
 
