@@ -1,14 +1,5 @@
 """`PipelineStrategy`: a model's repeated layers split over stages, the batch over replicas;
-a preset of `ParallelStrategy` with a ``("stage", "replica")`` mesh.
-
-What differs from `FSDPStrategy` is where a repeated block's stacked variables live (split
-over ``"stage"`` along their layers dimension, so each stage holds ``1 / num_stages`` of the
-layers) and what it declares to the train step: its `pipeline` (a `PipelineConfig`, read
-once into `StepSpec.pipeline`), on which the step runs the block as a pipeline
-(`schedules`), microbatches handed from stage to stage with ``jax.lax.ppermute`` inside the
-one compiled step. Placement (`ParallelStrategy.variable_sharding`), replicas, `run` and
-the staging are the spec's.
-"""
+a preset of `ParallelStrategy` with a ``("stage", "replica")`` mesh."""
 
 from __future__ import annotations
 
@@ -33,29 +24,16 @@ if TYPE_CHECKING:
 __all__ = ["PipelineStrategy"]
 
 
-def _plan(shard_over_replicas: bool) -> MeshPlan:
-    """``("stage", "replica")``; FSDP's split over the replicas where asked."""
-    return MeshPlan(
-        order=("stages", "replicas"),
-        kept=frozenset({"stages", "replicas"}),
-        fsdp=REPLICA_AXIS if shard_over_replicas else None,
-        rows=(REPLICA_AXIS,),
-    )
-
-
 class PipelineStrategy(ParallelStrategy):
     """Pipeline parallelism over a ``"stage"`` axis, data parallelism over ``"replica"``.
 
     The model marks its repeated block with `jstrategy.experimental.Repeated` (NNX:
-    `jstrategy.experimental.NNXRepeated`), whose
-    layers' variables are stacked: those variables (and their optimizer moments) are split
-    over the `num_stages` stages along the layers dimension; every other variable is
+    `NNXRepeated`), whose layers' variables are stacked: those (and their optimizer
+    moments) are split over the stages along the layers dimension; every other variable is
     replicated, or with ``shard_over_replicas=True`` split over the replicas as by
-    `FSDPStrategy` (a stacked variable then along another dimension too). In the train step
-    each replica's rows are cut into `num_microbatches` microbatches, which go through the
-    stages as `schedule` orders them, each stage handing its output to the next with one
-    ``jax.lax.ppermute``; the layers before and after the block run on every stage.
-    Evaluation and prediction apply the layers in order.
+    `FSDPStrategy`. In the train step each replica's rows are cut into microbatches, which
+    go through the stages as `schedule` orders them, handed on with ``jax.lax.ppermute``.
+    See docs/guides/pipeline-parallelism.md.
 
     Args:
       devices: the devices (TF-style strings or `jax.Device` objects); None means every
@@ -63,31 +41,20 @@ class PipelineStrategy(ParallelStrategy):
         divide by `num_stages`; ``len(devices) / num_stages`` replicas.
       num_stages: the pipeline stages (the size of the ``"stage"`` axis).
       num_microbatches: how many microbatches each replica's rows are cut into; it must
-        divide the per-replica batch. ``2 * num_stages`` or more keeps the bubble
-        (``(S - 1) / (M + S - 1)`` of the time) under a third.
-      schedule: a `PipelineSchedule` or its name: ``"gpipe"`` (every microbatch's
-        forward pass, then JAX's backward pass of them all) or ``"1f1b"`` (each
-        microbatch's backward pass as soon as its forward pass ends: activation memory
-        bounded by the stages, not the microbatches; one `Repeated` block per model,
-        whose following layers treat rows independently).
-      num_repeats: the virtual stages each stage holds (1, the default: none). With
-        ``R > 1`` the block's layers are cut into ``R * num_stages`` chunks, chunk
-        ``r * S + s`` on stage ``s``, and each microbatch goes round the stages `R` times
-        (circular GPipe, or interleaved 1F1B): the bubble falls to
-        ``(S - 1) / (R * M + S - 1)``. `num_microbatches` must then be a multiple of
-        `num_stages`, and the layers of ``R * num_stages``. The variables stay in layer
-        order, split over the stages (checkpoints cross to every strategy); the step lays
-        them out per stage (``pipeline/circular.py``).
+        divide the per-replica batch (``2 * num_stages`` or more keeps the bubble under a
+        third).
+      schedule: a `PipelineSchedule` or its name: ``"gpipe"`` or ``"1f1b"``.
+      num_repeats: the virtual stages each stage holds (1: none); with ``R > 1`` each
+        microbatch goes round the stages `R` times (circular GPipe, interleaved 1F1B),
+        `num_microbatches` a multiple of `num_stages` and the layers of ``R * num_stages``.
       shard_over_replicas: also split variables over the replicas (ZeRO-3, as FSDP).
       min_shard_size: with `shard_over_replicas`, the fewest elements a variable needs to
         be split over the replicas.
-      cluster_resolver: the multi-process job to join, as for `FSDPStrategy`.
-      communication_options: `jstrategy.experimental.CommunicationOptions` for the job.
+      cluster_resolver, communication_options: the job, as for `ParallelStrategy`.
 
     Raises:
-      ValueError: if `num_stages`, `num_microbatches` or `num_repeats` is not a positive
-        int, the devices do not divide by `num_stages`, `schedule` names no schedule, or
-        with ``num_repeats > 1`` the microbatches are not a multiple of the stages.
+      ValueError: if a setting is invalid (`check_pipeline`), or the devices do not
+        divide by `num_stages`.
 
     Example:
 
@@ -138,7 +105,12 @@ class PipelineStrategy(ParallelStrategy):
                 "pass devices= with a multiple of num_stages devices."
             )
         self._build(
-            _plan(shard_over_replicas),
+            MeshPlan(  # ("stage", "replica"); FSDP's split over the replicas where asked
+                order=("stages", "replicas"),
+                kept=frozenset({"stages", "replicas"}),
+                fsdp=REPLICA_AXIS if shard_over_replicas else None,
+                rows=(REPLICA_AXIS,),
+            ),
             {"stages": stages, "replicas": len(resolved) // stages},
             [resolved],
             cross_device_ops,
@@ -148,9 +120,7 @@ class PipelineStrategy(ParallelStrategy):
 
     @property
     def pipeline(self) -> PipelineConfig:
-        """The pipeline the train step runs a `Repeated` block on: read once into
-        `StepSpec.pipeline`, it checks the step's state and rows before the model is
-        traced, and every `Repeated` block traced in the step runs its schedule."""
+        """The pipeline the train step runs a `Repeated` block on."""
         assert self._pipeline is not None
         return self._pipeline
 

@@ -1,14 +1,5 @@
 """`FSDPStrategy`: fully sharded data parallelism (ZeRO-3) over one axis of devices, a preset
-of `ParallelStrategy` whose replicas are its FSDP axis.
-
-What differs from `MirroredStrategy` is only where variables live between steps: instead of
-a full copy per replica, every large enough variable (parameter or optimizer-state leaf) is
-split into one slice per replica along one of its dimensions, so each device holds about
-``1 / num_replicas_in_sync`` of the parameters and optimizer state. Replicas, `run`, the
-replica context and distributed datasets are Mirrored's: each replica computes on its slice
-of the batch, over the data axis `REPLICA_AXIS`. XLA's SPMD partitioner gathers each
-parameter where it is used and reduce-scatters its gradient back to the slices.
-"""
+of `ParallelStrategy` whose replicas are its FSDP axis."""
 
 from __future__ import annotations
 
@@ -44,59 +35,25 @@ _PLAN = MeshPlan(
 class FSDPStrategy(ParallelStrategy):
     """Data parallelism with parameters and optimizer state sharded over the replicas.
 
-    Every variable with at least `min_shard_size` elements is split over the replicas
-    along its largest dimension that divides by `num_replicas_in_sync` (the first such
-    dimension when several are equally large); smaller variables, and those without such a
-    dimension, are replicated. The decision depends on the shape only, so an optimizer's
-    moments are laid out like their parameters.
-
-    Several processes (workers) train together as under `MultiWorkerMirroredStrategy`:
-    with ``devices=None`` the strategy joins the job that `cluster_resolver` (by default
-    ``TF_CONFIG``) describes through `jstrategy.cluster_resolver.join`, as
-    `MultiWorkerMirroredStrategy` does (so create it before any other JAX computation),
-    and lays one replica on every device of every worker; each process then holds only its
-    devices' slices of every variable. Without ``TF_CONFIG`` it is one process over the
-    local devices. `jstrategy.launch` runs such a job on one machine.
+    What differs from `MirroredStrategy` is where variables live between steps: every
+    variable with at least `min_shard_size` elements is split over the replicas along its
+    largest dimension that divides (`shard_dim`); the others are replicated. XLA gathers
+    each parameter where it is used and reduce-scatters its gradient back to the slices.
+    With ``devices=None`` it joins the job as `MultiWorkerMirroredStrategy` does.
 
     Args:
-      devices: the devices (TF-style strings or `jax.Device` objects), one replica each. None
-        means every device of JAX's default backend, of every process of the job.
+      devices: the devices, one replica each; None means every device of every process.
       min_shard_size: the fewest elements a variable must have to be sharded.
-      cluster_resolver: the job to join, as for `MultiWorkerMirroredStrategy`; defaults to
-        `TFConfigClusterResolver()` when `devices` is None.
-      communication_options: `jstrategy.experimental.CommunicationOptions` for the
-        collectives across workers (implementation, packing, ``timeout_seconds``), as for
-        `MultiWorkerMirroredStrategy`.
-      context: the context-parallel degree: how many devices split each sequence. The
-        mesh is then ``(replicas, context)`` with axes ``("replica", "context")`` (each
-        replica ``context`` neighbouring devices), `num_replicas_in_sync` is the devices
-        over ``context``, variables are split over all the devices (over the replicas
-        where no dimension divides by all), and a train step
-        (``make_train_step``, ``Model.fit``) splits the batch arrays that carry the
-        sequence (dimension 1 equal to the inputs' sequence length, the longest dimension
-        1 of ``x``'s arrays; a ``(B, 3)`` label stays whole) along it over the
-        ``"context"`` axis, each device receiving only its part, with
-        `jstrategy.experimental.dot_product_attention` running ring attention over it.
-        `run` does not split sequences: that attention refuses to run there.
-      offload_optimizer: keep the optimizer state in host memory between steps (its
-        slices, split as above), moved to device memory for the update inside the
-        compiled step: ``offload=OffloadPolicy()``.
-      offload: a `jstrategy.experimental.OffloadPolicy`: which variables (optimizer
-        state, parameters, chosen by path) live in host memory between steps.
-      experts: the expert-parallel degree k. The mesh is then ``(replicas, experts)``
-        with axes ``("replica", "expert")`` (each replica k neighbouring devices),
-        `num_replicas_in_sync` is the devices over k, and the stacked weights of
-        `jstrategy.experimental.MoE` / `NNXMoE` (annotated ``"expert"`` on their experts'
-        axis) are split over the ``"expert"`` axis, each device holding ``1/k`` of the
-        experts (and FSDP's split of those over the replicas); other variables are split
-        over all the devices. In a train step each expert layer sends its tokens to their
-        experts' devices and back with ``all_to_all`` over the ``"expert"`` axis. k must
-        divide every expert layer's ``num_experts`` (checked when the step is traced).
+      cluster_resolver, communication_options: the job, as for `ParallelStrategy`.
+      context: the context-parallel degree k: the mesh is ``("replica", "context")``,
+        each replica k neighbouring devices; sequences split as under `ParallelStrategy`.
+      offload_optimizer, offload: as `ParallelStrategy`.
+      experts: the expert-parallel degree k: the mesh is ``("replica", "expert")``, the
+        expert layers' experts split as under `ParallelStrategy`.
 
     Raises:
-      ValueError: if `devices` is invalid, `min_shard_size` is not a non-negative int,
-        `context` is not a positive int dividing the number of devices, or offloading is
-        asked twice or on devices without host memory.
+      ValueError: if `devices`, `min_shard_size`, `context` or `experts` is invalid (a
+        degree must divide the number of devices), or the offloading is.
       TypeError: if `offload` is not an `OffloadPolicy`.
       RuntimeError: if it must start the distributed runtime after JAX's backends started.
 
@@ -127,27 +84,23 @@ class FSDPStrategy(ParallelStrategy):
         offload: OffloadPolicy | None = None,
         experts: int = 1,
     ):
-        check_number(
-            experts,
-            "experts",
-            integer=True,
-            low=1,
-            expected="a positive int (how many devices split each expert layer's experts)",
-            fix="Pass e.g. experts=2, or 1 (the default) for no expert parallelism.",
-        )
+        for name, k, what, fix in (
+            ("experts", experts, "each expert layer's experts", "for no expert parallelism"),
+            ("context", context, "each sequence", "to keep sequences whole"),
+        ):
+            check_number(
+                k,
+                name,
+                integer=True,
+                low=1,
+                expected=f"a positive int (how many devices split {what})",
+                fix=f"Pass e.g. {name}=2, or 1 (the default) {fix}.",
+            )
         if experts > 1 and context > 1:
             raise ValueError(
                 f"`experts`={experts} and `context`={context} cannot be combined: an "
                 "FSDPStrategy has one axis besides its replicas. Pass one of them."
             )
-        check_number(
-            context,
-            "context",
-            integer=True,
-            low=1,
-            expected="a positive int (how many devices split each sequence)",
-            fix="Pass e.g. context=2, or 1 (the default) to keep sequences whole.",
-        )
         check_min_shard_size(min_shard_size)
         cross_device_ops, resolved = self._join_and_resolve(
             devices, cluster_resolver, communication_options

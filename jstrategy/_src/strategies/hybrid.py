@@ -1,9 +1,5 @@
 """`HybridStrategy`: model replicas x FSDP shards x tensor shards (HSDP x TP), a preset of
-`ParallelStrategy` with no expert or context axis.
-
-The mesh has the axes ``("replica", "fsdp", "tensor")``; see `ParallelStrategy` for where
-variables live, how rows are split and how the degrees cross hosts.
-"""
+`ParallelStrategy` with no expert or context axis."""
 
 from __future__ import annotations
 
@@ -27,40 +23,17 @@ __all__ = ["HybridStrategy"]
 class HybridStrategy(ParallelStrategy):
     """Replicas x FSDP x tensor parallelism on one mesh, each degree split across hosts.
 
-    `ParallelStrategy` with ``experts=1, context=1``: the mesh is ``(replicas, fsdp,
-    tensor)`` with axes ``("replica", "fsdp", "tensor")``. Replicas hold whole copies (the
-    data axis, gradients all-reduced over it); within a replica variables are split over
-    ``"fsdp"`` (ZeRO-3) on a dimension the tensor layout leaves free and over ``"tensor"``
-    as a `LayoutMap` or the model's Flax annotations say; each replica's rows are split
-    over its ``"fsdp"`` devices too, so a global batch divides by ``replicas x fsdp``.
-
-    By default the replicas alone cross hosts (``dcn_replicas`` = the number of
-    processes): FSDP's all-gathers and the tensor collectives stay within a host, the
-    slow links carry one gradient all-reduce per step (torchtitan's and PyTorch's HSDP).
-    Grow FSDP until the state fits, tensor when a replica's activations do not, and
-    replicas for throughput across hosts.
+    `ParallelStrategy` with ``experts=1, context=1``: the mesh's axes are ``("replica",
+    "fsdp", "tensor")``, a global batch divides by ``replicas x fsdp``. By default the
+    replicas alone cross hosts, so the slow links carry one gradient all-reduce per step
+    (torchtitan's and PyTorch's HSDP).
 
     Args:
-      replicas: the number of model replicas; -1 means the devices `fsdp` and `tensor`
-        leave.
-      fsdp: the FSDP degree; -1 means the rest.
-      tensor: the tensor-parallel degree; -1 means the rest.
-      dcn_replicas: how many hosts the replicas span; None means the number of processes
-        over ``dcn_fsdp x dcn_tensor``.
-      dcn_fsdp: how many hosts FSDP's split spans (1: each all-gather within a host).
-      dcn_tensor: how many hosts the tensor split spans (1: within a host).
-      layout_map: the tensor layouts: a `LayoutMap` whose layouts name ``"tensor"`` or
-        ``"model"`` (and optionally ``"fsdp"``, ``"data"`` or ``"batch"``); its own mesh's
-        shape is not used. None: the Flax annotations only.
-      min_shard_size: the fewest elements a variable needs to be split over ``"fsdp"``.
-      devices: the devices, in host order. None means every device of every process.
-      cluster_resolver: the job to join, as for `FSDPStrategy`.
-      communication_options: `jstrategy.experimental.CommunicationOptions` for the job.
-      offload_optimizer: keep the optimizer state in host memory between steps.
-      offload: a `jstrategy.experimental.OffloadPolicy`.
-      tensor_activations: which dimension of the activations between blocks the step
-        splits over ``"tensor"``: ``"features"`` (under remat) or ``"sequence"``
-        (`TensorActivations`).
+      replicas, fsdp, tensor: the degrees, as `ParallelStrategy`'s.
+      dcn_replicas, dcn_fsdp, dcn_tensor: their across-host parts, as `ParallelStrategy`'s.
+      layout_map, min_shard_size, devices: as `ParallelStrategy`.
+      cluster_resolver, communication_options: as `ParallelStrategy`.
+      offload_optimizer, offload, tensor_activations: as `ParallelStrategy`.
 
     Raises:
       ValueError, TypeError: as `ParallelStrategy`.

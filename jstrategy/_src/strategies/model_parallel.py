@@ -1,12 +1,5 @@
-"""`ModelParallelStrategy`: data parallelism over one mesh axis, variables split by a layout map.
-
-As `keras.distribution.ModelParallel`: the mesh comes from the `LayoutMap`; the batch is split
-over the axis `batch_dim_name` (the strategy's data axis: one replica per entry, each a group
-of devices); each variable is laid out as the layout map says, which is all that differs
-from the core. Inside a compiled step XLA's SPMD partitioner splits the computation to
-match (e.g. a Megatron MLP: the first kernel split on its output dimension, the second on
-its input dimension, over a ``"model"`` axis).
-"""
+"""`ModelParallelStrategy`: data parallelism over one mesh axis, variables split by a layout map
+(as `keras.distribution.ModelParallel`)."""
 
 from __future__ import annotations
 
@@ -38,53 +31,32 @@ __all__ = ["ModelParallelStrategy"]
 class ModelParallelStrategy(ShardedStrategy):
     """Variables laid out over a multi-axis mesh by a `LayoutMap`; the batch split over one axis.
 
-    Which layout a leaf of a train state gets (`variable_sharding`, hence `place_state`,
-    `create_train_state` and checkpoint restores):
+    Which layout a leaf of a train state gets (`variable_sharding`): a parameter (a leaf
+    under ``params``) is looked up by its path without ``params``, joined by ``/``
+    (``Dense_0/kernel``), with Keras's semantics: the key equal to the path, else the one
+    key whose regex `re.search` finds in it, else replicated; its layout must fit its
+    shape. Any other leaf (an optimizer moment ``opt_state/1/0/mu/Dense_0/kernel``) takes
+    the layout of the parameter whose path ends its own where it fits, else replicated.
 
-    * A parameter (a leaf under ``params``) is looked up by its path without ``params``,
-      joined by ``/`` (``Dense_0/kernel``; an NNX parameter's path ends in ``/value``),
-      with Keras's semantics: the key equal to the path, else the one key whose regex
-      `re.search` finds in it, else replicated. Its layout must fit: at most one entry per
-      dimension, and each split dimension divisible by the size of its mesh axes.
-    * Any other leaf follows the parameter whose path ends its own: an optimizer moment
-      ``opt_state/1/0/mu/Dense_0/kernel`` is looked up by its suffixes, longest first, and
-      takes the first match's layout when it fits its shape; otherwise (a step count,
-      Adafactor's factored moments, ...) it is replicated. So optimizer state is split
-      like its parameter and adds no memory per device beyond it.
-
-    A mesh axis named ``"context"`` splits sequences (context parallelism): a train step
-    splits every batch array of two or more dimensions along dimension 1 over it, and
-    `jstrategy.experimental.dot_product_attention` runs ring attention over it.
-
-    Inside `run` a replica is one entry of `batch_dim_name`: the replica context's
-    collectives run over that axis, while the mesh's other axes are automatic (XLA
-    partitions the computation over them; collectives naming them are not available).
+    A mesh axis named ``"context"`` splits sequences (context parallelism, as under
+    `ParallelStrategy`). Inside `run` a replica is one entry of `batch_dim_name`; the
+    mesh's other axes are automatic (XLA partitions the computation over them).
 
     Args:
       layout_map: the `LayoutMap`; its `device_mesh` is the strategy's mesh.
-      batch_dim_name: the mesh axis the batch is split over (the data axis:
-      `num_replicas_in_sync` is its size, and `axis_name` is this name, for collectives
-        such as ``nn.BatchNorm(axis_name=strategy.axis_name)``).
+      batch_dim_name: the mesh axis the batch is split over (the data axis, `axis_name`).
       cross_device_ops: how replicas' values are combined across the data axis; defaults
         to `NcclAllReduce(num_packs=0)`.
-      cluster_resolver: the multi-process job to join (`jstrategy.cluster_resolver.join`,
-        as `MultiWorkerMirroredStrategy`); defaults to `TFConfigClusterResolver()` when the
-        mesh's devices are not known yet.
-      communication_options: `jstrategy.experimental.CommunicationOptions` for the job:
-        the collectives across processes and ``timeout_seconds``.
-      offload_optimizer: keep the optimizer state in host memory between steps, laid
-        out as above: ``offload=OffloadPolicy()``.
-      offload: a `jstrategy.experimental.OffloadPolicy`: which variables live in host
-        memory between steps.
-      tensor_activations: which dimension of the activations between a model's blocks
-        the train step splits over the ``"model"`` axis (a `TensorActivations` or its
-        name): ``"features"`` under remat, or ``"sequence"`` (sequence parallelism).
+      cluster_resolver: the multi-process job to join; defaults to ``TF_CONFIG``'s when
+        the mesh's devices are not known yet.
+      communication_options: `jstrategy.experimental.CommunicationOptions` for the job.
+      offload_optimizer, offload, tensor_activations: as `ParallelStrategy` (the tensor
+        axis being ``"model"``).
 
     Raises:
-      TypeError: if `layout_map` is not a `LayoutMap`, or `offload` not an
-        `OffloadPolicy`.
-      ValueError: if `batch_dim_name` is not an axis of the mesh, or is ``"context"``,
-        or offloading is asked twice or on devices without host memory.
+      TypeError: if `layout_map` is not a `LayoutMap`, or `offload` not an `OffloadPolicy`.
+      ValueError: if `batch_dim_name` is not an axis of the mesh, or is ``"context"``, or
+        the offloading is invalid.
 
     Example:
 
@@ -149,8 +121,7 @@ class ModelParallelStrategy(ShardedStrategy):
             if cross_device_ops is None:
                 cross_device_ops = across  # across processes, or None for one
         super().__init__(mesh, cross_device_ops=cross_device_ops, data_axis=batch_dim_name)
-        self._set_offload(offload, offload_optimizer)
-        self._set_tensor_activations(tensor_activations)
+        self._set_options(offload, offload_optimizer, tensor_activations)
         self._layout_map = layout_map
 
     @property
@@ -186,9 +157,8 @@ class ModelParallelStrategy(ShardedStrategy):
           ``NamedSharding(mesh, layout)``, or `replicated_sharding`.
 
         Raises:
-          ValueError: if a parameter's layout has more entries than it has dimensions, or
-            splits a dimension that does not divide by its mesh axes' size (the message
-            names the path, the shape and the size), or two keys match its path.
+          ValueError: if a parameter's layout does not fit its shape, or two keys match its
+            path.
         """
         return self._in_memory(self._layout(leaf, tuple(str(k) for k in path)), leaf, path)
 

@@ -1,28 +1,11 @@
-"""`ParallelStrategy`: every parallel degree on one mesh, each split across hosts.
-
-One spec of degrees, MaxText's ``ici_*``/``dcn_*`` and torchtitan's ``ParallelDims``: data
-replicas, FSDP, experts, context and tensor, each the product of a within-host part and an
-across-host part (``dcn_*``). The mesh has the fixed axis names of `jstrategy._src.axes`
-(``("replica", "fsdp", "tensor")`` always, ``"expert"`` and ``"context"`` between them when
-their degree is above one), laid so that each host's devices are contiguous along each
-axis's within-host part.
-
-Where a variable lives is a fold of per-axis rules (`variable_sharding`): the tensor layout
-(a `LayoutMap`, else the model's Flax annotations: the expert layers' experts on
-``"expert"``, their hidden units on ``"tensor"``), then FSDP's split on a dimension that
-layout leaves free (over ``"fsdp"``, with ``"expert"`` and ``"context"``, as MaxText's
-``embed`` rule, where the dimension divides), then the offload memory kind
-(`ShardedStrategy`). A batch's rows are split over ``("replica", "fsdp", "expert")``, its
-sequences over ``"context"``.
-
-`HybridStrategy` (`hybrid.py`) is this strategy with the expert and context degrees at 1.
+"""`ParallelStrategy`: every parallel degree on one mesh, each split across hosts, and its
+`MeshPlan` (what a preset's mesh holds), shared by the presets.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
@@ -36,7 +19,6 @@ from jax.sharding import PartitionSpec as P
 
 from jstrategy._src import devices as devices_lib
 from jstrategy._src import flax_annotations
-from jstrategy._src import staging
 from jstrategy._src.activation_rows import TensorActivations
 from jstrategy._src.axes import CONTEXT_AXIS
 from jstrategy._src.axes import EXPERT_AXIS
@@ -94,8 +76,7 @@ class MeshPlan:
     Attributes:
       order: the degrees in mesh order (names as `ParallelStrategy`'s arguments).
       kept: the degrees whose axis is in the mesh even at degree one.
-      fsdp: the mesh axis FSDP's split runs over (``"fsdp"``; ``"replica"`` where the
-        replicas hold slices, as `FSDPStrategy`'s); None for no FSDP split.
+      fsdp: the mesh axis FSDP's split runs over; None for none.
       rows: the mesh axes a batch's rows are split over (those in the mesh).
     """
 
@@ -131,48 +112,25 @@ _AXIS_ALIASES = {
 class ParallelStrategy(ShardedStrategy):
     """Replicas x FSDP x experts x context x tensor on one mesh, each degree across hosts.
 
-    * **replicas** (`num_replicas_in_sync`, the data axis `axis_name` = ``"replica"``):
-      whole copies of the model. Each takes its rows of every batch; gradients are
-      all-reduced over this axis. `run`, the replica context, `reduce` and distributed
-      datasets work over it as under `ModelParallelStrategy`: a replica is a group of
-      ``fsdp x experts x context x tensor`` devices, XLA partitioning its computation.
-    * **fsdp**: within a replica, variables with at least `min_shard_size` elements are
-      split over this axis (ZeRO-3) along their largest dimension that divides and that
-      the tensor layout does not split (or along the dimension a Flax annotation names
-      with a data axis: ``"data"``, ``"fsdp"``, ``"batch"``); optimizer moments follow
-      their parameters. Inside a train step each replica's rows are split over it too.
-    * **experts**: the expert layers' experts (`jstrategy.experimental.MoE`, annotated
-      ``"expert"``) split over this axis, tokens sent to their experts' devices and back
-      with ``all_to_all``; the rows are split over it too, and FSDP's split of the other
-      variables spans it (as MaxText's).
-    * **context**: each sequence split over this axis, attention as a ring
+    One spec of degrees (MaxText's ``ici_*``/``dcn_*``, torchtitan's ``ParallelDims``):
+
+    * **replicas** (`num_replicas_in_sync`, the data axis ``"replica"``): whole copies of
+      the model (each a group of devices), gradients all-reduced over them.
+    * **fsdp**: variables with at least `min_shard_size` elements split (ZeRO-3) along
+      their largest dimension that divides and the tensor layout leaves free; each
+      replica's rows split over it too.
+    * **experts**: the expert layers' experts (annotated ``"expert"``) split over it,
+      tokens sent with ``all_to_all``; rows and FSDP's split span it too.
+    * **context**: each sequence split over it, attention as a ring
       (`jstrategy.experimental.dot_product_attention`); FSDP's split spans it too.
-    * **tensor**: variables split as `layout_map` says (keys matched as for
-      `ModelParallelStrategy`, and like its keys refused where one matches no variable of
-      the model), else as the model's Flax annotations (``nn.with_partitioning``, logical
-      axis rules) say, where an annotation's ``"model"`` or ``"tensor"`` axis means this
-      one; the expert layers' hidden units are split over it.
+    * **tensor**: variables split as `layout_map` says, else as the model's Flax
+      annotations say (``"model"`` means ``"tensor"``).
 
-    A global batch divides by ``replicas x fsdp x experts`` (`batch_multiple`; `Model.fit`
-    pads to it), its sequence length by ``context``.
-
-    **Hosts.** Each degree is the product of a within-host part and an across-host part
-    (``dcn_*``, as MaxText's ``dcn_*_parallelism``). The devices are cut into as many hosts
-    as the across-host parts multiply to: with several processes each host is one
-    process's devices (the product must equal the number of processes); in one process a
-    host is a group of neighbouring devices (``devices[0:k]``, ...), which is how one
-    process over fake devices stands in for several hosts. The mesh is laid out as
-    `jax.experimental.mesh_utils.create_hybrid_device_mesh` lays one. By default the
-    replicas alone cross hosts (``dcn_replicas`` = the number of processes), so the only
-    collective across hosts is the replicas' gradient all-reduce.
-
-    Which degree to take first: FSDP divides the parameters and optimizer state for an
-    all-gather per layer; tensor divides a replica's activations for collectives in
-    every layer (the fastest links, wide layers); context divides long sequences'
-    activations; experts divide a mixture of experts' expert weights and compute; replicas
-    cost one all-reduce a step and divide nothing. Grow FSDP until the state fits, then
-    tensor or context where the activations do not, experts with a MoE model, replicas
-    for throughput across hosts.
+    A global batch divides by ``replicas x fsdp x experts`` (`batch_multiple`), its
+    sequence length by ``context``. Each degree is a within-host part times an across-host
+    part (``dcn_*``; a host is one process's devices, or in one process a group of
+    neighbouring devices); by default only the replicas cross hosts. Which degree to grow,
+    and how hosts are laid out: docs/guides/large-models.md.
 
     Args:
       replicas: the number of model replicas (data-parallel groups); -1 means the devices
@@ -185,24 +143,20 @@ class ParallelStrategy(ShardedStrategy):
         over the other across-host parts.
       dcn_fsdp, dcn_tensor, dcn_experts, dcn_context: how many hosts that degree's split
         spans (1: within a host).
-      layout_map: the tensor layouts: a `LayoutMap` whose layouts name ``"tensor"`` or
-        ``"model"`` (and optionally ``"fsdp"``, ``"data"`` or ``"batch"`` for the FSDP
-        split, ``"expert"`` for the expert split); its own mesh's shape is not used.
-        None: the Flax annotations only.
+      layout_map: the tensor layouts: a `LayoutMap` naming ``"tensor"`` or ``"model"``
+        (and optionally ``"fsdp"``, ``"data"``, ``"batch"``, ``"expert"``); its own
+        mesh's shape is not used. None: the Flax annotations only.
       min_shard_size: the fewest elements a variable needs to be split over ``"fsdp"``.
       devices: the devices (TF-style strings or `jax.Device` objects), in host order. None
         means every device of every process of the job.
-      cluster_resolver: the job to join, as for `FSDPStrategy`; defaults to
-        `TFConfigClusterResolver()` when `devices` is None.
+      cluster_resolver: the job to join; defaults to ``TF_CONFIG``'s when `devices` is None.
       communication_options: `jstrategy.experimental.CommunicationOptions` for the job.
-      offload_optimizer: keep the optimizer state in host memory between steps:
-        ``offload=OffloadPolicy()``.
+      offload_optimizer: keep the optimizer state in host memory between steps.
       offload: a `jstrategy.experimental.OffloadPolicy`: which variables live in host
         memory between steps.
-      tensor_activations: which dimension of the activations between a model's blocks
-        the train step splits over ``"tensor"`` (a `TensorActivations` or its name):
-        ``"features"`` under remat (MaxText's rule), or ``"sequence"`` (Megatron's
-        sequence parallelism; it needs ``tensor`` > 1 and no ``context``).
+      tensor_activations: which dimension of the activations between blocks the step
+        splits over ``"tensor"`` (`TensorActivations`): ``"features"`` under remat, or
+        ``"sequence"`` (it needs ``tensor`` > 1 and no ``context``).
 
     Raises:
       ValueError: if a degree is not a positive int (or -1 where allowed), the degrees do
@@ -269,22 +223,21 @@ class ParallelStrategy(ShardedStrategy):
                 f"others leave); got {degrees}. Give all but one of them."
             )
         degrees = {name: {**degrees, **fixed}[name] for name, _ in _DEGREES}
-        self._pipeline_settings = _check_pipeline_settings(
+        pipeline = _check_pipeline_settings(
             stages, num_microbatches, schedule, num_repeats, experts, context
         )
-        across = {"dcn_fsdp": dcn_fsdp, "dcn_tensor": dcn_tensor}
-        across |= {"dcn_experts": dcn_experts, "dcn_context": dcn_context}
-        across |= {"dcn_stages": dcn_stages}
-        if dcn_replicas is not None:
-            across = {"dcn_replicas": dcn_replicas, **across}
-        for name, value in across.items():
+        given = {"replicas": dcn_replicas, "fsdp": dcn_fsdp, "tensor": dcn_tensor}
+        given |= {"experts": dcn_experts, "context": dcn_context, "stages": dcn_stages}
+        for name, part in given.items():
+            if part is None:
+                continue
             check_number(
-                value,
-                name,
+                part,
+                f"dcn_{name}",
                 integer=True,
                 low=1,
                 expected="a positive int (how many hosts that degree spans)",
-                fix=f"Pass e.g. {name}=1 to keep that degree within a host.",
+                fix=f"Pass e.g. dcn_{name}=1 to keep that degree within a host.",
             )
         check_min_shard_size(min_shard_size)
         tensor_activations = TensorActivations.of(tensor_activations)
@@ -321,9 +274,7 @@ class ParallelStrategy(ShardedStrategy):
             # One host per process; the hosts the other degrees do not span hold replicas.
             others = dcn_fsdp * dcn_tensor * dcn_experts * dcn_context * dcn_stages
             dcn_replicas = max(processes // others, 1)
-        dcn = {"replicas": dcn_replicas, "stages": dcn_stages, "fsdp": dcn_fsdp}
-        dcn |= {"experts": dcn_experts}
-        dcn |= {"context": dcn_context, "tensor": dcn_tensor}
+        dcn = {name: given[name] or dcn_replicas for name, _ in _DEGREES}  # only it is None
         for name, part in dcn.items():
             if degrees[name] % part:
                 why = (
@@ -345,7 +296,7 @@ class ParallelStrategy(ShardedStrategy):
             hosts,
             cross_device_ops,
             dcn=dcn,
-            pipeline=self._pipeline_settings,
+            pipeline=pipeline,
             layout_map=layout_map,
             min_shard_size=min_shard_size,
             offload=offload,
@@ -368,9 +319,8 @@ class ParallelStrategy(ShardedStrategy):
         offload_optimizer: bool = False,
         tensor_activations: TensorActivations = TensorActivations.FEATURES,
     ) -> None:
-        """The strategy over `hosts` (device groups; one for a preset that does not place
-        degrees across hosts) with `degrees` (every degree's, resolved) laid out as `plan`
-        says: the one construction of this strategy and its presets, after their checks."""
+        """The one construction of this strategy and its presets, after their checks: over
+        `hosts` (device groups) with `degrees` (resolved) laid out as `plan` says."""
         degrees = {name: degrees.get(name, 1) for name, _ in _DEGREES}
         dcn = dcn or dict.fromkeys(degrees, 1)
         self._plan = plan
@@ -382,8 +332,7 @@ class ParallelStrategy(ShardedStrategy):
         self._min_shard_size = min_shard_size
         self._degrees = degrees
         self._dcn = dcn
-        self._set_offload(offload, offload_optimizer)
-        self._set_tensor_activations(tensor_activations)
+        self._set_options(offload, offload_optimizer, tensor_activations)
         self._pipeline: PipelineConfig | None = None
         if pipeline is not None:
             self._pipeline = PipelineConfig(*pipeline[:3], self.mesh, pipeline[3])
@@ -395,14 +344,12 @@ class ParallelStrategy(ShardedStrategy):
 
     @property
     def hosts(self) -> tuple[tuple[int, ...], ...]:
-        """The device ids of each host, in host order: one process's devices each, or in one
-        process groups of neighbouring devices (see the class's "Hosts")."""
+        """The device ids of each host, in host order."""
         return self._hosts
 
     @property
     def degrees(self) -> dict[str, int]:
-        """Each degree, -1 resolved: ``{"replicas": r, "fsdp": f, "tensor": t}``, with
-        ``"experts"`` and ``"context"`` where above one."""
+        """Each degree, -1 resolved; the optional ones where above one."""
         order = ("replicas", "fsdp", "tensor", "experts", "context", "stages")
         kept, degrees = self._plan.kept, self._degrees
         return {
@@ -416,8 +363,7 @@ class ParallelStrategy(ShardedStrategy):
 
     @property
     def pipeline(self) -> PipelineConfig | None:
-        """The pipeline a `Repeated` block runs on when ``stages`` > 1 (its stacked layers
-        split over ``"stage"``), else None: see `PipelineStrategy`."""
+        """The pipeline a `Repeated` block runs on when ``stages`` > 1, else None."""
         return self._pipeline
 
     @property
@@ -427,8 +373,8 @@ class ParallelStrategy(ShardedStrategy):
 
     @property
     def logical_axis_rules(self) -> tuple[tuple[str, Any], ...]:
-        """The expert layers' logical names: ``"expert"`` (their experts) on the expert
-        axis, ``"expert_hidden"`` (their hidden units) on the tensor axis, where present.
+        """The expert layers' logical names: their experts on the expert axis, their
+        hidden units on the tensor axis, where present.
 
         Example:
 
@@ -445,13 +391,8 @@ class ParallelStrategy(ShardedStrategy):
 
     @property
     def layout_map(self) -> LayoutMap | None:
-        """The tensor layouts given (``layout_map=``), or None.
-
-        As `ModelParallelStrategy`'s, its keys are checked against a model's variables
-        where its train state is created (`create_train_state`, `Model`): a key that
-        matches no variable (a typo) is refused, naming the nearest paths, rather than
-        leaving its layer silently unsplit.
-        """
+        """The tensor layouts given (``layout_map=``), or None; its keys are checked
+        against a model's variables as `ModelParallelStrategy`'s."""
         return self._layout_map
 
     @property
@@ -465,8 +406,7 @@ class ParallelStrategy(ShardedStrategy):
 
     @property
     def batch_multiple(self) -> int:
-        """``replicas x fsdp x experts``: each replica's rows are split over its FSDP (and
-        expert) devices.
+        """``replicas x fsdp x experts`` (times the microbatches).
 
         Example:
 
@@ -479,9 +419,7 @@ class ParallelStrategy(ShardedStrategy):
 
     def batch_sharding(self) -> NamedSharding:
         """Rows split over ``("replica", "fsdp")`` (and ``"expert"``): replica *i* owns the
-        *i*-th slice of a global batch, cut over its FSDP (and expert) devices, whole over
-        ``"tensor"``. Distributed datasets, `Model`'s batches and the train-step factory
-        place rows so, and the train step computes on them where they are.
+        *i*-th slice of a global batch, cut over its FSDP (and expert) devices.
 
         Example:
 
@@ -493,9 +431,7 @@ class ParallelStrategy(ShardedStrategy):
 
     def annotation_axis(self, name: str) -> str | None:
         """An axis of the mesh means itself; another mesh's model axis (``"model"``) the
-        tensor axis, its data axes (``"data"``, ``"batch"``) FSDP's: variables are never
-        split over the replicas, and a model's constraint on its rows splits them over
-        ``"fsdp"`` within each replica.
+        tensor axis, its data axes (``"data"``, ``"batch"``) FSDP's.
 
         Example:
 
@@ -515,23 +451,19 @@ class ParallelStrategy(ShardedStrategy):
         self, leaf: jax.ShapeDtypeStruct | jax.Array, path: tuple[str, ...] = ()
     ) -> jax.sharding.Sharding:
         """Where the variable lives: a fold of the per-axis rules, each on what the last
-        left free. A `Repeated` block's stacked layers over ``"stage"``; the tensor layout
-        (`layout_map`'s, else the Flax annotation's); FSDP's split on the largest free
-        dimension that divides (`shard_dim`), over the FSDP axis and the expert and context
-        axes the layout leaves free; then the offload policy's memory kind.
+        left free: a `Repeated` block's stacked layers over ``"stage"``, the tensor layout,
+        FSDP's split (`shard_dim`), the offload policy's memory kind.
 
         Args:
           leaf: the variable's shape and dtype.
           path: the variable's keys in the state (a parameter's optimizer moments follow it).
 
         Returns:
-          ``NamedSharding(mesh, spec)``, split over ``"replica"`` only where the replicas
-          are FSDP's axis (`FSDPStrategy`, `PipelineStrategy(shard_over_replicas=True)`).
+          ``NamedSharding(mesh, spec)``.
 
         Raises:
-          ValueError: if a parameter's `layout_map` layout does not fit its shape (the
-            message names the path, the shape and the axis), or a stacked parameter's
-            layers do not divide by the (virtual) stages.
+          ValueError: if a parameter's `layout_map` layout does not fit its shape, or a
+            stacked parameter's layers do not divide by the (virtual) stages.
         """
         names = tuple(str(k) for k in path)
         return self._in_memory(self._layout(tuple(leaf.shape), names), leaf, path)
@@ -575,11 +507,8 @@ class ParallelStrategy(ShardedStrategy):
         return math.prod(int(self.mesh.shape.get(a, 1)) for a in axes)
 
     def _stacked(self, names: tuple[str, ...], shape: tuple[int, ...]) -> bool:
-        """Whether the leaf is a `Repeated` block's stacked variable split over the stages.
-
-        Raises:
-          ValueError: for a stacked parameter whose layers the (virtual) stages do not divide.
-        """
+        """Whether the leaf is a `Repeated` block's stacked variable split over the stages
+        (a stacked parameter whose layers they do not divide refused)."""
         pipeline = self._pipeline
         if pipeline is None or not shape or not is_stacked(names):
             return False
@@ -618,26 +547,7 @@ class ParallelStrategy(ShardedStrategy):
         mapped = tuple(dict.fromkeys(a for a in map(self.annotation_axis, _axes(entry)) if a))
         # Replicas hold whole copies, unless they are FSDP's axis (`FSDPStrategy`).
         mapped = tuple(a for a in mapped if a != REPLICA_AXIS or a == self._plan.fsdp)
-        if not mapped:
-            return None
-        return mapped[0] if len(mapped) == 1 else mapped
-
-    def stage_train_step(
-        self, fns: staging.StepFunctions, *, steps: int = 0, stacked: bool = True
-    ) -> staging.TrainProgram:
-        """`ShardedStrategy`'s program, each batch's rows split over ``("replica", "fsdp")``
-        (and ``"expert"``).
-
-        They arrive so placed (`batch_sharding`); the constraint at the step's start keeps
-        a batch given on another layout (a `jax.Array` of the user's) computed so too.
-        Under a context axis `ShardedStrategy` constrains the sequences' rows so, with
-        their sequence split."""
-        rows = self.batch_multiple // self.num_replicas_in_sync
-        if fns.global_gradients is not None and rows > 1 and self.context_parallelism == 1:
-            fns = dataclasses.replace(
-                fns, global_gradients=_rows_over_fsdp(fns.global_gradients, self.batch_sharding())
-            )
-        return super().stage_train_step(fns, steps=steps, stacked=stacked)
+        return _one_or_tuple(list(mapped)) if mapped else None
 
     def __repr__(self) -> str:
         shown = self.degrees
@@ -690,18 +600,6 @@ def _axes(entry: Any) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _rows_over_fsdp(
-    global_gradients: Callable[..., Any], rows: NamedSharding
-) -> Callable[..., Any]:
-    """`global_gradients` on a batch whose rows are constrained to `rows`."""
-
-    def gradients(params: Any, rest: Any, batch: Any, mask: Any) -> Any:
-        batch, mask = jax.lax.with_sharding_constraint((batch, mask), rows)
-        return global_gradients(params, rest, batch, mask)
-
-    return gradients
-
-
 def _check_layout_axes(layout_map: LayoutMap | None, strategy: str) -> None:
     """Refuses a layout naming an axis this mesh cannot mean (before any work)."""
     for key in layout_map or ():
@@ -725,7 +623,7 @@ def _mapped_layouts(layout_map: LayoutMap | None) -> LayoutMap | None:
     # strategy's (checked per variable by `misfit`); its devices are never read.
     names = tuple(axis for _, axis in _DEGREES)
     one = np.empty((1,) * len(names), dtype=object)
-    one.flat[0] = _any()
+    one.flat[0] = jax.local_devices()[0]
     target = LayoutMap(DeviceMesh(one.shape, names, one.tolist()))
     for key in layout_map:
         layout = layout_map[key]
@@ -738,10 +636,6 @@ def _mapped_layouts(layout_map: LayoutMap | None) -> LayoutMap | None:
 
 def _one_or_tuple(axes: list[str]) -> str | tuple[str, ...]:
     return axes[0] if len(axes) == 1 else tuple(axes)
-
-
-def _any() -> jax.Device:
-    return jax.local_devices()[0]
 
 
 def _host_groups(

@@ -1,20 +1,9 @@
-"""The common base of strategies whose variables are split across devices.
-
-`ParallelStrategy` (and its presets) and `ModelParallelStrategy` differ in where each
-variable lives (`Strategy.variable_sharding`, whose last rule, the offload policy's memory
-kind, is `_in_memory` here); how their train steps are staged is the same
-(`staging.sharded_train_program`), and so is how they join a multi-process job, how they
-read a model's sharding annotations (`annotation_axis`) and what their programs are traced
-under: JAX's mesh (`jax.set_mesh`) and the logical axis rules read on their mesh
-(`flax_annotations.step_rules`), so that `with_sharding_constraint` and
-``nn.with_logical_constraint`` inside models name its axes.
-"""
+"""`ShardedStrategy`: the common base of strategies whose variables are split across devices
+(how they join a job, read annotations, keep variables in host memory, stage a step)."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -49,35 +38,24 @@ __all__ = ["ShardedStrategy"]
 class ShardedStrategy(Strategy):
     """A `Strategy` whose `variable_sharding` splits variables across devices.
 
-    Its train steps run in the global view (`staging.sharded_train_program`): XLA gathers
-    each parameter where it is read, reduces each gradient where it is produced to the
-    parameter's layout, and applies the update to each device's slices, keeping every
-    variable where `variable_sharding` says.
-
-    While its programs are traced JAX's mesh is the strategy's (`jax.set_mesh`) and
-    Flax's logical axis rules are `flax_annotations.step_rules`: `logical_axis_rules` and
-    those of Flax's context, read on this mesh, so `jax.lax.with_sharding_constraint` /
-    `nn.with_logical_constraint` name its axes. Its `scope()` sets neither: a model
-    created there, annotated for any mesh, is placed by `variable_sharding`.
+    Its train steps run in the global view (`staging.sharded_train_program`), traced under
+    `mesh_context`, so models' sharding constraints name its axes. Its `scope()` sets no
+    mesh: a model created there, annotated for any mesh, is placed by `variable_sharding`.
     """
 
     #: The job this strategy joined (`_join_job`), or None for a local one.
     _cluster: cluster_lib.Cluster | None = None
     _cluster_resolver: ClusterResolver | None = None
-    #: Which variables live in host memory between steps (`_set_offload`); None: none.
+    #: Which variables live in host memory between steps; None: none.
     _offload: OffloadPolicy | None = None
-    #: The activations' split over a tensor axis (`_set_tensor_activations`).
     _tensor_activations: TensorActivations = TensorActivations.FEATURES
 
-    # Variables in host memory ------------------------------------------------------------
-    def _set_offload(self, offload: OffloadPolicy | None, offload_optimizer: bool) -> None:
-        """Checks and keeps the constructor's ``offload=`` / ``offload_optimizer=``
-        (`offload.resolve_offload`); call it in the constructor, after the mesh is set."""
+    def _set_options(
+        self, offload: OffloadPolicy | None, offload_optimizer: bool, value: TensorActivations
+    ) -> None:
+        """Checks and keeps the constructor's ``offload=`` / ``offload_optimizer=`` and
+        ``tensor_activations=`` (a member already) against the mesh, once it is set."""
         self._offload = resolve_offload(offload, offload_optimizer, self.devices)
-
-    def _set_tensor_activations(self, value: TensorActivations) -> None:
-        """Checks and keeps the constructor's ``tensor_activations=`` (already a member:
-        `TensorActivations.of`) against the mesh; call it after the mesh is set."""
         if value is TensorActivations.SEQUENCE:
             shape = dict(self.mesh.shape)
             if not any(int(shape.get(a, 1)) > 1 for a in TENSOR_AXES):
@@ -100,15 +78,14 @@ class ShardedStrategy(Strategy):
     @property
     def tensor_activations(self) -> TensorActivations:
         """Which dimension of the activations between blocks the train step splits over
-        the tensor axis (``tensor_activations=``; see `TensorActivations`)."""
+        the tensor axis (`TensorActivations`)."""
         return self._tensor_activations
 
     def _in_memory(
         self, sharding: jax.sharding.Sharding, leaf: Any, path: tuple[str, ...]
     ) -> jax.sharding.Sharding:
         """`sharding` in host memory where the offload policy chooses the leaf: the last
-        rule of every sharded strategy's `variable_sharding` (placement, creation, restores
-        and the step's `out_shardings` all ask it)."""
+        rule of every sharded strategy's `variable_sharding`."""
         policy = self._offload
         if policy is None or not policy.offloads(leaf, path):
             return sharding
@@ -148,13 +125,9 @@ class ShardedStrategy(Strategy):
         cluster_resolver: ClusterResolver | None,
         communication_options: CommunicationOptions | None,
     ) -> CollectiveAllReduce | None:
-        """Joins the job `cluster_resolver` (by default ``TF_CONFIG``) describes, through
-        `cluster.join` as `MultiWorkerMirroredStrategy` does.
-
-        Returns:
-          The collectives across the processes (`communication_options`'), or None when
-          this process trains alone.
-        """
+        """Joins the job `cluster_resolver` (by default ``TF_CONFIG``) describes, as
+        `MultiWorkerMirroredStrategy` does: the collectives across the processes, or None
+        when this process trains alone."""
         options = check_communication_options(communication_options)
         resolver = cluster_resolver if cluster_resolver is not None else TFConfigClusterResolver()
         self._cluster_resolver = resolver
@@ -260,28 +233,9 @@ class ShardedStrategy(Strategy):
     ) -> staging.TrainProgram:
         """One program per call: see `staging.sharded_train_program`; traced and run under
         `mesh_context`."""
-        axis = context_axis_lib.of_mesh(self.mesh, self.axis_name)
-        if axis is not None and fns.global_gradients is not None:
-            fns = dataclasses.replace(
-                fns, global_gradients=_split_sequence(fns.global_gradients, axis)
-            )
         return _UnderMesh(
             self, staging.sharded_train_program(self, fns, steps=steps, stacked=stacked)
         )
-
-
-def _split_sequence(
-    global_gradients: Callable[..., Any], axis: context_axis_lib.ContextAxis
-) -> Callable[..., Any]:
-    """`global_gradients` on a batch whose sequences are split over the context axis, its
-    forward pass traced with that axis current (the attention reads it)."""
-
-    def gradients(params: Any, rest: Any, batch: Any, mask: Any) -> Any:
-        batch = context_axis_lib.split_sequence(batch, axis)
-        with context_axis_lib.applying(axis):
-            return global_gradients(params, rest, batch, mask)
-
-    return gradients
 
 
 class _UnderMesh:

@@ -469,9 +469,10 @@ def _gradients(
     tf.distribute aggregates such variables with MEAN. With ``spec.accumulation_steps`` >
     1 the gradients are `accumulation.GradientSums`: the gradient of the loss *sum* and the
     count of real rows, which `apply_update` adds to the cycle's. The model is traced in
-    the step's one `trace_context.TraceContext`: its remat policy, its pipeline and where
-    the marked blocks' inputs are placed.
+    the step's one `trace_context.TraceContext`: its remat policy, its pipeline, where
+    the marked blocks' inputs are placed and the view's context axis.
     """
+    batch, mask = view.arriving(batch, mask)
     rows = _batch_rows(batch, mask)
     scale = _loss_scale_factor(spec, rest, view.global_rows(rows))
     # The mean over the global batch's real rows is differentiated, not the sum divided
@@ -514,6 +515,7 @@ def _gradients(
             remat=None if remat is None else remat.policy,
         ),
         activation_rows=view.placement(spec),
+        context_axis=view.context_axis,
     )
     with trace_context.tracing(context):
         (_, (sums, model_state)), grads = jax.value_and_grad(total, has_aux=True)(at)

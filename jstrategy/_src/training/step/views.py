@@ -6,8 +6,8 @@ rest: how the replicas are traced (`Manual`: one replica's rows inside a region 
 over the data axis, `staging.replica_map`; `Global`: every replica's, a ``vmap`` in the
 global view, `staging.sharded_train_program`), how the global count of real rows is known,
 how the gradients, sums and mutable state are combined over the replicas (one all-reduce,
-or the map's sum), where non-finite gradients are counted (`check_numerics`) and where
-the marked blocks' inputs are placed (`activation_rows`).
+or the map's sum), where non-finite gradients are counted (`check_numerics`), where
+the marked blocks' inputs are placed (`activation_rows`) and where the batch arrives.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jstrategy._src import activation_rows
+from jstrategy._src.context_parallel import axis as context_axis_lib
 from jstrategy._src.numerics import COUNT
 from jstrategy._src.pipeline.loss import ReplicaSlices
 from jstrategy._src.pipeline.loss import splits_replicas
@@ -59,12 +60,20 @@ class View:
       strategy: the step's strategy.
       axis: its data axis (the replicas').
       n: its number of replicas.
+      context_axis: the `context_parallel.axis.ContextAxis` the forward pass is traced
+        under (the attention reads it), or None.
     """
+
+    context_axis: context_axis_lib.ContextAxis | None = None
 
     def __init__(self, strategy: Strategy):
         self.strategy = strategy
         self.axis = strategy.axis_name
         self.n = strategy.num_replicas_in_sync
+
+    def arriving(self, batch: Any, mask: Any) -> tuple[Any, Any]:
+        """The batch and mask as this staging computes on them."""
+        return batch, mask
 
     def global_rows(self, rows: int) -> int:
         """The global batch's rows, from the rows of the batch this staging is given."""
@@ -170,6 +179,23 @@ class Global(View):
     become ``(replicas, B / replicas, ...)``: a view of the rows each device holds. The
     input of each block the model marks (`jstrategy.training.remat`, `Repeated`'s layers)
     is kept split by rows as the batch is (`Strategy.activation_rows`)."""
+
+    def __init__(self, strategy: Strategy):
+        super().__init__(strategy)
+        self.context_axis = context_axis_lib.of_strategy(strategy)
+
+    def arriving(self, batch: Any, mask: Any) -> tuple[Any, Any]:
+        # Batches arrive placed (`Strategy.batch_sharding`, `axis.batch_shardings`); the
+        # constraint keeps one given on another layout (a `jax.Array` of the user's)
+        # computed so too: its sequences split over the context axis (checked first), or
+        # its rows where they are split within a replica (FSDP's and the experts' axes,
+        # microbatches).
+        if self.context_axis is not None:
+            return context_axis_lib.split_sequence(batch, self.context_axis), mask
+        if self.strategy.batch_multiple > self.n:
+            rows = self.strategy.batch_sharding()
+            return jax.lax.with_sharding_constraint((batch, mask), rows)
+        return batch, mask
 
     def global_rows(self, rows: int) -> int:
         return rows
