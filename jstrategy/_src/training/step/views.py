@@ -182,7 +182,7 @@ class Global(View):
 
     def __init__(self, strategy: Strategy):
         super().__init__(strategy)
-        self.context_axis = context_axis_lib.of_strategy(strategy)
+        self.context_axis = context_axis_lib.of_mesh(strategy.mesh, strategy.axis_name)
 
     def arriving(self, batch: Any, mask: Any) -> tuple[Any, Any]:
         # Batches arrive placed (`Strategy.batch_sharding`, `axis.batch_shardings`); the
