@@ -14,13 +14,12 @@ the next repeat. So no buffer is needed: stage 0 takes a fresh microbatch at rep
 the ring's value otherwise, and the last stage's output is the block's at repeat ``R - 1``.
 Each stage picks its repeat's layers, ``r = ((t - s) // S) % R``, from its ``(R, K, ...)``.
 
-`schedules.gpipe` runs ``R * M + S - 1`` ticks. `schedules.one_f_one_b` (interleaved 1F1B)
-runs backward items ``j = g * R * S + r' * S + k``, the repeats reversed
-(``r = R - 1 - r'``), stage ``s`` item ``j`` at tick ``R * S - 1 + j + (S - 1 - s)``: the
-backward ring shift wraps from stage 0 to ``S - 1`` exactly when the previous repeat's last
-virtual stage needs it, and the head runs on the last stage in the tick of its last
-repeat's forward pass. At most ``2 (R * S - 1)`` ticks pass between a virtual stage's
-forward and backward slots of a microbatch: a stage keeps ``2 * R * S - 1`` inputs.
+`schedules.gpipe` runs ``R * M + S - 1`` ticks. `schedules.one_f_one_b` runs backward
+items ``j = g * R * S + r' * S + k`` (repeats reversed, ``r = R - 1 - r'``), item ``j`` on
+stage ``s`` at tick ``R * S - 1 + j + (S - 1 - s)``: the backward shift wraps from stage 0
+to ``S - 1`` exactly when the previous repeat needs it, and the head runs in the tick of
+the last repeat's forward pass. A stage keeps ``2 * R * S - 1`` inputs (at most
+``2 (R * S - 1)`` ticks from a virtual stage's forward slot to its backward slot).
 
 `stage_layout` cuts a stacked variable, held in layer order, into each stage's virtual
 stages inside the step, and `layer_layout` back (why: docs/ARCHITECTURE.md, "Pipelines").
@@ -97,11 +96,9 @@ def _move_chunks(x: Any, config: PipelineConfig, *, inverse: bool) -> Any:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _moved(x: Any, config: PipelineConfig, inverse: bool) -> Any:
-    """`_move_chunks`, whose gradient is the inverse move (a permutation's transpose).
-
-    JAX's own transpose of the moves would clear each chunk's slot of a zero buffer with
-    a dynamic update: a buffer that depends on nothing, which XLA shares with the
-    gradient sums' zeros and allocates at the start of the step."""
+    """`_move_chunks`, whose gradient is the inverse move. JAX's own transpose would clear
+    each chunk's slot of a zero buffer with a dynamic update: a buffer that depends on
+    nothing, which XLA shares with the gradient sums' zeros and allocates at the start."""
     return _move_chunks(x, config, inverse=inverse)
 
 
@@ -126,8 +123,6 @@ def stage_layout(v: jax.Array, config: PipelineConfig) -> jax.Array:
     stages, repeats = config.num_stages, config.num_repeats
     if repeats == 1:
         return v.reshape(stages, v.shape[0] // stages, *v.shape[1:])
-    # Held split over the stages in layer order, contiguously: each stage's chunks are
-    # moved to the stages whose virtual stages they are, one chunk per stage per round.
     per = v.shape[0] // (stages * repeats)
     return _moved(v.reshape(stages, repeats, per, *v.shape[1:]), config, False)
 

@@ -6,11 +6,10 @@ returns its input, the first stage's input ``h0``, pulled back with ``jax.vjp`` 
 before the block see the replica's whole batch). *After*, per microbatch: the block returns
 the last stage's output, then that microbatch's loss sum. The schedule returns the
 gradients of the stacked variables, of the layers after the block and of ``h0``; they reach
-the step's autodiff as the derivative of ``sum(params * stop_gradient(grads))``, so its
-reductions, loss scaling and update are unchanged. Layers after the block must treat rows
-independently: those that would not (BatchNorm in training, dropout, state or sown losses
-read from the activations, inputs that skip the block) are refused; a custom layer mixing
-rows by its own arithmetic cannot be told apart and would see a microbatch.
+the step's autodiff as the derivative of ``sum(params * stop_gradient(grads))``. Layers
+after the block must treat rows independently: those that would not (BatchNorm in
+training, dropout, state or sown losses read from the activations, inputs that skip the
+block) are refused; a custom layer mixing rows by its own arithmetic cannot be told apart.
 """
 
 from __future__ import annotations
@@ -49,17 +48,14 @@ __all__ = [
     "whole_batch_loss",
 ]
 
-#: One replica's differentiated loss: ``(params, x, *, forward, cast, loss_sum, penalty,
-#: scaled, slices) -> (value, (loss sum, y_pred, model_state))`` (`one_f_one_b_loss`
-#: documents the arguments).
+#: One replica's differentiated loss: ``(params, x, **keywords) -> (value, (loss sum,
+#: y_pred, model_state))``, the keywords as `one_f_one_b_loss`'s.
 ReplicaLoss = Callable[..., tuple[jax.Array, tuple[jax.Array, Any, Any]]]
 
 
 def replica_loss(config: PipelineConfig | None) -> ReplicaLoss:
-    """How a train step's replica computes its loss under the pipeline `config` (None:
-    none): `one_f_one_b_loss` under a 1F1B schedule, which runs each microbatch's loss
-    inside the pipeline; `whole_batch_loss` otherwise (GPipe's schedules run inside the
-    model's forward pass)."""
+    """How a train step's replica computes its loss under the pipeline `config` (or None):
+    `one_f_one_b_loss` under a 1F1B schedule, else `whole_batch_loss`."""
     if config is not None and config.schedule is PipelineSchedule.ONE_F_ONE_B:
         return one_f_one_b_loss
     return whole_batch_loss
@@ -199,8 +195,7 @@ def _refusing_after(record: Split) -> Any:
 
 
 def after_block_refused(layer: str, what: str) -> ValueError:
-    """The error for a `layer` that applies `what` (dropout, batch statistics) after the
-    repeated block, where a 1F1B step runs it on one microbatch."""
+    """The error for a `layer` applying `what` after the block (1F1B: on a microbatch)."""
     return ValueError(
         f"schedule='1f1b' computes the layers after the repeated block one microbatch at "
         f"a time, and {layer} there applies {what}, which would see a microbatch instead "
@@ -233,9 +228,8 @@ def one_f_one_b_loss(
       penalty: the model's own losses -> what they add to the loss sum.
       scaled: a loss sum -> what is differentiated (loss scaling).
       slices: in the global view, the `ReplicaSlices` and this replica's slices (their
-        `of`, mapped; differentiated by the caller too): the gradients of those leaves
-        come back through the slices, reduced over the replicas, and those through
-        `params` are zero.
+        `of`, mapped; differentiated by the caller too): those leaves' gradients come
+        back through the slices, reduced over the replicas, zero through `params`.
 
     Returns:
       ``(value, (loss sum, y_pred, model_state))`` as the step's ``local_loss`` returns

@@ -102,44 +102,40 @@ class NNXRepeated(nnx.Module):
 
             out: jax.Array = layer(x, self.stacked_layers)
             return out
+
+        def build() -> tuple[nnx.State, Callable[..., jax.Array]]:  # `pipelined`'s
+            for _, node in nnx.iter_graph(self.stacked_layers):
+                if isinstance(node, nnx.Dropout) and node.rate > 0 and not node.deterministic:
+                    raise dropout_refused(_OWNER, name)
+            graphdef, params, rest = nnx.split(self.stacked_layers, nnx.Param, ...)  # type: ignore[misc]
+            others = [
+                f"{'/'.join(map(str, path))} ({type(v).__name__})"
+                for path, v in nnx.to_flat_state(rest)
+            ]
+            if others:
+                raise ValueError(
+                    f"The block repeated by {_OWNER} ({name}) holds variables other than "
+                    f"parameters, {others} (e.g. BatchNorm's statistics, random streams), "
+                    "which PipelineStrategy refuses: its microbatches would update them from "
+                    "other rows than the whole batch. Use a normalization without state "
+                    "(nnx.LayerNorm, nnx.RMSNorm) in the block, or keep the stateful layer "
+                    "outside it."
+                )
+            structure: Any = jax.tree.structure(params)
+
+            def one(p: Any, h: jax.Array) -> jax.Array:
+                if jax.tree.structure(p) != structure:
+                    raise ValueError(
+                        f"schedule='1f1b' differentiates every parameter of the block repeated "
+                        f"by {_OWNER} ({name}), but the train state trains only some of them "
+                        "(its `wrt` filter). Train the whole block, or use schedule='gpipe'."
+                    )
+                out = nnx.merge(graphdef, p)(h, *args, **kwargs)
+                check_output(name, h, out, _OWNER)
+                return out
+
+            return params, one
+
         # An NNX module does not know its path: a 1F1B step finds it from the one stacked
         # block's parameters (path None).
-        build = lambda: self._layer(args, kwargs)  # noqa: E731
         return pipelined(_OWNER, name, tracing, x, args, kwargs, self.num_layers, None, build)
-
-    def _layer(self, args: Any, kwargs: Any) -> tuple[nnx.State, Callable[..., jax.Array]]:
-        """The stacked parameters, and ``(one layer's parameters, microbatch) ->
-        microbatch``, a pure function of its arguments (`repeated.pipelined`'s `build`).
-        Refuses a block holding other variables."""
-        name = type(self.stacked_layers).__name__
-        for _, node in nnx.iter_graph(self.stacked_layers):
-            if isinstance(node, nnx.Dropout) and node.rate > 0 and not node.deterministic:
-                raise dropout_refused(_OWNER, name)
-        graphdef, params, rest = nnx.split(self.stacked_layers, nnx.Param, ...)  # type: ignore[misc]
-        others = [
-            f"{'/'.join(map(str, path))} ({type(v).__name__})"
-            for path, v in nnx.to_flat_state(rest)
-        ]
-        if others:
-            raise ValueError(
-                f"The block repeated by {_OWNER} ({name}) holds variables other than "
-                f"parameters, {others} (e.g. BatchNorm's statistics, random streams), "
-                "which PipelineStrategy refuses: its microbatches would update them from "
-                "other rows than the whole batch. Use a normalization without state "
-                "(nnx.LayerNorm, nnx.RMSNorm) in the block, or keep the stateful layer "
-                "outside it."
-            )
-        structure: Any = jax.tree.structure(params)
-
-        def one(p: Any, h: jax.Array) -> jax.Array:
-            if jax.tree.structure(p) != structure:
-                raise ValueError(
-                    f"schedule='1f1b' differentiates every parameter of the block repeated "
-                    f"by {_OWNER} ({name}), but the train state trains only some of them "
-                    "(its `wrt` filter). Train the whole block, or use schedule='gpipe'."
-                )
-            out = nnx.merge(graphdef, p)(h, *args, **kwargs)
-            check_output(name, h, out, _OWNER)
-            return out
-
-        return params, one

@@ -48,11 +48,9 @@ class Captured:
       path: the block's module path; its stacked variables are the parameters at
         ``path + (STACKED_KEY,)``. None for an `NNXRepeated` block, which does not know
         its path: the step finds it from the model's one stacked block.
-      stage: ``(one stage's stacked variables, microbatch) -> microbatch``: the block's
-        layers of one stage, in order, a pure function of its arguments (the step traces
-        it outside the model's call). Its keyword `wrap` maps the loop's body, ``(h, one
-        layer's params) -> (h, None)``: there a 1F1B step gathers each layer split over
-        the replicas.
+      stage: ``(one stage's stacked variables, microbatch) -> microbatch``, a pure
+        function (traced outside the model's call); its keyword `wrap` maps the loop's
+        body ``(h, one layer's params) -> (h, None)``, to gather split layers there.
       inputs: what the block was given (the first stage's input rows).
     """
 
@@ -66,9 +64,8 @@ class Split:
     """How repeated blocks behave while a 1F1B step traces the model in two pieces.
 
     With `output` None (the layers before the block), a block records itself in
-    `captured` and returns its input as it is: what the layers after it compute then is
-    never read. With `output` (one microbatch's output of the last stage: the layers after
-    the block), a block returns it in place of running, and sets `returned`.
+    `captured` and returns its input. With `output` (the last stage's output for one
+    microbatch: the layers after the block), a block returns it and sets `returned`.
     """
 
     output: jax.Array | None = None
@@ -106,9 +103,8 @@ def tracing_for(
     config: PipelineConfig | None, params: Any, rows: int, *, remat: Any = None
 ) -> Tracing | None:
     """The `Tracing` a train step traces its model with under `config`'s pipeline (None
-    without one), after its pre-flight checks (`PipelineConfig.check_step`) of the step's
-    `params` and one replica's `rows`; `remat` is the step's checkpoint policy
-    (`Tracing.remat`). The step puts it in its `trace_context.TraceContext`."""
+    without one), after `PipelineConfig.check_step` of its `params` and one replica's
+    `rows`; `remat` is the step's checkpoint policy (`Tracing.remat`)."""
     if config is None:
         return None
     config.check_step(params, rows)
@@ -138,14 +134,12 @@ def pipelined(
     path: tuple[str, ...] | None,
     build: Callable[[], tuple[Any, Callable[[Any, jax.Array], jax.Array]]],
 ) -> jax.Array:
-    """A repeated block's call in a pipelined train step (`owner`: the repeating module's
-    name, `name` its block's class, `path` as `Captured.path`): after the block under a
-    1F1B `Split`, the last stage's output; before it, its input, the block recorded; else
-    the GPipe loop. ``build()`` gives, after the refusals of a pipelined block, the stacked
-    parameters and ``(one layer's params, microbatch) -> microbatch``."""
+    """A repeated block's call in a pipelined step (`owner`: the repeating module, `name`:
+    its block's class, `path`: `Captured.path`): under a 1F1B `Split` the last stage's
+    output after the block, its input (recorded) before it; else the GPipe loop. ``build()``
+    gives the stacked parameters and ``(one layer's params, microbatch) -> microbatch``."""
     record, config = tracing.split, tracing.config
     if record is not None and record.output is not None:
-        # The layers after the block, on one microbatch: the last stage's output.
         check_output(name, x, record.output, owner)
         record.returned = True
         return record.output
@@ -291,9 +285,8 @@ class Repeated(nn.Module):
 
 
 def check_output(name: str, h: jax.Array, out: Any, owner: str = "Repeated") -> None:
-    """Refuses a repeated block's output `out` unless shaped and typed as its input `h`.
-
-    `name` is the block's class name, `owner` the repeating module's."""
+    """Refuses a repeated block's output `out` unless shaped and typed as its input `h`
+    (`name`: the block's class, `owner`: the repeating module)."""
     if not isinstance(out, jax.Array) or out.shape != h.shape or out.dtype != h.dtype:
         got = f"{out.shape} {out.dtype}" if isinstance(out, jax.Array) else type(out).__name__
         raise ValueError(

@@ -169,8 +169,7 @@ def layers_error(what: str, layers: int, config: PipelineConfig) -> str:
 
 
 def is_stacked(path: tuple[str, ...]) -> bool:
-    """Whether the variable at `path` (a parameter, or an optimizer moment that ends with
-    a parameter's path) is a repeated block's stacked variable."""
+    """Whether the variable at `path` (a parameter or its optimizer moment) is stacked."""
     return STACKED_KEY in path
 
 
@@ -190,9 +189,14 @@ def _shift(mesh: Mesh, stages: int, *, step: int = 1) -> Callable[[Any], Any]:
     )
 
 
-def _items(config: PipelineConfig) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
-    """``(microbatch of item i (clipped into range), repeat of item i)``."""
+def _start(config: PipelineConfig, stage_params: Any, x: jax.Array) -> tuple[Any, ...]:
+    """What both loops start from: `stage_params` as ``(S, R, K, ...)``, `x` as ``(M, rows
+    / M, ...)``, the stages' sharding, ``(item i -> its microbatch (clipped into range))``
+    and ``(item i -> its repeat)``."""
     stages, repeats, micro = config.num_stages, config.num_repeats, config.num_microbatches
+    if repeats == 1:  # the stages' layers as their one repeat's
+        stage_params = jax.tree.map(lambda v: v[:, None], stage_params)
+    on_stages = jax.sharding.NamedSharding(config.mesh, P(STAGE_AXIS))
 
     def microbatch(i: Any) -> Any:
         return jnp.clip((i // (repeats * stages)) * stages + i % stages, 0, micro - 1)
@@ -200,7 +204,7 @@ def _items(config: PipelineConfig) -> tuple[Callable[[Any], Any], Callable[[Any]
     def repeat(i: Any) -> Any:  # without repeats a constant: its tests fold away
         return (i // stages) % repeats if repeats > 1 else jnp.zeros_like(i)
 
-    return microbatch, repeat
+    return stage_params, x.reshape(micro, -1, *x.shape[1:]), on_stages, microbatch, repeat
 
 
 def gpipe(
@@ -235,14 +239,10 @@ def gpipe(
       What applying the (virtual) stages in order to `x` gives, ``(rows, ...)``.
     """
     stages, micro, repeats = config.num_stages, config.num_microbatches, config.num_repeats
-    if repeats == 1:  # the stages' layers as their one repeat's
-        stage_params = jax.tree.map(lambda v: v[:, None], stage_params)
+    stage_params, xs, on_stages, microbatch, repeat = _start(config, stage_params, x)
     depth = jax.tree.leaves(stage_params)[0].shape[2]
-    xs = x.reshape(micro, -1, *x.shape[1:])
-    on_stages = jax.sharding.NamedSharding(config.mesh, P(STAGE_AXIS))
     shift = _shift(config.mesh, stages)
     run_layer = _layer_reselected(layer, remat)
-    microbatch, repeat = _items(config)
     stage_ids = jnp.arange(stages)
     items = repeats * micro
 
@@ -267,10 +267,9 @@ def gpipe(
         )
         return (jax.lax.cond(last_layer, shift, lambda v: v, out), outputs), None
 
-    buffer = jnp.zeros((stages, *xs.shape[1:]), x.dtype)
-    outputs = jnp.zeros_like(xs)
+    init = (jnp.zeros((stages, *xs.shape[1:]), x.dtype), jnp.zeros_like(xs))
     count = (items + stages - 1 if ticks is None else ticks) * depth
-    (_, outputs), _ = jax.lax.scan(step, (buffer, outputs), jnp.arange(count))
+    (_, outputs), _ = jax.lax.scan(step, init, jnp.arange(count))
     return outputs.reshape(x.shape)
 
 
@@ -314,14 +313,6 @@ batching.primitive_batchers[_relayer] = lambda args, dims: (
 )
 
 
-def _relayer_jvp(primals: Any, tangents: Any) -> tuple[jax.Array, Any]:
-    (v, *indices), dv = primals, tangents[0]
-    out = _relayer.bind(v, *indices)
-    if type(dv) is ad.Zero:
-        return out, ad.Zero(dv.aval.update(shape=out.shape))
-    return out, _relayer.bind(dv, *indices)
-
-
 def _relayer_transposed(ct: Any, v: Any, r: jax.Array, k: jax.Array) -> list[Any]:
     """`ct` put back into layer `k` of repeat ``r[s]``."""
     assert ad.is_undefined_primal(v)
@@ -335,7 +326,7 @@ def _relayer_transposed(ct: Any, v: Any, r: jax.Array, k: jax.Array) -> list[Any
     return [jax.lax.dynamic_update_index_in_dim(zeros, layer, k, axis=2), None, None]
 
 
-ad.primitive_jvps[_relayer] = _relayer_jvp
+ad.defjvp(_relayer, lambda dv, v, r, k: _relayer.bind(dv, r, k), None, None)
 ad.primitive_transposes[_relayer] = _relayer_transposed
 
 
@@ -367,9 +358,6 @@ def _layer_reselected(
     return jax.checkpoint(one, policy=policy, prevent_cse=False)
 
 
-# ---------------------------------------------------------------------------------------
-# 1F1B: each microbatch's backward pass starts as soon as its forward pass ends
-# ---------------------------------------------------------------------------------------
 def one_f_one_b(
     stage: Callable[[Any, jax.Array], jax.Array],
     stage_params: Any,
@@ -410,19 +398,13 @@ def one_f_one_b(
       d x)``: the gradients of the summed values.
     """
     stages, micro, repeats = config.num_stages, config.num_microbatches, config.num_repeats
-    if repeats == 1:  # the stages' layers as their one repeat's
-        stage_params = jax.tree.map(lambda v: v[:, None], stage_params)
-    xs = x.reshape(micro, -1, *x.shape[1:])
+    stage_params, xs, on_stages, microbatch, repeat = _start(config, stage_params, x)
     items = repeats * micro
     first_backward = repeats * stages - 1  # the tick the last stage starts backward slots
     slots = 2 * repeats * stages - 1  # the microbatch inputs a stage keeps
-    on_stages = jax.sharding.NamedSharding(config.mesh, P(STAGE_AXIS))
-
     forward_shift = _shift(config.mesh, stages)
     backward_shift = _shift(config.mesh, stages, step=-1)
     run_stages = jax.vmap(stage)
-    microbatch, repeat = _items(config)
-
     backward_stages = jax.vmap(lambda params, h, grad: jax.vjp(stage, params, h)[1](grad))
     stage_ids = jnp.arange(stages)
 
@@ -527,9 +509,7 @@ def one_f_one_b(
         carry, _ = jax.lax.scan(cooldown, carry, drain)
     else:
         carry, _ = jax.lax.scan(steady, carry, jnp.arange(first_backward, first_backward + items))
-    d_stages = carry["d_stages"]
-    if repeats == 1:
-        d_stages = jax.tree.map(lambda v: v[:, 0], d_stages)
+    d_stages = jax.tree.map(lambda v: v[:, 0] if repeats == 1 else v, carry["d_stages"])
     return carry["value"], carry["aux"], carry["d_head"], d_stages, carry["d_x"].reshape(x.shape)
 
 
