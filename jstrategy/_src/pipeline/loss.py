@@ -1,38 +1,22 @@
-"""The 1F1B train step: the model cut at its repeated block, each microbatch's loss computed
-inside the pipeline.
+"""The 1F1B train step's loss: the model cut at its repeated block, each microbatch's loss
+computed inside the pipeline (`schedules.one_f_one_b`).
 
-Under GPipe the repeated block is one differentiable function and JAX's autodiff runs the
-backward pass after every microbatch's forward pass. 1F1B starts a microbatch's backward
-pass as soon as its forward pass leaves the last stage, so the loss of each microbatch
-must be known there: this module cuts one replica's training forward pass in two, with
-the block (`jstrategy.experimental.Repeated`) following a `repeated.Split`:
-
-1. *Before*: the model traced with the block returning its input; what the block was
-   given is the first stage's input (``h0``), a function of the parameters pulled back
-   with ``jax.vjp`` (BatchNorm and dropout before the block see the replica's whole batch,
-   as in every other step).
-2. *After*, per microbatch ``m``: the model traced on microbatch ``m``'s rows with the
-   block returning the last stage's output for them; then microbatch ``m``'s loss sum.
-   Its inputs reach the loss only through the block (checked), so the layers before the
-   block in this trace are dead code.
-3. `schedules.one_f_one_b` runs the stages and (2) in the 1F1B order and returns the
-   gradients: of the stages' stacked variables, of (2)'s parameters and of ``h0``, which
-   (1)'s pullback turns into the gradients of the layers before the block.
-
-The loss sum is the sum of the microbatches' (each a sum over its rows), so the
-gradients are the whole batch's. They reach JAX's differentiation of the step as the
-derivative of ``sum(params * stop_gradient(grads))`` (a linear function whose gradient is
-exactly ``grads``): the step's reductions, loss scaling, accumulation and update are
-unchanged. Layers after the block must treat rows independently; those that would not
-(BatchNorm in training mode, dropout, state or sown losses that read the activations,
-inputs that skip the block) are refused with a clear error. A custom layer there that
-mixes rows by its own arithmetic (a mean over the batch, say) cannot be told from one that
-does not, and would see a microbatch: keep such layers before the block, or use GPipe.
+The model is traced in two pieces around the block (`repeated.Split`). *Before*: the block
+returns its input, the first stage's input ``h0``, pulled back with ``jax.vjp`` (the layers
+before the block see the replica's whole batch). *After*, per microbatch: the block returns
+the last stage's output, then that microbatch's loss sum. The schedule returns the
+gradients of the stacked variables, of the layers after the block and of ``h0``; they reach
+the step's autodiff as the derivative of ``sum(params * stop_gradient(grads))``. Layers
+after the block must treat rows independently: those that would not (BatchNorm in
+training, dropout, state or sown losses read from the activations, inputs that skip the
+block) are refused; a custom layer mixing rows by its own arithmetic cannot be told apart.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -64,17 +48,14 @@ __all__ = [
     "whole_batch_loss",
 ]
 
-#: One replica's differentiated loss: ``(params, x, *, forward, cast, loss_sum, penalty,
-#: scaled, slices) -> (value, (loss sum, y_pred, model_state))`` (`one_f_one_b_loss`
-#: documents the arguments).
+#: One replica's differentiated loss: ``(params, x, **keywords) -> (value, (loss sum,
+#: y_pred, model_state))``, the keywords as `one_f_one_b_loss`'s.
 ReplicaLoss = Callable[..., tuple[jax.Array, tuple[jax.Array, Any, Any]]]
 
 
 def replica_loss(config: PipelineConfig | None) -> ReplicaLoss:
-    """How a train step's replica computes its loss under the pipeline `config` (None:
-    none): `one_f_one_b_loss` under a 1F1B schedule, which runs each microbatch's loss
-    inside the pipeline; `whole_batch_loss` otherwise (GPipe's schedules run inside the
-    model's forward pass)."""
+    """How a train step's replica computes its loss under the pipeline `config` (or None):
+    `one_f_one_b_loss` under a 1F1B schedule, else `whole_batch_loss`."""
     if config is not None and config.schedule is PipelineSchedule.ONE_F_ONE_B:
         return one_f_one_b_loss
     return whole_batch_loss
@@ -91,15 +72,14 @@ def whole_batch_loss(
     x: Any,
     *,
     forward: Callable[[Any, Any], tuple[Any, Any, Any]],
-    cast: Callable[[Any], Any],
     loss_sum: Callable[[Any, Any], jax.Array],
     penalty: Callable[[Any], jax.Array],
     scaled: Callable[[jax.Array], jax.Array],
-    slices: tuple[ReplicaSlices, list[Any]] | None = None,
+    **_: Any,
 ) -> tuple[jax.Array, tuple[jax.Array, Any, Any]]:
     """One replica's differentiated loss, the forward pass over its whole batch (the
-    arguments as `one_f_one_b_loss`'s; `loss_sum`'s microbatch is None: every row)."""
-    del cast, slices  # the forward pass casts, and every leaf is differentiated whole
+    arguments as `one_f_one_b_loss`'s; `loss_sum`'s microbatch is None: every row). The
+    forward pass casts, and every leaf is differentiated whole: `cast` and `slices` unused."""
     y_pred, model_state, model_loss = forward(params, x)
     total = loss_sum(y_pred, None)
     if model_loss is not None:
@@ -123,13 +103,11 @@ class ReplicaSlices:
     """The stacked parameters a sharded step splits over its replicas, and along which
     dimension, as a 1F1B step in the global view hands them to each replica.
 
-    There the replicas are a ``vmap`` differentiated from outside: a parameter's gradient
-    is the sum of the replicas', so a schedule that summed each replica's weight gradients
-    over the ticks would hold its stage's in full until the step's reduction. Each replica
-    is instead given its slice of each split leaf (`of`: a reshape, no data moved) and
-    gathers a layer's where it reads it (`gather`); the transposed gather reduce-scatters
-    that layer's gradient over the replicas as it is produced, as GPipe's transposed loop
-    does, and the slice's gradient leaves the map already reduced.
+    There the replicas are a ``vmap`` differentiated from outside, so a schedule summing
+    each replica's weight gradients over the ticks would hold its stage's in full until the
+    step's reduction. Each replica gets its slice of each split leaf instead (`of`: a
+    reshape) and gathers a layer's where it reads it (`gather`), whose transpose
+    reduce-scatters that layer's gradient as it is produced, as GPipe's transposed loop does.
 
     Attributes:
       axis: the replicas' axis name (the map's).
@@ -161,14 +139,13 @@ class ReplicaSlices:
     def of(self, params: Any) -> list[jax.Array | None]:
         """Outside the replicas' map: each split leaf ``(..., D, ...)`` as ``(replicas,
         ..., D / replicas, ...)``, replica ``r``'s slice at ``r`` (None for the others)."""
-        out: list[jax.Array | None] = []
-        for v, d in zip(jax.tree.leaves(params), self.dims, strict=True):
-            if d is None:
-                out.append(None)
-                continue
+
+        def sliced(v: jax.Array, d: int) -> jax.Array:
             shape = (*v.shape[:d], self.replicas, v.shape[d] // self.replicas, *v.shape[d + 1 :])
-            out.append(jnp.moveaxis(v.reshape(shape), d, 0))
-        return out
+            return jnp.moveaxis(v.reshape(shape), d, 0)
+
+        leaves = jax.tree.leaves(params)
+        return [None if d is None else sliced(v, d) for v, d in zip(leaves, self.dims, strict=True)]
 
     def gather(self, layer: jax.Array, dim: int) -> jax.Array:
         """Inside the map: one layer of a split leaf (its dimension `dim` of the stacked
@@ -218,8 +195,7 @@ def _refusing_after(record: Split) -> Any:
 
 
 def after_block_refused(layer: str, what: str) -> ValueError:
-    """The error for a `layer` that applies `what` (dropout, batch statistics) after the
-    repeated block, where a 1F1B step runs it on one microbatch."""
+    """The error for a `layer` applying `what` after the block (1F1B: on a microbatch)."""
     return ValueError(
         f"schedule='1f1b' computes the layers after the repeated block one microbatch at "
         f"a time, and {layer} there applies {what}, which would see a microbatch instead "
@@ -239,9 +215,8 @@ def one_f_one_b_loss(
     scaled: Callable[[jax.Array], jax.Array],
     slices: tuple[ReplicaSlices, list[Any]] | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, Any, Any]]:
-    """One replica's differentiated loss under a 1F1B pipeline (the module docstring).
-
-    The pipeline is the one the step traces the model on (`repeated.current`).
+    """One replica's differentiated loss under the 1F1B pipeline the step traces the model
+    on (`repeated.current`; the module docstring).
 
     Args:
       params: the parameters (differentiated by the caller).
@@ -253,9 +228,8 @@ def one_f_one_b_loss(
       penalty: the model's own losses -> what they add to the loss sum.
       scaled: a loss sum -> what is differentiated (loss scaling).
       slices: in the global view, the `ReplicaSlices` and this replica's slices (their
-        `of`, mapped; differentiated by the caller too): the gradients of those leaves
-        come back through the slices, reduced over the replicas, and those through
-        `params` are zero.
+        `of`, mapped; differentiated by the caller too): those leaves' gradients come
+        back through the slices, reduced over the replicas, zero through `params`.
 
     Returns:
       ``(value, (loss sum, y_pred, model_state))`` as the step's ``local_loss`` returns
@@ -279,7 +253,7 @@ def one_f_one_b_loss(
             raise ValueError(
                 f"schedule='1f1b' pipelines exactly one jstrategy.experimental.Repeated "
                 f"block; this model runs {len(found)} "
-                f"({[_where(c) for c in found]}). Pass "
+                f"({[_where(c.path) for c in found]}). Pass "
                 "schedule='gpipe', which pipelines each block, or merge them into one."
             )
         pen = penalty(model_loss)
@@ -314,8 +288,8 @@ def one_f_one_b_loss(
     x_like = microbatch(x, rows, 0, size)
 
     def probe(vals: list[Any], h: jax.Array, xm: Any) -> Any:
-        out = after(jax.tree.unflatten(treedef, vals), h, 0, xm)
-        return out[0], out[1][1], out[1][2], out[1][3]
+        value, (_, *rest) = after(jax.tree.unflatten(treedef, vals), h, 0, xm)
+        return value, *rest
 
     n_params, n_x = len(values), len(jax.tree.leaves(x_like))
     reads, out_shapes = _sources(probe, (values, h_like, x_like))
@@ -347,8 +321,7 @@ def one_f_one_b_loss(
         return value, (total, y_pred)
 
     block_params = [stage_layout(v, config) for v in block_values]
-
-    block_tree = jax.tree.structure(_subtree(frozen, prefix))
+    block_tree = jax.tree.structure(functools.reduce(operator.getitem, prefix, frozen))
 
     def stage(p: list[Any], h: jax.Array) -> jax.Array:
         if split is None:
@@ -394,10 +367,8 @@ def one_f_one_b_loss(
     return value, (jnp.sum(totals) + pen, y_pred, model_state)
 
 
-def _where(block: Captured) -> str:
-    if block.path is None:
-        return "an NNXRepeated block"
-    return "/".join(block.path) or "the model"
+def _where(path: tuple[str, ...] | None) -> str:
+    return "an NNXRepeated block" if path is None else "/".join(path) or "the model"
 
 
 def _stacked_prefix(block: Captured, paths: list[tuple[str, ...]]) -> tuple[str, ...]:
@@ -413,9 +384,3 @@ def _stacked_prefix(block: Captured, paths: list[tuple[str, ...]]) -> tuple[str,
             "Pass schedule='gpipe', which pipelines each block, or merge them into one."
         )
     return prefixes[0]
-
-
-def _subtree(tree: Any, path: tuple[str, ...]) -> Any:
-    for key in path:
-        tree = tree[key]
-    return tree

@@ -1,13 +1,7 @@
 """`Repeated`: a Flax block applied several times, its layers' variables stacked; and
-`Tracing`, the pipeline it reads while a train step is traced.
-
-The one marker a pipelined model needs, as `jstrategy.training.remat` is remat's: the step
-sets the pipeline, the model says where its layers are. A train step whose strategy has a
-pipeline (`Strategy.pipeline`, read once into `StepSpec.pipeline`) traces the model with
-its `tracing_for` in the step's `trace_context`, beside remat's policy; a `Repeated` block
-traced there runs its layers as the pipeline (`schedules`), split over the stages. Every
-other step, and evaluation and prediction, apply the layers one after the other in a
-``lax.scan``, as ``nn.scan`` would (one compiled layer, whatever their number).
+`Tracing`, the pipeline it reads while a train step is traced (docs/ARCHITECTURE.md,
+"Pipelines"): in a pipelined step its layers run as the schedule (`schedules`), split over
+the stages; everywhere else one after the other in a ``lax.scan``, as ``nn.scan`` would.
 """
 
 from __future__ import annotations
@@ -39,9 +33,9 @@ __all__ = [
     "Tracing",
     "after_block",
     "check_output",
-    "check_pipelined",
     "current",
     "dropout_refused",
+    "pipelined",
     "tracing_for",
 ]
 
@@ -54,8 +48,9 @@ class Captured:
       path: the block's module path; its stacked variables are the parameters at
         ``path + (STACKED_KEY,)``. None for an `NNXRepeated` block, which does not know
         its path: the step finds it from the model's one stacked block.
-      stage: ``(one stage's stacked variables, microbatch) -> microbatch``: the block's
-        layers of one stage, in order (see `Repeated._stage` for its keyword).
+      stage: ``(one stage's stacked variables, microbatch) -> microbatch``, a pure
+        function (traced outside the model's call); its keyword `wrap` maps the loop's
+        body ``(h, one layer's params) -> (h, None)``, to gather split layers there.
       inputs: what the block was given (the first stage's input rows).
     """
 
@@ -69,9 +64,8 @@ class Split:
     """How repeated blocks behave while a 1F1B step traces the model in two pieces.
 
     With `output` None (the layers before the block), a block records itself in
-    `captured` and returns its input as it is: what the layers after it compute then is
-    never read. With `output` (one microbatch's output of the last stage: the layers after
-    the block), a block returns it in place of running, and sets `returned`.
+    `captured` and returns its input. With `output` (the last stage's output for one
+    microbatch: the layers after the block), a block returns it and sets `returned`.
     """
 
     output: jax.Array | None = None
@@ -109,9 +103,8 @@ def tracing_for(
     config: PipelineConfig | None, params: Any, rows: int, *, remat: Any = None
 ) -> Tracing | None:
     """The `Tracing` a train step traces its model with under `config`'s pipeline (None
-    without one), after its pre-flight checks (`PipelineConfig.check_step`) of the step's
-    `params` and one replica's `rows`; `remat` is the step's checkpoint policy
-    (`Tracing.remat`). The step puts it in its `trace_context.TraceContext`."""
+    without one), after `PipelineConfig.check_step` of its `params` and one replica's
+    `rows`; `remat` is the step's checkpoint policy (`Tracing.remat`)."""
     if config is None:
         return None
     config.check_step(params, rows)
@@ -130,11 +123,26 @@ def after_block() -> bool:
     return tracing is not None and tracing.split is not None and tracing.split.returned
 
 
-def check_pipelined(
-    owner: str, x: jax.Array, args: Any, kwargs: Any, layers: int, config: PipelineConfig
-) -> None:
-    """The refusals of a pipelined block (`owner`: the repeating module's name), before it
-    is traced as stages."""
+def pipelined(
+    owner: str,
+    name: str,
+    tracing: Tracing,
+    x: jax.Array,
+    args: Any,
+    kwargs: Any,
+    layers: int,
+    path: tuple[str, ...] | None,
+    build: Callable[[], tuple[Any, Callable[[Any, jax.Array], jax.Array]]],
+) -> jax.Array:
+    """A repeated block's call in a pipelined step (`owner`: the repeating module, `name`:
+    its block's class, `path`: `Captured.path`): under a 1F1B `Split` the last stage's
+    output after the block, its input (recorded) before it; else the GPipe loop. ``build()``
+    gives the stacked parameters and ``(one layer's params, microbatch) -> microbatch``."""
+    record, config = tracing.split, tracing.config
+    if record is not None and record.output is not None:
+        check_output(name, x, record.output, owner)
+        record.returned = True
+        return record.output
     stages, micro = config.num_stages, config.num_microbatches
     if layers % (stages * config.num_repeats):
         raise ValueError(layers_error(f"{owner}(num_layers={layers})", layers, config))
@@ -153,6 +161,19 @@ def check_pipelined(
             f"{[a.shape for a in arrays]}). Fold them into the input, or pass static "
             "values (flags such as deterministic=)."
         )
+    params, layer = build()
+    if record is not None:  # the layers before the block: record it, return its input
+
+        def stage(params: Any, h: jax.Array, *, wrap: Callable[[Any], Any] | None = None) -> Any:
+            def body(h: jax.Array, p: Any) -> tuple[jax.Array, None]:
+                return layer(p, h), None
+
+            return jax.lax.scan(body if wrap is None else wrap(body), h, params)[0]
+
+        record.captured.append(Captured(path, stage, x))
+        return x
+    stage_params = jax.tree.map(lambda v: stage_layout(v, config), params)
+    return gpipe(layer, stage_params, x, config, remat=tracing.remat)
 
 
 def dropout_refused(owner: str, name: str) -> ValueError:
@@ -177,11 +198,10 @@ class Repeated(nn.Module):
     ``deterministic=``) are passed to every layer.
 
     Under `jstrategy.experimental.PipelineStrategy` the train step runs the layers as a
-    pipeline: stage ``s`` of ``S`` holds layers ``s * L / S`` to ``(s + 1) * L / S - 1``,
-    and each replica's rows go through the stages in microbatches. A block with dropout or
-    with state (BatchNorm's statistics) is refused there: its microbatches would see other
-    dropout masks and batch statistics than the whole batch sees, so the trajectory would
-    not be `OneDeviceStrategy`'s. Without a pipeline, dropout keys are drawn per layer.
+    pipeline (stage ``s`` of ``S`` holds layers ``s * L / S`` to ``(s + 1) * L / S - 1``),
+    refusing a block with dropout or state: its microbatches would see other masks and
+    batch statistics than the whole batch. Without a pipeline, dropout keys are drawn per
+    layer.
 
     Attributes:
       block: the repeated Flax module (an unbound instance: its fields configure every
@@ -207,14 +227,12 @@ class Repeated(nn.Module):
     block: nn.Module
     num_layers: int
 
-    def _template(self) -> nn.Module:
-        # An unbound copy: applied functionally, once per layer's variables.
-        return self.block.clone(parent=None)
-
     @nn.compact
     def __call__(self, x: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
         layers = check_positive_int(self.num_layers, "num_layers")
-        template = self._template()
+        name = type(self.block).__name__
+        # An unbound copy: applied functionally, once per layer's variables.
+        template: Any = self.block.clone(parent=None)
 
         def init(rng: jax.Array) -> Any:
             def one(key: jax.Array) -> Any:
@@ -224,7 +242,7 @@ class Repeated(nn.Module):
             others = sorted(set(variables) - {"params"})
             if others:
                 raise ValueError(
-                    f"The block repeated by Repeated ({type(self.block).__name__}) holds "
+                    f"The block repeated by Repeated ({name}) holds "
                     f"variables other than parameters, in the collections {others} (e.g. "
                     "BatchNorm's statistics); Repeated stacks parameters only. Use a "
                     "normalization without state (nn.LayerNorm, nn.RMSNorm) in the block, "
@@ -234,67 +252,20 @@ class Repeated(nn.Module):
 
         stacked = self.param(STACKED_KEY, init)
         tracing = current()
-        if self.is_initializing() or tracing is None:
-            return self._in_order(template, stacked, x, args, kwargs, layers)
-        record, config = tracing.split, tracing.config
-        if record is not None and record.output is not None:
-            # The layers after the block, on one microbatch: the last stage's output.
-            check_output(type(self.block).__name__, x, record.output)
-            record.returned = True
-            return record.output
-        check_pipelined("Repeated", x, args, kwargs, layers, config)
-        if record is not None:  # the layers before the block: record it, return its input
-            assert self.scope is not None  # bound: it is being applied
-            stage = self._stage(template, args, kwargs)
-            record.captured.append(Captured(tuple(self.scope.path), stage, x))
-            return x
-        stage_params = jax.tree.map(lambda v: stage_layout(v, config), stacked)
-        layer = self._layer(template, args, kwargs)
-        return gpipe(layer, stage_params, x, config, remat=tracing.remat)
+        if self.is_initializing() or tracing is None:  # in order, a dropout key per layer
+            key = self.make_rng("dropout") if self.has_rng("dropout") else None
 
-    def _apply(self, template: nn.Module, params: Any, h: jax.Array, args, kwargs, rngs=None):
-        out = template.apply({"params": params}, h, *args, rngs=rngs, **kwargs)
-        check_output(type(self.block).__name__, h, out)
-        return out
+            def in_order(h: jax.Array, inputs: Any) -> tuple[jax.Array, None]:
+                params, i = inputs
+                rngs = None if key is None else {"dropout": jax.random.fold_in(key, i)}
+                # In a sharded train step, each layer's input split by rows as the batch is
+                # (`activation_rows`), whether or not the block is marked with remat.
+                h = activation_rows.place(h)
+                out = template.apply({"params": params}, h, *args, rngs=rngs, **kwargs)
+                check_output(name, h, out)
+                return out, None
 
-    def _in_order(self, template, stacked, x, args, kwargs, layers):
-        """The layers one after the other (``lax.scan``), each with its own dropout key."""
-        key = self.make_rng("dropout") if self.has_rng("dropout") else None
-
-        def layer(h: jax.Array, inputs: Any) -> tuple[jax.Array, None]:
-            params, i = inputs
-            rngs = None if key is None else {"dropout": jax.random.fold_in(key, i)}
-            # In a sharded train step, each layer's input split by rows as the batch is
-            # (`activation_rows`), whether or not the block is marked with remat.
-            h = activation_rows.place(h)
-            return self._apply(template, params, h, args, kwargs, rngs), None
-
-        out, _ = jax.lax.scan(layer, x, (stacked, jnp.arange(layers)))
-        return out
-
-    def _stage(self, template, args, kwargs):
-        """``(one stage's stacked params, microbatch) -> microbatch``: its layers in order.
-
-        A pure function of its arguments (the block's fields and static call arguments
-        only), so a 1F1B step may trace it outside the model's ``apply``. Its keyword
-        `wrap` maps the loop's body, ``(h, one layer's params) -> (h, None)``: a 1F1B step
-        gathers there each layer split over the replicas where it is read."""
-        apply = self._layer(template, args, kwargs)
-
-        def stage(
-            params: Any, h: jax.Array, *, wrap: Callable[[Any], Any] | None = None
-        ) -> jax.Array:
-            def layer(h: jax.Array, p: Any) -> tuple[jax.Array, None]:
-                return apply(p, h), None
-
-            return jax.lax.scan(layer if wrap is None else wrap(layer), h, params)[0]
-
-        return stage
-
-    def _layer(self, template, args, kwargs):
-        """``(one layer's params, microbatch) -> microbatch``: one of the block's layers,
-        a pure function of its arguments as `_stage` is (`schedules.gpipe`'s `layer`)."""
-        name = type(self.block).__name__
+            return jax.lax.scan(in_order, x, (stacked, jnp.arange(layers)))[0]
 
         def layer(p: Any, h: jax.Array) -> jax.Array:
             # A stage's rows are a microbatch and its layout the schedule's (mapped over
@@ -307,13 +278,15 @@ class Repeated(nn.Module):
             check_output(name, h, out)
             return out
 
-        return layer
+        assert self.scope is not None  # bound: it is being applied
+        path = tuple(self.scope.path)
+        build = lambda: (stacked, layer)  # noqa: E731
+        return pipelined("Repeated", name, tracing, x, args, kwargs, layers, path, build)
 
 
 def check_output(name: str, h: jax.Array, out: Any, owner: str = "Repeated") -> None:
-    """Refuses a repeated block's output `out` unless shaped and typed as its input `h`.
-
-    `name` is the block's class name, `owner` the repeating module's."""
+    """Refuses a repeated block's output `out` unless shaped and typed as its input `h`
+    (`name`: the block's class, `owner`: the repeating module)."""
     if not isinstance(out, jax.Array) or out.shape != h.shape or out.dtype != h.dtype:
         got = f"{out.shape} {out.dtype}" if isinstance(out, jax.Array) else type(out).__name__
         raise ValueError(

@@ -1,31 +1,8 @@
 """Pipeline schedules: microbatches through stages of layers, neighbours linked by ``ppermute``.
 
-A pipelined model's repeated block holds its layers' variables stacked, with a leading
-layers dimension that `PipelineStrategy` splits over the mesh axis `STAGE_AXIS`: stage ``s``
-holds layers ``s * K`` to ``(s + 1) * K - 1`` (``K = layers / stages``). A schedule runs,
-inside the one compiled train step, every microbatch through the stages in order:
-
-* `PipelineSchedule.GPIPE` (`gpipe`): at tick ``t`` stage ``s`` applies its layers to
-  microbatch ``t - s``; after each tick every stage hands its output to the next one with
-  one ``jax.lax.ppermute`` (XLA's collective-permute). ``M`` microbatches take
-  ``M + S - 1`` ticks, so the stages idle a fraction ``(S - 1) / (M + S - 1)`` of the time
-  (the bubble). Backpropagation is JAX's: the transposed loop runs the ticks backwards, the
-  transposed ``ppermute`` hands cotangents to the previous stage, and every stage keeps
-  the activations of all its microbatches until then (GPipe's memory).
-* `PipelineSchedule.ONE_F_ONE_B` (`one_f_one_b`): each microbatch's backward pass starts
-  as soon as its forward pass leaves the last stage, where the layers after the block and
-  its loss run one microbatch at a time (the train step cuts the model there:
-  `training/pipelined.py`, with the blocks following a `Split`). A tick is a forward and a
-  backward slot; a stage keeps at most ``2S - 1`` microbatch inputs, whatever ``M``, and
-  recomputes its layers in the backward slot. The bubble is GPipe's.
-
-With ``num_repeats`` virtual stages per stage both run the circular order (``circular.py``).
-
-The schedule is chosen by the strategy and declared to the step as its `PipelineConfig`
-(`Strategy.pipeline`, read once into `StepSpec.pipeline`); the block
-(`jstrategy.experimental.Repeated`) reads it while the train step is traced (`repeated.py`'s
-`Tracing`), and without one runs its layers one after the other (a ``lax.scan``), as on
-one device.
+`PipelineConfig` is a strategy's pipeline as its train step reads it; `gpipe` and
+`one_f_one_b` are the two loops (with ``num_repeats`` virtual stages per stage, in
+``circular.py``'s order) that a repeated block (`repeated.py`) runs while the step is traced.
 """
 
 from __future__ import annotations
@@ -59,7 +36,6 @@ __all__ = [
     "is_stacked",
     "layers_error",
     "one_f_one_b",
-    "selection_primitive",
 ]
 
 #: The mesh axis the stages are laid along.
@@ -71,7 +47,9 @@ STACKED_KEY = "stacked_layers"
 
 
 class PipelineSchedule(enum.Enum):
-    """The order in which the stages run the microbatches (see the module docstring).
+    """The order in which the stages run the microbatches: GPipe's (`gpipe`: JAX's backward
+    pass after every forward pass) or 1F1B's (`one_f_one_b`: each microbatch's backward
+    pass as soon as its forward pass leaves the last stage).
 
     Example:
 
@@ -123,11 +101,7 @@ class PipelineConfig:
     def check_step(self, params: Any, rows: int) -> None:
         """The pre-flight checks of a pipelined train step, before the model is traced:
         `params` hold a repeated block's stacked layers, and one replica's `rows` divide
-        into the microbatches.
-
-        Raises:
-          ValueError: naming what is missing, or the rows and the batch sizes that fit.
-        """
+        into the microbatches (else a ValueError)."""
         paths = [path_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
         if not any(is_stacked(p) for p in paths):
             raise ValueError(
@@ -153,11 +127,8 @@ class PipelineConfig:
 def check_pipeline(
     stages: Any, microbatches: Any, schedule: Any, repeats: Any
 ) -> tuple[int, int, PipelineSchedule, int]:
-    """A pipeline's settings checked, as the strategies that take them check them:
+    """A pipeline's settings checked (ValueError, TypeError naming the argument):
     ``(num_stages, num_microbatches, schedule, num_repeats)``.
-
-    Raises:
-      ValueError, TypeError: naming the argument, what was given and the fix.
 
     Example:
 
@@ -198,18 +169,15 @@ def layers_error(what: str, layers: int, config: PipelineConfig) -> str:
 
 
 def is_stacked(path: tuple[str, ...]) -> bool:
-    """Whether the variable at `path` (a parameter, or an optimizer moment that ends with
-    a parameter's path) is a repeated block's stacked variable."""
+    """Whether the variable at `path` (a parameter or its optimizer moment) is stacked."""
     return STACKED_KEY in path
 
 
 def _shift(mesh: Mesh, stages: int, *, step: int = 1) -> Callable[[Any], Any]:
     """Every stage's value handed to stage ``s + step`` (around the ring: the value that
-    wraps is overwritten by its receiver): one ``ppermute`` over `STAGE_AXIS` per leaf."""
+    wraps is overwritten by its receiver): one ``ppermute`` over `STAGE_AXIS`."""
     perm = [(i, (i + step) % stages) for i in range(stages)]
-
-    def shift(tree: Any) -> Any:
-        return jax.tree.map(lambda v: jax.lax.ppermute(v, STAGE_AXIS, perm), tree)
+    shift = lambda v: jax.lax.ppermute(v, STAGE_AXIS, perm)  # noqa: E731
 
     # Manual over the stages and the replicas: traced inside the replicas' ``vmap``
     # (whose ``spmd_axis_name`` adds the data axis to the specs), each device then holds
@@ -221,9 +189,14 @@ def _shift(mesh: Mesh, stages: int, *, step: int = 1) -> Callable[[Any], Any]:
     )
 
 
-def _items(config: PipelineConfig) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
-    """``(microbatch of item i (clipped into range), repeat of item i)``."""
+def _start(config: PipelineConfig, stage_params: Any, x: jax.Array) -> tuple[Any, ...]:
+    """What both loops start from: `stage_params` as ``(S, R, K, ...)``, `x` as ``(M, rows
+    / M, ...)``, the stages' sharding, ``(item i -> its microbatch (clipped into range))``
+    and ``(item i -> its repeat)``."""
     stages, repeats, micro = config.num_stages, config.num_repeats, config.num_microbatches
+    if repeats == 1:  # the stages' layers as their one repeat's
+        stage_params = jax.tree.map(lambda v: v[:, None], stage_params)
+    on_stages = jax.sharding.NamedSharding(config.mesh, P(STAGE_AXIS))
 
     def microbatch(i: Any) -> Any:
         return jnp.clip((i // (repeats * stages)) * stages + i % stages, 0, micro - 1)
@@ -231,7 +204,7 @@ def _items(config: PipelineConfig) -> tuple[Callable[[Any], Any], Callable[[Any]
     def repeat(i: Any) -> Any:  # without repeats a constant: its tests fold away
         return (i // stages) % repeats if repeats > 1 else jnp.zeros_like(i)
 
-    return microbatch, repeat
+    return stage_params, x.reshape(micro, -1, *x.shape[1:]), on_stages, microbatch, repeat
 
 
 def gpipe(
@@ -244,19 +217,13 @@ def gpipe(
     remat: Any = None,
 ) -> jax.Array:
     """The stages' layers applied by every stage in turn to `x`, microbatch by microbatch
-    (GPipe; with ``config.num_repeats`` virtual stages per stage, circular GPipe:
-    ``circular.py``), as one loop over ``(tick, layer)``: step ``j`` is layer ``j % K``
-    of tick ``j // K``.
+    (GPipe; with ``config.num_repeats``, circular GPipe: ``circular.py``), as one loop
+    over ``(tick, layer)``: step ``j`` is layer ``j % K`` of tick ``j // K``.
 
-    A tick's loop over its stage's layers inside the loop over the ticks makes JAX's
-    backward pass sum each tick's gradients of the ``K`` layers in a zeroed buffer of the
-    stage's whole gradient before adding it to the ticks' sum: two stage gradients live
-    at once (at llama2-7B, 4 stages: 6 GiB more a device than one). One loop over
-    ``(tick, layer)``, each step reading its layer's slice of the stage's params, has
-    one accumulator, to which each step's gradient is added in place. A tick's first
-    layer takes the stage's input (stage 0: the next microbatch at its first repeat, else
-    what the last stage handed round the ring); its last writes the last stage's output
-    (at a microbatch's last repeat) and hands every stage's output to the next stage.
+    At tick ``t`` stage ``s`` applies its layers to microbatch ``t - s``, then hands its
+    output on (one ``ppermute``): ``M + S - 1`` ticks, ``(S - 1) / (M + S - 1)`` of them
+    idle (the bubble). JAX's backward pass runs the ticks backwards, every stage keeping
+    its microbatches' activations until then. Why one loop: docs/ARCHITECTURE.md.
 
     Args:
       layer: ``(one layer's params, microbatch) -> microbatch`` of the same shape.
@@ -264,24 +231,18 @@ def gpipe(
         ``(S, R, K, ...)`` (`circular.stage_layout`), split over `STAGE_AXIS`.
       x: the rows, ``(rows, ...)``; `config.num_microbatches` must divide ``rows``.
       config: the pipeline.
-      ticks: how many ticks to run; None for all ``R * M + S - 1``. Only
-        ``benchmarks/pipeline.py`` passes fewer: ``R * M`` ticks are the same work per
-        tick without the pipeline's fill and drain, the no-bubble limit it times the step
-        against (their outputs are not the model's).
-      remat: the step's checkpoint policy (`repeated.Tracing.remat`), or None (see
-        `_layer_reselected`).
+      ticks: how many ticks to run; None for all ``R * M + S - 1``. ``benchmarks/pipeline.py``
+        times ``R * M``, the no-bubble limit (their outputs are not the model's).
+      remat: the step's checkpoint policy (`repeated.Tracing.remat`), or None.
 
     Returns:
       What applying the (virtual) stages in order to `x` gives, ``(rows, ...)``.
     """
     stages, micro, repeats = config.num_stages, config.num_microbatches, config.num_repeats
-    depth = jax.tree.leaves(stage_params)[0].shape[1 if repeats == 1 else 2]
-    rows = x.shape[0]
-    xs = x.reshape(micro, rows // micro, *x.shape[1:])
-    on_stages = jax.sharding.NamedSharding(config.mesh, P(STAGE_AXIS))
+    stage_params, xs, on_stages, microbatch, repeat = _start(config, stage_params, x)
+    depth = jax.tree.leaves(stage_params)[0].shape[2]
     shift = _shift(config.mesh, stages)
-    run_layer = _layer_reselected(layer, remat, select=_layer_at if repeats == 1 else _relayer)
-    microbatch, repeat = _items(config)
+    run_layer = _layer_reselected(layer, remat)
     stage_ids = jnp.arange(stages)
     items = repeats * micro
 
@@ -292,7 +253,7 @@ def gpipe(
         feed = jax.lax.dynamic_index_in_dim(xs, microbatch(t), keepdims=False)
         buffer = buffer.at[0].set(jnp.where((r[0] == 0) & (k == 0), feed, buffer[0]))
         buffer = jax.lax.with_sharding_constraint(buffer, on_stages)
-        out = run_layer(stage_params, *([] if repeats == 1 else [r]), k, buffer)
+        out = run_layer(stage_params, r, k, buffer)
         out = jax.lax.with_sharding_constraint(out, on_stages)
         last_layer = k == depth - 1
         last = t - (stages - 1)  # the item the last stage finished at this tick
@@ -306,66 +267,10 @@ def gpipe(
         )
         return (jax.lax.cond(last_layer, shift, lambda v: v, out), outputs), None
 
-    buffer = jnp.zeros((stages, *xs.shape[1:]), x.dtype)
-    outputs = jnp.zeros_like(xs)
+    init = (jnp.zeros((stages, *xs.shape[1:]), x.dtype), jnp.zeros_like(xs))
     count = (items + stages - 1 if ticks is None else ticks) * depth
-    (_, outputs), _ = jax.lax.scan(step, (buffer, outputs), jnp.arange(count))
+    (_, outputs), _ = jax.lax.scan(step, init, jnp.arange(count))
     return outputs.reshape(x.shape)
-
-
-def _layer_of(v: jax.Array, k: jax.Array) -> jax.Array:
-    """Layer `k` of every stage: ``v[:, k]`` of a stacked variable ``(S, K, ...)``."""
-    return jax.lax.dynamic_index_in_dim(v, k, axis=1, keepdims=False)
-
-
-def selection_primitive(
-    name: str,
-    select: Callable[..., jax.Array],
-    shape: Callable[[tuple[int, ...]], tuple[int, ...]],
-    transpose: Callable[..., jax.Array],
-) -> Primitive:
-    """``select(weights, *indices)`` as one primitive, linear in the weights, so that a
-    checkpoint policy can tell it from the layers' own operations (a policy sees one
-    operation at a time; jnp's selection is several, and a recomputed value's inputs are
-    saved unless recomputed too). `shape` maps the weights' shape to the selection's;
-    `transpose(ct, weights' shape, *indices)` puts a cotangent back in place. Batched, it
-    is `select`'s plain operations."""
-    prim = Primitive(name)
-    prim.def_impl(select)
-    prim.def_abstract_eval(lambda v, *_: v.update(shape=shape(v.shape), weak_type=False))
-    mlir.register_lowering(prim, mlir.lower_fun(select, multiple_results=False))
-
-    def jvp(primals: Any, tangents: Any) -> tuple[jax.Array, Any]:
-        (v, *indices), dv = primals, tangents[0]
-        out = prim.bind(v, *indices)
-        if type(dv) is ad.Zero:
-            return out, ad.Zero(dv.aval.update(shape=out.shape))
-        return out, prim.bind(dv, *indices)
-
-    def transposed(ct: Any, v: Any, *indices: jax.Array) -> list[Any]:
-        assert ad.is_undefined_primal(v)
-        rest = [None] * len(indices)
-        if type(ct) is ad.Zero:
-            return [ad.Zero(v.aval), *rest]
-        return [transpose(ct, v.aval.shape, *indices), *rest]
-
-    def batched(args: Any, dims: Any) -> tuple[jax.Array, int]:
-        return jax.vmap(select, in_axes=dims)(*args), 0
-
-    ad.primitive_jvps[prim] = jvp
-    ad.primitive_transposes[prim] = transposed
-    batching.primitive_batchers[prim] = batched
-    return prim
-
-
-def _layer_in_place(ct: jax.Array, shape: tuple[int, ...], k: jax.Array) -> jax.Array:
-    # Added by the loop to its one accumulator: XLA writes layer k's slice in place.
-    return jax.lax.dynamic_update_index_in_dim(jnp.zeros(shape, ct.dtype), ct, k, axis=1)
-
-
-_layer_at = selection_primitive(
-    "jstrategy_pipeline_layer", _layer_of, lambda s: (s[0], *s[2:]), _layer_in_place
-)
 
 
 def _pick(v: jax.Array, r: jax.Array) -> jax.Array:
@@ -384,8 +289,6 @@ def _pick(v: jax.Array, r: jax.Array) -> jax.Array:
 
 
 def _select(stage_params: Any, r: jax.Array) -> Any:
-    """Each stage's repeat ``r[s]`` of `stage_params` (``(S, R, K, ...)`` -> ``(S, K, ...)``,
-    `_pick`)."""
     return jax.tree.map(lambda v: _pick(v, r), stage_params)
 
 
@@ -394,29 +297,44 @@ def _layer_picked(v: jax.Array, r: jax.Array, k: jax.Array) -> jax.Array:
     return _pick(jax.lax.dynamic_index_in_dim(v, k, axis=2, keepdims=False), r)
 
 
-def _repeat_layer_in_place(
-    ct: jax.Array, shape: tuple[int, ...], r: jax.Array, k: jax.Array
-) -> jax.Array:
-    """The transpose of `_layer_picked`: `ct` into layer `k` of repeat ``r[s]``."""
-    pick = jnp.arange(shape[1])[None, :] == r[:, None]
-    pick = pick.reshape(pick.shape + (1,) * (ct.ndim - 1))
-    layer = jnp.where(pick, ct[:, None], jnp.zeros((), ct.dtype))  # (S, R, ...)
-    # Added by the loop to its one accumulator: XLA writes layer k's slices in place.
-    zeros = jnp.zeros(shape, ct.dtype)
-    return jax.lax.dynamic_update_index_in_dim(zeros, layer, k, axis=2)
-
-
-_relayer = selection_primitive(
-    "jstrategy_circular_layer", _layer_picked, lambda s: (s[0], *s[3:]), _repeat_layer_in_place
+# `_layer_picked` as one primitive, linear in the weights, so that a checkpoint policy can
+# tell it from the layers' own operations (a policy sees one operation at a time; jnp's
+# selection is several, and a recomputed value's inputs are saved unless recomputed too).
+# Batched, it is `_layer_picked`'s plain operations.
+_relayer = Primitive("jstrategy_circular_layer")
+_relayer.def_impl(_layer_picked)
+_relayer.def_abstract_eval(
+    lambda v, *_: v.update(shape=(v.shape[0], *v.shape[3:]), weak_type=False)
+)
+mlir.register_lowering(_relayer, mlir.lower_fun(_layer_picked, multiple_results=False))
+batching.primitive_batchers[_relayer] = lambda args, dims: (
+    jax.vmap(_layer_picked, in_axes=dims)(*args),
+    0,
 )
 
 
+def _relayer_transposed(ct: Any, v: Any, r: jax.Array, k: jax.Array) -> list[Any]:
+    """`ct` put back into layer `k` of repeat ``r[s]``."""
+    assert ad.is_undefined_primal(v)
+    if type(ct) is ad.Zero:
+        return [ad.Zero(v.aval), None, None]
+    pick = jnp.arange(v.aval.shape[1])[None, :] == r[:, None]
+    pick = pick.reshape(pick.shape + (1,) * (ct.ndim - 1))
+    layer = jnp.where(pick, ct[:, None], jnp.zeros((), ct.dtype))  # (S, R, ...)
+    # Added by the loop to its one accumulator: XLA writes layer k's slices in place.
+    zeros = jnp.zeros(v.aval.shape, ct.dtype)
+    return [jax.lax.dynamic_update_index_in_dim(zeros, layer, k, axis=2), None, None]
+
+
+ad.defjvp(_relayer, lambda dv, v, r, k: _relayer.bind(dv, r, k), None, None)
+ad.primitive_transposes[_relayer] = _relayer_transposed
+
+
 def _layer_reselected(
-    layer: Callable[[Any, jax.Array], jax.Array], remat: Any, select: Primitive
+    layer: Callable[[Any, jax.Array], jax.Array], remat: Any
 ) -> Callable[..., jax.Array]:
-    """``(stage params, *indices, k, microbatches (S, ...)) -> (S, ...)``: layer `k` of
-    every stage (`select`: `_layer_at`, or with repeats `_relayer`, whose first index is
-    each stage's repeat), whose backward pass selects the layer's weights again.
+    """``(stage params, r, k, microbatches (S, ...)) -> (S, ...)``: layer `k` of every
+    stage's repeat ``r[s]``, whose backward pass selects the layer's weights again.
 
     A step's selection depends on the step, so ``scan`` would keep a copy of it per step
     for the backward pass (a matmul's input gradient reads its weights): every layer's
@@ -424,16 +342,15 @@ def _layer_reselected(
     backward pass selects it again from the loop's constant."""
     run = jax.vmap(layer)
 
-    def one(stage_params: Any, *indices_and_h: jax.Array) -> jax.Array:
-        *indices, h = indices_and_h
-        return run(jax.tree.map(lambda v: select.bind(v, *indices), stage_params), h)
+    def one(stage_params: Any, r: jax.Array, k: jax.Array, h: jax.Array) -> jax.Array:
+        return run(jax.tree.map(lambda v: _relayer.bind(v, r, k), stage_params), h)
 
     # Saving every other value would also save what the layers' own remat recomputes (at
     # llama2-7B a layer's attention scores per microbatch and repeat: the step's remat had
     # no effect, 127 GiB a v5p chip against MaxText's 35): under the step's remat policy a
     # value is saved only where both policies save it.
     def policy(prim: Any, *args: Any, **params: Any) -> bool:
-        if prim is select:
+        if prim is _relayer:
             return False
         return remat is None or bool(remat(prim, *args, **params))
 
@@ -441,9 +358,6 @@ def _layer_reselected(
     return jax.checkpoint(one, policy=policy, prevent_cse=False)
 
 
-# ---------------------------------------------------------------------------------------
-# 1F1B: each microbatch's backward pass starts as soon as its forward pass ends
-# ---------------------------------------------------------------------------------------
 def one_f_one_b(
     stage: Callable[[Any, jax.Array], jax.Array],
     stage_params: Any,
@@ -457,20 +371,15 @@ def one_f_one_b(
     """The forward and backward passes of `stage` over the stages and of `head` after them,
     microbatch by microbatch, in the 1F1B order.
 
-    Tick ``t`` is one forward slot and one backward slot on every stage: stage ``s`` runs
-    the forward pass of microbatch ``t - s`` and the backward pass of microbatch
-    ``t - (2S - 2 - s)``. On the last stage the two are the same microbatch: its forward
-    output goes through `head` (the layers after the block and the loss), whose gradient
-    starts that microbatch's backward pass at once. Between ticks, outputs go one stage
-    on and input gradients one stage back, each by one ``ppermute``. A stage keeps only
-    the inputs of the microbatches in flight (at most ``2S - 1``, whatever ``M``), and
-    recomputes a stage's forward pass in its backward slot (``jax.vjp``), where GPipe
-    keeps every microbatch's activations until the backward pass. The first ``S - 1``
-    ticks run forward slots only and the last ``S - 1`` backward slots only, so the
-    stages do ``M + S - 1`` ticks' work: the bubble is GPipe's, ``(S - 1) / (M + S - 1)``.
-
-    With ``config.num_repeats`` virtual stages per stage this is interleaved 1F1B, in
-    ``circular.py``'s order (its ticks, bubble and kept inputs there).
+    Tick ``t`` is a forward and a backward slot on every stage: stage ``s`` runs microbatch
+    ``t - s`` forward and ``t - (2S - 2 - s)`` backward; on the last stage both are one
+    microbatch, whose output goes through `head` (the layers after the block and the
+    loss), whose gradient starts its backward pass at once. Outputs go one stage on and
+    input gradients one back, each by one ``ppermute``. A stage keeps the inputs of the
+    microbatches in flight only (at most ``2S - 1``, whatever ``M``) and recomputes its
+    forward pass in its backward slot (``jax.vjp``). ``S - 1`` ticks run forward slots
+    only and ``S - 1`` backward slots only: the bubble is GPipe's. With
+    ``config.num_repeats``, interleaved 1F1B (``circular.py``).
 
     Args:
       stage: ``(one stage's params, microbatch) -> microbatch`` of the same shape.
@@ -481,34 +390,22 @@ def one_f_one_b(
         aux)``: a scalar to differentiate (microbatch ``m``'s loss) and what else to keep.
       head_params: what `head` is differentiated with respect to.
       config: the pipeline.
-      fill_and_drain: False runs the ``R * M`` ticks that have both slots only: the same work
-        per tick without the pipeline's fill and drain, the no-bubble limit
-        ``benchmarks/pipeline.py`` times the schedule against (its results are not the
-        model's).
+      fill_and_drain: False runs only the ``R * M`` ticks with both slots, the no-bubble
+        limit ``benchmarks/pipeline.py`` times (its results are not the model's).
 
     Returns:
       ``(sum of the values, the auxes stacked (M, ...), d head_params, d stage_params,
       d x)``: the gradients of the summed values.
     """
     stages, micro, repeats = config.num_stages, config.num_microbatches, config.num_repeats
-    if repeats == 1:  # the stages' layers as their one repeat's
-        stage_params = jax.tree.map(lambda v: v[:, None], stage_params)
-    rows = x.shape[0]
-    xs = x.reshape(micro, rows // micro, *x.shape[1:])
+    stage_params, xs, on_stages, microbatch, repeat = _start(config, stage_params, x)
     items = repeats * micro
     first_backward = repeats * stages - 1  # the tick the last stage starts backward slots
     slots = 2 * repeats * stages - 1  # the microbatch inputs a stage keeps
-    on_stages = jax.sharding.NamedSharding(config.mesh, P(STAGE_AXIS))
-
     forward_shift = _shift(config.mesh, stages)
     backward_shift = _shift(config.mesh, stages, step=-1)
     run_stages = jax.vmap(stage)
-    microbatch, repeat = _items(config)
-
-    def backward(params: Any, h: jax.Array, grad: jax.Array) -> Any:
-        return jax.vjp(stage, params, h)[1](grad)
-
-    backward_stages = jax.vmap(backward)
+    backward_stages = jax.vmap(lambda params, h, grad: jax.vjp(stage, params, h)[1](grad))
     stage_ids = jnp.arange(stages)
 
     def forward_slot(carry: dict[str, Any], t: jax.Array) -> tuple[dict[str, Any], jax.Array]:
@@ -590,7 +487,20 @@ def one_f_one_b(
     def cooldown(carry: dict[str, Any], t: jax.Array) -> tuple[dict[str, Any], None]:
         return backward_slot(carry, t), None
 
-    carry = _initial_carry(xs, slots, head, head_params, stage_params, config)
+    zeros = jnp.zeros((stages, *xs.shape[1:]), xs.dtype)
+    value_shape, aux_shape = jax.eval_shape(
+        lambda p, h: head(p, h, jnp.zeros((), jnp.int32)), head_params, xs[0]
+    )
+    carry = {
+        "inputs": zeros,
+        "kept": jnp.zeros((stages, slots, *xs.shape[1:]), xs.dtype),
+        "grads": zeros,
+        "value": jnp.zeros(value_shape.shape, value_shape.dtype),
+        "aux": jax.tree.map(lambda a: jnp.zeros((micro, *a.shape), a.dtype), aux_shape),
+        "d_head": jax.tree.map(jnp.zeros_like, head_params),
+        "d_stages": _on_stage_axis(config.mesh, jax.tree.map(jnp.zeros_like, stage_params)),
+        "d_x": jnp.zeros_like(xs),
+    }
     last_forward = items + stages - 1  # one past the last stage's last forward tick
     if fill_and_drain:
         carry, _ = jax.lax.scan(warmup, carry, jnp.arange(first_backward))
@@ -599,11 +509,8 @@ def one_f_one_b(
         carry, _ = jax.lax.scan(cooldown, carry, drain)
     else:
         carry, _ = jax.lax.scan(steady, carry, jnp.arange(first_backward, first_backward + items))
-    d_x = carry["d_x"].reshape(x.shape)
-    d_stages = carry["d_stages"]
-    if repeats == 1:
-        d_stages = jax.tree.map(lambda v: v[:, 0], d_stages)
-    return carry["value"], carry["aux"], carry["d_head"], d_stages, d_x
+    d_stages = jax.tree.map(lambda v: v[:, 0] if repeats == 1 else v, carry["d_stages"])
+    return carry["value"], carry["aux"], carry["d_head"], d_stages, carry["d_x"].reshape(x.shape)
 
 
 def _on_stage_axis(mesh: Mesh, tree: Any) -> Any:
@@ -614,29 +521,3 @@ def _on_stage_axis(mesh: Mesh, tree: Any) -> Any:
         return jax.lax.with_sharding_constraint(v, jax.sharding.NamedSharding(mesh, spec))
 
     return jax.tree.map(constrain, tree)
-
-
-def _initial_carry(
-    xs: jax.Array,
-    slots: int,
-    head: Callable[..., Any],
-    head_params: Any,
-    stage_params: Any,
-    config: PipelineConfig,
-) -> dict[str, Any]:
-    """A 1F1B loop's carry before its first tick: `slots` kept microbatch inputs per
-    stage, and zero sums and gradients."""
-    microbatch = jnp.zeros((config.num_stages, *xs.shape[1:]), xs.dtype)
-    value_shape, aux_shape = jax.eval_shape(
-        lambda p, h: head(p, h, jnp.zeros((), jnp.int32)), head_params, xs[0]
-    )
-    return {
-        "inputs": microbatch,
-        "kept": jnp.zeros((config.num_stages, slots, *xs.shape[1:]), xs.dtype),
-        "grads": microbatch,
-        "value": jnp.zeros(value_shape.shape, value_shape.dtype),
-        "aux": jax.tree.map(lambda a: jnp.zeros((xs.shape[0], *a.shape), a.dtype), aux_shape),
-        "d_head": jax.tree.map(jnp.zeros_like, head_params),
-        "d_stages": _on_stage_axis(config.mesh, jax.tree.map(jnp.zeros_like, stage_params)),
-        "d_x": jnp.zeros_like(xs),
-    }
