@@ -179,6 +179,19 @@ def test_hybrid_is_the_preset_without_expert_or_context_axes():
     )
 
 
+def test_a_layout_map_naming_an_axis_at_degree_one_keeps_that_dimension_whole():
+    """A layout map written for an expert mesh, used where experts=1 (no "expert" axis)."""
+    mesh = jstrategy.experimental.DeviceMesh((2, 2, 2), ("replica", "expert", "tensor"))
+    layout = jstrategy.experimental.LayoutMap(mesh)
+    layout["moe/w"] = ("expert", None, "tensor")
+    w = jax.ShapeDtypeStruct((4, 8, 16), jnp.float32)
+    path = ("params", "moe", "w")
+    without = Parallel(fsdp=4, tensor=2, layout_map=layout, min_shard_size=0)
+    assert without.variable_sharding(w, path).spec == P(None, "fsdp", "tensor")
+    with_experts = Parallel(experts=4, tensor=2, layout_map=layout, min_shard_size=0)
+    assert with_experts.variable_sharding(w, path).spec == P("expert", None, "tensor")
+
+
 @pytest.mark.parametrize(
     ("kwargs", "pattern"),
     [

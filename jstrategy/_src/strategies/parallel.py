@@ -530,7 +530,11 @@ class ParallelStrategy(ShardedStrategy):
         if found is None:
             return spec
         layout = found.layout
-        if not found.from_map:
+        if found.from_map:
+            # An optional axis at degree one (experts, context) is not in the mesh: a layout
+            # naming it keeps that dimension whole, as a split over one device would.
+            layout = P(*(self._present(entry) for entry in layout))
+        else:
             layout = P(*(self._on_mesh(entry) for entry in layout))
         # A layout map is strict; an annotation may be written for another mesh.
         fitted = found.fitted(
@@ -539,6 +543,11 @@ class ParallelStrategy(ShardedStrategy):
         if fitted is not None:
             spec[: len(fitted)] = list(fitted)
         return spec
+
+    def _present(self, entry: Any) -> Any:
+        """A layout map's entry for one dimension without the axes this mesh lacks."""
+        kept = tuple(a for a in _axes(entry or ()) if a in self.mesh.axis_names)
+        return _one_or_tuple(list(kept)) if kept else None
 
     def _on_mesh(self, entry: Any) -> Any:
         """An annotation's entry for one dimension, its axes read on this mesh."""
