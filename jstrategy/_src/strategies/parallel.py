@@ -531,7 +531,7 @@ class ParallelStrategy(ShardedStrategy):
             return spec
         layout = found.layout
         if found.from_map:
-            # An optional axis at degree one (experts, context) is not in the mesh: a layout
+            # An optional axis at degree one ("expert") is not in the mesh: a layout map
             # naming it keeps that dimension whole, as a split over one device would.
             layout = P(*(self._present(entry) for entry in layout))
         else:
