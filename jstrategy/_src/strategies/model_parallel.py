@@ -1,15 +1,12 @@
-"""`ModelParallelStrategy`: data parallelism over one mesh axis, variables split by a layout map
-(as `keras.distribution.ModelParallel`)."""
+"""`ModelParallelStrategy`: variables split by a layout map (as `keras.distribution.ModelParallel`),
+a preset of `ParallelStrategy` on Keras's mesh as given."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
-
-import jax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jstrategy._src import flax_annotations
 from jstrategy._src import mesh as mesh_lib
@@ -19,6 +16,8 @@ from jstrategy._src.cross_device_ops import CrossDeviceOps
 from jstrategy._src.layout_map import LayoutMap
 from jstrategy._src.mesh import DeviceMesh
 from jstrategy._src.offload import OffloadPolicy
+from jstrategy._src.strategies.parallel import MeshPlan
+from jstrategy._src.strategies.parallel import ParallelStrategy
 from jstrategy._src.strategies.sharded import ShardedStrategy
 
 if TYPE_CHECKING:
@@ -28,7 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["ModelParallelStrategy"]
 
 
-class ModelParallelStrategy(ShardedStrategy):
+class ModelParallelStrategy(ParallelStrategy):
     """Variables laid out over a multi-axis mesh by a `LayoutMap`; the batch split over one axis.
 
     Which layout a leaf of a train state gets (`variable_sharding`): a parameter (a leaf
@@ -120,14 +119,17 @@ class ModelParallelStrategy(ShardedStrategy):
             across = self._join_job(cluster_resolver, communication_options)
             if cross_device_ops is None:
                 cross_device_ops = across  # across processes, or None for one
-        super().__init__(mesh, cross_device_ops=cross_device_ops, data_axis=batch_dim_name)
+        jax_mesh = mesh_lib.auto_mesh(mesh)
+        shape = dict(jax_mesh.shape)
+        degrees = {"replicas": shape[batch_dim_name], "context": shape.get(CONTEXT_AXIS, 1)}
+        degrees["tensor"] = math.prod(shape.values()) // math.prod(degrees.values())
+        kept = frozenset({"replicas", "tensor"})
+        plan = MeshPlan(tuple(degrees), kept, None, (batch_dim_name,), batch_dim_name)
+        processes = sorted({d.process_index for d in jax_mesh.devices.flat})
+        hosts = [[d for d in jax_mesh.devices.flat if d.process_index == p] for p in processes]
+        self._build(plan, degrees, hosts, cross_device_ops, mesh=jax_mesh)
         self._set_options(offload, offload_optimizer, tensor_activations)
-        self._layout_map = layout_map
-
-    @property
-    def layout_map(self) -> LayoutMap:
-        """The variables' layouts."""
-        return self._layout_map
+        self._layout_map, self._device_mesh = layout_map, mesh  # Keras's axes (none renamed)
 
     @property
     def logical_axis_rules(self) -> tuple[tuple[str, Any], ...]:
@@ -137,36 +139,26 @@ class ModelParallelStrategy(ShardedStrategy):
     @property
     def device_mesh(self) -> DeviceMesh:
         """The mesh (the layout map's)."""
-        return self._layout_map.device_mesh
+        return self._device_mesh
 
     @property
     def batch_dim_name(self) -> str:
         """The mesh axis the batch is split over (`axis_name`)."""
         return self.axis_name
 
-    def variable_sharding(
-        self, leaf: jax.ShapeDtypeStruct | jax.Array, path: tuple[str, ...] = ()
-    ) -> jax.sharding.Sharding:
-        """The layout map's layout for the variable at `path`; replicated when none matches.
+    #: Keras's reading: an annotation's axes are this mesh's own, a data axis its batch axis.
+    annotation_axis = ShardedStrategy.annotation_axis
 
-        Args:
-          leaf: the variable's shape and dtype.
-          path: the variable's keys in the state, e.g. ``("params", "Dense_0", "kernel")``.
-
-        Returns:
-          ``NamedSharding(mesh, layout)``, or `replicated_sharding`.
-
-        Raises:
-          ValueError: if a parameter's layout does not fit its shape, or two keys match its
-            path.
-        """
-        return self._in_memory(self._layout(leaf, tuple(str(k) for k in path)), leaf, path)
-
-    def _layout(self, leaf: Any, names: tuple[str, ...]) -> jax.sharding.Sharding:
+    def _tensor_layout(self, names: tuple[str, ...], shape: tuple[int, ...]) -> list[Any]:
+        """The layout map's layout as written, else the annotation's; strict (the fold's
+        only rule here: no stages, no FSDP)."""
+        spec: list[Any] = [None] * len(shape)
         found = flax_annotations.find_layout(self, self._layout_map, names)
         if found is None:
-            return self.replicated_sharding()
-        missing = [] if found.from_map else self._missing_axes(found.layout)
+            return spec
+        entries = [(e,) if isinstance(e, str) else e or () for e in found.layout]
+        axes = [a for entry in entries for a in entry]
+        missing = [] if found.from_map else [a for a in axes if a not in self.mesh.axis_names]
         if missing and found.is_parameter:
             raise ValueError(
                 f"Variable {found.path!r} is annotated (nn.with_partitioning, "
@@ -176,23 +168,15 @@ class ModelParallelStrategy(ShardedStrategy):
                 "the annotation, map logical names to them with logical_axis_rules=, or "
                 "override the variable's layout with a LayoutMap entry."
             )
-        fitted = None
         if not missing:
-            fitted = found.fitted(found.layout, tuple(leaf.shape), self.mesh.shape, strict=True)
-        if fitted is None:
-            return self.replicated_sharding()
-        return NamedSharding(self.mesh, fitted)
-
-    def _missing_axes(self, layout: P) -> list[str]:
-        axes = [
-            a for entry in layout for a in ((entry,) if isinstance(entry, str) else entry or ())
-        ]
-        return [a for a in axes if a not in self.mesh.axis_names]
+            fitted = found.fitted(found.layout, shape, self.mesh.shape, strict=True)
+            spec[: len(fitted or ())] = list(fitted or ())
+        return spec
 
     def __repr__(self) -> str:
         return self._with_offload(
             f"ModelParallelStrategy(mesh={self.device_mesh!r}, "
-            f"batch_dim_name={self.axis_name!r}, layouts={len(self._layout_map)})"
+            f"batch_dim_name={self.axis_name!r}, layouts={len(self._layout_map or ())})"
         )
 
 

@@ -41,7 +41,7 @@ from jstrategy._src.validation import check_number
 
 if TYPE_CHECKING:
     from jstrategy._src.cluster.resolver import ClusterResolver
-    from jstrategy._src.cross_device_ops import CollectiveAllReduce
+    from jstrategy._src.cross_device_ops import CrossDeviceOps
 
 __all__ = [
     "DEFAULT_MIN_SHARD_SIZE",
@@ -78,12 +78,14 @@ class MeshPlan:
       kept: the degrees whose axis is in the mesh even at degree one.
       fsdp: the mesh axis FSDP's split runs over; None for none.
       rows: the mesh axes a batch's rows are split over (those in the mesh).
+      data: the data axis (the replicas').
     """
 
     order: tuple[str, ...]
     kept: frozenset[str]
     fsdp: str | None
     rows: tuple[str, ...]
+    data: str = REPLICA_AXIS
 
     def axes(self, degrees: dict[str, int]) -> tuple[str, ...]:
         """The mesh's axis names for `degrees`."""
@@ -309,25 +311,27 @@ class ParallelStrategy(ShardedStrategy):
         plan: MeshPlan,
         degrees: dict[str, int],
         hosts: list[list[jax.Device]],
-        cross_device_ops: CollectiveAllReduce | None,
+        cross_device_ops: CrossDeviceOps | None,
         *,
+        mesh: Mesh | None = None,
         dcn: dict[str, int] | None = None,
         pipeline: tuple[int, int, PipelineSchedule, int] | None = None,
         layout_map: LayoutMap | None = None,
-        min_shard_size: int,
+        min_shard_size: int = DEFAULT_MIN_SHARD_SIZE,
         offload: OffloadPolicy | None = None,
         offload_optimizer: bool = False,
         tensor_activations: TensorActivations = TensorActivations.FEATURES,
     ) -> None:
         """The one construction of this strategy and its presets, after their checks: over
-        `hosts` (device groups) with `degrees` (resolved) laid out as `plan` says."""
+        `hosts` (device groups) with `degrees` (resolved) laid out as `plan` says, or on
+        `mesh` as given."""
         degrees = {name: degrees.get(name, 1) for name, _ in _DEGREES}
         dcn = dcn or dict.fromkeys(degrees, 1)
         self._plan = plan
         self._layout_map = layout_map
         self._layouts = _mapped_layouts(layout_map)
-        mesh = _mesh(hosts, degrees, dcn, plan)
-        super().__init__(mesh, cross_device_ops=cross_device_ops, data_axis=REPLICA_AXIS)
+        mesh = mesh or _mesh(hosts, degrees, dcn, plan)
+        super().__init__(mesh, cross_device_ops=cross_device_ops, data_axis=plan.data)
         self._hosts = tuple(tuple(d.id for d in host) for host in hosts)
         self._min_shard_size = min_shard_size
         self._degrees = degrees
