@@ -179,6 +179,37 @@ def test_hybrid_is_the_preset_without_expert_or_context_axes():
     )
 
 
+def test_mirrored_and_model_parallel_are_presets_with_their_own_step_and_reading():
+    """Mirrored: replicas alone, placed whole by the fold, its step still per replica with
+    its cross-device algorithm; ModelParallel: Keras's mesh, degrees read off it."""
+    mirrored = jstrategy.MirroredStrategy(
+        [f"cpu:{i}" for i in range(8)], cross_device_ops=jstrategy.HierarchicalCopyAllReduce()
+    )
+    assert isinstance(mirrored, Parallel) and mirrored.degrees == {"replicas": 8}
+    assert repr(mirrored) == "MirroredStrategy(devices=[cpu:0, cpu:1, ..., cpu:7])"
+    kernel = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    placed = mirrored.variable_sharding(kernel, ("params", "Dense_0", "kernel"))
+    assert placed.spec == P() and mirrored.annotation_axis("replica") is None
+    x, y = np.ones((16, 4), np.float32), np.ones((16, 1), np.float32)
+    with mirrored.scope():
+        state = training.create_train_state(pl.nn.Dense(1), optax.sgd(0.1), jnp.ones((1, 4)))
+        step = training.make_train_step("mse")
+    text = step.lower(state, distribute_batch(mirrored, (x, y))).as_text()
+    # HierarchicalCopyAllReduce's tree (copies within halves) is what combines the gradients.
+    assert "collective_permute" in text
+
+    mesh = jstrategy.experimental.DeviceMesh((2, 2, 2), ("batch", "context", "model"))
+    layout = jstrategy.experimental.LayoutMap(mesh)
+    layout["Dense_1/kernel"] = ("model", None)
+    keras_like = jstrategy.experimental.ModelParallelStrategy(layout)
+    assert isinstance(keras_like, Parallel) and keras_like.axis_name == "batch"
+    assert keras_like.degrees == {"replicas": 2, "tensor": 2, "context": 2}
+    assert keras_like.batch_sharding().spec == P("batch")
+    path = ("opt_state", "0", "mu", "Dense_1", "kernel")
+    assert keras_like.variable_sharding(kernel, path).spec == P("model", None)
+    assert keras_like.annotation_axis("data") == "batch"
+
+
 def test_a_layout_map_naming_an_axis_at_degree_one_keeps_that_dimension_whole():
     """A layout map written for an expert mesh, used where experts=1 (no "expert" axis)."""
     mesh = jstrategy.experimental.DeviceMesh((2, 2, 2), ("replica", "expert", "tensor"))

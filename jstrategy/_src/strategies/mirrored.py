@@ -1,4 +1,5 @@
-"""`MirroredStrategy`: synchronous data parallelism over the local devices."""
+"""`MirroredStrategy`: synchronous data parallelism over the local devices, a preset of
+`ParallelStrategy` (replicas only) whose step is staged per replica."""
 
 from __future__ import annotations
 
@@ -7,13 +8,20 @@ from collections.abc import Sequence
 import jax
 
 from jstrategy._src import devices as devices_lib
+from jstrategy._src.axes import REPLICA_AXIS
 from jstrategy._src.cross_device_ops import CrossDeviceOps
+from jstrategy._src.strategies.parallel import MeshPlan
+from jstrategy._src.strategies.parallel import ParallelStrategy
 from jstrategy._src.strategy import Strategy
 
 __all__ = ["MirroredStrategy"]
 
 
-class MirroredStrategy(Strategy):
+#: One axis of replicas, each holding whole copies: the fold places every variable so.
+_PLAN = MeshPlan(order=("replicas",), kept=frozenset({"replicas"}), fsdp=None, rows=(REPLICA_AXIS,))
+
+
+class MirroredStrategy(ParallelStrategy):
     """One replica per device; parameters replicated; gradients all-reduced each step.
 
     Args:
@@ -45,4 +53,12 @@ class MirroredStrategy(Strategy):
         cross_device_ops: CrossDeviceOps | None = None,
     ):
         resolved = jax.local_devices() if devices is None else devices_lib.resolve_devices(devices)
-        super().__init__(resolved, cross_device_ops=cross_device_ops)
+        self._build(_PLAN, {"replicas": len(resolved)}, [list(resolved)], cross_device_ops)
+
+    # Staged per replica (shard_map), not in the global view: `cross_device_ops` combines
+    # the gradients; no mesh is set while tracing, no activation placed (rows are its own).
+    stage_train_step = Strategy.stage_train_step
+    activation_rows = Strategy.activation_rows
+    annotation_axis = Strategy.annotation_axis  # whole copies: no name splits anything
+    mesh_context = None  # type: ignore[assignment]
+    __repr__ = Strategy.__repr__
