@@ -1,5 +1,4 @@
-"""`MirroredStrategy`: synchronous data parallelism over the local devices, a preset of
-`ParallelStrategy` (replicas only) whose step is staged per replica."""
+"""`MirroredStrategy`: replicas on local devices, `ParallelStrategy`'s per-replica preset."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from jstrategy._src.strategy import Strategy
 __all__ = ["MirroredStrategy"]
 
 
-#: One axis of replicas, each holding whole copies: the fold places every variable so.
+#: Replicas alone, no FSDP axis: the fold places every variable whole.
 _PLAN = MeshPlan(order=("replicas",), kept=frozenset({"replicas"}), fsdp=None, rows=(REPLICA_AXIS,))
 
 
@@ -55,8 +54,7 @@ class MirroredStrategy(ParallelStrategy):
         resolved = jax.local_devices() if devices is None else devices_lib.resolve_devices(devices)
         self._build(_PLAN, {"replicas": len(resolved)}, [list(resolved)], cross_device_ops)
 
-    # Staged per replica (shard_map), not in the global view: `cross_device_ops` combines
-    # the gradients; no mesh is set while tracing, no activation placed (rows are its own).
+    # The manual view (shard_map): `cross_device_ops` combines gradients; no mesh, no rows.
     stage_train_step = Strategy.stage_train_step
     activation_rows = Strategy.activation_rows
     annotation_axis = Strategy.annotation_axis  # whole copies: no name splits anything

@@ -18,6 +18,7 @@ from jstrategy._src.mesh import DeviceMesh
 from jstrategy._src.offload import OffloadPolicy
 from jstrategy._src.strategies.parallel import MeshPlan
 from jstrategy._src.strategies.parallel import ParallelStrategy
+from jstrategy._src.strategies.parallel import entry_axes
 from jstrategy._src.strategies.sharded import ShardedStrategy
 
 if TYPE_CHECKING:
@@ -127,8 +128,16 @@ class ModelParallelStrategy(ParallelStrategy):
         plan = MeshPlan(tuple(degrees), kept, None, (batch_dim_name,), batch_dim_name)
         processes = sorted({d.process_index for d in jax_mesh.devices.flat})
         hosts = [[d for d in jax_mesh.devices.flat if d.process_index == p] for p in processes]
-        self._build(plan, degrees, hosts, cross_device_ops, mesh=jax_mesh)
-        self._set_options(offload, offload_optimizer, tensor_activations)
+        self._build(
+            plan,
+            degrees,
+            hosts,
+            cross_device_ops,
+            mesh=jax_mesh,
+            offload=offload,
+            offload_optimizer=offload_optimizer,
+            tensor_activations=tensor_activations,
+        )
         self._layout_map, self._device_mesh = layout_map, mesh  # Keras's axes (none renamed)
 
     @property
@@ -156,8 +165,7 @@ class ModelParallelStrategy(ParallelStrategy):
         found = flax_annotations.find_layout(self, self._layout_map, names)
         if found is None:
             return spec
-        entries = [(e,) if isinstance(e, str) else e or () for e in found.layout]
-        axes = [a for entry in entries for a in entry]
+        axes = [a for entry in found.layout for a in entry_axes(entry)]
         missing = [] if found.from_map else [a for a in axes if a not in self.mesh.axis_names]
         if missing and found.is_parameter:
             raise ValueError(

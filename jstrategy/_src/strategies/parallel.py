@@ -49,6 +49,7 @@ __all__ = [
     "TENSOR_AXIS",
     "ParallelStrategy",
     "check_min_shard_size",
+    "entry_axes",
     "shard_dim",
 ]
 
@@ -479,7 +480,7 @@ class ParallelStrategy(ShardedStrategy):
         else:
             spec = self._tensor_layout(names, shape)
         fsdp = self._plan.fsdp
-        taken = {a for entry in spec if entry is not None for a in _axes(entry)}
+        taken = {a for entry in spec if entry is not None for a in entry_axes(entry)}
         used = tuple(i for i, entry in enumerate(spec) if entry is not None)
         # FSDP's split spans the expert and context axes a layout leaves free (MaxText's
         # ``embed`` rule), where a dimension divides by all of them; else FSDP's alone.
@@ -550,14 +551,14 @@ class ParallelStrategy(ShardedStrategy):
 
     def _present(self, entry: Any) -> Any:
         """A layout map's entry for one dimension without the axes this mesh lacks."""
-        kept = tuple(a for a in _axes(entry or ()) if a in self.mesh.axis_names)
+        kept = tuple(a for a in entry_axes(entry or ()) if a in self.mesh.axis_names)
         return _one_or_tuple(list(kept)) if kept else None
 
     def _on_mesh(self, entry: Any) -> Any:
         """An annotation's entry for one dimension, its axes read on this mesh."""
         if entry is None:
             return None
-        mapped = tuple(dict.fromkeys(a for a in map(self.annotation_axis, _axes(entry)) if a))
+        mapped = tuple(dict.fromkeys(a for a in map(self.annotation_axis, entry_axes(entry)) if a))
         # Replicas hold whole copies, unless they are FSDP's axis (`FSDPStrategy`).
         mapped = tuple(a for a in mapped if a != REPLICA_AXIS or a == self._plan.fsdp)
         return _one_or_tuple(list(mapped)) if mapped else None
@@ -609,15 +610,16 @@ def _check_pipeline_settings(
     return check_pipeline(stages, microbatches, schedule, repeats)
 
 
-def _axes(entry: Any) -> tuple[str, ...]:
-    return (entry,) if isinstance(entry, str) else tuple(entry)
+def entry_axes(entry: Any) -> tuple[str, ...]:
+    """The mesh axes a `PartitionSpec` entry names (None names none)."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
 
 def _check_layout_axes(layout_map: LayoutMap | None, strategy: str) -> None:
     """Refuses a layout naming an axis this mesh cannot mean (before any work)."""
     for key in layout_map or ():
         layout = layout_map[key] if layout_map is not None else None
-        for axis in (a for entry in layout or () if entry is not None for a in _axes(entry)):
+        for axis in (a for entry in layout or () if entry is not None for a in entry_axes(entry)):
             if axis not in _AXIS_ALIASES:
                 raise ValueError(
                     f"LayoutMap key {key!r} names mesh axis {axis!r} in {tuple(layout or ())}; "
@@ -641,7 +643,7 @@ def _mapped_layouts(layout_map: LayoutMap | None) -> LayoutMap | None:
     for key in layout_map:
         layout = layout_map[key]
         target[key] = tuple(
-            None if entry is None else _one_or_tuple([_AXIS_ALIASES[a] for a in _axes(entry)])
+            None if entry is None else _one_or_tuple([_AXIS_ALIASES[a] for a in entry_axes(entry)])
             for entry in layout or ()
         )
     return target
